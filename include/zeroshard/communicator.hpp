@@ -1,0 +1,68 @@
+#pragma once
+/// \file communicator.hpp
+/// Collectives between ranks. Every rank must start the same collectives in the same order;
+/// a collective that does not finish within the timeout fails instead of hanging.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "zeroshard/types.hpp"
+
+namespace zeroshard {
+
+enum class ReduceOp : uint8_t { sum, max, min };
+
+/// Handle of a started collective. wait() blocks until it completes and throws Error
+/// (ErrorCode::timeout or comm_failure) naming the collective if it failed. Thread-safe.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+  virtual bool done() = 0;  ///< true once complete or failed; never throws
+  /// Blocks until the backend no longer touches the call's buffers (a collective that timed out
+  /// may still complete later, when a late peer arrives), or `max_seconds` pass. Returns whether
+  /// it settled; never throws. Owners of the buffers call it before freeing them.
+  virtual bool wait_settled(double max_seconds) = 0;
+};
+
+/// Collectives over a fixed group of ranks. Buffers passed to a call must stay valid and unused
+/// by the caller until its Work completes. `what` names the call in error messages, e.g.
+/// "reduce_scatter of unit 'layer3'". Implementations start collectives from one communication
+/// thread in submission order, so calls may come from any thread as long as every rank submits
+/// the same sequence.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  /// recv (recv_count elements) = this rank's block of the element-wise sum over ranks of send
+  /// (size() × recv_count elements). bf16/f16 are added in f32 and rounded to nearest even.
+  virtual std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t recv_count,
+                                               DType dtype, std::string what) = 0;
+  /// recv (size() × send_count elements) = concatenation of every rank's send, in rank order.
+  /// send may alias this rank's block of recv (in-place gather).
+  virtual std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t send_count,
+                                           DType dtype, std::string what) = 0;
+  /// In-place element-wise reduction of `count` doubles over ranks.
+  virtual std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
+                                           std::string what) = 0;
+  /// `bytes` bytes from `root` to every rank, in place.
+  virtual std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) = 0;
+  virtual void barrier(std::string what) = 0;
+
+  /// Seconds a collective may take before it fails with ErrorCode::timeout. After a timeout the
+  /// communicator is unusable (its peers are out of step): later calls fail with comm_failure.
+  virtual void set_timeout(double seconds) = 0;
+};
+
+/// A communicator over MPI_COMM_WORLD. Initialises MPI with MPI_THREAD_MULTIPLE if the process
+/// has not, and then finalises it when the last such communicator is destroyed.
+/// Throws Error(comm_failure) if the MPI library cannot provide MPI_THREAD_MULTIPLE.
+std::shared_ptr<Communicator> make_mpi_communicator();
+
+/// A communicator of one rank (no MPI): collectives are copies.
+std::shared_ptr<Communicator> make_self_communicator();
+
+}  // namespace zeroshard

@@ -1,0 +1,101 @@
+#pragma once
+/// \file config.hpp
+/// Engine configuration: a plain struct with defaults, and a JSON reader that also accepts the
+/// DeepSpeed keys that have a meaning here.
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zeroshard/types.hpp"
+
+namespace zeroshard {
+
+enum class OptimizerKind : uint8_t { adam, adamw, sgd, lion };
+const char* optimizer_name(OptimizerKind k);
+
+/// Hyperparameters of one parameter group. Group 0 is Config::optimizer; more groups are added
+/// with Engine::add_group(). Meaning per optimizer:
+/// - adam / adamw: lr, beta1, beta2, eps, weight_decay (adam adds wd·p to the gradient,
+///   adamw decays p by lr·wd before the update); bias-corrected moments.
+/// - sgd: lr, momentum, nesterov, weight_decay (added to the gradient); no dampening.
+/// - lion: lr, beta1 (interpolation), beta2 (momentum decay), weight_decay (decoupled).
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::adamw;
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+  float momentum = 0.0f;
+  bool nesterov = false;
+};
+
+/// Where one kind of state lives (DeepSpeed's offload_optimizer / offload_param).
+struct OffloadOptions {
+  Tier tier = Tier::device;              ///< "none" → device, "cpu" → host, "nvme" → nvme
+  std::vector<std::string> nvme_paths;   ///< directories striped over for the nvme tier
+  int buffer_count = 4;                  ///< pinned staging buffers of the swap pipeline
+  bool pin_memory = true;                ///< page-lock host-tier buffers
+};
+
+/// io_uring swapper settings (DeepSpeed's "aio").
+struct AioOptions {
+  int64_t block_size = 1 << 20;  ///< bytes per I/O request
+  int queue_depth = 8;           ///< requests in flight per ring
+};
+
+/// Dynamic loss scaling, used when dtype is f16 (DeepSpeed "fp16" semantics).
+struct LossScaleOptions {
+  float static_scale = 0.0f;     ///< > 0: fixed scale, no dynamics ("loss_scale")
+  int initial_scale_power = 16;  ///< dynamic scale starts at 2^this
+  int window = 1000;             ///< clean steps before the scale doubles
+  int hysteresis = 2;            ///< overflows tolerated before the scale halves
+  float min_scale = 1.0f;        ///< the scale never drops below this
+};
+
+struct Config {
+  /// ZeRO stage 0 (plain data parallel), 1, 2 or 3; see DESIGN.md for what each shards.
+  int stage = 0;
+  /// Element type of parameters and gradients the trainer sees ("fp16"/"bf16" enabled → f16/bf16).
+  /// Master weights and optimizer state are always f32.
+  DType dtype = DType::f32;
+  LossScaleOptions loss_scale;
+  /// Global gradient-norm clipping threshold; 0 disables clipping.
+  double gradient_clipping = 0.0;
+  /// Micro-steps whose gradients are summed (in f32) before one optimizer step.
+  int gradient_accumulation_steps = 1;
+  OptimizerOptions optimizer;  ///< parameter group 0
+  OffloadOptions offload_optimizer;
+  OffloadOptions offload_param;  ///< stage 3 only
+  AioOptions aio;
+  /// Shards are padded so each unit's flat buffer is a multiple of world_size × this many elements.
+  int64_t shard_alignment = 128;
+  /// Stage 2/3: whole-unit gradient buffers the trainer writes into before reduction.
+  int grad_buffers = 2;
+  /// Stage 3: gathered-unit buffers (in use plus prefetched); must be at least 2.
+  int max_live_units = 3;
+  /// Stage 3: prefetch the next unit in the recorded gather order.
+  bool prefetch = true;
+  /// Start gradient reduction on the communication thread as soon as grads_ready() is called.
+  bool overlap_comm = true;
+  /// A collective that has not completed after this many seconds fails with ErrorCode::timeout.
+  double collective_timeout_s = 300.0;
+  /// Accepted for DeepSpeed compatibility; the unit is the reduction and gather grain here.
+  int64_t reduce_bucket_size = 500000000;
+  int64_t allgather_bucket_size = 500000000;
+
+  /// Throws Error(invalid_config) naming the first field with a bad value.
+  void validate() const;
+
+  /// Parses a JSON object. Accepts zeroshard's own keys and DeepSpeed's ("zero_optimization",
+  /// "fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps", "optimizer", "aio", ...).
+  /// An unknown key or a value of the wrong type throws Error(invalid_config) naming the key path,
+  /// e.g. "zero_optimization.offload_optimizer.devic".
+  static Config from_json(std::string_view text);
+  static Config from_json_file(const std::filesystem::path& path);
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,134 @@
+#pragma once
+/// \file engine.hpp
+/// The engine: owns a model's units, their shards on every tier, the optimizer and the
+/// communication. One engine per model, one per rank, driven by the trainer's thread.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zeroshard/communicator.hpp"
+#include "zeroshard/config.hpp"
+#include "zeroshard/memory.hpp"
+#include "zeroshard/types.hpp"
+
+namespace zeroshard {
+
+using UnitId = int32_t;
+
+/// One parameter of a unit. The engine owns the parameter and gradient memory; the trainer
+/// reads and writes it through the views that params(), gather() and grads() return.
+struct Param {
+  std::string name;
+  std::vector<int64_t> shape;
+  int group = 0;  ///< parameter group: 0 is Config::optimizer, others come from add_group()
+  /// Optional initial values, shape_numel(shape) elements of any dtype on the CPU, read during
+  /// finalize() (keep them alive until then). Without them the parameter starts at zero.
+  TensorView init{};
+};
+
+/// What step() did.
+struct StepResult {
+  bool skipped = false;     ///< an overflow (inf/NaN gradient on any rank) skipped the update
+  double grad_norm = 0.0;   ///< global L2 norm of the unscaled, averaged gradients (before clipping)
+  double clip_factor = 1.0; ///< multiplier applied for clipping (1 when not clipped)
+  float loss_scale = 1.0f;  ///< the scale the trainer must apply to its next loss
+  int64_t step = 0;         ///< optimizer steps taken so far (skipped steps do not count)
+};
+
+/// Shard geometry of one unit on this rank, in elements.
+struct ShardInfo {
+  int64_t numel = 0;         ///< parameters in the unit
+  int64_t padded_numel = 0;  ///< flat buffer length: a multiple of world_size × shard_alignment
+  int64_t shard_offset = 0;  ///< first element of this rank's shard in the flat buffer
+  int64_t shard_numel = 0;   ///< padded_numel / world_size
+};
+
+/// Which state read_shard() returns.
+enum class StateKind : uint8_t { param, master, state0, state1 };
+
+class Engine {
+ public:
+  /// Validates `config` (throws Error(invalid_config)). `comm` may be shared by several engines
+  /// as long as all ranks drive them in the same order.
+  Engine(Config config, std::shared_ptr<Communicator> comm);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Adds a parameter group with its own hyperparameters; returns its index (1, 2, ...).
+  /// Before finalize() only. Its optimizer kind must equal Config::optimizer.kind.
+  int add_group(const OptimizerOptions& options);
+
+  /// Registers a unit: its parameters are flattened in this order into one buffer. Before
+  /// finalize() only; names must be unique. Returns the unit's id (0, 1, ... in call order).
+  UnitId add_unit(std::string name, std::vector<Param> params);
+
+  /// Plans the layout, checks that every rank registered the same model and configuration
+  /// (otherwise throws Error(model_mismatch) on every rank, naming the first difference),
+  /// allocates every tier and copies the initial values in. Collective.
+  void finalize();
+
+  /// Stages 0–2: the unit's whole parameters, one view per Param, valid for the engine's life
+  /// and updated in place by step(). Stage 3: throws unless the unit is gathered.
+  std::vector<TensorView> params(UnitId unit) const;
+
+  /// Stage 3: all-gathers the unit's parameters (or waits for the prefetch that already did)
+  /// and returns views valid until release(unit); then starts the prefetch of the next unit in
+  /// the gather order recorded during the first step. Stages 0–2: returns params(unit).
+  /// Collective. Gathering a unit twice without release is an error.
+  std::vector<TensorView> gather(UnitId unit);
+  /// Stage 3: returns the unit's gather buffer to the pool. Stages 0–2: no-op.
+  void release(UnitId unit);
+
+  /// Views of the unit's gradient buffer, one per Param, zeroed, for the trainer to write this
+  /// micro-step's gradients (dtype Config::dtype). Valid until grads_ready(unit). In stages 2–3
+  /// this takes one of Config::grad_buffers buffers, waiting for an earlier reduction if needed.
+  std::vector<TensorView> grads(UnitId unit);
+  /// The unit's gradients for this micro-step are complete: starts their reduction on the
+  /// communication thread and returns at once (Config::overlap_comm) or after it finishes.
+  /// Collective. Each unit must be marked ready once per micro-step.
+  void grads_ready(UnitId unit);
+  /// The copying form for trainers that keep their own gradient tensors (PyTorch's .grad): checks
+  /// one CPU view per Param with the Param's element count and Config::dtype (else throws
+  /// Error(invalid_argument) naming the parameter), copies them into the unit's gradient buffer
+  /// and starts the reduction as grads_ready(unit) does. The views may be reused on return.
+  void grads_ready(UnitId unit, const std::vector<TensorView>& grads);
+
+  /// Finishes the reductions, then, after gradient_accumulation_steps micro-steps: one
+  /// all-reduce of [sum of squares, overflow flag]; on overflow skips the update (and adjusts the
+  /// loss scale) on every rank; else updates every shard with unscale × clip folded in and
+  /// brings the low-precision parameters up to date. Collective. Throws if a unit missed a
+  /// micro-step.
+  StepResult step();
+
+  /// Forgets the gradients accumulated since the last step (collective-free).
+  void zero_grad();
+
+  void set_lr(int group, float lr);
+  float lr(int group) const;
+  float loss_scale() const;
+  int64_t step_count() const;
+
+  int rank() const;
+  int world_size() const;
+  int num_units() const;
+  const std::string& unit_name(UnitId unit) const;
+  ShardInfo shard_info(UnitId unit) const;
+  const Config& config() const;
+
+  /// This rank's shard [shard_offset, shard_offset + shard_numel) of one state of a unit, as f32
+  /// (also in stage 0, where the state is whole). state0/state1 are the optimizer's moment
+  /// buffers (Adam: m, v; SGD: momentum; Lion: m); an absent state throws.
+  std::vector<float> read_shard(UnitId unit, StateKind kind) const;
+
+  /// The ledger: bytes held by tier × kind on this rank, with peaks.
+  MemoryReport memory() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,11 @@
+#pragma once
+/// \file zeroshard.hpp
+/// Umbrella header: everything a trainer needs.
+
+#include "zeroshard/communicator.hpp"
+#include "zeroshard/config.hpp"
+#include "zeroshard/engine.hpp"
+#include "zeroshard/error.hpp"
+#include "zeroshard/memory.hpp"
+#include "zeroshard/types.hpp"
+#include "zeroshard/version.hpp"

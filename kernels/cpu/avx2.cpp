@@ -1,0 +1,80 @@
+// AVX2 + F16C variant (this file is compiled with -mavx2 -mf16c). Eight f32 lanes per vector;
+// arithmetic uses GCC's vector operators on __m256, which map to the IEEE vaddps/vmulps/vdivps.
+
+#include <immintrin.h>
+
+#include "kernels/cpu/isa_table.hpp"
+
+namespace zeroshard::cpu {
+namespace {
+
+struct Avx2Vec {
+  using T = __m256;
+  struct Acc {
+    __m256d lo, hi;
+  };
+  static constexpr int64_t kWidth = 8;
+
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T load_f32(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_f32(float* p, T x) { _mm256_storeu_ps(p, x); }
+
+  static T load_bf16(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  // Same integer rounding as cvt::float_to_bf16, eight lanes at a time.
+  static void store_bf16(uint16_t* p, T x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+    // Every lane is < 2^16, so the saturating pack is exact; it packs within 128-bit halves,
+    // and the permute gathers the two useful quarters into the low half.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static T load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_f16(uint16_t* p, T x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+
+  static T sqrt(T x) { return _mm256_sqrt_ps(x); }
+  // Blend order mirrors ScalarVec::sign: start from c - c (+0 or NaN), then -1, then +1.
+  static T sign(T c) {
+    const T zero = _mm256_setzero_ps();
+    T r = _mm256_sub_ps(c, c);
+    r = _mm256_blendv_ps(r, _mm256_set1_ps(-1.0f), _mm256_cmp_ps(c, zero, _CMP_LT_OQ));
+    return _mm256_blendv_ps(r, _mm256_set1_ps(1.0f), _mm256_cmp_ps(c, zero, _CMP_GT_OQ));
+  }
+
+  static T zero() { return _mm256_setzero_ps(); }
+  static T bit_xor(T a, T b) { return _mm256_xor_ps(a, b); }
+
+  static Acc acc_zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+  static Acc acc_add_square(Acc acc, T x) {
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    return {_mm256_add_pd(acc.lo, _mm256_mul_pd(lo, lo)), _mm256_add_pd(acc.hi, _mm256_mul_pd(hi, hi))};
+  }
+  static double acc_total(Acc acc) {
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, _mm256_add_pd(acc.lo, acc.hi));
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+};
+
+}  // namespace
+
+const KernelTable& avx2_kernels() {
+  static constexpr KernelTable table = make_kernel_table<Avx2Vec>();
+  return table;
+}
+
+}  // namespace zeroshard::cpu

@@ -1,0 +1,87 @@
+// AVX-512 variant (compiled with -mavx512f -mavx512bw -mavx512vl -mavx2 -mf16c). Sixteen f32
+// lanes per vector; only AVX512F/BW/VL instructions, no DQ, FP16 or BF16 extensions, so it runs
+// on every AVX-512 server since Skylake-SP.
+
+// GCC 12's AVX-512 headers self-initialise their "undefined" vectors (`__m512 __Y = __Y;`),
+// which trips -Wmaybe-uninitialized once inlined (GCC bug 105593); the warning is about the
+// header's idiom, not this code.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include "kernels/cpu/isa_table.hpp"
+
+namespace zeroshard::cpu {
+namespace {
+
+struct Avx512Vec {
+  using T = __m512;
+  struct Acc {
+    __m512d lo, hi;
+  };
+  static constexpr int64_t kWidth = 16;
+
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T load_f32(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_f32(float* p, T x) { _mm512_storeu_ps(p, x); }
+
+  static T load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  // Same integer rounding as cvt::float_to_bf16, sixteen lanes at a time.
+  static void store_bf16(uint16_t* p, T x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    const __m512i quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+    // vpmovdw truncates each lane to 16 bits; every lane already fits.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static T load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store_f16(uint16_t* p, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+
+  static T sqrt(T x) { return _mm512_sqrt_ps(x); }
+  // Blend order mirrors ScalarVec::sign: start from c - c (+0 or NaN), then -1, then +1.
+  static T sign(T c) {
+    const T zero = _mm512_setzero_ps();
+    T r = _mm512_sub_ps(c, c);
+    r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ), r, _mm512_set1_ps(-1.0f));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ), r, _mm512_set1_ps(1.0f));
+  }
+
+  static T zero() { return _mm512_setzero_ps(); }
+  // _mm512_xor_ps needs AVX512DQ; the integer xor is the same bits.
+  static T bit_xor(T a, T b) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }
+
+  static Acc acc_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
+  static Acc acc_add_square(Acc acc, T x) {
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d hi =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return {_mm512_add_pd(acc.lo, _mm512_mul_pd(lo, lo)),
+            _mm512_add_pd(acc.hi, _mm512_mul_pd(hi, hi))};
+  }
+  static double acc_total(Acc acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc.lo, acc.hi)); }
+};
+
+}  // namespace
+
+const KernelTable& avx512_kernels() {
+  static constexpr KernelTable table = make_kernel_table<Avx512Vec>();
+  return table;
+}
+
+}  // namespace zeroshard::cpu

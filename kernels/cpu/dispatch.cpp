@@ -1,0 +1,173 @@
+// Run-time ISA selection and argument checks for the CPU kernels. This file is compiled without
+// any -m flag, so everything here runs on any x86-64 CPU; ISA-specific code is reached only
+// through a KernelTable after isa_supported() said yes.
+
+#include <cstdlib>
+#include <string_view>
+
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/kernel_table.hpp"
+#include "kernels/cpu/scalar_convert.hpp"
+#include "src/check.hpp"
+
+namespace zeroshard::cpu {
+namespace {
+
+bool valid_dtype(DType d) { return d == DType::f32 || d == DType::bf16 || d == DType::f16; }
+
+bool detect(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return true;
+    case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case Isa::avx512:
+      // avx2 + f16c too: the AVX-512 file is compiled with them and may use them anywhere.
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+             __builtin_cpu_supports("f16c");
+  }
+  return false;
+}
+
+struct IsaSupport {
+  bool supported[3];
+  IsaSupport() {
+    __builtin_cpu_init();  // needed when called before libgcc's own constructor has run
+    for (int i = 0; i < 3; ++i) supported[i] = detect(static_cast<Isa>(i));
+  }
+};
+
+const IsaSupport& support() {
+  static const IsaSupport s;
+  return s;
+}
+
+Isa parse_isa_env() {
+  Isa best = Isa::scalar;
+  for (Isa isa : {Isa::avx2, Isa::avx512}) {
+    if (support().supported[static_cast<int>(isa)]) best = isa;
+  }
+  const char* env = std::getenv("ZEROSHARD_CPU_ISA");
+  if (env == nullptr || *env == '\0') return best;
+  const std::string_view want(env);
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+    // A cap, not a demand: asking for avx512 on an AVX2 machine still gets AVX2.
+    if (want == isa_name(isa)) return static_cast<int>(isa) < static_cast<int>(best) ? isa : best;
+  }
+  ZS_THROW(invalid_config,
+           "ZEROSHARD_CPU_ISA='" << want << "' is not one of scalar, avx2, avx512");
+}
+
+const KernelTable& table(Isa isa) {
+  if (static_cast<int>(isa) > 2 || !support().supported[static_cast<int>(isa)]) {
+    ZS_THROW(invalid_argument,
+             "CPU kernels: ISA " << isa_name(isa) << " is not supported by this CPU");
+  }
+  switch (isa) {
+    case Isa::avx2: return avx2_kernels();
+    case Isa::avx512: return avx512_kernels();
+    case Isa::scalar: break;
+  }
+  return scalar_kernels();
+}
+
+void check_range(const char* call, const void* p, const char* what, int64_t n) {
+  if (n < 0) ZS_THROW(invalid_argument, call << ": negative element count " << n);
+  if (n > 0 && p == nullptr) ZS_THROW(invalid_argument, call << ": " << what << " is null");
+}
+
+void check_dtype(const char* call, DType d) {
+  if (!valid_dtype(d)) {
+    ZS_THROW(invalid_argument, call << ": invalid dtype " << static_cast<int>(d));
+  }
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+  }
+  return "?";
+}
+
+bool isa_supported(Isa isa) {
+  return static_cast<int>(isa) <= 2 && support().supported[static_cast<int>(isa)];
+}
+
+Isa best_isa() {
+  static const Isa isa = parse_isa_env();
+  return isa;
+}
+
+void optimizer_update(Isa isa, const UpdateHyper& h, const UpdateArgs& a) {
+  constexpr const char* call = "optimizer_update";
+  check_range(call, a.master, "master", a.n);
+  check_range(call, a.grad, "grad", a.n);
+  check_dtype(call, a.grad_dtype);
+  if (a.out != nullptr) check_dtype(call, a.out_dtype);
+  const bool adam = h.kind == OptimizerKind::adam || h.kind == OptimizerKind::adamw;
+  const bool needs_state0 =
+      adam || h.kind == OptimizerKind::lion || (h.kind == OptimizerKind::sgd && h.momentum != 0);
+  if (needs_state0) check_range(call, a.state0, "state0", a.n);
+  if (adam) check_range(call, a.state1, "state1", a.n);
+  if (static_cast<int>(h.kind) > static_cast<int>(OptimizerKind::lion)) {
+    ZS_THROW(invalid_argument, call << ": unknown optimizer kind " << static_cast<int>(h.kind));
+  }
+  if (a.n == 0) return;
+  table(isa).optimizer_update(h, a);
+}
+
+double sum_squares(Isa isa, const void* x, DType dtype, int64_t n) {
+  check_range("sum_squares", x, "x", n);
+  check_dtype("sum_squares", dtype);
+  return table(isa).sum_squares(x, dtype, n);
+}
+
+void convert(Isa isa, const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) {
+  check_range("convert", src, "src", n);
+  check_range("convert", dst, "dst", n);
+  check_dtype("convert", src_dtype);
+  check_dtype("convert", dst_dtype);
+  table(isa).convert(src, src_dtype, dst, dst_dtype, n);
+}
+
+void accumulate(Isa isa, float* acc, const void* g, DType g_dtype, int64_t n) {
+  check_range("accumulate", acc, "acc", n);
+  check_range("accumulate", g, "g", n);
+  check_dtype("accumulate", g_dtype);
+  table(isa).accumulate(acc, g, g_dtype, n);
+}
+
+void add_into(Isa isa, void* inout, const void* in, DType dtype, int64_t n) {
+  check_range("add_into", inout, "inout", n);
+  check_range("add_into", in, "in", n);
+  check_dtype("add_into", dtype);
+  table(isa).add_into(inout, in, dtype, n);
+}
+
+void same_bytes(Isa isa, const float* const* reads, int read_streams, float* const* writes,
+                int write_streams, int64_t n) {
+  constexpr const char* call = "same_bytes";
+  for (int streams : {read_streams, write_streams}) {
+    if (streams < 0 || streams > kMaxSameBytesStreams) {
+      ZS_THROW(invalid_argument, call << ": " << streams << " streams (0.."
+                                      << kMaxSameBytesStreams << " allowed)");
+    }
+  }
+  if (n < 0) ZS_THROW(invalid_argument, call << ": negative element count " << n);
+  if ((read_streams > 0 && reads == nullptr) || (write_streams > 0 && writes == nullptr)) {
+    ZS_THROW(invalid_argument, call << ": stream pointer array is null");
+  }
+  for (int r = 0; r < read_streams; ++r) check_range(call, reads[r], "a read stream", n);
+  for (int w = 0; w < write_streams; ++w) check_range(call, writes[w], "a write stream", n);
+  table(isa).same_bytes(reads, read_streams, writes, write_streams, n);
+}
+
+float bf16_to_float(uint16_t h) { return cvt::bf16_to_float(h); }
+uint16_t float_to_bf16(float f) { return cvt::float_to_bf16(f); }
+float f16_to_float(uint16_t h) { return cvt::f16_to_float(h); }
+uint16_t float_to_f16(float f) { return cvt::float_to_f16(f); }
+
+}  // namespace zeroshard::cpu

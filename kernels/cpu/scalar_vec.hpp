@@ -1,0 +1,53 @@
+#pragma once
+// The one-lane "vector" type: the reference ISA, and the tail loop of every wider ISA. The
+// shared templates (update_impl.hpp, elementwise_impl.hpp) only see this interface:
+//   T             lane type; + - * / on T are IEEE single-precision per lane
+//   kWidth        lanes per T
+//   set1, load_f32/store_f32, load_bf16/store_bf16, load_f16/store_f16   (unaligned)
+//   sqrt, sign    IEEE sqrt; sign(c) = +1 / -1 / +0 for c = ±0 / NaN for NaN
+//   zero, bit_xor same_bytes' data movement (bitwise, no arithmetic)
+//   Acc, acc_zero, acc_add_square, acc_total   double accumulation for sum_squares
+// Anonymous namespace: see scalar_convert.hpp (each ISA file gets its own copy).
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cpu/scalar_convert.hpp"
+
+namespace zeroshard::cpu {
+namespace {
+
+struct ScalarVec {
+  using T = float;
+  using Acc = double;
+  static constexpr int64_t kWidth = 1;
+
+  static T set1(float x) { return x; }
+  static T load_f32(const float* p) { return *p; }
+  static void store_f32(float* p, T x) { *p = x; }
+  static T load_bf16(const uint16_t* p) { return cvt::bf16_to_float(*p); }
+  static void store_bf16(uint16_t* p, T x) { *p = cvt::float_to_bf16(x); }
+  static T load_f16(const uint16_t* p) { return cvt::f16_to_float(*p); }
+  static void store_f16(uint16_t* p, T x) { *p = cvt::float_to_f16(x); }
+
+  static T sqrt(T x) { return std::sqrt(x); }
+  // c - c is +0 for c = ±0 and NaN for NaN, so a NaN momentum poisons p as torch.sign would.
+  static T sign(T c) { return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c - c); }
+
+  static T zero() { return 0.0f; }
+  static T bit_xor(T a, T b) {
+    return std::bit_cast<float>(std::bit_cast<uint32_t>(a) ^ std::bit_cast<uint32_t>(b));
+  }
+
+  static Acc acc_zero() { return 0.0; }
+  // A float's square is exact in double (24 + 24 bits < 53), so only the sum rounds.
+  static Acc acc_add_square(Acc acc, T x) {
+    const double d = x;
+    return acc + d * d;
+  }
+  static double acc_total(Acc acc) { return acc; }
+};
+
+}  // namespace
+}  // namespace zeroshard::cpu

@@ -1,0 +1,189 @@
+#pragma once
+// The fused optimizer update, written once for every vector type V (scalar_vec.hpp lists the
+// interface). One pass per element: read master, state and grad, write master, state and the
+// optional low-precision copy, so the update moves the fewest bytes possible. Every ISA runs
+// the same IEEE operations in the same order per lane, which is what makes it bitwise equal to
+// the scalar reference (the build adds -ffp-contract=off so no FMA sneaks in).
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/scalar_vec.hpp"
+#include "kernels/cpu/vec_io.hpp"
+
+namespace zeroshard::cpu {
+namespace {
+
+// SGD's three shapes are separate rules so the momentum branches vanish from the inner loop.
+enum class Rule : uint8_t { adam, adamw, sgd, sgd_momentum, sgd_nesterov, lion };
+// The low-precision copy-out: none, or the dtype written to UpdateArgs::out.
+enum class Out : uint8_t { none, f32, bf16, f16 };
+
+// Per-call constants, folded once in scalar float before the loop. Every ISA folds them the same
+// way, then broadcasts the identical bits, so the lanes see the same values as the scalar code.
+struct UpdateConsts {
+  float lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale;
+  float one_minus_beta1, one_minus_beta2, lr_wd;
+};
+
+inline UpdateConsts fold_consts(const UpdateHyper& h) {
+  UpdateConsts c{};
+  c.lr = h.lr;
+  c.beta1 = h.beta1;
+  c.beta2 = h.beta2;
+  c.eps = h.eps;
+  c.wd = h.weight_decay;
+  c.momentum = h.momentum;
+  c.bc1 = h.bias_correction1;
+  c.bc2 = h.bias_correction2;
+  c.grad_scale = h.grad_scale;
+  c.one_minus_beta1 = 1.0f - h.beta1;
+  c.one_minus_beta2 = 1.0f - h.beta2;
+  c.lr_wd = h.lr * h.weight_decay;
+  return c;
+}
+
+template <class V>
+struct Broadcast {
+  using T = typename V::T;
+  T lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale, omb1, omb2, lr_wd;
+  explicit Broadcast(const UpdateConsts& c)
+      : lr(V::set1(c.lr)),
+        beta1(V::set1(c.beta1)),
+        beta2(V::set1(c.beta2)),
+        eps(V::set1(c.eps)),
+        wd(V::set1(c.wd)),
+        momentum(V::set1(c.momentum)),
+        bc1(V::set1(c.bc1)),
+        bc2(V::set1(c.bc2)),
+        grad_scale(V::set1(c.grad_scale)),
+        omb1(V::set1(c.one_minus_beta1)),
+        omb2(V::set1(c.one_minus_beta2)),
+        lr_wd(V::set1(c.lr_wd)) {}
+};
+
+// Elements [begin, end) with V; end - begin must be a multiple of V::kWidth. The formulas are
+// the ones documented in cpu_kernels.hpp, parenthesised exactly as C++ parses them there.
+template <class V, Rule R, DType G, Out O>
+void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int64_t end) {
+  using T = typename V::T;
+  const Broadcast<V> k(c);
+  float* const master = a.master;
+  float* const s0 = a.state0;
+  float* const s1 = a.state1;
+  for (int64_t i = begin; i < end; i += V::kWidth) {
+    T p = V::load_f32(master + i);
+    T g = load_as<V, G>(a.grad, i) * k.grad_scale;
+    if constexpr (R == Rule::adam || R == Rule::adamw) {
+      T m = V::load_f32(s0 + i);
+      T v = V::load_f32(s1 + i);
+      if constexpr (R == Rule::adam) {
+        g = g + k.wd * p;
+      } else {
+        p = p - k.lr_wd * p;
+      }
+      m = k.beta1 * m + k.omb1 * g;
+      v = k.beta2 * v + k.omb2 * g * g;
+      const T denom = V::sqrt(v / k.bc2) + k.eps;
+      p = p - k.lr * (m / k.bc1) / denom;
+      V::store_f32(s0 + i, m);
+      V::store_f32(s1 + i, v);
+    } else if constexpr (R == Rule::lion) {
+      T m = V::load_f32(s0 + i);
+      const T dir = k.beta1 * m + k.omb1 * g;
+      p = p - k.lr_wd * p;
+      p = p - k.lr * V::sign(dir);
+      m = k.beta2 * m + k.omb2 * g;
+      V::store_f32(s0 + i, m);
+    } else {
+      g = g + k.wd * p;
+      if constexpr (R == Rule::sgd_momentum || R == Rule::sgd_nesterov) {
+        const T buf = k.momentum * V::load_f32(s0 + i) + g;
+        V::store_f32(s0 + i, buf);
+        if constexpr (R == Rule::sgd_nesterov) {
+          g = g + k.momentum * buf;
+        } else {
+          g = buf;
+        }
+      }
+      p = p - k.lr * g;
+    }
+    V::store_f32(master + i, p);
+    if constexpr (O == Out::f32) store_as<V, DType::f32>(a.out, i, p);
+    if constexpr (O == Out::bf16) store_as<V, DType::bf16>(a.out, i, p);
+    if constexpr (O == Out::f16) store_as<V, DType::f16>(a.out, i, p);
+  }
+}
+
+// Full vectors with V, then the remainder with the scalar lane type (same operations).
+template <class V, Rule R, DType G, Out O>
+void update_all(const UpdateConsts& c, const UpdateArgs& a) {
+  const int64_t full = a.n - a.n % V::kWidth;
+  update_range<V, R, G, O>(c, a, 0, full);
+  if constexpr (!std::is_same_v<V, ScalarVec>) update_range<ScalarVec, R, G, O>(c, a, full, a.n);
+}
+
+inline Rule rule_of(const UpdateHyper& h) {
+  switch (h.kind) {
+    case OptimizerKind::adam: return Rule::adam;
+    case OptimizerKind::adamw: return Rule::adamw;
+    case OptimizerKind::lion: return Rule::lion;
+    case OptimizerKind::sgd: break;
+  }
+  if (h.momentum == 0.0f) return Rule::sgd;
+  return h.nesterov ? Rule::sgd_nesterov : Rule::sgd_momentum;
+}
+
+inline Out out_of(const UpdateArgs& a) {
+  if (a.out == nullptr) return Out::none;
+  switch (a.out_dtype) {
+    case DType::f32: return Out::f32;
+    case DType::bf16: return Out::bf16;
+    case DType::f16: return Out::f16;
+  }
+  return Out::none;
+}
+
+template <Rule R>
+using RuleTag = std::integral_constant<Rule, R>;
+template <Out O>
+using OutTag = std::integral_constant<Out, O>;
+
+template <class F>
+void with_rule(Rule r, F&& f) {
+  switch (r) {
+    case Rule::adam: return f(RuleTag<Rule::adam>{});
+    case Rule::adamw: return f(RuleTag<Rule::adamw>{});
+    case Rule::sgd: return f(RuleTag<Rule::sgd>{});
+    case Rule::sgd_momentum: return f(RuleTag<Rule::sgd_momentum>{});
+    case Rule::sgd_nesterov: return f(RuleTag<Rule::sgd_nesterov>{});
+    case Rule::lion: return f(RuleTag<Rule::lion>{});
+  }
+}
+
+template <class F>
+void with_out(Out o, F&& f) {
+  switch (o) {
+    case Out::none: return f(OutTag<Out::none>{});
+    case Out::f32: return f(OutTag<Out::f32>{});
+    case Out::bf16: return f(OutTag<Out::bf16>{});
+    case Out::f16: return f(OutTag<Out::f16>{});
+  }
+}
+
+/// The KernelTable entry: resolves rule × grad dtype × out dtype to one instantiation.
+template <class V>
+void optimizer_update_impl(const UpdateHyper& h, const UpdateArgs& a) {
+  const UpdateConsts c = fold_consts(h);
+  with_rule(rule_of(h), [&](auto rule) {
+    with_dtype(a.grad_dtype, [&](auto grad) {
+      with_out(out_of(a), [&](auto out) {
+        update_all<V, decltype(rule)::value, decltype(grad)::value, decltype(out)::value>(c, a);
+      });
+    });
+  });
+}
+
+}  // namespace
+}  // namespace zeroshard::cpu

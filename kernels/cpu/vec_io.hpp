@@ -1,0 +1,51 @@
+#pragma once
+// Typed loads and stores over any vector type V (see scalar_vec.hpp), and the switch that turns
+// a run-time DType into a compile-time one so each dtype combination gets its own tight loop.
+
+#include <cstdint>
+#include <type_traits>
+
+#include "zeroshard/types.hpp"
+
+namespace zeroshard::cpu {
+namespace {
+
+/// Loads V::kWidth elements of dtype D starting at element i of `base`, widened to f32.
+template <class V, DType D>
+inline typename V::T load_as(const void* base, int64_t i) {
+  if constexpr (D == DType::f32) {
+    return V::load_f32(static_cast<const float*>(base) + i);
+  } else if constexpr (D == DType::bf16) {
+    return V::load_bf16(static_cast<const uint16_t*>(base) + i);
+  } else {
+    return V::load_f16(static_cast<const uint16_t*>(base) + i);
+  }
+}
+
+/// Stores V::kWidth f32 lanes as dtype D (round to nearest even) at element i of `base`.
+template <class V, DType D>
+inline void store_as(void* base, int64_t i, typename V::T x) {
+  if constexpr (D == DType::f32) {
+    V::store_f32(static_cast<float*>(base) + i, x);
+  } else if constexpr (D == DType::bf16) {
+    V::store_bf16(static_cast<uint16_t*>(base) + i, x);
+  } else {
+    V::store_f16(static_cast<uint16_t*>(base) + i, x);
+  }
+}
+
+template <DType D>
+using DTypeTag = std::integral_constant<DType, D>;
+
+/// Calls f(DTypeTag<d>{}); the caller reads the dtype back as decltype(tag)::value.
+template <class F>
+inline void with_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::f32: f(DTypeTag<DType::f32>{}); return;
+    case DType::bf16: f(DTypeTag<DType::bf16>{}); return;
+    case DType::f16: f(DTypeTag<DType::f16>{}); return;
+  }
+}
+
+}  // namespace
+}  // namespace zeroshard::cpu

@@ -1,0 +1,285 @@
+// The Open MPI communicator. One communication thread starts every collective (non-blocking,
+// MPI-3) in submission order and drives them with MPI_Test, so several can be in flight while
+// the trainer computes, and none can hang the process: each has a deadline.
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <deque>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "check.hpp"
+#include "comm/work_state.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "zeroshard/communicator.hpp"
+
+namespace zeroshard {
+namespace {
+
+std::string mpi_error_string(int rc) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, buf, &len);
+  return std::string(buf, size_t(len));
+}
+
+// Element-wise sums of bf16 / f16 in f32 with one rounding per addition (the reduction operator
+// every rank applies identically, so results do not depend on which rank reduces).
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  cpu::add_into(cpu::best_isa(), inout, in, DType::bf16, *len);
+}
+void f16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  cpu::add_into(cpu::best_isa(), inout, in, DType::f16, *len);
+}
+
+// Process-wide MPI state: initialised once, finalised when the last holder goes away.
+struct MpiRuntime {
+  bool we_initialized = false;
+  MPI_Op op_bf16 = MPI_OP_NULL, op_f16 = MPI_OP_NULL;
+
+  MpiRuntime() {
+    int inited = 0;
+    MPI_Initialized(&inited);
+    int provided = 0;
+    if (!inited) {
+      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      if (rc != MPI_SUCCESS) ZS_THROW(comm_failure, "MPI_Init_thread failed: " << mpi_error_string(rc));
+      we_initialized = true;
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    if (provided < MPI_THREAD_MULTIPLE)
+      ZS_THROW(comm_failure, "MPI provides thread level " << provided
+                                 << " but zeroshard needs MPI_THREAD_MULTIPLE (its communication "
+                                    "thread calls MPI while the trainer may too); initialise MPI "
+                                    "with MPI_Init_thread(MPI_THREAD_MULTIPLE)");
+    MPI_Op_create(&bf16_sum, 1, &op_bf16);
+    MPI_Op_create(&f16_sum, 1, &op_f16);
+  }
+  ~MpiRuntime() {
+    MPI_Op_free(&op_bf16);
+    MPI_Op_free(&op_f16);
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (we_initialized && !finalized) MPI_Finalize();
+  }
+  static std::shared_ptr<MpiRuntime> get() {
+    // Held by this static and by every communicator: MPI_Finalize runs at process exit, after
+    // the last communicator is gone, and never twice.
+    static std::shared_ptr<MpiRuntime> rt = std::make_shared<MpiRuntime>();
+    return rt;
+  }
+};
+
+MPI_Datatype mpi_type(DType t) { return t == DType::f32 ? MPI_FLOAT : MPI_UINT16_T; }
+
+int checked_count(int64_t n, const std::string& what) {
+  if (n < 0 || n > INT_MAX)
+    ZS_THROW(invalid_argument, what << ": " << n << " elements exceed MPI's int count");
+  return int(n);
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator() : rt_(MpiRuntime::get()) {
+    MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~MpiCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    thread_.join();
+    // A collective abandoned after a timeout still references this communicator; freeing it
+    // could crash MPI, so it is left to the process's end.
+    if (abandoned_ == 0) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t count, DType dtype,
+                                       std::string what) override {
+    int n = checked_count(count, what);
+    MPI_Op op = dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? rt_->op_bf16 : rt_->op_f16;
+    return submit("reduce_scatter of " + what, [=, this](MPI_Request* r) {
+      return MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype), op, comm_, r);
+    });
+  }
+
+  std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count, DType dtype,
+                                   std::string what) override {
+    int n = checked_count(count, what);
+    // The caller's block already in place is MPI's in-place all-gather.
+    const char* own = static_cast<const char*>(recv) + size_t(rank_) * size_t(n) * dtype_size(dtype);
+    const void* src = send == own ? MPI_IN_PLACE : send;
+    return submit("all_gather of " + what, [=, this](MPI_Request* r) {
+      return MPI_Iallgather(src, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, r);
+    });
+  }
+
+  std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
+                                   std::string what) override {
+    int n = checked_count(count, what);
+    MPI_Op mop = op == ReduceOp::sum ? MPI_SUM : op == ReduceOp::max ? MPI_MAX : MPI_MIN;
+    return submit("all_reduce of " + what, [=, this](MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, inout, n, MPI_DOUBLE, mop, comm_, r);
+    });
+  }
+
+  std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) override {
+    int n = checked_count(bytes, what);
+    return submit("broadcast of " + what, [=, this](MPI_Request* r) {
+      return MPI_Ibcast(data, n, MPI_BYTE, root, comm_, r);
+    });
+  }
+
+  void barrier(std::string what) override {
+    submit("barrier " + what, [this](MPI_Request* r) { return MPI_Ibarrier(comm_, r); })->wait();
+  }
+
+  void set_timeout(double seconds) override { timeout_s_.store(seconds); }
+
+ private:
+  using Start = std::function<int(MPI_Request*)>;
+  struct Pending {
+    std::shared_ptr<WorkState> work;
+    Start start;
+  };
+  struct InFlight {
+    std::shared_ptr<WorkState> work;
+    MPI_Request req;
+    std::chrono::steady_clock::time_point deadline;
+    bool timed_out;
+  };
+
+  std::shared_ptr<Work> submit(std::string what, Start start) {
+    auto work = std::make_shared<WorkState>("rank " + std::to_string(rank_) + ": " + what);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!poisoned_.empty()) {
+      work->fail(ErrorCode::comm_failure, work->what() + " refused: the communicator is unusable "
+                                          "after an earlier failure (" + poisoned_ + ")");
+      work->settle();
+      return work;
+    }
+    queue_.push_back({work, std::move(start)});
+    return work;
+  }
+
+  // The communication thread: start queued collectives in order, test the ones in flight,
+  // fail those past their deadline, and back off while idle so compute keeps the cores.
+  void run() {
+    std::vector<InFlight> inflight;
+    int idle = 0;
+    for (;;) {
+      std::deque<Pending> fresh;
+      bool stopping;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        fresh.swap(queue_);
+        stopping = stop_;
+      }
+      bool progress = !fresh.empty();
+      for (Pending& p : fresh) start_one(p, inflight);
+      for (size_t i = 0; i < inflight.size();) {
+        InFlight& f = inflight[i];
+        int flag = 0;
+        int rc = MPI_Test(&f.req, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) {
+          poison(f.work->what() + " failed: " + mpi_error_string(rc));
+          f.work->fail(ErrorCode::comm_failure, f.work->what() + " failed: " + mpi_error_string(rc));
+          flag = 1;
+        }
+        if (flag) {
+          f.work->complete();
+          inflight.erase(inflight.begin() + long(i));
+          progress = true;
+          continue;
+        }
+        if (!f.timed_out && std::chrono::steady_clock::now() > f.deadline) {
+          // The request stays in flight: a late peer can still complete it, and MPI must keep
+          // the buffers it was given. The caller learns now and the communicator refuses more.
+          f.timed_out = true;
+          std::string msg = f.work->what() + " did not complete within " +
+                            std::to_string(timeout_s_.load()) +
+                            " s (a peer rank is late, dead, or called a different collective)";
+          poison(msg);
+          f.work->fail(ErrorCode::timeout, msg);
+        }
+        ++i;
+      }
+      if (stopping) {
+        bool only_abandoned = true;
+        for (InFlight& f : inflight) only_abandoned &= f.timed_out;
+        if (inflight.empty() || (only_abandoned && ++stop_polls_ > 20000)) {
+          abandoned_ = int(inflight.size());
+          return;
+        }
+      }
+      if (progress) {
+        idle = 0;
+      } else if (++idle < 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(inflight.empty() ? 200 : 20));
+      }
+    }
+  }
+
+  void start_one(Pending& p, std::vector<InFlight>& inflight) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!poisoned_.empty()) {
+        p.work->fail(ErrorCode::comm_failure,
+                     p.work->what() + " refused: the communicator is unusable after an earlier "
+                                      "failure (" + poisoned_ + ")");
+        p.work->settle();
+        return;
+      }
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    int rc = p.start(&req);
+    if (rc != MPI_SUCCESS) {
+      p.work->fail(ErrorCode::comm_failure, p.work->what() + " could not start: " + mpi_error_string(rc));
+      p.work->settle();
+      return;
+    }
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(timeout_s_.load()));
+    inflight.push_back({p.work, req, deadline, false});
+  }
+
+  void poison(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (poisoned_.empty()) poisoned_ = why;
+  }
+
+  std::shared_ptr<MpiRuntime> rt_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+  std::atomic<double> timeout_s_{300.0};
+  std::mutex mu_;
+  std::deque<Pending> queue_;
+  bool stop_ = false;
+  std::string poisoned_;
+  int abandoned_ = 0;
+  long stop_polls_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_mpi_communicator() {
+  return std::make_shared<MpiCommunicator>();
+}
+
+}  // namespace zeroshard

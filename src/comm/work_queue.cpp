@@ -1,0 +1,56 @@
+#include "comm/work_state.hpp"
+
+#include <chrono>
+
+namespace zeroshard {
+
+void WorkState::wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return state_ != State::pending; });
+  if (state_ == State::failed) throw Error(code_, message_);
+}
+
+bool WorkState::done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_ != State::pending;
+}
+
+bool WorkState::failed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_ == State::failed;
+}
+
+void WorkState::complete() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    settled_ = true;
+    if (state_ == State::pending) state_ = State::ok;
+  }
+  cv_.notify_all();
+}
+
+void WorkState::settle() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    settled_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool WorkState::wait_settled(double max_seconds) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, std::chrono::duration<double>(max_seconds), [&] { return settled_; });
+}
+
+void WorkState::fail(ErrorCode code, std::string message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ != State::pending) return;
+    state_ = State::failed;
+    code_ = code;
+    message_ = std::move(message);
+  }
+  cv_.notify_all();
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,122 @@
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "check.hpp"
+#include "ledger.hpp"
+
+namespace zeroshard {
+
+int64_t MemoryReport::total(Tier t) const {
+  int64_t s = 0;
+  for (int64_t b : bytes[int(t)]) s += b;
+  return s;
+}
+
+int64_t MemoryReport::total() const {
+  int64_t s = 0;
+  for (int t = 0; t < kNumTiers; ++t) s += total(Tier(t));
+  return s;
+}
+
+int64_t MemoryReport::model_state_bytes() const {
+  int64_t s = 0;
+  for (int t = 0; t < kNumTiers; ++t)
+    for (int k = 0; k < int(MemKind::buffer); ++k) s += bytes[t][k];
+  return s;
+}
+
+std::string MemoryReport::to_string() const {
+  std::ostringstream os;
+  auto mib = [](int64_t b) {
+    std::ostringstream s;
+    s << std::fixed << std::setprecision(2) << double(b) / (1 << 20);
+    return s.str();
+  };
+  os << std::left << std::setw(14) << "MiB" << std::right;
+  for (int t = 0; t < kNumTiers; ++t) os << std::setw(12) << tier_name(Tier(t));
+  os << std::setw(12) << "peak" << '\n';
+  for (int k = 0; k < kNumMemKinds; ++k) {
+    os << std::left << std::setw(14) << mem_kind_name(MemKind(k)) << std::right;
+    int64_t pk = 0;
+    for (int t = 0; t < kNumTiers; ++t) {
+      os << std::setw(12) << mib(bytes[t][k]);
+      pk += peak[t][k];
+    }
+    os << std::setw(12) << mib(pk) << '\n';
+  }
+  os << std::left << std::setw(14) << "total" << std::right;
+  for (int t = 0; t < kNumTiers; ++t) os << std::setw(12) << mib(total(Tier(t)));
+  os << '\n';
+  for (const NamedBuffer& b : buffers)
+    os << "  buffer " << std::left << std::setw(16) << b.name << std::right << std::setw(8)
+       << tier_name(b.tier) << std::setw(12) << mib(b.bytes) << " MiB (peak " << mib(b.peak)
+       << ")\n";
+  return os.str();
+}
+
+void Ledger::add(Tier tier, MemKind kind, const std::string& name, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t& cur = r_.bytes[int(tier)][int(kind)];
+  cur += n;
+  int64_t& pk = r_.peak[int(tier)][int(kind)];
+  if (cur > pk) pk = cur;
+  if (kind == MemKind::buffer) {
+    NamedBuffer& b = named_[{name, int(tier)}];
+    b.name = name;
+    b.tier = tier;
+    b.bytes += n;
+    if (b.bytes > b.peak) b.peak = b.bytes;
+  }
+}
+
+void Ledger::sub(Tier tier, MemKind kind, const std::string& name, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  r_.bytes[int(tier)][int(kind)] -= n;
+  if (kind == MemKind::buffer) named_[{name, int(tier)}].bytes -= n;
+}
+
+MemoryReport Ledger::report() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  MemoryReport r = r_;
+  for (const auto& [key, b] : named_) r.buffers.push_back(b);
+  return r;
+}
+
+// Page alignment suits O_DIRECT I/O, registration with CUDA, and SIMD loads alike.
+static constexpr size_t kAlign = 4096;
+
+Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t bytes, bool pin)
+    : ledger_(ledger), tier_(tier), kind_(kind), name_(std::move(name)) {
+  if (bytes == 0) return;
+  size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  data_ = std::aligned_alloc(kAlign, rounded);
+  if (!data_) ZS_THROW(no_space, "cannot allocate " << bytes << " bytes for " << name_);
+  std::memset(data_, 0, rounded);
+  bytes_ = bytes;
+  // Pinning can fail under RLIMIT_MEMLOCK; the buffer then stays pageable and still works.
+  if (pin && tier == Tier::host) pinned_ = mlock(data_, rounded) == 0;
+  if (ledger_) ledger_->add(tier_, kind_, name_, int64_t(bytes_));
+}
+
+Buffer::~Buffer() {
+  if (!data_) return;
+  if (pinned_) munlock(data_, (bytes_ + kAlign - 1) / kAlign * kAlign);
+  std::free(data_);
+  if (ledger_) ledger_->sub(tier_, kind_, name_, int64_t(bytes_));
+}
+
+void Buffer::swap(Buffer& o) noexcept {
+  std::swap(data_, o.data_);
+  std::swap(bytes_, o.bytes_);
+  std::swap(ledger_, o.ledger_);
+  std::swap(tier_, o.tier_);
+  std::swap(kind_, o.kind_);
+  std::swap(pinned_, o.pinned_);
+  std::swap(name_, o.name_);
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,27 @@
+#pragma once
+// Loss scaling with DeepSpeed's dynamic semantics: start at 2^initial_scale_power; an overflow
+// skips the step and, once `hysteresis` overflows have been seen, halves the scale (never below
+// min_scale); after `window` steps without overflow the scale doubles and hysteresis refills.
+
+#include "zeroshard/config.hpp"
+
+namespace zeroshard {
+
+class LossScaler {
+ public:
+  /// dynamic: f16 without a static scale. Otherwise the scale is static_scale (if > 0) or 1.
+  LossScaler(const LossScaleOptions& o, bool dynamic);
+  float scale() const { return scale_; }
+  /// Records one step's outcome (after the all-reduce that agreed on `overflow`).
+  void update(bool overflow);
+
+ private:
+  LossScaleOptions o_;
+  bool dynamic_;
+  float scale_;
+  int hysteresis_left_;
+  long iter_ = 0;
+  long last_overflow_iter_ = -1;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,53 @@
+#pragma once
+// Shared pieces of the multi-rank tests: the world communicator, a model with uneven parameter
+// sizes, and a deterministic trainer loop whose gradients depend on the parameters, the rank,
+// the micro-step and the step, so a wrong reduction, shard or update shows up in the results.
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zeroshard/zeroshard.hpp"
+
+namespace zs_test {
+
+/// MPI_COMM_WORLD, created once by the test main.
+std::shared_ptr<zeroshard::Communicator> world();
+
+/// Parameter specs of one unit: name and shape.
+struct UnitSpec {
+  std::string name;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> params;
+};
+/// Five units with sizes that never divide evenly (primes, a 1-element bias, an empty-ish unit).
+std::vector<UnitSpec> uneven_model();
+/// Deterministic initial values in [-1, 1) for a parameter.
+std::vector<float> init_values(const std::string& unit, const std::string& param, int64_t numel);
+
+/// Registers `model` with initial values (biases — names starting with 'b' — in `bias_group`)
+/// and finalizes.
+void register_model(zeroshard::Engine& e, const std::vector<UnitSpec>& model, int bias_group = 0);
+
+/// The gradient of element i of unit u for (rank, micro-step, step), before loss scaling:
+/// p - target, with a target that differs per rank and micro-step.
+float synthetic_grad(float p, int unit, int64_t i, int rank, int micro, int64_t step);
+
+struct TrainOptions {
+  int steps = 20;
+  /// Each micro-step writes the gradient of one micro-batch (engine accumulates), or with
+  /// `merge_micro` one step writes the mean over `micro_batches` micro-batches at once.
+  int micro_batches = 1;
+  bool merge_micro = false;
+  /// Called with (engine, unit, micro, step, grads) after the trainer wrote its gradients.
+  std::function<void(zeroshard::Engine&, int, int, int64_t, std::vector<zeroshard::TensorView>&)> tamper;
+};
+
+/// Runs opt.steps steps: per micro-step, per unit, gather → gradient → grads_ready → release.
+std::vector<zeroshard::StepResult> train(zeroshard::Engine& e, const TrainOptions& opt);
+
+/// float ↔ element of dtype, via the library's reference conversions.
+float load(const void* base, zeroshard::DType dt, int64_t i);
+void store(void* base, zeroshard::DType dt, int64_t i, float v);
+
+}  // namespace zs_test

@@ -1,0 +1,94 @@
+// The MPI communicator on its own: results of every collective against values computed here,
+// for sizes that do not divide evenly, every dtype, in-place gathers, and a timeout.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include "harness.hpp"
+
+using namespace zeroshard;
+using zs_test::world;
+
+namespace {
+
+TEST(Comm, ReduceScatterSumsEveryDtype) {
+  auto c = world();
+  const int n = c->size(), r = c->rank();
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (int64_t count : {1, 7, 1000}) {
+      size_t es = dtype_size(dt);
+      std::vector<char> send(size_t(count * n) * es), recv(size_t(count) * es, 0x55);
+      // Small integers are exact in every dtype, so the expected sum is exact too.
+      for (int64_t i = 0; i < count * n; ++i) zs_test::store(send.data(), dt, i, float((i + r) % 17));
+      c->reduce_scatter(send.data(), recv.data(), count, dt, "test")->wait();
+      for (int64_t i = 0; i < count; ++i) {
+        int64_t gi = r * count + i;
+        float want = 0;
+        for (int q = 0; q < n; ++q) want += float((gi + q) % 17);
+        ASSERT_EQ(zs_test::load(recv.data(), dt, i), want) << dtype_name(dt) << " count " << count << " i " << i;
+      }
+    }
+  }
+}
+
+TEST(Comm, AllGatherInPlaceAndOutOfPlace) {
+  auto c = world();
+  const int n = c->size(), r = c->rank();
+  const int64_t count = 13;
+  std::vector<float> mine(count), whole(size_t(count * n), -1.0f), inplace(size_t(count * n), -1.0f);
+  for (int64_t i = 0; i < count; ++i) mine[size_t(i)] = float(r * 100 + i);
+  std::copy(mine.begin(), mine.end(), inplace.begin() + r * count);
+  auto w1 = c->all_gather(mine.data(), whole.data(), count, DType::f32, "out of place");
+  auto w2 = c->all_gather(inplace.data() + r * count, inplace.data(), count, DType::f32, "in place");
+  w1->wait();
+  w2->wait();
+  for (int q = 0; q < n; ++q)
+    for (int64_t i = 0; i < count; ++i) {
+      ASSERT_EQ(whole[size_t(q * count + i)], float(q * 100 + i));
+      ASSERT_EQ(inplace[size_t(q * count + i)], float(q * 100 + i));
+    }
+}
+
+TEST(Comm, AllReduceAndBroadcast) {
+  auto c = world();
+  double v[3] = {double(c->rank() + 1), double(c->rank()), -double(c->rank())};
+  c->all_reduce(v, 1, ReduceOp::sum, "sum")->wait();
+  c->all_reduce(v + 1, 1, ReduceOp::max, "max")->wait();
+  c->all_reduce(v + 2, 1, ReduceOp::min, "min")->wait();
+  int n = c->size();
+  EXPECT_EQ(v[0], n * (n + 1) / 2.0);
+  EXPECT_EQ(v[1], n - 1);
+  EXPECT_EQ(v[2], -(n - 1));
+  char msg[6] = "....";
+  if (c->rank() == n - 1) std::snprintf(msg, sizeof msg, "hello");
+  c->broadcast(msg, 6, n - 1, "bcast")->wait();
+  EXPECT_STREQ(msg, "hello");
+}
+
+TEST(Comm, TimeoutNamesTheCollective) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  auto c = make_mpi_communicator();
+  c->set_timeout(0.3);
+  double v = 1;
+  if (c->rank() == 0) {
+    auto w = c->all_reduce(&v, 1, ReduceOp::sum, "the slow sum");
+    try {
+      w->wait();
+      ADD_FAILURE() << "no timeout";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::timeout);
+      EXPECT_NE(std::string(e.what()).find("all_reduce of the slow sum did not complete within"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(w->wait_settled(30)) << "the late peers complete the abandoned collective";
+    EXPECT_EQ(v, c->size());
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    c->all_reduce(&v, 1, ReduceOp::sum, "the slow sum")->wait();
+  }
+  world()->barrier("after comm timeout");
+}
+
+}  // namespace

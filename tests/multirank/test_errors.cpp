@@ -1,0 +1,157 @@
+// Bad input gets a clear error on every rank, never a hang or silent damage.
+#include <gtest/gtest.h>
+#include <gmock/gmock.h>
+
+#include <chrono>
+#include <thread>
+
+#include "harness.hpp"
+
+using namespace zeroshard;
+using ::testing::HasSubstr;
+using zs_test::world;
+
+namespace {
+
+#define EXPECT_ZS_ERROR(stmt, code_, text)                                  \
+  do {                                                                      \
+    try {                                                                   \
+      stmt;                                                                 \
+      ADD_FAILURE() << #stmt " did not throw";                              \
+    } catch (const Error& err) {                                            \
+      EXPECT_EQ(err.code(), ErrorCode::code_) << err.what();                \
+      EXPECT_THAT(std::string(err.what()), HasSubstr(text));                \
+    }                                                                       \
+  } while (0)
+
+// Rank 1 registers layer1.w with another shape: every rank fails, naming unit and shapes.
+TEST(ModelCheck, DifferentShapeFailsOnEveryRank) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  Engine e(Config{}, world());
+  auto model = zs_test::uneven_model();
+  if (world()->rank() == 1) model[2].params[0].second = {23, 14};
+  for (auto& u : model) {
+    std::vector<Param> ps;
+    for (auto& [n, s] : u.params) ps.push_back({n, s});
+    e.add_unit(u.name, ps);
+  }
+  EXPECT_ZS_ERROR(e.finalize(), model_mismatch, "unit 'layer1'");
+  try {
+    e.finalize();
+  } catch (const Error& err) {
+    // Second call: already-failed engines still refuse cleanly (no collective, no hang).
+    (void)err;
+  }
+}
+
+TEST(ModelCheck, MessageNamesBothShapesAndRanks) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  Engine e(Config{}, world());
+  std::vector<int64_t> shape = world()->rank() == world()->size() - 1 ? std::vector<int64_t>{4, 6}
+                                                                      : std::vector<int64_t>{4, 5};
+  e.add_unit("only", {Param{"w", shape}});
+  try {
+    e.finalize();
+    ADD_FAILURE() << "finalize() accepted different models";
+  } catch (const Error& err) {
+    std::string m = err.what();
+    EXPECT_THAT(m, HasSubstr("[4, 5]"));
+    EXPECT_THAT(m, HasSubstr("[4, 6]"));
+    EXPECT_THAT(m, HasSubstr("rank " + std::to_string(world()->size() - 1) + " registered a different model"));
+  }
+}
+
+TEST(ModelCheck, DifferentOrderFails) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  Engine e(Config{}, world());
+  std::vector<std::string> names = {"a", "b"};
+  if (world()->rank() == 1) std::swap(names[0], names[1]);
+  for (auto& n : names) e.add_unit(n, {Param{"w", {3}}});
+  EXPECT_ZS_ERROR(e.finalize(), model_mismatch, "rank 0 has \"unit 'a'\"");
+}
+
+TEST(ModelCheck, DifferentDtypeFails) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  Config cfg;
+  cfg.dtype = world()->rank() == 1 ? DType::bf16 : DType::f32;
+  Engine e(cfg, world());
+  e.add_unit("a", {Param{"w", {3}}});
+  EXPECT_ZS_ERROR(e.finalize(), model_mismatch, "dtype=bf16");
+}
+
+// A collective that a peer never joins in time fails with an error naming it and the unit.
+// The late rank arrives after the timeout, completing the abandoned collective, so the process
+// still ends cleanly.
+TEST(Timeout, LateRankFailsTheCollectiveNamingTheUnit) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  auto comm = make_mpi_communicator();  // its own: a timed-out communicator refuses further work
+  Config cfg;
+  cfg.stage = 2;
+  cfg.collective_timeout_s = 0.5;
+  {
+    Engine e(cfg, comm);
+    e.add_unit("late_unit", {Param{"w", {64}}});
+    e.finalize();
+    if (comm->rank() == 0) {
+      e.grads(0);
+      e.grads_ready(0);
+      EXPECT_ZS_ERROR(e.step(), timeout, "reduce_scatter of unit 'late_unit'");
+      double x = 0;
+      EXPECT_ZS_ERROR(comm->all_reduce(&x, 1, ReduceOp::sum, "after")->wait(), comm_failure, "unusable");
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      e.grads(0);
+      e.grads_ready(0);
+      e.zero_grad();  // waits for the reduction, which rank 0's abandoned request completes
+    }
+    // Rank 0's engine must outlive the late reduction that still writes into its buffers; its
+    // destructor waits for that to settle once every rank has joined.
+    world()->barrier("after timeout test");
+  }
+}
+
+TEST(Misuse, ClearErrors) {
+  Config cfg;
+  cfg.stage = 3;
+  Engine e(cfg, world());
+  EXPECT_ZS_ERROR(e.params(0), invalid_argument, "before finalize()");
+  e.add_unit("u", {Param{"w", {5, 3}}, Param{"b", {3}}});
+  EXPECT_ZS_ERROR(e.add_unit("u", {Param{"x", {1}}}), invalid_argument, "a unit of that name exists");
+  EXPECT_ZS_ERROR(e.add_unit("v", {Param{"x", {1}, 7}}), invalid_argument, "names group 7");
+  e.finalize();
+  EXPECT_ZS_ERROR(e.params(0), invalid_argument, "unit 'u' is not gathered");
+  EXPECT_ZS_ERROR(e.release(0), invalid_argument, "is not gathered");
+  EXPECT_ZS_ERROR(e.params(9), invalid_argument, "no unit with id 9");
+  e.gather(0);
+  EXPECT_ZS_ERROR(e.gather(0), invalid_argument, "already gathered");
+  e.release(0);
+  EXPECT_ZS_ERROR(e.grads_ready(0), invalid_argument, "call grads() first");
+  EXPECT_ZS_ERROR(e.step(), invalid_argument, "0 of 1 micro-steps");
+
+  // Gradients handed in by the trainer: wrong count, size, dtype.
+  std::vector<float> w(15), b(3), wrong(4);
+  std::vector<uint16_t> half(15);
+  EXPECT_ZS_ERROR(e.grads_ready(0, {{w.data(), 15, DType::f32}}), invalid_argument, "has 2 parameters, got 1");
+  EXPECT_ZS_ERROR(e.grads_ready(0, {{w.data(), 15, DType::f32}, {wrong.data(), 4, DType::f32}}),
+                  invalid_argument, "gradient of 'b' has 4 elements of f32, expected 3 of f32");
+  EXPECT_ZS_ERROR(e.grads_ready(0, {{half.data(), 15, DType::bf16}, {b.data(), 3, DType::f32}}),
+                  invalid_argument, "gradient of 'w' has 15 elements of bf16, expected 15 of f32");
+  // The right ones go through, and a second micro-step beyond the configured one is refused.
+  for (auto& x : w) x = 1.0f;
+  e.grads_ready(0, {{w.data(), 15, DType::f32}, {b.data(), 3, DType::f32}});
+  EXPECT_ZS_ERROR(e.grads(0), invalid_argument, "call step() first");
+  StepResult r = e.step();
+  EXPECT_FALSE(r.skipped);
+  EXPECT_NEAR(r.grad_norm, std::sqrt(15.0), 1e-6);
+  EXPECT_ZS_ERROR(e.set_lr(3, 0.1f), invalid_argument, "no parameter group 3");
+}
+
+TEST(Misuse, NvmeTierIsRefusedUntilBuilt) {
+  Config cfg;
+  cfg.stage = 3;
+  cfg.offload_optimizer.tier = Tier::nvme;
+  cfg.offload_optimizer.nvme_paths = {"/tmp"};
+  EXPECT_ZS_ERROR(Engine(cfg, world()), invalid_config, "nvme");
+}
+
+}  // namespace

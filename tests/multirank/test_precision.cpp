@@ -1,0 +1,133 @@
+// Loss scaling and clipping across ranks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "harness.hpp"
+
+using namespace zeroshard;
+using zs_test::world;
+
+namespace {
+
+Config f16_config(int stage, int hysteresis, int window) {
+  Config cfg;
+  cfg.stage = stage;
+  cfg.dtype = DType::f16;
+  cfg.loss_scale.initial_scale_power = 10;
+  cfg.loss_scale.hysteresis = hysteresis;
+  cfg.loss_scale.window = window;
+  cfg.optimizer.lr = 1e-2f;
+  return cfg;
+}
+
+std::vector<std::vector<float>> masters(Engine& e) {
+  std::vector<std::vector<float>> out;
+  for (int u = 0; u < e.num_units(); ++u) out.push_back(e.read_shard(u, StateKind::master));
+  return out;
+}
+
+// An inf written by the last rank into one gradient skips the step on every rank, leaves every
+// shard untouched, and halves the scale (hysteresis 1); clean steps then grow it again.
+TEST(LossScale, InfOnOneRankSkipsEverywhereAndHalves) {
+  for (int stage : {0, 2, 3}) {
+    Engine e(f16_config(stage, 1, 2), world());
+    zs_test::register_model(e, zs_test::uneven_model());
+    zs_test::TrainOptions clean;
+    clean.steps = 1;
+    zs_test::train(e, clean);  // one clean step (iteration 0)
+    const float scale0 = e.loss_scale();
+    const int64_t steps0 = e.step_count();
+    auto before = masters(e);
+
+    zs_test::TrainOptions bad;
+    bad.steps = 1;
+    const int culprit = e.world_size() - 1;
+    bad.tamper = [&](Engine& eng, int u, int, int64_t, std::vector<TensorView>& g) {
+      if (eng.rank() == culprit && u == 2) zs_test::store(g[1].data, g[1].dtype, 3, std::numeric_limits<float>::infinity());
+    };
+    auto r = zs_test::train(e, bad);
+    EXPECT_TRUE(r[0].skipped) << "stage " << stage;
+    EXPECT_EQ(e.step_count(), steps0);
+    EXPECT_EQ(e.loss_scale(), scale0 / 2) << "stage " << stage;
+    auto after = masters(e);
+    for (size_t u = 0; u < before.size(); ++u)
+      EXPECT_EQ(std::memcmp(before[u].data(), after[u].data(), before[u].size() * 4), 0) << "unit " << u;
+
+    auto rr = zs_test::train(e, clean);  // window 2 after the overflow: iteration 2 is clean
+    EXPECT_FALSE(rr[0].skipped);
+    zs_test::train(e, clean);
+    EXPECT_EQ(e.loss_scale(), scale0) << "two clean steps after the overflow double the scale back";
+    EXPECT_EQ(e.step_count(), steps0 + 2);
+  }
+}
+
+TEST(LossScale, HysteresisToleratesOneOverflow) {
+  Engine e(f16_config(1, 2, 1000), world());
+  zs_test::register_model(e, zs_test::uneven_model());
+  const float s0 = e.loss_scale();
+  zs_test::TrainOptions bad;
+  bad.steps = 1;
+  bad.tamper = [](Engine&, int u, int, int64_t, std::vector<TensorView>& g) {
+    if (u == 0) zs_test::store(g[0].data, g[0].dtype, 0, std::numeric_limits<float>::quiet_NaN());
+  };
+  EXPECT_TRUE(zs_test::train(e, bad)[0].skipped);
+  EXPECT_EQ(e.loss_scale(), s0);
+  EXPECT_TRUE(zs_test::train(e, bad)[0].skipped);
+  EXPECT_EQ(e.loss_scale(), s0 / 2);
+}
+
+// Clipping: the reported norm equals the norm of the averaged gradients computed here in double,
+// and SGD (lr 1, no momentum, no decay) moves each parameter by exactly -clip_factor × gradient.
+TEST(Clipping, NormAndFactorMatchReference) {
+  for (int stage : {0, 1, 3}) {
+    Config cfg;
+    cfg.stage = stage;
+    cfg.optimizer.kind = OptimizerKind::sgd;
+    cfg.optimizer.lr = 1.0f;
+    cfg.optimizer.weight_decay = 0;
+    cfg.gradient_clipping = 0.5;
+    Engine e(cfg, world());
+    auto model = zs_test::uneven_model();
+    zs_test::register_model(e, model);
+    std::vector<std::vector<float>> p0;
+    for (int u = 0; u < e.num_units(); ++u) p0.push_back(e.read_shard(u, StateKind::master));
+    zs_test::TrainOptions o;
+    o.steps = 1;
+    StepResult r = zs_test::train(e, o)[0];
+
+    double sumsq = 0;
+    std::vector<std::vector<double>> gavg;
+    for (size_t u = 0; u < model.size(); ++u) {
+      std::vector<float> init;
+      for (const auto& [name, shape] : model[u].params) {
+        auto v = zs_test::init_values(model[u].name, name, shape_numel(shape));
+        init.insert(init.end(), v.begin(), v.end());
+      }
+      std::vector<double> g(init.size());
+      for (size_t i = 0; i < init.size(); ++i) {
+        for (int rk = 0; rk < e.world_size(); ++rk) g[i] += zs_test::synthetic_grad(init[i], int(u), int64_t(i), rk, 0, 0);
+        g[i] /= e.world_size();
+        sumsq += g[i] * g[i];
+      }
+      gavg.push_back(g);
+    }
+    const double norm = std::sqrt(sumsq);
+    ASSERT_GT(norm, 0.5) << "the test needs clipping to engage";
+    EXPECT_NEAR(r.grad_norm, norm, 1e-5 * norm) << "stage " << stage;
+    const double factor = 0.5 / (norm + 1e-6);
+    EXPECT_NEAR(r.clip_factor, factor, 1e-6 * factor);
+    for (int u = 0; u < e.num_units(); ++u) {
+      ShardInfo si = e.shard_info(u);
+      auto p1 = e.read_shard(u, StateKind::master);
+      for (int64_t j = 0; j < si.shard_numel && si.shard_offset + j < si.numel; ++j) {
+        double step = double(p0[size_t(u)][size_t(j)]) - p1[size_t(j)];
+        EXPECT_NEAR(step, factor * gavg[size_t(u)][size_t(si.shard_offset + j)], 1e-6) << "unit " << u << " elem " << j;
+      }
+    }
+  }
+}
+
+}  // namespace
