@@ -1,6 +1,7 @@
 // Engine: registration, the cross-rank model check, allocation on the tiers, parameter views,
 // stage-3 gather/release with prefetch, and gradient buffers.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -273,6 +274,7 @@ void Engine::finalize() {
   m.allocate();
   m.load_initial_values();
   m.finalized = true;
+  m.interval_start = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // ---- parameters: views, gather, release --------------------------------------------------------
@@ -294,7 +296,7 @@ int Engine::Impl::take_gather_slot(int id) {
   for (size_t i = 0; i < units.size(); ++i) {
     Unit& v = units[i];
     if (v.gather_slot >= 0 && !v.gathered) {
-      v.gather_work->wait();
+      wait_for(*v.gather_work);
       gather_pool.release(v.gather_slot);
       v.gather_slot = -1;
       v.gather_work.reset();
@@ -312,8 +314,8 @@ void Engine::Impl::start_gather(int id) {
                                              << " units are already gathered (max_live_units); "
                                                 "release() some or raise max_live_units");
   u.gather_slot = slot;
-  u.gather_work = comm->all_gather(u.param, gather_pool.buffers[size_t(slot)].data(), u.layout.shard_numel,
-                                   pdt, "unit '" + u.layout.name + "'");
+  u.gather_work = track(comm->all_gather(u.param, gather_pool.buffers[size_t(slot)].data(), u.layout.shard_numel,
+                                   pdt, "unit '" + u.layout.name + "'"));
 }
 
 void Engine::Impl::prefetch_after(int) {
@@ -340,7 +342,7 @@ std::vector<TensorView> Engine::gather(UnitId id) {
     if (it != m.gather_order.end()) m.gather_pos = size_t(it - m.gather_order.begin()) + 1;
   }
   if (u.gather_slot < 0) m.start_gather(id);
-  u.gather_work->wait();
+  m.wait_for(*u.gather_work);
   u.gathered = true;
   m.prefetch_after(id);
   return m.views(u, m.gather_pool.buffers[size_t(u.gather_slot)].data());
@@ -420,7 +422,7 @@ void Engine::grads_ready(UnitId id) {
   if (!u.grads_out)
     ZS_THROW(invalid_argument, "grads_ready(): " << m.where(u) << " has no gradient buffer out; call grads() first");
   const void* src = m.cfg.stage < 2 ? u.grad_whole : m.grad_pool.buffers[size_t(u.grad_slot)].data();
-  u.reduction = m.comm->reduce_scatter(src, u.grad_shard, u.layout.shard_numel, m.pdt, "unit '" + u.layout.name + "'");
+  u.reduction = m.track(m.comm->reduce_scatter(src, u.grad_shard, u.layout.shard_numel, m.pdt, "unit '" + u.layout.name + "'"));
   u.grads_out = false;
   if (!m.cfg.overlap_comm) m.finish_reduction(id);
 }
@@ -477,6 +479,63 @@ std::vector<float> Engine::read_shard(UnitId id, StateKind kind) const {
                                                          << optimizer_name(m.cfg.optimizer.kind) << " keeps no such state");
   std::memcpy(out.data(), src, size_t(n) * 4);
   return out;
+}
+
+}  // namespace zeroshard
+
+namespace zeroshard {
+
+void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v) {
+  Impl& m = *impl_;
+  Unit& u = m.unit(id, "write_shard");
+  const int64_t n = u.layout.shard_numel;
+  if (int64_t(v.size()) != n)
+    ZS_THROW(invalid_argument, "write_shard(): " << m.where(u) << ": got " << v.size() << " values for a shard of " << n);
+  const int64_t off = m.cfg.stage == 0 ? m.rank * n : 0;
+  float* dst = kind == StateKind::master ? u.master + off
+               : kind == StateKind::state0 ? (u.state0 ? u.state0 + off : nullptr)
+               : kind == StateKind::state1 ? (u.state1 ? u.state1 + off : nullptr)
+                                           : nullptr;
+  if (!dst) ZS_THROW(invalid_argument, "write_shard(): " << m.where(u) << ": no such writable state");
+  std::memcpy(dst, v.data(), size_t(n) * 4);
+}
+
+void Engine::commit_shards() {
+  Impl& m = *impl_;
+  if (!m.finalized) ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
+  std::vector<std::shared_ptr<Work>> works;
+  for (Unit& u : m.units) {
+    const int64_t n = u.layout.shard_numel, off = m.rank * n;
+    const std::string what = "unit '" + u.layout.name + "' (restored state)";
+    if (m.cfg.stage == 0)  // whole f32 state on every rank: gather the restored shards first
+      for (float* f : {u.master, u.state0, u.state1})
+        if (f) works.push_back(m.comm->all_gather(f + off, f, n, DType::f32, what));
+  }
+  for (auto& w : works) w->wait();
+  works.clear();
+  for (Unit& u : m.units) {
+    const int64_t n = u.layout.shard_numel, off = m.rank * n;
+    const std::string what = "unit '" + u.layout.name + "' (restored parameters)";
+    char* p = static_cast<char*>(u.param);
+    switch (m.cfg.stage) {
+      case 0: cpu::convert(m.res.isa(), u.master, DType::f32, p, m.pdt, u.layout.padded_numel); break;
+      case 3: cpu::convert(m.res.isa(), u.master, DType::f32, p, m.pdt, n); break;
+      default:
+        cpu::convert(m.res.isa(), u.master, DType::f32, p + size_t(off) * m.pbytes, m.pdt, n);
+        works.push_back(m.comm->all_gather(p + size_t(off) * m.pbytes, p, n, m.pdt, what));
+    }
+  }
+  for (auto& w : works) w->wait();
+}
+
+void Engine::set_step_count(int64_t steps) {
+  if (steps < 0) ZS_THROW(invalid_argument, "set_step_count(): " << steps << " < 0");
+  impl_->steps = steps;
+}
+
+void Engine::set_loss_scale(float scale) {
+  if (!(scale > 0)) ZS_THROW(invalid_argument, "set_loss_scale(): " << scale << " must be > 0");
+  impl_->scaler.set_scale(scale);
 }
 
 }  // namespace zeroshard

@@ -73,7 +73,20 @@ struct Engine::Impl {
   bool order_recorded = false;
   size_t gather_pos = 0;
 
+  // Timing of the current step interval (StepResult's breakdown).
+  std::vector<std::shared_ptr<Work>> step_works;  // collectives since the last step
+  double exposed_s = 0;                           // trainer thread blocked on them
+  double interval_start = 0;
+
   Impl(Config c, std::shared_ptr<Communicator> cm);
+
+  /// Records a collective of the step path for the busy-time union.
+  std::shared_ptr<Work> track(std::shared_ptr<Work> w) {
+    step_works.push_back(w);
+    return w;
+  }
+  /// Waits for a collective, counting the wait as exposed communication.
+  void wait_for(Work& w);
 
   Unit& unit(UnitId id, const char* call);
   const Unit& unit(UnitId id, const char* call) const;

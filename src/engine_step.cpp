@@ -1,5 +1,7 @@
 // Engine: finishing gradient reductions, and the optimizer step (norm, overflow, clipping,
 // fused update, low-precision parameters back in place).
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -9,17 +11,50 @@
 
 namespace zeroshard {
 
+static double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void Engine::Impl::wait_for(Work& w) {
+  struct Count {
+    double t0 = now_s();
+    double& total;
+    ~Count() { total += now_s() - t0; }
+  } count{now_s(), exposed_s};
+  w.wait();
+}
+
+// Wall time covered by at least one of the collectives (they overlap one another).
+static double busy_union(std::vector<std::shared_ptr<Work>>& works) {
+  std::vector<std::pair<double, double>> iv;
+  for (auto& w : works)
+    if (w->finished_at() > 0) iv.emplace_back(w->started_at(), w->finished_at());
+  std::sort(iv.begin(), iv.end());
+  double busy = 0, end = -1;
+  for (auto [b, e] : iv) {
+    if (b > end) {
+      busy += e - b;
+      end = e;
+    } else if (e > end) {
+      busy += e - end;
+      end = e;
+    }
+  }
+  works.clear();
+  return busy;
+}
+
 // Waits for a unit's reduce-scatter, completes stage 0's all-reduce (reduce-scatter + all-gather
 // over the same shards, so every stage sees bitwise the same reduced gradient), and folds the
 // micro-step into the f32 accumulator.
 void Engine::Impl::finish_reduction(int id) {
   Unit& u = units[size_t(id)];
   if (!u.reduction) return;
-  u.reduction->wait();  // on failure the handle stays, so the destructor can wait for it to settle
+  wait_for(*u.reduction);  // on failure the handle stays, so the destructor can wait for it to settle
   u.reduction.reset();
   const UnitLayout& L = u.layout;
   if (cfg.stage == 0)
-    comm->all_gather(u.grad_shard, u.grad_whole, L.shard_numel, pdt, "unit '" + L.name + "' (gradients)")->wait();
+    wait_for(*track(comm->all_gather(u.grad_shard, u.grad_whole, L.shard_numel, pdt, "unit '" + L.name + "' (gradients)")));
   if (u.grad_slot >= 0) {
     grad_pool.release(u.grad_slot);
     u.grad_slot = -1;
@@ -84,9 +119,17 @@ StepResult Engine::Impl::step() {
       return cpu::sum_squares(res.isa(), g, dt, e - b);
     });
   double agg[2] = {local, std::isfinite(local) ? 0.0 : 1.0};
-  comm->all_reduce(agg, 2, ReduceOp::sum, "gradient norm and overflow flag")->wait();
+  wait_for(*track(comm->all_reduce(agg, 2, ReduceOp::sum, "gradient norm and overflow flag")));
 
   StepResult r;
+  auto close_interval = [&] {
+    double now = now_s();
+    r.comm_busy_s = busy_union(step_works);
+    r.comm_exposed_s = exposed_s;
+    r.interval_s = now - interval_start;
+    exposed_s = 0;
+    interval_start = now;
+  };
   const double scale = scaler.scale();
   const bool overflow = agg[1] > 0 || !std::isfinite(agg[0]);
   const double inv = 1.0 / (double(world) * k * scale);
@@ -97,11 +140,13 @@ StepResult Engine::Impl::step() {
     r.grad_norm = std::numeric_limits<double>::infinity();
     r.loss_scale = scaler.scale();
     r.step = steps;
+    close_interval();
     return r;
   }
   const double clip = cfg.gradient_clipping;
   r.clip_factor = clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0;
   ++steps;
+  const double t_update = now_s();
 
   // Hyperparameters per group, folded once in double.
   std::vector<cpu::UpdateHyper> hyper;
@@ -169,13 +214,15 @@ StepResult Engine::Impl::step() {
     std::vector<std::shared_ptr<Work>> works;
     for (Unit& u : units) {
       char* own = static_cast<char*>(u.param) + size_t(rank * u.layout.shard_numel) * pbytes;
-      works.push_back(comm->all_gather(own, u.param, u.layout.shard_numel, pdt, "unit '" + u.layout.name + "' (parameters)"));
+      works.push_back(track(comm->all_gather(own, u.param, u.layout.shard_numel, pdt, "unit '" + u.layout.name + "' (parameters)")));
     }
-    for (auto& w : works) w->wait();
+    for (auto& w : works) wait_for(*w);
   }
+  r.optimizer_s = now_s() - t_update;
   scaler.update(false);
   r.loss_scale = scaler.scale();
   r.step = steps;
+  close_interval();
   return r;
 }
 

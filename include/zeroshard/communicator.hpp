@@ -24,6 +24,10 @@ class Work {
   /// may still complete later, when a late peer arrives), or `max_seconds` pass. Returns whether
   /// it settled; never throws. Owners of the buffers call it before freeing them.
   virtual bool wait_settled(double max_seconds) = 0;
+  /// When the backend started and finished the collective, in steady-clock seconds; finished is
+  /// 0 until it completes. Used to measure how much communication compute hid.
+  virtual double started_at() = 0;
+  virtual double finished_at() = 0;
 };
 
 /// Collectives over a fixed group of ranks. Buffers passed to a call must stay valid and unused

@@ -3,6 +3,7 @@
 /// The engine: owns a model's units, their shards on every tier, the optimizer and the
 /// communication. One engine per model, one per rank, driven by the trainer's thread.
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -35,6 +36,16 @@ struct StepResult {
   double clip_factor = 1.0; ///< multiplier applied for clipping (1 when not clipped)
   float loss_scale = 1.0f;  ///< the scale the trainer must apply to its next loss
   int64_t step = 0;         ///< optimizer steps taken so far (skipped steps do not count)
+
+  /// Where the time since the previous step() went, in seconds, on this rank:
+  double optimizer_s = 0;      ///< the update (and, stages 1–2, the parameter all-gather wait)
+  double comm_busy_s = 0;      ///< wall time with at least one of the engine's collectives running
+  double comm_exposed_s = 0;   ///< wall time the trainer's thread waited for collectives
+  double interval_s = 0;       ///< wall time since the previous step() returned (or finalize())
+  /// Share of communication hidden behind the trainer's compute: 1 − exposed / busy (1 if none).
+  double comm_hidden_fraction() const {
+    return comm_busy_s > 0 ? 1.0 - std::min(1.0, comm_exposed_s / comm_busy_s) : 1.0;
+  }
 };
 
 /// Shard geometry of one unit on this rank, in elements.
@@ -122,6 +133,17 @@ class Engine {
   /// (also in stage 0, where the state is whole). state0/state1 are the optimizer's moment
   /// buffers (Adam: m, v; SGD: momentum; Lion: m); an absent state throws.
   std::vector<float> read_shard(UnitId unit, StateKind kind) const;
+
+  /// Overwrites this rank's shard of master, state0 or state1 (shard_numel floats, as
+  /// read_shard() returns them; padding must be zero). Parameters follow only after
+  /// commit_shards(). For restoring a sharded state dict at the same world size.
+  void write_shard(UnitId unit, StateKind kind, const std::vector<float>& values);
+  /// Collective: rebuilds every low-precision parameter (and, in stage 0, the whole f32 state)
+  /// from the shards written with write_shard().
+  void commit_shards();
+  /// Restores the optimizer step count (bias correction) and the loss scale of a saved state.
+  void set_step_count(int64_t steps);
+  void set_loss_scale(float scale);
 
   /// The ledger: bytes held by tier × kind on this rank, with peaks.
   MemoryReport memory() const;

@@ -4,6 +4,25 @@
 
 namespace zeroshard {
 
+static double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void WorkState::mark_started() {
+  std::lock_guard<std::mutex> lock(mu_);
+  started_ = now_s();
+}
+
+double WorkState::started_at() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return started_;
+}
+
+double WorkState::finished_at() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return finished_;
+}
+
 void WorkState::wait() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return state_ != State::pending; });
@@ -24,6 +43,8 @@ void WorkState::complete() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     settled_ = true;
+    finished_ = now_s();
+    if (started_ == 0) started_ = finished_;
     if (state_ == State::pending) state_ = State::ok;
   }
   cv_.notify_all();

@@ -16,6 +16,10 @@ class WorkState final : public Work {
   void wait() override;
   bool done() override;
   bool wait_settled(double max_seconds) override;
+  double started_at() override;
+  double finished_at() override;
+  /// The backend has started the collective (for timing).
+  void mark_started();
   /// The backend is done with the buffers (after complete(), or late after a timeout).
   void settle();
   /// True once completed with an error.
@@ -29,6 +33,7 @@ class WorkState final : public Work {
   std::condition_variable cv_;
   enum class State { pending, ok, failed } state_ = State::pending;
   bool settled_ = false;
+  double started_ = 0, finished_ = 0;
   ErrorCode code_ = ErrorCode::internal;
   std::string message_;
   std::string what_;

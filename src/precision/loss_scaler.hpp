@@ -12,6 +12,7 @@ class LossScaler {
   /// dynamic: f16 without a static scale. Otherwise the scale is static_scale (if > 0) or 1.
   LossScaler(const LossScaleOptions& o, bool dynamic);
   float scale() const { return scale_; }
+  void set_scale(float s) { scale_ = s; }
   /// Records one step's outcome (after the all-reduce that agreed on `overflow`).
   void update(bool overflow);
 

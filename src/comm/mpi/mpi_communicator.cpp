@@ -246,6 +246,7 @@ class MpiCommunicator final : public Communicator {
       }
     }
     MPI_Request req = MPI_REQUEST_NULL;
+    p.work->mark_started();
     int rc = p.start(&req);
     if (rc != MPI_SUCCESS) {
       p.work->fail(ErrorCode::comm_failure, p.work->what() + " could not start: " + mpi_error_string(rc));
