@@ -449,6 +449,19 @@ const std::string& Engine::unit_name(UnitId id) const {
   return impl_->units[size_t(id)].layout.name;
 }
 const Config& Engine::config() const { return impl_->cfg; }
+const std::shared_ptr<Communicator>& Engine::communicator() const { return impl_->comm; }
+
+std::vector<Param> Engine::unit_params(UnitId id) const {
+  if (id < 0 || size_t(id) >= impl_->units.size()) ZS_THROW(invalid_argument, "unit_params(): no unit " << id);
+  std::vector<Param> out;
+  for (const ParamSlot& p : impl_->units[size_t(id)].layout.params) out.push_back(Param{p.name, p.shape, p.group});
+  return out;
+}
+
+bool Engine::has_state(StateKind kind) const {
+  int n = impl_->num_states();
+  return kind == StateKind::state1 ? n >= 2 : kind == StateKind::state0 ? n >= 1 : true;
+}
 MemoryReport Engine::memory() const { return impl_->ledger.report(); }
 
 ShardInfo Engine::shard_info(UnitId id) const {

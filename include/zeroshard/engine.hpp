@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -128,6 +129,12 @@ class Engine {
   const std::string& unit_name(UnitId unit) const;
   ShardInfo shard_info(UnitId unit) const;
   const Config& config() const;
+  const std::shared_ptr<Communicator>& communicator() const;
+  /// The unit's parameters as registered (without their initial values).
+  std::vector<Param> unit_params(UnitId unit) const;
+  /// Whether the optimizer keeps `kind` (master and param always; state1 for Adam/AdamW; state0
+  /// for Adam/AdamW, Lion and SGD with momentum).
+  bool has_state(StateKind kind) const;
 
   /// This rank's shard [shard_offset, shard_offset + shard_numel) of one state of a unit, as f32
   /// (also in stage 0, where the state is whole). state0/state1 are the optimizer's moment
@@ -144,6 +151,17 @@ class Engine {
   /// Restores the optimizer step count (bias correction) and the loss scale of a saved state.
   void set_step_count(int64_t steps);
   void set_loss_scale(float scale);
+
+  /// Collective: writes a checkpoint any world size and any stage can load — per unit and state,
+  /// one file of the unit's unpadded f32 values (each rank writes its shard's range), and a
+  /// manifest written last, so a directory without manifest.json is an incomplete checkpoint.
+  /// Overwrites an existing checkpoint in `dir`.
+  void save(const std::filesystem::path& dir);
+  /// Collective: loads a checkpoint written by save() at any world size or stage. The model must
+  /// match (unit and parameter names, shapes, order, optimizer); else Error(invalid_argument)
+  /// naming the first difference. Restores master weights, optimizer state, step count and
+  /// loss scale; parameters are rebuilt from the master weights.
+  void load(const std::filesystem::path& dir);
 
   /// The ledger: bytes held by tier × kind on this rank, with peaks.
   MemoryReport memory() const;

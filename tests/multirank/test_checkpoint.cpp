@@ -1,0 +1,114 @@
+// Checkpoints: save at this world size and stage, load at another stage on the same ranks and
+// at world size 1 (rank 0 alone), and continue exactly as the original.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+#include "harness.hpp"
+
+using namespace zeroshard;
+using zs_test::world;
+
+namespace {
+
+Config cfg_for(int stage) {
+  Config c;
+  c.stage = stage;
+  c.dtype = DType::bf16;
+  c.optimizer.lr = 1e-2f;
+  c.shard_alignment = 4;
+  return c;
+}
+
+std::filesystem::path shared_dir(const char* name) {
+  // One directory for all ranks (same machine): rank 0's pid, broadcast.
+  double id = world()->rank() == 0 ? double(::getpid()) : 0;
+  world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
+  return std::filesystem::temp_directory_path() / ("zeroshard-ckpt-" + std::string(name) + "-" + std::to_string(int64_t(id)));
+}
+
+// Gathers a unit's whole f32 state over the ranks (for comparing across world sizes).
+std::vector<float> whole(Engine& e, int u, StateKind k) {
+  ShardInfo s = e.shard_info(u);
+  std::vector<float> shard = e.read_shard(u, k), all(size_t(s.padded_numel));
+  e.communicator()->all_gather(shard.data(), all.data(), s.shard_numel, DType::f32, "test gather")->wait();
+  all.resize(size_t(s.numel));
+  return all;
+}
+
+TEST(Checkpoint, LoadsAtAnotherStageAndWorldSize) {
+  auto dir = shared_dir("a");
+  Engine a(cfg_for(3), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  zs_test::TrainOptions o;
+  o.steps = 4;
+  zs_test::train(a, o);
+  a.save(dir);
+  ASSERT_TRUE(std::filesystem::exists(dir / "manifest.json"));
+
+  // Same ranks, stage 1: continues bitwise like the original.
+  Engine b(cfg_for(1), world());
+  zs_test::register_model(b, zs_test::uneven_model());
+  b.load(dir);
+  EXPECT_EQ(b.step_count(), a.step_count());
+  zs_test::train(a, o);
+  zs_test::train(b, o);
+  for (int u = 0; u < a.num_units(); ++u)
+    for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
+      auto x = a.read_shard(u, k), y = b.read_shard(u, k);
+      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0) << "unit " << u;
+    }
+
+  // World size 1 (rank 0 alone, stage 0) reads every range back: the states equal the gathered
+  // ones of the 4-step checkpoint, whatever world size wrote it.
+  Engine c(cfg_for(3), world());
+  zs_test::register_model(c, zs_test::uneven_model());
+  c.load(dir);
+  std::vector<std::vector<float>> ref;
+  for (int u = 0; u < c.num_units(); ++u) ref.push_back(whole(c, u, StateKind::state1));
+  if (world()->rank() == 0) {
+    Engine solo(cfg_for(0), make_self_communicator());
+    zs_test::register_model(solo, zs_test::uneven_model());
+    solo.load(dir);
+    for (int u = 0; u < solo.num_units(); ++u) {
+      auto v = solo.read_shard(u, StateKind::state1);
+      v.resize(ref[size_t(u)].size());
+      EXPECT_EQ(std::memcmp(v.data(), ref[size_t(u)].data(), v.size() * 4), 0) << "unit " << u;
+    }
+  }
+  world()->barrier("checkpoint test");
+  if (world()->rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST(Checkpoint, RefusesAnotherModelAndTruncatedFiles) {
+  auto dir = shared_dir("b");
+  Engine a(cfg_for(2), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  a.save(dir);
+  auto other = zs_test::uneven_model();
+  other[1].params[0].second = {11, 24};
+  Engine b(cfg_for(2), world());
+  zs_test::register_model(b, other);
+  try {
+    b.load(dir);
+    ADD_FAILURE() << "loaded a checkpoint of another model";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the model differs at unit 1"), std::string::npos) << e.what();
+  }
+  world()->barrier("before truncation");
+  if (world()->rank() == 0) std::filesystem::resize_file(dir / "unit2.master.f32", 8);
+  world()->barrier("after truncation");
+  try {
+    a.load(dir);
+    ADD_FAILURE() << "loaded a truncated checkpoint";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unit2.master.f32"), std::string::npos) << e.what();
+  }
+  world()->barrier("checkpoint test b");
+  if (world()->rank() == 0) std::filesystem::remove_all(dir);
+}
+
+}  // namespace
