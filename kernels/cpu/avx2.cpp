@@ -19,6 +19,7 @@ struct Avx2Vec {
   static T load_f32(const float* p) { return _mm256_loadu_ps(p); }
   static void store_f32(float* p, T x) { _mm256_storeu_ps(p, x); }
 
+  // bf16 is the top half of an f32: zero-extend and shift, exact.
   static T load_bf16(const uint16_t* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -38,6 +39,8 @@ struct Avx2Vec {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
+  // F16C converts exactly when widening and rounds to nearest even (immediate, not MXCSR) when
+  // narrowing; scalar_convert.hpp reproduces its NaN and subnormal results bit for bit.
   static T load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -57,12 +60,15 @@ struct Avx2Vec {
   static T zero() { return _mm256_setzero_ps(); }
   static T bit_xor(T a, T b) { return _mm256_xor_ps(a, b); }
 
+  // Squares are taken in double (exact), eight lanes as two halves of four.
   static Acc acc_zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
   static Acc acc_add_square(Acc acc, T x) {
     const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
     const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-    return {_mm256_add_pd(acc.lo, _mm256_mul_pd(lo, lo)), _mm256_add_pd(acc.hi, _mm256_mul_pd(hi, hi))};
+    return {_mm256_add_pd(acc.lo, _mm256_mul_pd(lo, lo)),
+            _mm256_add_pd(acc.hi, _mm256_mul_pd(hi, hi))};
   }
+  // A fixed combination order, so a given input always gives the same sum.
   static double acc_total(Acc acc) {
     alignas(32) double lanes[4];
     _mm256_store_pd(lanes, _mm256_add_pd(acc.lo, acc.hi));

@@ -5,10 +5,14 @@
 // GCC 12's AVX-512 headers self-initialise their "undefined" vectors (`__m512 __Y = __Y;`),
 // which trips -Wmaybe-uninitialized once inlined (GCC bug 105593); the warning is about the
 // header's idiom, not this code.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 
 #include "kernels/cpu/isa_table.hpp"
 
@@ -26,6 +30,7 @@ struct Avx512Vec {
   static T load_f32(const float* p) { return _mm512_loadu_ps(p); }
   static void store_f32(float* p, T x) { _mm512_storeu_ps(p, x); }
 
+  // bf16 is the top half of an f32: zero-extend and shift, exact.
   static T load_bf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -43,6 +48,7 @@ struct Avx512Vec {
     // vpmovdw truncates each lane to 16 bits; every lane already fits.
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
+  // Same F16C semantics as the AVX2 file, sixteen lanes (EVEX forms of vcvtph2ps/vcvtps2ph).
   static T load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -66,6 +72,7 @@ struct Avx512Vec {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
   }
 
+  // Squares in double (exact), sixteen lanes as two halves of eight.
   static Acc acc_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
   static Acc acc_add_square(Acc acc, T x) {
     const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));

@@ -2,6 +2,8 @@
 // any -m flag, so everything here runs on any x86-64 CPU; ISA-specific code is reached only
 // through a KernelTable after isa_supported() said yes.
 
+#include <cpuid.h>
+
 #include <cstdlib>
 #include <string_view>
 
@@ -13,26 +15,41 @@
 namespace zeroshard::cpu {
 namespace {
 
-bool valid_dtype(DType d) { return d == DType::f32 || d == DType::bf16 || d == DType::f16; }
+// DType reaches here as a raw byte from bindings and config code; an out-of-range value must be
+// refused, since the templates' dtype switch would otherwise silently do nothing.
+bool valid_dtype(DType d) {
+  return d == DType::f32 || d == DType::bf16 || d == DType::f16;
+}
+
+// F16C straight from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know
+// the "f16c" name. The OS-saves-YMM check is part of the avx2 test it is always paired with.
+bool has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
 
 bool detect(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return true;
-    case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case Isa::scalar:
+      return true;
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && has_f16c();
     case Isa::avx512:
       // avx2 + f16c too: the AVX-512 file is compiled with them and may use them anywhere.
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-             __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && has_f16c();
   }
   return false;
 }
 
+constexpr int kIsaCount = 3;
+
+// CPUID is read once per process; every kernel call then checks a plain bool.
 struct IsaSupport {
-  bool supported[3];
+  bool supported[kIsaCount];
   IsaSupport() {
     __builtin_cpu_init();  // needed when called before libgcc's own constructor has run
-    for (int i = 0; i < 3; ++i) supported[i] = detect(static_cast<Isa>(i));
+    for (int i = 0; i < kIsaCount; ++i) supported[i] = detect(static_cast<Isa>(i));
   }
 };
 
@@ -41,10 +58,12 @@ const IsaSupport& support() {
   return s;
 }
 
+// ZEROSHARD_CPU_ISA lets a user pin a narrower ISA (to compare variants, or to dodge AVX-512
+// frequency drops on older parts); an unknown value is an error rather than a silent default.
 Isa parse_isa_env() {
   Isa best = Isa::scalar;
   for (Isa isa : {Isa::avx2, Isa::avx512}) {
-    if (support().supported[static_cast<int>(isa)]) best = isa;
+    if (isa_supported(isa)) best = isa;
   }
   const char* env = std::getenv("ZEROSHARD_CPU_ISA");
   if (env == nullptr || *env == '\0') return best;
@@ -53,23 +72,28 @@ Isa parse_isa_env() {
     // A cap, not a demand: asking for avx512 on an AVX2 machine still gets AVX2.
     if (want == isa_name(isa)) return static_cast<int>(isa) < static_cast<int>(best) ? isa : best;
   }
-  ZS_THROW(invalid_config,
-           "ZEROSHARD_CPU_ISA='" << want << "' is not one of scalar, avx2, avx512");
+  ZS_THROW(invalid_config, "ZEROSHARD_CPU_ISA='" << want << "' is not one of scalar, avx2, avx512");
 }
 
+// An ISA the CPU lacks is refused here: entering avx512.cpp on such a CPU would be SIGILL, not an
+// error a caller could catch.
 const KernelTable& table(Isa isa) {
-  if (static_cast<int>(isa) > 2 || !support().supported[static_cast<int>(isa)]) {
+  if (!isa_supported(isa)) {
     ZS_THROW(invalid_argument,
              "CPU kernels: ISA " << isa_name(isa) << " is not supported by this CPU");
   }
   switch (isa) {
-    case Isa::avx2: return avx2_kernels();
-    case Isa::avx512: return avx512_kernels();
-    case Isa::scalar: break;
+    case Isa::avx2:
+      return avx2_kernels();
+    case Isa::avx512:
+      return avx512_kernels();
+    case Isa::scalar:
+      break;
   }
   return scalar_kernels();
 }
 
+// A null pointer is allowed with n == 0: an empty shard (world size > parameters) has no buffer.
 void check_range(const char* call, const void* p, const char* what, int64_t n) {
   if (n < 0) ZS_THROW(invalid_argument, call << ": negative element count " << n);
   if (n > 0 && p == nullptr) ZS_THROW(invalid_argument, call << ": " << what << " is null");
@@ -85,17 +109,22 @@ void check_dtype(const char* call, DType d) {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return "scalar";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
   }
   return "?";
 }
 
 bool isa_supported(Isa isa) {
-  return static_cast<int>(isa) <= 2 && support().supported[static_cast<int>(isa)];
+  const int i = static_cast<int>(isa);
+  return i < kIsaCount && support().supported[i];
 }
 
+// A function-local static: detection and the environment are read on first use, thread-safely.
 Isa best_isa() {
   static const Isa isa = parse_isa_env();
   return isa;
@@ -103,19 +132,21 @@ Isa best_isa() {
 
 void optimizer_update(Isa isa, const UpdateHyper& h, const UpdateArgs& a) {
   constexpr const char* call = "optimizer_update";
+  if (static_cast<int>(h.kind) > static_cast<int>(OptimizerKind::lion)) {
+    ZS_THROW(invalid_argument, call << ": unknown optimizer kind " << static_cast<int>(h.kind));
+  }
   check_range(call, a.master, "master", a.n);
   check_range(call, a.grad, "grad", a.n);
   check_dtype(call, a.grad_dtype);
   if (a.out != nullptr) check_dtype(call, a.out_dtype);
+  // The states each rule reads; a null one would only surface as a crash inside the loop.
   const bool adam = h.kind == OptimizerKind::adam || h.kind == OptimizerKind::adamw;
-  const bool needs_state0 =
-      adam || h.kind == OptimizerKind::lion || (h.kind == OptimizerKind::sgd && h.momentum != 0);
-  if (needs_state0) check_range(call, a.state0, "state0", a.n);
-  if (adam) check_range(call, a.state1, "state1", a.n);
-  if (static_cast<int>(h.kind) > static_cast<int>(OptimizerKind::lion)) {
-    ZS_THROW(invalid_argument, call << ": unknown optimizer kind " << static_cast<int>(h.kind));
+  const bool sgd_momentum = h.kind == OptimizerKind::sgd && h.momentum != 0;
+  if (adam || sgd_momentum || h.kind == OptimizerKind::lion) {
+    check_range(call, a.state0, "state0", a.n);
   }
-  if (a.n == 0) return;
+  if (adam) check_range(call, a.state1, "state1", a.n);
+  if (a.n == 0) return;  // after the checks, so a bad call fails even on an empty shard
   table(isa).optimizer_update(h, a);
 }
 
@@ -147,13 +178,14 @@ void add_into(Isa isa, void* inout, const void* in, DType dtype, int64_t n) {
   table(isa).add_into(inout, in, dtype, n);
 }
 
+// The stream counts index a table of fixed-count instantiations, hence the hard limit.
 void same_bytes(Isa isa, const float* const* reads, int read_streams, float* const* writes,
                 int write_streams, int64_t n) {
   constexpr const char* call = "same_bytes";
   for (int streams : {read_streams, write_streams}) {
     if (streams < 0 || streams > kMaxSameBytesStreams) {
-      ZS_THROW(invalid_argument, call << ": " << streams << " streams (0.."
-                                      << kMaxSameBytesStreams << " allowed)");
+      ZS_THROW(invalid_argument,
+               call << ": " << streams << " streams (0.." << kMaxSameBytesStreams << " allowed)");
     }
   }
   if (n < 0) ZS_THROW(invalid_argument, call << ": negative element count " << n);
@@ -165,9 +197,18 @@ void same_bytes(Isa isa, const float* const* reads, int read_streams, float* con
   table(isa).same_bytes(reads, read_streams, writes, write_streams, n);
 }
 
-float bf16_to_float(uint16_t h) { return cvt::bf16_to_float(h); }
-uint16_t float_to_bf16(float f) { return cvt::float_to_bf16(f); }
-float f16_to_float(uint16_t h) { return cvt::f16_to_float(h); }
-uint16_t float_to_f16(float f) { return cvt::float_to_f16(f); }
+// Out-of-line copies of the inline reference conversions, for code outside the kernels.
+float bf16_to_float(uint16_t h) {
+  return cvt::bf16_to_float(h);
+}
+uint16_t float_to_bf16(float f) {
+  return cvt::float_to_bf16(f);
+}
+float f16_to_float(uint16_t h) {
+  return cvt::f16_to_float(h);
+}
+uint16_t float_to_f16(float f) {
+  return cvt::float_to_f16(f);
+}
 
 }  // namespace zeroshard::cpu

@@ -16,7 +16,10 @@
 namespace zeroshard::cpu {
 namespace {
 
-inline size_t elem_bytes(DType d) { return d == DType::f32 ? 4 : 2; }
+// Kept local: the kernels object library must not depend on the engine's dtype_size().
+inline size_t elem_bytes(DType d) {
+  return d == DType::f32 ? 4 : 2;
+}
 
 // Runs body.template operator()<U>(begin, end) over [0, n): full vectors with V, then the tail
 // with ScalarVec (skipped when V is the scalar type itself).
@@ -27,6 +30,7 @@ inline void split_tail(int64_t n, Body&& body) {
   if constexpr (!std::is_same_v<V, ScalarVec>) body.template operator()<ScalarVec>(full, n);
 }
 
+// Widen to f32, narrow with round to nearest even: the one conversion path every pair shares.
 template <class V, DType S, DType D>
 void convert_typed(const void* src, void* dst, int64_t n) {
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
@@ -50,6 +54,7 @@ void convert_impl(const void* src, DType src_dtype, void* dst, DType dst_dtype, 
   });
 }
 
+// Gradient accumulation across micro-steps always sums in f32, whatever the gradient dtype.
 template <class V, DType G>
 void accumulate_typed(float* acc, const void* g, int64_t n) {
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
@@ -64,6 +69,7 @@ void accumulate_impl(float* acc, const void* g, DType g_dtype, int64_t n) {
   with_dtype(g_dtype, [&](auto d) { accumulate_typed<V, decltype(d)::value>(acc, g, n); });
 }
 
+// One rounding per element, as a reduction over low-precision buffers on the wire would do.
 template <class V, DType D>
 void add_into_typed(void* inout, const void* in, int64_t n) {
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
@@ -92,7 +98,9 @@ double sum_squares_typed(const void* x, int64_t n) {
     for (int64_t block = begin; block < end; block += kSumBlock) {
       const int64_t stop = std::min(end, block + kSumBlock);
       typename U::Acc acc = U::acc_zero();
-      for (int64_t i = block; i < stop; i += U::kWidth) acc = U::acc_add_square(acc, load_as<U, D>(x, i));
+      for (int64_t i = block; i < stop; i += U::kWidth) {
+        acc = U::acc_add_square(acc, load_as<U, D>(x, i));
+      }
       total += U::acc_total(acc);
     }
   });
@@ -108,15 +116,26 @@ double sum_squares_impl(const void* x, DType dtype, int64_t n) {
 
 // same_bytes with R reads and W writes fixed at compile time, so the stream loops unroll and the
 // kernel is as lean as the update it is the ceiling for. The reads are xor-ed into the value
-// written, which keeps the compiler from dropping them and costs no memory traffic.
+// written, which keeps the compiler from dropping them and costs no memory traffic. Every
+// distinct stream is prefetched exactly as the update prefetches its streams.
 template <class V, int R, int W>
 void same_bytes_fixed(const float* const* reads, float* const* writes, int64_t n) {
   std::array<const float*, R> rd{};
   std::array<float*, W> wr{};
-  for (int r = 0; r < R; ++r) rd[r] = reads[r];
-  for (int w = 0; w < W; ++w) wr[w] = writes[w];
+  std::array<const float*, R + W> distinct{};
+  int streams = 0;
+  for (int r = 0; r < R; ++r) distinct[streams++] = rd[r] = reads[r];
+  for (int w = 0; w < W; ++w) {
+    wr[w] = writes[w];
+    bool seen = false;
+    for (int r = 0; r < R; ++r) seen = seen || rd[r] == wr[w];
+    if (!seen) distinct[streams++] = wr[w];
+  }
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i += U::kWidth) {
+      if (U::kWidth >= kLineElems || i % kLineElems == 0) {
+        for (int s = 0; s < streams; ++s) prefetch_ahead(distinct[s], i, 4);
+      }
       typename U::T x = U::zero();
       for (int r = 0; r < R; ++r) x = U::bit_xor(x, U::load_f32(rd[r] + i));
       for (int w = 0; w < W; ++w) U::store_f32(wr[w] + i, x);
@@ -124,6 +143,7 @@ void same_bytes_fixed(const float* const* reads, float* const* writes, int64_t n
   });
 }
 
+// A constexpr grid of every (R, W) instantiation, indexed by the run-time stream counts.
 using SameBytesFn = void (*)(const float* const*, float* const*, int64_t);
 constexpr int kStreamChoices = kMaxSameBytesStreams + 1;
 

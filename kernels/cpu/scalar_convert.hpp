@@ -14,7 +14,9 @@
 namespace zeroshard::cpu::cvt {
 namespace {
 
-inline float bf16_to_float(uint16_t h) { return std::bit_cast<float>(uint32_t{h} << 16); }
+inline float bf16_to_float(uint16_t h) {
+  return std::bit_cast<float>(uint32_t{h} << 16);
+}
 
 inline uint16_t float_to_bf16(float f) {
   const uint32_t u = std::bit_cast<uint32_t>(f);

@@ -44,6 +44,7 @@ inline UpdateConsts fold_consts(const UpdateHyper& h) {
   return c;
 }
 
+// The folded constants splat into vectors once per call, outside the element loop.
 template <class V>
 struct Broadcast {
   using T = typename V::T;
@@ -69,15 +70,28 @@ template <class V, Rule R, DType G, Out O>
 void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int64_t end) {
   using T = typename V::T;
   const Broadcast<V> k(c);
+  // Local copies: the compiler cannot prove that stores through float* leave `a` unchanged.
   float* const master = a.master;
   float* const s0 = a.state0;
   float* const s1 = a.state1;
+  // Element sizes for prefetch addressing (the out size is unused when O is none).
+  const size_t grad_bytes = G == DType::f32 ? 4 : 2;
+  const size_t out_bytes = O == Out::f32 ? 4 : 2;
   for (int64_t i = begin; i < end; i += V::kWidth) {
+    // One prefetch per stream and cache line of f32 (half-width streams get two per line).
+    if (V::kWidth >= kLineElems || i % kLineElems == 0) {
+      prefetch_ahead(master, i, 4);
+      prefetch_ahead(a.grad, i, grad_bytes);
+      if constexpr (R != Rule::sgd) prefetch_ahead(s0, i, 4);
+      if constexpr (R == Rule::adam || R == Rule::adamw) prefetch_ahead(s1, i, 4);
+      if constexpr (O != Out::none) prefetch_ahead(a.out, i, out_bytes);
+    }
     T p = V::load_f32(master + i);
     T g = load_as<V, G>(a.grad, i) * k.grad_scale;
     if constexpr (R == Rule::adam || R == Rule::adamw) {
       T m = V::load_f32(s0 + i);
       T v = V::load_f32(s1 + i);
+      // Adam folds decay into the gradient (L2); AdamW decays the weight itself, first.
       if constexpr (R == Rule::adam) {
         g = g + k.wd * p;
       } else {
@@ -90,6 +104,7 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
       V::store_f32(s0 + i, m);
       V::store_f32(s1 + i, v);
     } else if constexpr (R == Rule::lion) {
+      // The direction interpolates with beta1, the stored momentum decays with beta2.
       T m = V::load_f32(s0 + i);
       const T dir = k.beta1 * m + k.omb1 * g;
       p = p - k.lr_wd * p;
@@ -109,6 +124,7 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
       }
       p = p - k.lr * g;
     }
+    // The low-precision copy is written in the same pass: no second read of the master.
     V::store_f32(master + i, p);
     if constexpr (O == Out::f32) store_as<V, DType::f32>(a.out, i, p);
     if constexpr (O == Out::bf16) store_as<V, DType::bf16>(a.out, i, p);
@@ -124,27 +140,38 @@ void update_all(const UpdateConsts& c, const UpdateArgs& a) {
   if constexpr (!std::is_same_v<V, ScalarVec>) update_range<ScalarVec, R, G, O>(c, a, full, a.n);
 }
 
+// momentum == 0 is plain SGD whatever `nesterov` says (torch rejects that pair; we ignore it),
+// so no momentum buffer is read or written.
 inline Rule rule_of(const UpdateHyper& h) {
   switch (h.kind) {
-    case OptimizerKind::adam: return Rule::adam;
-    case OptimizerKind::adamw: return Rule::adamw;
-    case OptimizerKind::lion: return Rule::lion;
-    case OptimizerKind::sgd: break;
+    case OptimizerKind::adam:
+      return Rule::adam;
+    case OptimizerKind::adamw:
+      return Rule::adamw;
+    case OptimizerKind::lion:
+      return Rule::lion;
+    case OptimizerKind::sgd:
+      break;
   }
   if (h.momentum == 0.0f) return Rule::sgd;
   return h.nesterov ? Rule::sgd_nesterov : Rule::sgd_momentum;
 }
 
+// out_dtype means nothing without an out pointer.
 inline Out out_of(const UpdateArgs& a) {
   if (a.out == nullptr) return Out::none;
   switch (a.out_dtype) {
-    case DType::f32: return Out::f32;
-    case DType::bf16: return Out::bf16;
-    case DType::f16: return Out::f16;
+    case DType::f32:
+      return Out::f32;
+    case DType::bf16:
+      return Out::bf16;
+    case DType::f16:
+      return Out::f16;
   }
   return Out::none;
 }
 
+// Run-time → compile-time switches: each combination becomes its own branch-free loop.
 template <Rule R>
 using RuleTag = std::integral_constant<Rule, R>;
 template <Out O>
@@ -153,26 +180,37 @@ using OutTag = std::integral_constant<Out, O>;
 template <class F>
 void with_rule(Rule r, F&& f) {
   switch (r) {
-    case Rule::adam: return f(RuleTag<Rule::adam>{});
-    case Rule::adamw: return f(RuleTag<Rule::adamw>{});
-    case Rule::sgd: return f(RuleTag<Rule::sgd>{});
-    case Rule::sgd_momentum: return f(RuleTag<Rule::sgd_momentum>{});
-    case Rule::sgd_nesterov: return f(RuleTag<Rule::sgd_nesterov>{});
-    case Rule::lion: return f(RuleTag<Rule::lion>{});
+    case Rule::adam:
+      return f(RuleTag<Rule::adam>{});
+    case Rule::adamw:
+      return f(RuleTag<Rule::adamw>{});
+    case Rule::sgd:
+      return f(RuleTag<Rule::sgd>{});
+    case Rule::sgd_momentum:
+      return f(RuleTag<Rule::sgd_momentum>{});
+    case Rule::sgd_nesterov:
+      return f(RuleTag<Rule::sgd_nesterov>{});
+    case Rule::lion:
+      return f(RuleTag<Rule::lion>{});
   }
 }
 
 template <class F>
 void with_out(Out o, F&& f) {
   switch (o) {
-    case Out::none: return f(OutTag<Out::none>{});
-    case Out::f32: return f(OutTag<Out::f32>{});
-    case Out::bf16: return f(OutTag<Out::bf16>{});
-    case Out::f16: return f(OutTag<Out::f16>{});
+    case Out::none:
+      return f(OutTag<Out::none>{});
+    case Out::f32:
+      return f(OutTag<Out::f32>{});
+    case Out::bf16:
+      return f(OutTag<Out::bf16>{});
+    case Out::f16:
+      return f(OutTag<Out::f16>{});
   }
 }
 
-/// The KernelTable entry: resolves rule × grad dtype × out dtype to one instantiation.
+/// The KernelTable entry: resolves rule × grad dtype × out dtype to one instantiation. The
+/// constants are folded here, once per call, so vector body and scalar tail share them.
 template <class V>
 void optimizer_update_impl(const UpdateHyper& h, const UpdateArgs& a) {
   const UpdateConsts c = fold_consts(h);

@@ -1,0 +1,317 @@
+// CPU optimizer step throughput against its memory-bandwidth ceiling (DESIGN.md rule 9).
+//
+// For each optimizer and precision config, every round times one full update pass and one
+// same-bytes pass (the same streams read and written, in place where the update is in place,
+// no arithmetic) over N parameters, both split into fixed chunks run by tbb::parallel_for on the
+// same arena with the same ISA. The order alternates per round so drift hits both equally; the
+// figure of merit is the median over rounds of update throughput / same-bytes throughput.
+//
+//   cpu_optimizer_bench [--n 100000000] [--threads T] [--isa scalar|avx2|avx512]
+//                       [--rounds 11] [--chunk 65536]
+
+#include <sys/mman.h>
+#include <tbb/blocked_range.h>
+#include <tbb/global_control.h>
+#include <tbb/info.h>
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.hpp"
+
+namespace zc = zeroshard::cpu;
+using zeroshard::DType;
+using zeroshard::OptimizerKind;
+
+namespace {
+
+struct Options {
+  int64_t n = 100000000;
+  int threads = 0;
+  zc::Isa isa = zc::best_isa();
+  int rounds = 11;
+  int64_t chunk = 65536;
+};
+
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "%s\nusage: cpu_optimizer_bench [--n N] [--threads T] [--isa scalar|avx2|avx512] "
+               "[--rounds R>=7] [--chunk C]\n",
+               why);
+  std::exit(2);
+}
+
+// Flags take a value each; the chunk must be even so config (b)'s half-width streams split into
+// whole floats.
+Options parse(int argc, char** argv) {
+  Options o;
+  o.threads = tbb::info::default_concurrency();
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (i + 1 >= argc) usage(("missing value after " + arg).c_str());
+    const char* val = argv[++i];
+    if (arg == "--n") {
+      o.n = std::atoll(val);
+    } else if (arg == "--threads") {
+      o.threads = std::atoi(val);
+    } else if (arg == "--rounds") {
+      o.rounds = std::atoi(val);
+    } else if (arg == "--chunk") {
+      o.chunk = std::atoll(val);
+    } else if (arg == "--isa") {
+      bool found = false;
+      for (zc::Isa isa : {zc::Isa::scalar, zc::Isa::avx2, zc::Isa::avx512}) {
+        if (std::strcmp(val, zc::isa_name(isa)) == 0) o.isa = isa, found = true;
+      }
+      if (!found) usage("unknown --isa");
+      if (!zc::isa_supported(o.isa)) usage("this CPU does not support that --isa");
+    } else {
+      usage(("unknown flag " + arg).c_str());
+    }
+  }
+  if (o.n < 1 || o.threads < 1 || o.chunk < 2 || o.chunk % 2 != 0)
+    usage("bad --n/--threads/--chunk");
+  if (o.rounds < 7) usage("--rounds must be at least 7 (rule 9)");
+  return o;
+}
+
+// A page-aligned buffer, backed by transparent huge pages where the kernel allows, so both
+// kernels see the same TLB behaviour.
+struct Buffer {
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  std::unique_ptr<unsigned char, Free> mem;
+  explicit Buffer(size_t bytes) {
+    constexpr size_t kAlign = size_t{2} << 20;
+    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+    mem.reset(static_cast<unsigned char*>(std::aligned_alloc(kAlign, rounded)));
+    if (!mem) usage("out of memory");
+    madvise(mem.get(), rounded, MADV_HUGEPAGE);
+  }
+  float* f32() const { return reinterpret_cast<float*>(mem.get()); }
+  uint16_t* u16() const { return reinterpret_cast<uint16_t*>(mem.get()); }
+};
+
+// Deterministic, cheap, well-spread values in [lo, hi): initialising 10^8 elements through
+// <random> would dominate start-up.
+float hashed(int64_t i, float lo, float hi) {
+  uint64_t x = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+  x ^= x >> 29;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 32;
+  return lo + (hi - lo) * static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+}
+
+// One side's arrays: master, two states and the bf16 copy-out. The update and the same-bytes
+// kernel each own a set (same-bytes writes bit patterns no optimizer should read back); the
+// gradients are read-only and shared.
+struct Side {
+  float *p, *m, *v;
+  uint16_t* out;
+};
+
+struct Case {
+  const char* name;
+  OptimizerKind kind;
+  float momentum;
+  int states;  // f32 state arrays besides the master: adam 2, lion 1, sgd(momentum) 1
+};
+
+struct Row {
+  double bytes_per_param, update_rate, same_rate, ratio_median, ratio_min, ratio_max;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// By value: the caller's per-round series stays in round order.
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t k = v.size() / 2;
+  return v.size() % 2 ? v[k] : 0.5 * (v[k - 1] + v[k]);
+}
+
+class Bench {
+ public:
+  explicit Bench(const Options& o)
+      : o_(o),
+        arena_(o.threads),
+        f32_(static_cast<size_t>(o.n) * 4),
+        f16_(static_cast<size_t>(o.n) * 2),
+        up_p_(f32_),
+        up_m_(f32_),
+        up_v_(f32_),
+        up_out_(f16_),
+        sb_p_(f32_),
+        sb_m_(f32_),
+        sb_v_(f32_),
+        sb_out_(f16_),
+        g32_(f32_),
+        g16_(f16_) {
+    const int64_t n = o.n;
+    // Written by the same chunked threads that later run the kernels: pre-faults every page
+    // (no first-touch faults inside a timed pass) and places pages where they will be used.
+    for_chunks([&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const float g = hashed(i, -1.0f, 1.0f);
+        g32_.f32()[i] = g;
+        g16_.u16()[i] = zc::float_to_bf16(g);
+        up_p_.f32()[i] = sb_p_.f32()[i] = hashed(i + n, -0.5f, 0.5f);
+        up_m_.f32()[i] = up_v_.f32()[i] = sb_m_.f32()[i] = sb_v_.f32()[i] = 0.0f;
+        up_out_.u16()[i] = sb_out_.u16()[i] = 0;
+      }
+    });
+  }
+
+  // Config (a) (low = false): f32 grads, no copy-out. Config (b): bf16 grads, bf16 copy-out.
+  Row run(const Case& c, bool low) {
+    zc::UpdateHyper h;
+    h.kind = c.kind;
+    h.lr = c.kind == OptimizerKind::sgd ? 1e-3f : 1e-4f;
+    h.beta1 = 0.9f;
+    h.beta2 = c.kind == OptimizerKind::lion ? 0.99f : 0.999f;
+    h.eps = 1e-8f;
+    h.weight_decay = 0.01f;
+    h.momentum = c.momentum;
+    const Side up{up_p_.f32(), up_m_.f32(), up_v_.f32(), up_out_.u16()};
+    const Side sb{sb_p_.f32(), sb_m_.f32(), sb_v_.f32(), sb_out_.u16()};
+
+    auto update = [&](int64_t b, int64_t e) {
+      zc::UpdateArgs a;
+      a.master = up.p + b;
+      a.state0 = up.m + b;
+      a.state1 = c.states == 2 ? up.v + b : nullptr;
+      a.grad =
+          low ? static_cast<const void*>(g16_.u16() + b) : static_cast<const void*>(g32_.f32() + b);
+      a.grad_dtype = low ? DType::bf16 : DType::f32;
+      a.out = low ? up.out + b : nullptr;
+      a.out_dtype = DType::bf16;
+      a.n = e - b;
+      zc::optimizer_update(o_.isa, h, a);
+    };
+    // The update's streams: master and states read and written in place, the grad read. In
+    // config (b) the bf16 grad and the bf16 copy-out are half-width streams, moved as
+    // (e - b) / 2 floats by a second call on the same chunk (so chunks must be even-sized).
+    auto same = [&](int64_t b, int64_t e) {
+      const int arrays = 1 + c.states;
+      float* rw[3] = {sb.p + b, sb.m + b, sb.v + b};
+      const float* rd[4] = {sb.p + b, sb.m + b, sb.v + b, nullptr};
+      if (!low) {
+        rd[arrays] = g32_.f32() + b;
+        zc::same_bytes(o_.isa, rd, arrays + 1, rw, arrays, e - b);
+        return;
+      }
+      zc::same_bytes(o_.isa, rd, arrays, rw, arrays, e - b);
+      const float* g_half = reinterpret_cast<const float*>(g16_.u16() + b);
+      float* out_half = reinterpret_cast<float*>(sb.out + b);
+      zc::same_bytes(o_.isa, &g_half, 1, &out_half, 1, (e - b) / 2);
+    };
+
+    int step = 0;
+    auto time_update = [&] {
+      ++step;  // bias corrections of step t, folded in double as the engine does
+      h.bias_correction1 = static_cast<float>(1.0 - std::pow(0.9, step));
+      h.bias_correction2 = static_cast<float>(1.0 - std::pow(double{h.beta2}, step));
+      const auto t0 = std::chrono::steady_clock::now();
+      for_chunks(update);
+      return seconds_since(t0);
+    };
+    auto time_same = [&] {
+      const auto t0 = std::chrono::steady_clock::now();
+      for_chunks(same);
+      return seconds_since(t0);
+    };
+    time_update();  // warm-up of both, untimed: thread start, page-table and THP settling
+    time_same();
+    std::vector<double> t_up, t_sb, ratio;
+    for (int r = 0; r < o_.rounds; ++r) {
+      // Alternate which kernel goes first, so a trend within a round favours neither.
+      const bool update_first = r % 2 == 0;
+      const double first = update_first ? time_update() : time_same();
+      const double second = update_first ? time_same() : time_update();
+      t_up.push_back(update_first ? first : second);
+      t_sb.push_back(update_first ? second : first);
+      ratio.push_back(t_sb.back() / t_up.back());
+    }
+    Row row;
+    row.bytes_per_param = (1 + c.states) * 8.0 + (low ? 2.0 + 2.0 : 4.0);  // arrays r+w, grad, out
+    row.update_rate = static_cast<double>(o_.n) / median(t_up);
+    row.same_rate = static_cast<double>(o_.n) / median(t_sb);
+    row.ratio_median = median(ratio);
+    row.ratio_min = *std::min_element(ratio.begin(), ratio.end());
+    row.ratio_max = *std::max_element(ratio.begin(), ratio.end());
+    return row;
+  }
+
+ private:
+  // Runs body(begin, end) over [0, n) in fixed chunks on the arena: the engine's scheme, and
+  // the same for both kernels.
+  template <class Body>
+  void for_chunks(const Body& body) {
+    const int64_t n = o_.n, chunk = o_.chunk;
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    arena_.execute([&] {
+      tbb::parallel_for(
+          tbb::blocked_range<int64_t>(0, chunks, 1),
+          [&](const tbb::blocked_range<int64_t>& r) {
+            for (int64_t c = r.begin(); c < r.end(); ++c) {
+              body(c * chunk, std::min(n, (c + 1) * chunk));
+            }
+          },
+          tbb::simple_partitioner());  // exactly one chunk per task, never merged
+    });
+  }
+
+  Options o_;
+  tbb::task_arena arena_;
+  size_t f32_, f16_;
+  Buffer up_p_, up_m_, up_v_, up_out_;
+  Buffer sb_p_, sb_m_, sb_v_, sb_out_;
+  Buffer g32_, g16_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  // Caps TBB's worker pool too, so --threads really is the number of threads touching memory.
+  tbb::global_control limit(tbb::global_control::max_allowed_parallelism,
+                            static_cast<size_t>(o.threads));
+  Bench bench(o);
+  const Case cases[] = {{"adam", OptimizerKind::adam, 0.0f, 2},
+                        {"adamw", OptimizerKind::adamw, 0.0f, 2},
+                        {"lion", OptimizerKind::lion, 0.0f, 1},
+                        {"sgd (momentum 0.9)", OptimizerKind::sgd, 0.9f, 1}};
+
+  std::printf("cpu_optimizer_bench: n=%lld threads=%d isa=%s rounds=%d chunk=%lld\n\n",
+              static_cast<long long>(o.n), o.threads, zc::isa_name(o.isa), o.rounds,
+              static_cast<long long>(o.chunk));
+  std::printf(
+      "| optimizer | config | bytes/param | update Gparam/s | same-bytes Gparam/s | "
+      "update GB/s | ratio median (min–max) |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (const Case& c : cases) {
+    for (bool low : {false, true}) {
+      const Row r = bench.run(c, low);
+      std::printf("| %s | %s | %.0f | %.3f | %.3f | %.1f | %.3f (%.3f–%.3f) |\n", c.name,
+                  low ? "(b) bf16 grad + bf16 out" : "(a) f32 grad", r.bytes_per_param,
+                  r.update_rate / 1e9, r.same_rate / 1e9, r.update_rate * r.bytes_per_param / 1e9,
+                  r.ratio_median, r.ratio_min, r.ratio_max);
+      std::fflush(stdout);  // rows appear as they finish; a full run takes minutes
+    }
+  }
+  return 0;
+}
