@@ -104,7 +104,8 @@ std::pair<int64_t, int64_t> owned(const ShardInfo& s) {
 
 void Engine::save(const std::filesystem::path& dir) {
   Communicator& comm = *communicator();
-  const std::string at = "save(" + dir.string() + ") on rank " + std::to_string(rank());
+  // Collective names must be the same on every rank (the communicator adds the rank itself).
+  const std::string at = "save(" + dir.string() + ")";
   // Rank 0 lays out the files (so every later pwrite lands in a file of the right size) and
   // removes the old manifest first: a crash mid-save leaves no manifest, never a mixed one.
   std::string err;
@@ -118,7 +119,7 @@ void Engine::save(const std::filesystem::path& dir) {
       err = ex.what();
     }
   agree(comm, err.empty(), at + ": preparing the directory");
-  if (!err.empty()) ZS_THROW(io_error, at << ": " << err);
+  if (!err.empty()) ZS_THROW(io_error, at << " on rank " << rank() << ": " << err);
   try {
     for (int u = 0; u < num_units(); ++u) {
       auto [b, e] = owned(shard_info(u));
@@ -134,7 +135,7 @@ void Engine::save(const std::filesystem::path& dir) {
     err = ex.what();
   }
   agree(comm, err.empty(), at + ": writing shards");
-  if (!err.empty()) ZS_THROW(io_error, at << ": " << err);
+  if (!err.empty()) ZS_THROW(io_error, at << " on rank " << rank() << ": " << err);
   if (rank() == 0) try {
       nlohmann::json m = {{"format", kFormat},
                           {"step", step_count()},
@@ -156,11 +157,11 @@ void Engine::save(const std::filesystem::path& dir) {
       err = ex.what();
     }
   agree(comm, err.empty(), at + ": writing the manifest");
-  if (!err.empty()) ZS_THROW(io_error, at << ": " << err);
+  if (!err.empty()) ZS_THROW(io_error, at << " on rank " << rank() << ": " << err);
 }
 
 void Engine::load(const std::filesystem::path& dir) {
-  const std::string at = "load(" + dir.string() + ") on rank " + std::to_string(rank());
+  const std::string at = "load(" + dir.string() + ")";
   nlohmann::json m;
   {
     std::ifstream is(dir / "manifest.json");
@@ -207,7 +208,7 @@ void Engine::load(const std::filesystem::path& dir) {
     code = ex.code();
   }
   agree(*communicator(), err.empty(), at + ": reading shards");
-  if (!err.empty()) throw Error(code, at + ": " + err);
+  if (!err.empty()) throw Error(code, at + " on rank " + std::to_string(rank()) + ": " + err);
   commit_shards();
   set_step_count(m.at("step").get<int64_t>());
   set_loss_scale(m.at("loss_scale").get<float>());

@@ -92,3 +92,31 @@ TEST(Comm, TimeoutNamesTheCollective) {
 }
 
 }  // namespace
+
+// Checking mode (ZEROSHARD_CHECK_COLLECTIVES=1): ranks that call different collectives get an
+// error naming both calls at once, instead of a hang or a timeout; matching calls still work.
+TEST(Comm, CheckingModeNamesMismatchedCalls) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  setenv("ZEROSHARD_CHECK_COLLECTIVES", "1", 1);
+  auto c = make_mpi_communicator();
+  unsetenv("ZEROSHARD_CHECK_COLLECTIVES");
+  c->set_timeout(60);
+  double v = 1;
+  c->all_reduce(&v, 1, ReduceOp::sum, "matching sum")->wait();
+  EXPECT_EQ(v, c->size());
+  std::vector<float> buf(8 * size_t(c->size()));
+  try {
+    if (c->rank() == 1)
+      c->all_gather(buf.data() + 8, buf.data(), 8, DType::f32, "unit 'b'")->wait();
+    else
+      c->all_reduce(&v, 1, ReduceOp::sum, "unit 'a'")->wait();
+    ADD_FAILURE() << "mismatched collectives went through";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::comm_failure);
+    EXPECT_NE(m.find("collective mismatch"), std::string::npos) << m;
+    EXPECT_NE(m.find(c->rank() == 1 ? "all_gather of unit 'b' (8 f32 per rank)" : "all_reduce of unit 'a' (1 doubles)"),
+              std::string::npos) << m;
+  }
+  world()->barrier("after checking mode");
+}

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <thread>
@@ -112,7 +114,7 @@ class MpiCommunicator final : public Communicator {
     MPI_Op op = dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? rt_->op_bf16 : rt_->op_f16;
     return submit("reduce_scatter of " + what, [=, this](MPI_Request* r) {
       return MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype), op, comm_, r);
-    });
+    }, " (" + std::to_string(n) + " " + dtype_name(dtype) + " per rank)");
   }
 
   std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count, DType dtype,
@@ -123,7 +125,7 @@ class MpiCommunicator final : public Communicator {
     const void* src = send == own ? MPI_IN_PLACE : send;
     return submit("all_gather of " + what, [=, this](MPI_Request* r) {
       return MPI_Iallgather(src, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, r);
-    });
+    }, " (" + std::to_string(n) + " " + dtype_name(dtype) + " per rank)");
   }
 
   std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
@@ -132,14 +134,14 @@ class MpiCommunicator final : public Communicator {
     MPI_Op mop = op == ReduceOp::sum ? MPI_SUM : op == ReduceOp::max ? MPI_MAX : MPI_MIN;
     return submit("all_reduce of " + what, [=, this](MPI_Request* r) {
       return MPI_Iallreduce(MPI_IN_PLACE, inout, n, MPI_DOUBLE, mop, comm_, r);
-    });
+    }, " (" + std::to_string(n) + " doubles)");
   }
 
   std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) override {
     int n = checked_count(bytes, what);
     return submit("broadcast of " + what, [=, this](MPI_Request* r) {
       return MPI_Ibcast(data, n, MPI_BYTE, root, comm_, r);
-    });
+    }, " (" + std::to_string(n) + " bytes from rank " + std::to_string(root) + ")");
   }
 
   void barrier(std::string what) override {
@@ -153,16 +155,22 @@ class MpiCommunicator final : public Communicator {
   struct Pending {
     std::shared_ptr<WorkState> work;
     Start start;
+    std::string desc;  // what this rank calls, compared across ranks in checking mode
   };
   struct InFlight {
     std::shared_ptr<WorkState> work;
     MPI_Request req;
     std::chrono::steady_clock::time_point deadline;
     bool timed_out;
+    // Checking mode: the descriptors are being all-gathered; the collective starts after.
+    Start start;
+    std::vector<char> descs;
   };
+  static constexpr int kDescBytes = 160;
 
-  std::shared_ptr<Work> submit(std::string what, Start start) {
+  std::shared_ptr<Work> submit(std::string what, Start start, std::string shape = "") {
     auto work = std::make_shared<WorkState>("rank " + std::to_string(rank_) + ": " + what);
+    std::string desc = what + shape;
     std::lock_guard<std::mutex> lock(mu_);
     if (!poisoned_.empty()) {
       work->fail(ErrorCode::comm_failure, work->what() + " refused: the communicator is unusable "
@@ -170,7 +178,7 @@ class MpiCommunicator final : public Communicator {
       work->settle();
       return work;
     }
-    queue_.push_back({work, std::move(start)});
+    queue_.push_back({work, std::move(start), std::move(desc)});
     return work;
   }
 
@@ -180,15 +188,21 @@ class MpiCommunicator final : public Communicator {
     std::vector<InFlight> inflight;
     int idle = 0;
     for (;;) {
-      std::deque<Pending> fresh;
       bool stopping;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        fresh.swap(queue_);
+        for (Pending& p : queue_) waiting_.push_back(std::move(p));
+        queue_.clear();
         stopping = stop_;
       }
-      bool progress = !fresh.empty();
-      for (Pending& p : fresh) start_one(p, inflight);
+      bool progress = false;
+      // Collectives start in submission order. In checking mode a collective starts only after
+      // the previous one passed its check, so every rank issues the same MPI calls in order.
+      while (!waiting_.empty() && !(check_ && checking(inflight))) {
+        start_one(waiting_.front(), inflight);
+        waiting_.pop_front();
+        progress = true;
+      }
       for (size_t i = 0; i < inflight.size();) {
         InFlight& f = inflight[i];
         int flag = 0;
@@ -196,6 +210,12 @@ class MpiCommunicator final : public Communicator {
         if (rc != MPI_SUCCESS) {
           poison(f.work->what() + " failed: " + mpi_error_string(rc));
           f.work->fail(ErrorCode::comm_failure, f.work->what() + " failed: " + mpi_error_string(rc));
+          flag = 1;
+        }
+        if (flag && f.start && !f.work->failed()) {
+          // Descriptors gathered: start the collective itself if every rank called the same.
+          progress = true;
+          if (start_checked(f)) continue;
           flag = 1;
         }
         if (flag) {
@@ -219,7 +239,7 @@ class MpiCommunicator final : public Communicator {
       if (stopping) {
         bool only_abandoned = true;
         for (InFlight& f : inflight) only_abandoned &= f.timed_out;
-        if (inflight.empty() || (only_abandoned && ++stop_polls_ > 20000)) {
+        if (waiting_.empty() && (inflight.empty() || (only_abandoned && ++stop_polls_ > 20000))) {
           abandoned_ = int(inflight.size());
           return;
         }
@@ -232,6 +252,45 @@ class MpiCommunicator final : public Communicator {
         std::this_thread::sleep_for(std::chrono::microseconds(inflight.empty() ? 200 : 20));
       }
     }
+  }
+
+  static bool checking(const std::vector<InFlight>& inflight) {
+    for (const InFlight& f : inflight)
+      if (f.start) return true;
+    return false;
+  }
+
+  // After the descriptor all-gather: compare, then start the real collective in the same slot.
+  // Returns false when the call was refused (the Work has failed).
+  bool start_checked(InFlight& f) {
+    const char* mine = f.descs.data() + size_t(rank_) * kDescBytes;
+    for (int q = 0; q < size_; ++q) {
+      const char* theirs = f.descs.data() + size_t(q) * kDescBytes;
+      if (std::strncmp(mine, theirs, kDescBytes) != 0) {
+        std::string msg = "collective mismatch: rank " + std::to_string(rank_) + " called " +
+                          std::string(mine, strnlen(mine, kDescBytes)) + " while rank " +
+                          std::to_string(q) + " called " + std::string(theirs, strnlen(theirs, kDescBytes));
+        poison(msg);
+        f.work->fail(ErrorCode::comm_failure, msg);
+        f.start = nullptr;
+        return false;
+      }
+    }
+    Start start = std::move(f.start);
+    f.start = nullptr;
+    f.descs.clear();
+    int rc = start(&f.req);
+    if (rc != MPI_SUCCESS) {
+      f.work->fail(ErrorCode::comm_failure, f.work->what() + " could not start: " + mpi_error_string(rc));
+      return false;
+    }
+    f.deadline = deadline_from_now();
+    return true;
+  }
+
+  std::chrono::steady_clock::time_point deadline_from_now() const {
+    return std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                  std::chrono::duration<double>(timeout_s_.load()));
   }
 
   void start_one(Pending& p, std::vector<InFlight>& inflight) {
@@ -247,16 +306,29 @@ class MpiCommunicator final : public Communicator {
     }
     MPI_Request req = MPI_REQUEST_NULL;
     p.work->mark_started();
+    if (check_) {
+      // Checking mode: first all-gather what every rank is calling (a fixed-size exchange that
+      // matches on every rank whatever they called), then the collective itself.
+      InFlight f{p.work, MPI_REQUEST_NULL, deadline_from_now(), false, std::move(p.start),
+                 std::vector<char>(size_t(size_ + 1) * kDescBytes, '\0')};
+      char* own = f.descs.data() + size_t(size_) * kDescBytes;
+      std::strncpy(own, p.desc.c_str(), kDescBytes - 1);
+      int rc = MPI_Iallgather(own, kDescBytes, MPI_CHAR, f.descs.data(), kDescBytes, MPI_CHAR, comm_, &f.req);
+      if (rc != MPI_SUCCESS) {
+        p.work->fail(ErrorCode::comm_failure, p.work->what() + " could not start its check: " + mpi_error_string(rc));
+        p.work->settle();
+        return;
+      }
+      inflight.push_back(std::move(f));
+      return;
+    }
     int rc = p.start(&req);
     if (rc != MPI_SUCCESS) {
       p.work->fail(ErrorCode::comm_failure, p.work->what() + " could not start: " + mpi_error_string(rc));
       p.work->settle();
       return;
     }
-    auto deadline = std::chrono::steady_clock::now() +
-                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                        std::chrono::duration<double>(timeout_s_.load()));
-    inflight.push_back({p.work, req, deadline, false});
+    inflight.push_back({p.work, req, deadline_from_now(), false, nullptr, {}});
   }
 
   void poison(const std::string& why) {
@@ -270,6 +342,12 @@ class MpiCommunicator final : public Communicator {
   std::atomic<double> timeout_s_{300.0};
   std::mutex mu_;
   std::deque<Pending> queue_;
+  std::deque<Pending> waiting_;  // comm thread only: taken from queue_, not started yet
+  // ZEROSHARD_CHECK_COLLECTIVES=1: every collective first checks that all ranks call the same.
+  const bool check_ = [] {
+    const char* v = std::getenv("ZEROSHARD_CHECK_COLLECTIVES");
+    return v && *v && std::string(v) != "0";
+  }();
   bool stop_ = false;
   std::string poisoned_;
   int abandoned_ = 0;
