@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "edit_distance.hpp"
 #include "zeroshard/error.hpp"
 
 namespace zeroshard {
@@ -104,6 +105,12 @@ void validate_offload(const OffloadOptions& o, const std::string& key) {
   }
   for (size_t i = 0; i < o.nvme_paths.size(); ++i) {
     if (o.nvme_paths[i].empty()) fail(key + ".nvme_path[" + show(i) + "] is an empty path");
+    // Each path holds one stripe file per tier; the same path twice would be the same file.
+    for (size_t j = 0; j < i; ++j) {
+      if (o.nvme_paths[j] == o.nvme_paths[i]) {
+        fail(key + ".nvme_path[" + show(i) + "] = \"" + o.nvme_paths[i] + "\" repeats nvme_path[" + show(j) + "]");
+      }
+    }
   }
 }
 
@@ -175,10 +182,34 @@ void Config::validate() const {
          device_name(offload_param.tier) + " requires zero_optimization.stage = 3 (stage is " +
          show(stage) + "): parameters are sharded, and so offloadable, only in stage 3");
   }
+  // Stage 0 keeps the whole optimizer state on every rank: swapping it would only be slower.
+  if (offload_optimizer.tier == Tier::nvme && stage < 1) {
+    fail("zero_optimization.offload_optimizer.device = nvme requires zero_optimization.stage >= 1 "
+         "(stage is 0: the optimizer state is not sharded)");
+  }
+  // The pipeline needs a slot to update in and one to read (or write) with.
+  if (offload_optimizer.tier == Tier::nvme) {
+    require(offload_optimizer.buffer_count >= 2, "zero_optimization.offload_optimizer.buffer_count",
+            offload_optimizer.buffer_count, "must be >= 2 for device nvme");
+  }
+  if (offload_param.tier == Tier::nvme) {
+    require(offload_param.buffer_count >= 2, "zero_optimization.offload_param.buffer_count",
+            offload_param.buffer_count, "must be >= 2 for device nvme");
+  }
+  require(swap_read_ahead >= 0, "zeroshard.swap_read_ahead", swap_read_ahead, "must be >= 0 (0 = automatic)");
+  if (offload_optimizer.tier == Tier::nvme && swap_read_ahead > 0) {
+    require(swap_read_ahead < offload_optimizer.buffer_count, "zeroshard.swap_read_ahead", swap_read_ahead,
+            "must be below zero_optimization.offload_optimizer.buffer_count (" +
+                show(offload_optimizer.buffer_count) + ")");
+  }
   // O_DIRECT needs requests aligned to the logical block size; 4096 covers every NVMe format.
   require(aio.block_size > 0 && aio.block_size % 4096 == 0, "aio.block_size", aio.block_size,
           "must be a positive multiple of 4096 (O_DIRECT alignment)");
+  require(aio.block_size <= (int64_t(1) << 30), "aio.block_size", aio.block_size,
+          "must be at most 1 GiB (one io_uring request)");
   require(aio.queue_depth >= 1, "aio.queue_depth", aio.queue_depth, "must be >= 1");
+  require(aio.queue_depth <= 4096, "aio.queue_depth", aio.queue_depth,
+          "must be at most 4096 (io_uring ring entries)");
 }
 
 namespace {
@@ -556,6 +587,8 @@ const Node& schema() {
                {"prefetch", [](const Field& f, Ctx& x) { x.c.prefetch = f.boolean(); }},
                {"collective_timeout_s",
                 [](const Field& f, Ctx& x) { x.c.collective_timeout_s = f.number(); }},
+               {"swap_read_ahead",
+                [](const Field& f, Ctx& x) { x.c.swap_read_ahead = f.integer<int>(); }},
            }},
       });
   return root;
@@ -573,24 +606,6 @@ void collect_paths(const Node& n, const std::string& prefix, std::vector<std::st
     out.push_back(path);
     collect_paths(c, path, out);
   }
-}
-
-// Case-insensitive edit distance, for "did you mean" on typos.
-size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      const bool same = std::tolower(static_cast<unsigned char>(a[i - 1])) ==
-                        std::tolower(static_cast<unsigned char>(b[j - 1]));
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (same ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
 }
 
 [[noreturn]] void unknown_key(const std::string& path, const Node& section, std::string_view key) {

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <set>
 #include <sstream>
 
 #include "check.hpp"
 #include "engine_impl.hpp"
+#include "engine_offload.hpp"
 
 namespace zeroshard {
 
@@ -26,9 +28,11 @@ Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm)
       scaler(cfg.loss_scale, cfg.dtype == DType::f16 && cfg.loss_scale.static_scale <= 0) {
   cfg.validate();
   if (!comm) ZS_THROW(invalid_argument, "Engine: the communicator is null");
+#ifndef ZEROSHARD_HAVE_URING
   if (cfg.offload_optimizer.tier == Tier::nvme || cfg.offload_param.tier == Tier::nvme)
-    ZS_THROW(invalid_config, "Engine: the nvme tier is not available in this build of the engine "
-                             "(offload device \"nvme\"); use \"cpu\" or \"none\"");
+    ZS_THROW(invalid_config, "Engine: the nvme tier needs io_uring, and this zeroshard was built without it "
+                             "(ZEROSHARD_WITH_URING=OFF); use offload device \"cpu\" or \"none\"");
+#endif
   rank = comm->rank();
   world = comm->size();
   comm->set_timeout(cfg.collective_timeout_s);
@@ -196,16 +200,22 @@ void Engine::Impl::allocate() {
     u.whole_runs = L.runs(0, L.padded_numel);
     u.shard_runs = L.runs(rank * L.shard_numel, (rank + 1) * L.shard_numel);
 
-    u.param_buf = Buffer(&ledger, tpar, MemKind::param, "param",
-                         size_t(st == 3 ? L.shard_numel : L.padded_numel) * pbytes, pin_par);
-    u.param = u.param_buf.data();
+    // On the nvme tier the shards live in swap files (nvme_setup() below) and the grad shard in
+    // the tier's gradient cache; nothing of them is allocated here.
+    if (tpar != Tier::nvme) {
+      u.param_buf = Buffer(&ledger, tpar, MemKind::param, "param",
+                           size_t(st == 3 ? L.shard_numel : L.padded_numel) * pbytes, pin_par);
+      u.param = u.param_buf.data();
+    }
     if (st < 2) {
       u.grad_buf = Buffer(&ledger, Tier::device, MemKind::grad, "grad", size_t(L.padded_numel) * pbytes);
       u.grad_whole = u.grad_buf.data();
-      u.grad_shard_buf = Buffer(&ledger, topt, MemKind::buffer, "grad_shard", size_t(L.shard_numel) * pbytes, pin_opt);
-    } else {
-      u.grad_shard_buf = Buffer(&ledger, topt, MemKind::grad, "grad", size_t(L.shard_numel) * pbytes, pin_opt);
     }
+    if (topt == Tier::nvme) continue;
+    if (st < 2)
+      u.grad_shard_buf = Buffer(&ledger, topt, MemKind::buffer, "grad_shard", size_t(L.shard_numel) * pbytes, pin_opt);
+    else
+      u.grad_shard_buf = Buffer(&ledger, topt, MemKind::grad, "grad", size_t(L.shard_numel) * pbytes, pin_opt);
     u.grad_shard = u.grad_shard_buf.data();
     if (k > 1) {
       u.accum_buf = Buffer(&ledger, topt, MemKind::buffer, "grad_accum", size_t(ext) * 4, pin_opt);
@@ -237,6 +247,7 @@ void Engine::Impl::allocate() {
   };
   if (st >= 2) make_pool(grad_pool, cfg.grad_buffers, "grad_staging");
   if (st == 3) make_pool(gather_pool, cfg.max_live_units, "gather");
+  if (topt == Tier::nvme || tpar == Tier::nvme) nvme_setup();
 }
 
 // Initial values go through f32 once; the low-precision copy is rounded from the master, so every
@@ -247,6 +258,21 @@ void Engine::Impl::load_initial_values() {
     const UnitLayout& L = u.layout;
     bool any = false;
     for (const Param& p : u.init_params) any |= p.init.data != nullptr;
+    if (nv) {
+      // Swap files hold nothing yet: every unit's record and shard is written, zeros or not,
+      // so that every block on disk has a checksum before it is first read.
+      if (any) {
+        whole.assign(size_t(L.padded_numel), 0.0f);
+        for (size_t i = 0; i < u.init_params.size(); ++i) {
+          const TensorView& v = u.init_params[i].init;
+          if (v.data) cpu::convert(res.isa(), v.data, v.dtype, whole.data() + L.params[i].offset, DType::f32, v.numel);
+        }
+      }
+      nvme_load_initial(int(&u - units.data()), any ? whole.data() : nullptr);
+      u.init_params.clear();
+      u.init_params.shrink_to_fit();
+      continue;
+    }
     if (any) {
       whole.assign(size_t(L.padded_numel), 0.0f);
       for (size_t i = 0; i < u.init_params.size(); ++i) {
@@ -264,6 +290,7 @@ void Engine::Impl::load_initial_values() {
     u.init_params.clear();
     u.init_params.shrink_to_fit();
   }
+  if (nv) nvme_finish_load();
 }
 
 void Engine::finalize() {
@@ -271,8 +298,28 @@ void Engine::finalize() {
   if (m.finalized) ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() called twice");
   if (m.units.empty()) ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() with no units registered");
   m.check_same_model();
-  m.allocate();
-  m.load_initial_values();
+  if (m.cfg.offload_optimizer.tier == Tier::nvme || (m.cfg.stage == 3 && m.cfg.offload_param.tier == Tier::nvme)) {
+    // Swap files can fail on one rank only (a full or read-only path): every rank must then
+    // fail here, naming the rank and path, instead of hanging in its first collective.
+    std::optional<Error> mine;
+    try {
+      m.allocate();
+      m.load_initial_values();
+    } catch (const Error& e) {
+      mine = e;
+    } catch (const std::bad_alloc&) {
+      mine = Error(ErrorCode::no_space, "rank " + std::to_string(m.rank) + ": finalize(): out of host memory");
+    } catch (const std::exception& e) {
+      mine = Error(ErrorCode::internal, "rank " + std::to_string(m.rank) + ": finalize(): " + e.what());
+    }
+    if (std::optional<Error> e = m.agree(mine, "finalize()")) {
+      m.nv.reset();  // removes the swap directory: a failed finalize() leaves nothing behind
+      throw *e;
+    }
+  } else {
+    m.allocate();
+    m.load_initial_values();
+  }
   m.finalized = true;
   m.interval_start = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -297,6 +344,7 @@ int Engine::Impl::take_gather_slot(int id) {
     Unit& v = units[i];
     if (v.gather_slot >= 0 && !v.gathered) {
       wait_for(*v.gather_work);
+      if (par_nvme()) nvme_param_done(int(i));
       gather_pool.release(v.gather_slot);
       v.gather_slot = -1;
       v.gather_work.reset();
@@ -314,7 +362,17 @@ void Engine::Impl::start_gather(int id) {
                                              << " units are already gathered (max_live_units); "
                                                 "release() some or raise max_live_units");
   u.gather_slot = slot;
-  u.gather_work = track(comm->all_gather(u.param, gather_pool.buffers[size_t(slot)].data(), u.layout.shard_numel,
+  const void* shard = u.param;
+  if (par_nvme()) {
+    try {
+      shard = nvme_param_source(id);  // collective: every rank fails together if a read failed
+    } catch (...) {
+      gather_pool.release(slot);
+      u.gather_slot = -1;
+      throw;
+    }
+  }
+  u.gather_work = track(comm->all_gather(shard, gather_pool.buffers[size_t(slot)].data(), u.layout.shard_numel,
                                    pdt, "unit '" + u.layout.name + "'"));
 }
 
@@ -343,8 +401,26 @@ std::vector<TensorView> Engine::gather(UnitId id) {
   }
   if (u.gather_slot < 0) m.start_gather(id);
   m.wait_for(*u.gather_work);
+  if (m.par_nvme()) m.nvme_param_done(id);
   u.gathered = true;
-  m.prefetch_after(id);
+  if (m.par_nvme()) {
+    // Reads ahead first, so the drive is busy while the prefetch waits for the next shard. The
+    // prefetch can fail (on every rank together): then this unit is given back too, so the
+    // trainer can simply gather it again.
+    m.nvme_param_read_ahead();
+    try {
+      m.prefetch_after(id);
+    } catch (...) {
+      u.gathered = false;
+      m.gather_pool.release(u.gather_slot);
+      u.gather_slot = -1;
+      u.gather_work.reset();
+      throw;
+    }
+    m.nvme_param_read_ahead();
+  } else {
+    m.prefetch_after(id);
+  }
   return m.views(u, m.gather_pool.buffers[size_t(u.gather_slot)].data());
 }
 
@@ -422,6 +498,7 @@ void Engine::grads_ready(UnitId id) {
   if (!u.grads_out)
     ZS_THROW(invalid_argument, "grads_ready(): " << m.where(u) << " has no gradient buffer out; call grads() first");
   const void* src = m.cfg.stage < 2 ? u.grad_whole : m.grad_pool.buffers[size_t(u.grad_slot)].data();
+  if (m.opt_nvme()) m.nvme_grad_target(id);  // points u.grad_shard at a slot of the gradient cache
   u.reduction = m.track(m.comm->reduce_scatter(src, u.grad_shard, u.layout.shard_numel, m.pdt, "unit '" + u.layout.name + "'"));
   u.grads_out = false;
   if (!m.cfg.overlap_comm) m.finish_reduction(id);
@@ -475,6 +552,8 @@ std::vector<float> Engine::read_shard(UnitId id, StateKind kind) const {
   const Impl& m = *impl_;
   const Unit& u = m.unit(id, "read_shard");
   const int64_t n = u.layout.shard_numel, off = m.rank * n;
+  if ((kind == StateKind::param && m.par_nvme()) || (kind != StateKind::param && m.opt_nvme()))
+    return m.nvme_read_state(u, kind);  // from the committed slot on disk
   std::vector<float> out(static_cast<size_t>(n));
   const int64_t f32_off = m.cfg.stage == 0 ? off : 0;  // f32 state is whole only in stage 0
   const float* src = nullptr;
@@ -504,6 +583,10 @@ void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v)
   const int64_t n = u.layout.shard_numel;
   if (int64_t(v.size()) != n)
     ZS_THROW(invalid_argument, "write_shard(): " << m.where(u) << ": got " << v.size() << " values for a shard of " << n);
+  if (m.opt_nvme() && kind != StateKind::param) {
+    m.nvme_write_state(u, kind, v);
+    return;
+  }
   const int64_t off = m.cfg.stage == 0 ? m.rank * n : 0;
   float* dst = kind == StateKind::master ? u.master + off
                : kind == StateKind::state0 ? (u.state0 ? u.state0 + off : nullptr)
@@ -516,6 +599,10 @@ void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v)
 void Engine::commit_shards() {
   Impl& m = *impl_;
   if (!m.finalized) ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
+  if (m.nv) {
+    m.nvme_commit_shards();
+    return;
+  }
   std::vector<std::shared_ptr<Work>> works;
   for (Unit& u : m.units) {
     const int64_t n = u.layout.shard_numel, off = m.rank * n;

@@ -12,6 +12,7 @@
 #include "precision/loss_scaler.hpp"
 #include "resources.hpp"
 #include "zeroshard/engine.hpp"
+#include "zeroshard/error.hpp"
 
 namespace zeroshard {
 
@@ -51,16 +52,22 @@ struct Unit {
   bool gathered = false;  // handed to the trainer (else, with a slot, it is a prefetch)
 };
 
+struct NvmeState;
+struct RecordLayout;
+
 struct Engine::Impl {
   Config cfg;
   std::shared_ptr<Communicator> comm;
   int rank = 0, world = 1;
   std::vector<OptimizerOptions> groups;
+  // Declared before everything that holds a Buffer, so it outlives them all.
+  // Declared before everything that holds a Buffer: members die in reverse order, and every
+  // Buffer unregisters from the ledger when it dies.
+  Ledger ledger;
   std::vector<Unit> units;
   bool finalized = false;
 
   Resources res;
-  Ledger ledger;
   LossScaler scaler;
   int64_t steps = 0;
   DType pdt = DType::f32;  // parameter and gradient dtype
@@ -78,7 +85,11 @@ struct Engine::Impl {
   double exposed_s = 0;                           // trainer thread blocked on them
   double interval_start = 0;
 
+  // The nvme tier (engine_offload.cpp); null without one. After the pools it stages into.
+  std::unique_ptr<NvmeState> nv;
+
   Impl(Config c, std::shared_ptr<Communicator> cm);
+  ~Impl();
 
   /// Records a collective of the step path for the busy-time union.
   std::shared_ptr<Work> track(std::shared_ptr<Work> w) {
@@ -105,6 +116,42 @@ struct Engine::Impl {
   // engine_step.cpp
   void finish_reduction(int id);
   StepResult step();
+  std::vector<cpu::UpdateHyper> fold_hyper(double grad_scale) const;
+  /// Update tasks of one unit: chunks of at most Resources::kChunk elements per group run, with
+  /// the state at master/state0/state1 (shard-relative, or whole in stage 0), the gradient at
+  /// grad (grad_dtype) and the low-precision copy-out at out (null: none).
+  struct UpdateTask {
+    const cpu::UpdateHyper* h;
+    cpu::UpdateArgs a;
+  };
+  void unit_tasks(const Unit& u, const std::vector<cpu::UpdateHyper>& hyper, float* master, float* state0,
+                  float* state1, const void* grad, DType grad_dtype, void* out, std::vector<UpdateTask>& tasks) const;
+
+  // engine_offload.cpp: the nvme tier.
+  bool opt_nvme() const;
+  bool par_nvme() const;
+  /// Every rank learns whether any rank failed (`mine`); returns the first failing rank's error
+  /// as this rank should throw it, or nothing. Collective.
+  std::optional<Error> agree(const std::optional<Error>& mine, const std::string& what);
+  std::string not_applied(int64_t step) const;  // the note a failed step's error ends with
+  void nvme_setup();
+  void nvme_load_initial(int id, const float* whole);  // whole: the padded unit in f32, or null (zeros)
+  void nvme_finish_load();
+  RecordLayout record_layout(const Unit& u) const;
+  void nvme_grad_target(int id);    // grads_ready(): where the reduce-scatter writes
+  void nvme_grad_reduced(int id);   // finish_reduction(): accumulate, norm, cache
+  void nvme_forget_grads();         // zero_grad() and after step()
+  std::optional<Error> nvme_settle_grads();  // step(): every gradient on disk or in memory
+  double nvme_sumsq() const;
+  void nvme_update(const std::vector<cpu::UpdateHyper>& hyper);        // optimizer on nvme
+  void nvme_param_update(const std::vector<cpu::UpdateHyper>& hyper);  // params only on nvme
+  const void* nvme_param_source(int id);  // stage 3 gather: the shard, read and agreed on
+  void nvme_param_read_ahead();
+  void nvme_param_done(int id);           // the unit's all-gather finished: free its staging
+  void nvme_drop_param_reads();
+  std::vector<float> nvme_read_state(const Unit& u, StateKind kind) const;
+  void nvme_write_state(Unit& u, StateKind kind, const std::vector<float>& values);
+  void nvme_commit_shards();
 };
 
 }  // namespace zeroshard

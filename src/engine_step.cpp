@@ -59,6 +59,11 @@ void Engine::Impl::finish_reduction(int id) {
     grad_pool.release(u.grad_slot);
     u.grad_slot = -1;
   }
+  if (opt_nvme()) {  // the gradient goes to the nvme tier's cache (engine_offload.cpp)
+    nvme_grad_reduced(id);
+    ++u.micro_done;
+    return;
+  }
   if (cfg.gradient_accumulation_steps > 1) {
     const void* g = cfg.stage == 0 ? u.grad_whole : u.grad_shard;
     int64_t n = cfg.stage == 0 ? L.padded_numel : L.shard_numel;
@@ -84,6 +89,7 @@ void Engine::zero_grad() {
     u.grads_out = false;
     u.micro_done = 0;
   }
+  if (m.opt_nvme()) m.nvme_forget_grads();
 }
 
 StepResult Engine::step() { return impl_->step(); }
@@ -102,6 +108,18 @@ StepResult Engine::Impl::step() {
                                                "each unit needs grads_ready() once per micro-step");
   }
   for (Unit& u : units) u.micro_done = 0;
+  // Stage 3 prefetch follows the gather order of the first step from now on.
+  if (!gather_order.empty()) order_recorded = true;
+  gather_pos = 0;
+  // A unit prefetched during backward holds the parameters from before this step, and its
+  // all-gather reads the shard the update is about to write: let it land, then drop it.
+  for (Unit& u : units)
+    if (u.gather_slot >= 0 && !u.gathered) {
+      wait_for(*u.gather_work);
+      gather_pool.release(u.gather_slot);
+      u.gather_slot = -1;
+      u.gather_work.reset();
+    }
 
   // The gradient each rank owns: its shard (stage 0 reads the same elements of its whole copy).
   auto grad_at = [&](const Unit& u, int64_t shard_rel) -> std::pair<const void*, DType> {
@@ -111,15 +129,29 @@ StepResult Engine::Impl::step() {
     return {static_cast<const char*>(g) + size_t(base + shard_rel) * pbytes, pdt};
   };
 
-  // One all-reduce carries the sum of squares and the overflow flag.
+  // One all-reduce carries the sum of squares, the overflow flag and (nvme tier) whether a
+  // gradient failed to reach the disk or come back from it.
   double local = 0.0;
-  for (const Unit& u : units)
-    local += res.parallel_sum(u.layout.shard_numel, [&](int64_t b, int64_t e) {
-      auto [g, dt] = grad_at(u, b);
-      return cpu::sum_squares(res.isa(), g, dt, e - b);
-    });
-  double agg[2] = {local, std::isfinite(local) ? 0.0 : 1.0};
-  wait_for(*track(comm->all_reduce(agg, 2, ReduceOp::sum, "gradient norm and overflow flag")));
+  std::optional<Error> grad_error;
+  if (opt_nvme()) {
+    grad_error = nvme_settle_grads();
+    local = nvme_sumsq();  // taken per unit when its gradient was final, summed in unit order
+  } else {
+    for (const Unit& u : units)
+      local += res.parallel_sum(u.layout.shard_numel, [&](int64_t b, int64_t e) {
+        auto [g, dt] = grad_at(u, b);
+        return cpu::sum_squares(res.isa(), g, dt, e - b);
+      });
+  }
+  double agg[3] = {local, std::isfinite(local) ? 0.0 : 1.0, grad_error ? 1.0 : 0.0};
+  wait_for(*track(comm->all_reduce(agg, 3, ReduceOp::sum, "gradient norm and overflow flag")));
+  if (agg[2] > 0) {
+    // Some rank lost a gradient shard: no rank may update. The state stays at the last step.
+    nvme_forget_grads();
+    std::optional<Error> e = agree(grad_error, "step " + std::to_string(steps + 1) + " (gradient swap)");
+    ZS_CHECK(e.has_value());
+    throw Error(e->code(), std::string(e->what()) + not_applied(steps + 1));
+  }
 
   StepResult r;
   auto close_interval = [&] {
@@ -135,6 +167,7 @@ StepResult Engine::Impl::step() {
   const double inv = 1.0 / (double(world) * k * scale);
   r.grad_norm = std::sqrt(agg[0]) * inv;
   if (overflow) {
+    if (opt_nvme()) nvme_forget_grads();
     scaler.update(true);
     r.skipped = true;
     r.grad_norm = std::numeric_limits<double>::infinity();
@@ -148,7 +181,58 @@ StepResult Engine::Impl::step() {
   ++steps;
   const double t_update = now_s();
 
-  // Hyperparameters per group, folded once in double.
+  const std::vector<cpu::UpdateHyper> hyper = fold_hyper(inv * r.clip_factor);
+  if (opt_nvme() || par_nvme()) {
+    // The nvme tier commits the step on every rank or on none; on failure it restores what it
+    // changed in memory and throws, leaving the state of the last completed step.
+    try {
+      if (opt_nvme())
+        nvme_update(hyper);
+      else
+        nvme_param_update(hyper);
+    } catch (...) {
+      --steps;
+      throw;
+    }
+  } else {
+    // Every (unit, group run) piece of at most kChunk elements is one task, so small units and
+    // big ones share the arena evenly.
+    std::vector<UpdateTask> tasks;
+    for (Unit& u : units) {
+      const bool whole = cfg.stage == 0;
+      const void* g = k > 1 ? static_cast<const void*>(u.accum) : whole ? u.grad_whole : u.grad_shard;
+      // Stage 0 updates the whole unit; the others their shard, whose copy-out lands in the
+      // rank's part of the whole parameters (stages 1–2) or in the parameter shard (stage 3).
+      void* out = nullptr;
+      if (!u.master_buf.empty())
+        out = static_cast<char*>(u.param) + size_t(cfg.stage == 1 || cfg.stage == 2 ? rank * u.layout.shard_numel : 0) * pbytes;
+      unit_tasks(u, hyper, u.master, u.state0, u.state1, g, k > 1 ? DType::f32 : pdt, out, tasks);
+    }
+    res.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
+      cpu::optimizer_update(res.isa(), *tasks[size_t(t)].h, tasks[size_t(t)].a);
+    });
+  }
+
+  // The update alone: the all-gather that follows is communication, counted as such.
+  r.optimizer_s = now_s() - t_update;
+  // Stages 1–2 keep whole parameters: each rank contributes its updated shard.
+  if (cfg.stage == 1 || cfg.stage == 2) {
+    std::vector<std::shared_ptr<Work>> works;
+    for (Unit& u : units) {
+      char* own = static_cast<char*>(u.param) + size_t(rank * u.layout.shard_numel) * pbytes;
+      works.push_back(track(comm->all_gather(own, u.param, u.layout.shard_numel, pdt, "unit '" + u.layout.name + "' (parameters)")));
+    }
+    for (auto& w : works) wait_for(*w);
+  }
+  scaler.update(false);
+  r.loss_scale = scaler.scale();
+  r.step = steps;
+  close_interval();
+  return r;
+}
+
+// Hyperparameters per group, folded once in double.
+std::vector<cpu::UpdateHyper> Engine::Impl::fold_hyper(double grad_scale) const {
   std::vector<cpu::UpdateHyper> hyper;
   for (const OptimizerOptions& g : groups) {
     cpu::UpdateHyper h;
@@ -162,68 +246,35 @@ StepResult Engine::Impl::step() {
     h.nesterov = g.nesterov;
     h.bias_correction1 = float(1.0 - std::pow(double(g.beta1), double(steps)));
     h.bias_correction2 = float(1.0 - std::pow(double(g.beta2), double(steps)));
-    h.grad_scale = float(inv * r.clip_factor);
+    h.grad_scale = float(grad_scale);
     hyper.push_back(h);
   }
+  return hyper;
+}
 
-  // Every (unit, group run) piece of at most kChunk elements is one task, so small units and
-  // big ones share the arena evenly.
-  struct Task {
-    const cpu::UpdateHyper* h;
-    cpu::UpdateArgs a;
-  };
-  std::vector<Task> tasks;
-  for (Unit& u : units) {
-    const UnitLayout& L = u.layout;
-    const int64_t shard_base = rank * L.shard_numel;
-    const bool whole = cfg.stage == 0;
-    const bool out_needed = !u.master_buf.empty();
-    for (const GroupRun& run : whole ? u.whole_runs : u.shard_runs) {
-      for (int64_t b = run.begin; b < run.end; b += Resources::kChunk) {
-        int64_t e = std::min(run.end, b + Resources::kChunk);
-        // Position b is relative to the state's extent: the whole unit in stage 0, else the shard.
-        cpu::UpdateArgs a;
-        a.master = u.master + b;
-        a.state0 = u.state0 ? u.state0 + b : nullptr;
-        a.state1 = u.state1 ? u.state1 + b : nullptr;
-        if (whole) {
-          a.grad = k > 1 ? static_cast<const void*>(u.accum + b)
-                         : static_cast<const char*>(u.grad_whole) + size_t(b) * pbytes;
-          a.grad_dtype = k > 1 ? DType::f32 : pdt;
-        } else {
-          auto [g, dt] = grad_at(u, b);
-          a.grad = g;
-          a.grad_dtype = dt;
-        }
-        if (out_needed) {
-          int64_t pos = cfg.stage == 3 || whole ? b : shard_base + b;
-          a.out = static_cast<char*>(u.param) + size_t(pos) * pbytes;
-          a.out_dtype = pdt;
-        }
-        a.n = e - b;
-        tasks.push_back({&hyper[size_t(run.group)], a});
+// Positions are relative to the state's extent (the whole unit in stage 0, else the shard), and
+// so are the gradient's and the copy-out's: every tier runs the same tasks on the same values.
+void Engine::Impl::unit_tasks(const Unit& u, const std::vector<cpu::UpdateHyper>& hyper, float* master,
+                              float* state0, float* state1, const void* grad, DType grad_dtype, void* out,
+                              std::vector<UpdateTask>& tasks) const {
+  const size_t gsize = dtype_size(grad_dtype);
+  for (const GroupRun& run : cfg.stage == 0 ? u.whole_runs : u.shard_runs) {
+    for (int64_t b = run.begin; b < run.end; b += Resources::kChunk) {
+      const int64_t e = std::min(run.end, b + Resources::kChunk);
+      cpu::UpdateArgs a;
+      a.master = master + b;
+      a.state0 = state0 ? state0 + b : nullptr;
+      a.state1 = state1 ? state1 + b : nullptr;
+      a.grad = static_cast<const char*>(grad) + size_t(b) * gsize;
+      a.grad_dtype = grad_dtype;
+      if (out) {
+        a.out = static_cast<char*>(out) + size_t(b) * pbytes;
+        a.out_dtype = pdt;
       }
+      a.n = e - b;
+      tasks.push_back({&hyper[size_t(run.group)], a});
     }
   }
-  res.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
-    cpu::optimizer_update(res.isa(), *tasks[size_t(t)].h, tasks[size_t(t)].a);
-  });
-
-  // Stages 1–2 keep whole parameters: each rank contributes its updated shard.
-  if (cfg.stage == 1 || cfg.stage == 2) {
-    std::vector<std::shared_ptr<Work>> works;
-    for (Unit& u : units) {
-      char* own = static_cast<char*>(u.param) + size_t(rank * u.layout.shard_numel) * pbytes;
-      works.push_back(track(comm->all_gather(own, u.param, u.layout.shard_numel, pdt, "unit '" + u.layout.name + "' (parameters)")));
-    }
-    for (auto& w : works) wait_for(*w);
-  }
-  r.optimizer_s = now_s() - t_update;
-  scaler.update(false);
-  r.loss_scale = scaler.scale();
-  r.step = steps;
-  close_interval();
-  return r;
 }
 
 }  // namespace zeroshard

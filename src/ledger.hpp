@@ -28,10 +28,13 @@ class Ledger {
 
 /// Move-only, zero-filled, aligned host memory counted in a Ledger for its lifetime.
 /// Tier::host buffers are page-locked (mlock) when `pin` is set, as the offload tier needs.
+/// With `huge_pages` (I/O staging), buffers of 2 MiB or more are 2 MiB-aligned and backed by
+/// transparent huge pages where the kernel allows.
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t bytes, bool pin = false);
+  Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t bytes, bool pin = false,
+         bool huge_pages = false);
   ~Buffer();
   Buffer(Buffer&& o) noexcept { swap(o); }
   Buffer& operator=(Buffer&& o) noexcept {
@@ -51,6 +54,7 @@ class Buffer {
   void swap(Buffer& o) noexcept;
   void* data_ = nullptr;
   size_t bytes_ = 0;
+  size_t rounded_ = 0;  // bytes allocated (aligned up)
   Ledger* ledger_ = nullptr;
   Tier tier_ = Tier::device;
   MemKind kind_ = MemKind::buffer;

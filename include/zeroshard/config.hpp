@@ -34,10 +34,23 @@ struct OptimizerOptions {
 };
 
 /// Where one kind of state lives (DeepSpeed's offload_optimizer / offload_param).
+///
+/// The nvme tier keeps one swap file per rank, tier and path, in a per-run directory
+/// `<path>/zeroshard-<pid>-<n>-rank<r>/` (mode 0700, files 0600) that is removed when the engine
+/// is destroyed; a directory left by a run that crashed is reported on stderr and removed at the
+/// next finalize(). Stripes of AioOptions::block_size bytes rotate over the paths. Records are
+/// double-buffered so that a step is committed all at once or not at all: the files take twice
+/// the state they hold (see README "Offload tiers"). Their space is reserved at finalize(), so a
+/// full disk fails there (ErrorCode::no_space) rather than during a step. Gradient shards follow
+/// offload_optimizer to nvme through a cache of grad_buffers + 1 pinned slots: the oldest are
+/// written out during the backward pass and read back by step(); the last few stay in memory.
 struct OffloadOptions {
   Tier tier = Tier::device;              ///< "none" → device, "cpu" → host, "nvme" → nvme
   std::vector<std::string> nvme_paths;   ///< directories striped over for the nvme tier
-  int buffer_count = 4;                  ///< pinned staging buffers of the swap pipeline
+  /// nvme tier: pinned staging buffers. offload_optimizer: slots of the swap pipeline, each
+  /// holding one unit's master weights, optimizer state and gradient shard (at least 2).
+  /// offload_param: parameter shards being read for gather() (at least 2).
+  int buffer_count = 4;
   bool pin_memory = true;                ///< page-lock host-tier buffers
 };
 
@@ -73,12 +86,17 @@ struct Config {
   AioOptions aio;
   /// Shards are padded so each unit's flat buffer is a multiple of world_size × this many elements.
   int64_t shard_alignment = 128;
-  /// Stage 2/3: whole-unit gradient buffers the trainer writes into before reduction.
+  /// Stage 2/3: whole-unit gradient buffers the trainer writes into before reduction. With
+  /// offload_optimizer nvme (any stage) also sizes the gradient-shard cache (grad_buffers + 1).
   int grad_buffers = 2;
   /// Stage 3: gathered-unit buffers (in use plus prefetched); must be at least 2.
   int max_live_units = 3;
   /// Stage 3: prefetch the next unit in the recorded gather order.
   bool prefetch = true;
+  /// nvme optimizer tier: units read ahead of the one being updated ("zeroshard.swap_read_ahead").
+  /// 0 picks offload_optimizer.buffer_count − 2 (at least 1): one slot is being updated and one
+  /// written back while the others are read. Must be below offload_optimizer.buffer_count.
+  int swap_read_ahead = 0;
   /// Start gradient reduction on the communication thread as soon as grads_ready() is called.
   bool overlap_comm = true;
   /// A collective that has not completed after this many seconds fails with ErrorCode::timeout.

@@ -39,7 +39,7 @@ struct StepResult {
   int64_t step = 0;         ///< optimizer steps taken so far (skipped steps do not count)
 
   /// Where the time since the previous step() went, in seconds, on this rank:
-  double optimizer_s = 0;      ///< the update (and, stages 1–2, the parameter all-gather wait)
+  double optimizer_s = 0;      ///< the optimizer update itself (communication excluded)
   double comm_busy_s = 0;      ///< wall time with at least one of the engine's collectives running
   double comm_exposed_s = 0;   ///< wall time the trainer's thread waited for collectives
   double interval_s = 0;       ///< wall time since the previous step() returned (or finalize())
@@ -55,6 +55,15 @@ struct ShardInfo {
   int64_t padded_numel = 0;  ///< flat buffer length: a multiple of world_size × shard_alignment
   int64_t shard_offset = 0;  ///< first element of this rank's shard in the flat buffer
   int64_t shard_numel = 0;   ///< padded_numel / world_size
+};
+
+/// What the nvme tier's swapper moved on this rank since finalize() (all zero without one).
+struct SwapStats {
+  int64_t bytes_read = 0;     ///< from the swap files
+  int64_t bytes_written = 0;  ///< to the swap files
+  int64_t requests = 0;       ///< I/O requests, each at most aio.block_size bytes
+  int64_t resubmitted = 0;    ///< requests sent again after a short transfer, EINTR or EAGAIN
+  double wait_s = 0;          ///< seconds the engine's threads blocked waiting for swap I/O
 };
 
 /// Which state read_shard() returns.
@@ -163,8 +172,16 @@ class Engine {
   /// loss scale; parameters are rebuilt from the master weights.
   void load(const std::filesystem::path& dir);
 
-  /// The ledger: bytes held by tier × kind on this rank, with peaks.
+  /// The ledger: bytes held by tier × kind on this rank, with peaks. The nvme column counts
+  /// swap-file bytes: one copy of each state under its kind, and the rest of the files (the
+  /// second slot of every double-buffered record, alignment) as the buffer "swap_reserve".
   MemoryReport memory() const;
+
+  /// nvme tier: the swapper's counters on this rank.
+  SwapStats swap_stats() const;
+  /// nvme tier: this rank's swap files (one per tier and nvme path), empty without one. They
+  /// are removed when the engine is destroyed.
+  std::vector<std::string> swap_files() const;
 
  private:
   struct Impl;

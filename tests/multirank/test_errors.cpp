@@ -146,12 +146,26 @@ TEST(Misuse, ClearErrors) {
   EXPECT_ZS_ERROR(e.set_lr(3, 0.1f), invalid_argument, "no parameter group 3");
 }
 
-TEST(Misuse, NvmeTierIsRefusedUntilBuilt) {
+// The nvme tier checks its configuration at construction and its paths at finalize(), where a
+// path that one rank cannot use fails every rank (no rank is left waiting in a collective).
+TEST(Misuse, NvmeTierChecksStageAndPaths) {
   Config cfg;
-  cfg.stage = 3;
+  cfg.stage = 0;
   cfg.offload_optimizer.tier = Tier::nvme;
   cfg.offload_optimizer.nvme_paths = {"/tmp"};
-  EXPECT_ZS_ERROR(Engine(cfg, world()), invalid_config, "nvme");
+  EXPECT_ZS_ERROR(Engine(cfg, world()), invalid_config, "requires zero_optimization.stage >= 1");
+  cfg.stage = 2;
+  cfg.offload_optimizer.buffer_count = 1;
+  EXPECT_ZS_ERROR(Engine(cfg, world()), invalid_config, "buffer_count = 1 must be >= 2");
+  cfg.offload_optimizer.buffer_count = 4;
+  cfg.offload_optimizer.nvme_paths = {"/tmp", "/tmp"};
+  EXPECT_ZS_ERROR(Engine(cfg, world()), invalid_config, "nvme_path[1] = \"/tmp\" repeats nvme_path[0]");
+  cfg.offload_optimizer.nvme_paths = {"/tmp"};
+  const std::string missing = "/nonexistent/zeroshard-swap";
+  if (world()->rank() == world()->size() - 1) cfg.offload_optimizer.nvme_paths = {missing};
+  Engine e(cfg, world());
+  e.add_unit("u", {Param{"w", {5, 3}}});
+  EXPECT_ZS_ERROR(e.finalize(), io_error, "nvme path '" + missing + "' cannot be used: No such file or directory");
 }
 
 }  // namespace

@@ -174,3 +174,36 @@ TEST(Restore, WriteShardCommitContinuesIdentically) {
     EXPECT_GT(a.step_count(), 5);
   }
 }
+
+// Stage 3 prefetch across a step: a unit prefetched during one step's gathers must not be handed
+// out with the parameters from before the update.
+TEST(Restore, PrefetchedUnitIsFreshAfterStep) {
+  Config cfg;
+  cfg.stage = 3;
+  cfg.optimizer.kind = OptimizerKind::sgd;
+  cfg.optimizer.lr = 0.1f;
+  cfg.optimizer.weight_decay = 0;
+  Engine e(cfg, world());
+  std::vector<float> zeros(4, 0.0f);
+  e.add_unit("A", {Param{"a", {4}, 0, {zeros.data(), 4}}});
+  e.add_unit("B", {Param{"b", {4}, 0, {zeros.data(), 4}}});
+  e.finalize();
+  auto visit = [&](std::vector<int> order) {
+    for (int u : order) {
+      e.gather(u);
+      e.release(u);
+    }
+  };
+  std::vector<float> ones(4, 1.0f);
+  auto step = [&] {
+    for (int u : {0, 1}) e.grads_ready(u, {{ones.data(), 4, DType::f32}});
+    e.step();
+  };
+  visit({0, 1, 0});
+  step();  // records the order A, B, A
+  visit({0, 1});  // gather(B) prefetches A
+  step();         // updates A's shard: the prefetch is stale
+  auto a = e.gather(0);
+  EXPECT_FLOAT_EQ(a[0].as<float>()[0], -0.2f) << "two SGD steps of lr 0.1 on gradient 1";
+  e.release(0);
+}

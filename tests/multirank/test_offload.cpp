@@ -1,0 +1,287 @@
+// Offload tiers: every placement of the optimizer state (device, host, nvme) and, in stage 3, of
+// the parameters gives parameters, master weights and optimizer state bitwise equal to the
+// device tier after 20 steps. This holds by construction (the same kernel runs on the same
+// values, whether they sit in device memory, pinned memory or a swap-pipeline slot; the norm
+// is summed in the same chunks), so any difference is a bug. The nvme runs use 4 KiB blocks over
+// two paths, so every unit's record spans several blocks striped over both files, and fewer
+// gradient-cache slots than units, so gradients are evicted to disk and read back.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "harness.hpp"
+
+using namespace zeroshard;
+using zs_test::world;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Shared by all ranks and by concurrent test processes: each engine makes its own run directory
+// inside, so nothing collides (and the stale-directory scan meets live directories of others).
+fs::path swap_root() {
+  fs::path p = fs::temp_directory_path() / "zeroshard-offload-tests";
+  fs::create_directories(p / "a");
+  fs::create_directories(p / "b");
+  return p;
+}
+
+std::vector<zs_test::UnitSpec> model() {
+  auto m = zs_test::uneven_model();
+  m.push_back({"wide", {{"w", {40, 97}}, {"b", {97}}}});  // sections of several 4 KiB blocks
+  return m;
+}
+
+struct TierCase {
+  int stage;
+  Tier opt, par;
+  DType dtype;
+  int micro;
+  int buffers = 3;  // offload_optimizer.buffer_count and offload_param.buffer_count
+};
+
+std::string name_of(const TierCase& c) {
+  return "stage" + std::to_string(c.stage) + "_opt_" + tier_name(c.opt) + "_param_" +
+         tier_name(c.par) + "_" + dtype_name(c.dtype) + "_k" + std::to_string(c.micro) + "_buf" +
+         std::to_string(c.buffers);
+}
+
+Config make_config(const TierCase& c) {
+  Config cfg;
+  cfg.stage = c.stage;
+  cfg.dtype = c.dtype;
+  cfg.gradient_accumulation_steps = c.micro;
+  cfg.gradient_clipping = 1.0;
+  cfg.loss_scale.initial_scale_power = 8;
+  cfg.optimizer.kind = OptimizerKind::adamw;
+  cfg.optimizer.lr = 1e-2f;
+  cfg.optimizer.weight_decay = 0.05f;
+  cfg.shard_alignment = 4;
+  cfg.collective_timeout_s = 120;
+  const fs::path root = swap_root();
+  cfg.offload_optimizer.tier = c.opt;
+  cfg.offload_optimizer.buffer_count = c.buffers;
+  cfg.offload_param.tier = c.par;
+  cfg.offload_param.buffer_count = c.buffers;  // > 2: parameter shards are read ahead
+  if (c.opt == Tier::nvme)
+    cfg.offload_optimizer.nvme_paths = {(root / "a").string(), (root / "b").string()};
+  if (c.par == Tier::nvme)
+    cfg.offload_param.nvme_paths = {(root / "b").string(), (root / "a").string()};
+  cfg.aio.block_size = 4096;
+  cfg.aio.queue_depth = 4;
+  return cfg;
+}
+
+struct Snapshot {
+  std::vector<std::vector<float>> param, master, s0, s1;
+  int taken = 0;
+};
+
+Snapshot run(const TierCase& c) {
+  Engine e(make_config(c), world());
+  OptimizerOptions bias = e.config().optimizer;
+  bias.weight_decay = 0.0f;
+  bias.lr = 2e-2f;
+  e.add_group(bias);
+  zs_test::register_model(e, model(), 1);
+  zs_test::TrainOptions opt;
+  opt.micro_batches = c.micro;
+  Snapshot s;
+  for (auto& r : zs_test::train(e, opt)) s.taken += !r.skipped;
+  for (int u = 0; u < e.num_units(); ++u) {
+    s.param.push_back(e.read_shard(u, StateKind::param));
+    s.master.push_back(e.read_shard(u, StateKind::master));
+    s.s0.push_back(e.read_shard(u, StateKind::state0));
+    s.s1.push_back(e.read_shard(u, StateKind::state1));
+  }
+  if (c.opt == Tier::nvme || c.par == Tier::nvme) {
+    SwapStats st = e.swap_stats();
+    EXPECT_GT(st.bytes_read, 0) << name_of(c);
+    EXPECT_GT(st.bytes_written, 0) << name_of(c);
+    EXPECT_FALSE(e.swap_files().empty());
+  }
+  return s;
+}
+
+bool same(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+void expect_same(const Snapshot& ref, const Snapshot& s, const std::string& what) {
+  ASSERT_EQ(ref.param.size(), s.param.size());
+  EXPECT_EQ(ref.taken, s.taken) << what;
+  for (size_t u = 0; u < ref.param.size(); ++u) {
+    EXPECT_TRUE(same(ref.param[u], s.param[u])) << what << " unit " << u << " param";
+    EXPECT_TRUE(same(ref.master[u], s.master[u])) << what << " unit " << u << " master";
+    EXPECT_TRUE(same(ref.s0[u], s.s0[u])) << what << " unit " << u << " m";
+    EXPECT_TRUE(same(ref.s1[u], s.s1[u])) << what << " unit " << u << " v";
+  }
+}
+
+// The reference must have moved, or a do-nothing tier would pass.
+void expect_moved(const Snapshot& ref) {
+  double m = 0, v = 0;
+  for (size_t u = 0; u < ref.s0.size(); ++u) {
+    for (float x : ref.s0[u]) m += std::fabs(x);
+    for (float x : ref.s1[u]) v += std::fabs(x);
+  }
+  EXPECT_GT(m, 0.0);
+  EXPECT_GT(v, 0.0);
+  EXPECT_GE(ref.taken, 15);
+}
+
+TEST(Offload, EveryTierCombinationMatchesDeviceTierBitwise) {
+  for (int stage : {1, 2, 3}) {
+    const Snapshot ref = run({stage, Tier::device, Tier::device, DType::bf16, 1});
+    expect_moved(ref);
+    for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
+      for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
+        if ((opt == Tier::device && par == Tier::device) || (stage < 3 && par != Tier::device))
+          continue;
+        TierCase c{stage, opt, par, DType::bf16, 1};
+        expect_same(ref, run(c), name_of(c));
+      }
+  }
+}
+
+// Accumulation keeps an f32 sum per unit: on nvme it is evicted to disk and read back between
+// micro-steps. f16 adds dynamic loss scaling (skipped steps must skip on every tier alike);
+// f32 exercises the master weights that the in-memory tiers alias to the parameters.
+TEST(Offload, AccumulationAndDtypesMatchDeviceTierBitwise) {
+  for (DType dt : {DType::f16, DType::f32}) {
+    for (int stage : {2, 3}) {
+      const int k = dt == DType::f16 ? 3 : 1;
+      const Snapshot ref = run({stage, Tier::device, Tier::device, dt, k});
+      expect_moved(ref);
+      std::vector<TierCase> cases = {{stage, Tier::nvme, Tier::device, dt, k}};
+      if (stage == 3) {
+        cases.push_back({stage, Tier::nvme, Tier::nvme, dt, k});
+        cases.push_back({stage, Tier::host, Tier::nvme, dt, k});
+      }
+      for (const TierCase& c : cases) expect_same(ref, run(c), name_of(c));
+    }
+  }
+}
+
+// The pipeline's depth changes only the timing: two slots (no read-ahead beyond the next unit,
+// writes must finish before reads can reuse a slot) and six (read-ahead 4) give the same bits.
+TEST(Offload, PipelineDepthDoesNotChangeResults) {
+  const Snapshot ref = run({3, Tier::device, Tier::device, DType::bf16, 2});
+  for (int buffers : {2, 6}) {
+    TierCase c{3, Tier::nvme, Tier::nvme, DType::bf16, 2, buffers};
+    expect_same(ref, run(c), name_of(c));
+  }
+}
+
+// The ledger's nvme column holds one copy of each state; host memory holds only the bounded
+// staging (buffer_count × the largest unit's slot), whatever the number of units.
+TEST(Offload, LedgerCountsSwapFilesAndBoundedStaging) {
+  TierCase c{3, Tier::nvme, Tier::nvme, DType::bf16, 1};
+  Config cfg = make_config(c);
+  Engine e(cfg, world());
+  zs_test::register_model(e, model());
+  MemoryReport r = e.memory();
+  int64_t sum_shard = 0, max_shard = 0;
+  for (int u = 0; u < e.num_units(); ++u) {
+    sum_shard += e.shard_info(u).shard_numel;
+    max_shard = std::max(max_shard, e.shard_info(u).shard_numel);
+  }
+  EXPECT_EQ(r.at(Tier::nvme, MemKind::master), 4 * sum_shard);
+  EXPECT_EQ(r.at(Tier::nvme, MemKind::optim_state), 8 * sum_shard);
+  EXPECT_EQ(r.at(Tier::nvme, MemKind::grad), 2 * sum_shard);
+  EXPECT_EQ(r.at(Tier::nvme, MemKind::param), 2 * sum_shard);
+  for (MemKind k : {MemKind::param, MemKind::grad, MemKind::master, MemKind::optim_state}) {
+    EXPECT_EQ(r.at(Tier::device, k), 0) << mem_kind_name(k);
+    EXPECT_EQ(r.at(Tier::host, k), 0) << mem_kind_name(k);
+  }
+  // The files: every byte on disk is in the column (second slots and padding as swap_reserve).
+  int64_t files = 0;
+  for (const std::string& f : e.swap_files()) {
+    struct stat st {};
+    ASSERT_EQ(::stat(f.c_str(), &st), 0) << f;
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << f;
+    files += st.st_size;
+  }
+  EXPECT_EQ(r.total(Tier::nvme), files);
+  // A slot holds master, m, v (4 KiB-aligned sections), the gradient and the parameter shard.
+  auto a4k = [](int64_t n) { return (n + 4095) / 4096 * 4096; };
+  const int64_t slot = 3 * a4k(4 * max_shard) + a4k(2 * max_shard) + a4k(2 * max_shard);
+  int64_t staging = 0, cache = 0, param_staging = 0;
+  for (const auto& b : r.buffers) {
+    if (b.name == "swap_staging") staging = b.bytes;
+    if (b.name == "grad_cache") cache = b.bytes;
+    if (b.name == "param_staging") param_staging = b.bytes;
+  }
+  EXPECT_EQ(staging, cfg.offload_optimizer.buffer_count * slot);
+  EXPECT_EQ(cache, (cfg.grad_buffers + 1) * a4k(2 * max_shard));
+  EXPECT_EQ(param_staging, cfg.offload_param.buffer_count * a4k(2 * max_shard));
+  // Training allocates nothing more (read_shard's transient read-back buffer aside).
+  zs_test::TrainOptions o;
+  o.steps = 3;
+  zs_test::train(e, o);
+  MemoryReport after = e.memory();
+  EXPECT_EQ(after.total(Tier::host), r.total(Tier::host));
+  EXPECT_EQ(after.total(Tier::nvme), r.total(Tier::nvme));
+  EXPECT_EQ(after.peak[int(Tier::host)][int(MemKind::buffer)],
+            r.bytes[int(Tier::host)][int(MemKind::buffer)]);
+}
+
+// Checkpoints move state between tiers: saved from swap files and loaded into memory, and the
+// other way round, training then continues bitwise alike (Engine::save/load go through
+// read_shard/write_shard/commit_shards, which read and write the committed slots).
+TEST(Offload, CheckpointsMoveStateBetweenTiers) {
+  double id = world()->rank() == 0 ? double(::getpid()) : 0;
+  world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
+  const fs::path dir =
+      fs::temp_directory_path() / ("zeroshard-offload-ckpt-" + std::to_string(int64_t(id)));
+  const TierCase on_disk{3, Tier::nvme, Tier::nvme, DType::bf16, 1},
+      in_memory{2, Tier::device, Tier::device, DType::bf16, 1};
+  for (bool from_disk : {true, false}) {
+    Engine a(make_config(from_disk ? on_disk : in_memory), world());
+    Engine b(make_config(from_disk ? in_memory : on_disk), world());
+    zs_test::register_model(a, model());
+    zs_test::register_model(b, model());
+    zs_test::TrainOptions o;
+    o.steps = 4;
+    zs_test::train(a, o);
+    a.save(dir);
+    b.load(dir);
+    zs_test::train(a, o);
+    zs_test::train(b, o);
+    for (int u = 0; u < a.num_units(); ++u)
+      for (StateKind k :
+           {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1})
+        EXPECT_TRUE(same(a.read_shard(u, k), b.read_shard(u, k)))
+            << (from_disk ? "nvme → memory" : "memory → nvme") << " unit " << u;
+    EXPECT_EQ(a.step_count(), 8);
+    EXPECT_EQ(b.step_count(), 8);
+    world()->barrier("checkpoint test");
+    if (world()->rank() == 0) fs::remove_all(dir);
+    world()->barrier("checkpoint test");
+  }
+}
+
+// A clean exit removes the run directory; while running it is 0700 and holds a lock.
+TEST(Offload, RunDirectoryIsPrivateAndRemovedAtExit) {
+  fs::path dir;
+  {
+    TierCase c{2, Tier::nvme, Tier::device, DType::bf16, 1};
+    Engine e(make_config(c), world());
+    zs_test::register_model(e, model());
+    ASSERT_EQ(e.swap_files().size(), 2u);  // one file per path, not one per unit
+    dir = fs::path(e.swap_files()[0]).parent_path();
+    struct stat st {};
+    ASSERT_EQ(::stat(dir.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0700u);
+    EXPECT_TRUE(fs::exists(dir / "lock"));
+    EXPECT_NE(dir.filename().string().find("-rank" + std::to_string(world()->rank())),
+              std::string::npos);
+  }
+  EXPECT_FALSE(fs::exists(dir)) << dir;
+}
+
+}  // namespace
