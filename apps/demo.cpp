@@ -1,0 +1,245 @@
+// The demo's driver: flags → corpus and tokenizer → engine and model → training with progress
+// lines → validation, sample → each rank's ledger and timings gathered to rank 0 → report.
+#include "demo.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "cli/demo_options.hpp"
+#include "data/corpus.hpp"
+#include "model/gpt.hpp"
+#include "report/report.hpp"
+#include "train/trainer.hpp"
+#include "zeroshard/zeroshard.hpp"
+
+namespace zsdemo {
+namespace {
+
+using zeroshard::Communicator;
+using zeroshard::ReduceOp;
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The launcher tells each process its rank before MPI starts; flag errors and --help are
+// printed by rank 0 only, without starting MPI at all.
+int launcher_rank() {
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"})
+    if (const char* s = std::getenv(var)) return std::atoi(s);
+  return 0;
+}
+
+int local_ranks() {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"})
+    if (const char* s = std::getenv(var)) return std::max(1, std::atoi(s));
+  return 1;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read --text " + path);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+// Sums equal-length vectors of doubles over ranks: each rank fills its own slot of a
+// world-sized table, the rest zero, so the sum is every rank's values, exactly (byte counts
+// stay far below 2^53).
+std::vector<double> gather_rows(Communicator& comm, const std::vector<double>& mine,
+                                const char* what) {
+  const size_t w = size_t(comm.size()), k = mine.size();
+  std::vector<double> all(w * k, 0.0);
+  std::copy(mine.begin(), mine.end(), all.begin() + long(size_t(comm.rank()) * k));
+  comm.all_reduce(all.data(), int64_t(all.size()), ReduceOp::sum, what)->wait();
+  return all;
+}
+
+std::vector<double> flatten(const MemCells& m) {
+  std::vector<double> v;
+  for (const auto& row : m)
+    for (int64_t b : row) v.push_back(double(b));
+  return v;
+}
+
+MemCells unflatten(const double* v) {
+  MemCells m{};
+  for (size_t t = 0; t < m.size(); ++t)
+    for (size_t k = 0; k < m[t].size(); ++k) m[t][k] = int64_t(v[t * m[t].size() + k]);
+  return m;
+}
+
+int train_and_report(DemoOptions& o) {
+  std::shared_ptr<Communicator> comm = zeroshard::make_mpi_communicator();
+  const int rank = comm->rank(), world = comm->size();
+  const bool talk = rank == 0;
+
+  // Ranks share the machine's cores: one BLAS thread per core per rank unless told otherwise.
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  openblas_set_num_threads(o.blas_threads > 0 ? o.blas_threads
+                                              : std::max(1, cores / local_ranks()));
+
+  // Every rank builds the same text and vocabulary, then samples only its own slice.
+  const std::string text =
+      o.text_path.empty() ? generate_corpus(o.seed, o.corpus_chars) : read_file(o.text_path);
+  const CharTokenizer tok(text);
+  GptShape shape{tok.vocab_size(), o.seq, o.dim, o.layers, o.heads};
+  BatchSampler data(tok.encode(text), rank, world, o.seq, o.seed);
+  if (o.warmup < 0) o.warmup = std::max<int64_t>(1, o.steps / 10);
+
+  zeroshard::Engine engine(o.config, comm);
+  register_gpt(engine, shape, o.seed, /*with_init=*/true);
+  Gpt model(shape, o.batch);
+
+  RunSummary s;
+  s.options = &o;
+  s.shape = shape;
+  s.world = world;
+  s.params = gpt_param_count(shape);
+  for (int u = 0; u < engine.num_units(); ++u) {
+    const zeroshard::ShardInfo si = engine.shard_info(u);
+    s.units.push_back({engine.unit_name(u), si.numel, si.padded_numel, si.shard_numel});
+  }
+  s.data_source = o.text_path.empty()
+                      ? "generated corpus, " + std::to_string(text.size()) + " characters"
+                      : o.text_path + ", " + std::to_string(text.size()) + " characters";
+  s.tokens_per_step = int64_t(world) * o.batch * o.seq * o.config.gradient_accumulation_steps;
+  s.val_before = validation_loss(engine, model, data, o.batch, *comm);
+  if (talk) print_header(s);
+
+  // Progress: losses are averaged over ranks once per printed line (one small all-reduce for
+  // all the steps since the previous line), so logging costs no collective per step.
+  const int log_every =
+      o.log_every > 0 ? o.log_every : int(std::max<int64_t>(1, (o.steps + 29) / 30));
+  std::vector<double> pending;
+  std::vector<StepLog*> pending_logs;
+  std::vector<StepLog> logs;
+  logs.reserve(size_t(o.steps));
+  const double t_start = now_s();
+  double window_start = t_start;
+  int64_t window_steps = 0;
+  TrainSettings ts;
+  ts.steps = o.steps;
+  ts.warmup = o.warmup;
+  ts.batch = o.batch;
+  ts.peak_lr = o.config.optimizer.lr;
+  ts.on_step = [&](StepLog& log) {
+    logs.push_back(log);
+    pending.push_back(log.local_loss);
+    ++window_steps;
+    if (log.step % log_every != 0 && log.step != o.steps) return;
+    comm->all_reduce(pending.data(), int64_t(pending.size()), ReduceOp::sum, "training loss")
+        ->wait();
+    for (size_t i = 0; i < pending.size(); ++i)
+      logs[logs.size() - pending.size() + i].loss = pending[i] / world;
+    pending.clear();
+    const double now = now_s();
+    if (talk && !o.quiet)
+      print_progress(s, logs.back(), now - window_start, window_steps, now - t_start);
+    window_start = now;
+    window_steps = 0;
+  };
+  train(engine, model, data, ts);
+  s.train_wall_s = now_s() - t_start;
+  s.steps = logs;
+  s.val_after = validation_loss(engine, model, data, o.batch, *comm);
+  if (o.sample_chars > 0) {
+    const std::string prompt =
+        o.text_path.empty() ? "the " : text.substr(0, std::min<size_t>(4, text.size()));
+    s.sample = sample_text(engine, model, tok, prompt, o.sample_chars, o.seed);
+  }
+
+  // Every rank's ledger and timings, gathered to all (each rank fills its own row).
+  const zeroshard::MemoryReport mine = engine.memory();
+  MemCells bytes{}, peak{};
+  for (size_t t = 0; t < bytes.size(); ++t)
+    for (size_t k = 0; k < bytes[t].size(); ++k)
+      bytes[t][k] = mine.bytes[t][k], peak[t][k] = mine.peak[t][k];
+  std::vector<double> b = gather_rows(*comm, flatten(bytes), "ledger"),
+                      p = gather_rows(*comm, flatten(peak), "ledger peaks");
+  const size_t cells = size_t(zeroshard::kNumTiers * zeroshard::kNumMemKinds);
+  for (int r = 0; r < world; ++r) {
+    s.rank_bytes.push_back(unflatten(b.data() + size_t(r) * cells));
+    s.rank_peak.push_back(unflatten(p.data() + size_t(r) * cells));
+  }
+  s.rank0 = mine;
+  // The first step also pays for set-up (the validation pass since finalize(), the first
+  // gathers without prefetch), so it is left out of the breakdown when there are more.
+  RankTimes t;
+  for (const StepLog& l : logs) {
+    if (l.step == 1 && logs.size() > 1) continue;
+    t.interval += l.result.interval_s, t.optimizer += l.result.optimizer_s,
+        t.exposed += l.result.comm_exposed_s;
+    t.busy += l.result.comm_busy_s, t.compute += l.compute_s, ++t.steps;
+  }
+  std::vector<double> tv = gather_rows(
+      *comm, {t.interval, t.optimizer, t.exposed, t.busy, t.compute, double(t.steps)}, "timings");
+  for (int r = 0; r < world; ++r) {
+    const double* x = tv.data() + size_t(r) * 6;
+    s.times.push_back({x[0], x[1], x[2], x[3], x[4], int64_t(x[5])});
+  }
+
+  // Plain data parallel for the same model, measured: a stage-0 engine (everything whole, on the
+  // device tier), finalized but never trained, and its ledger read.
+  {
+    zeroshard::Config dp = o.config;
+    dp.stage = 0;
+    dp.offload_optimizer.tier = zeroshard::Tier::device;
+    dp.offload_param.tier = zeroshard::Tier::device;
+    zeroshard::Engine ref(dp, comm);
+    register_gpt(ref, shape, o.seed, /*with_init=*/false);
+    s.dp0 = ref.memory();
+    for (size_t tt = 0; tt < s.dp_bytes.size(); ++tt)
+      for (size_t k = 0; k < s.dp_bytes[tt].size(); ++k) s.dp_bytes[tt][k] = s.dp0.bytes[tt][k];
+  }
+
+  if (talk) {
+    print_final(s);
+    if (!o.report_json.empty()) write_json(s, o.report_json);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_demo(const std::vector<std::string>& args) {
+  const bool talk = launcher_rank() == 0;
+  DemoOptions o;
+  std::string error;
+  switch (parse_demo_options(args, o, error)) {
+    case ParseResult::help:
+      if (talk) std::fputs(demo_help().c_str(), stdout);
+      return 0;
+    case ParseResult::error:
+      if (talk)
+        std::fprintf(stderr, "zeroshard demo: %s\nRun 'zeroshard demo --help' for the flags.\n",
+                     error.c_str());
+      return 2;
+    case ParseResult::run:
+      break;
+  }
+  try {
+    return train_and_report(o);
+  } catch (const zeroshard::Error& e) {
+    // Configuration and argument errors are raised alike on every rank: one copy is enough.
+    const bool same_everywhere = e.code() == zeroshard::ErrorCode::invalid_config ||
+                                 e.code() == zeroshard::ErrorCode::invalid_argument ||
+                                 e.code() == zeroshard::ErrorCode::model_mismatch;
+    if (talk || !same_everywhere)
+      std::fprintf(stderr, "zeroshard demo: %s error: %s\n", zeroshard::error_code_name(e.code()),
+                   e.what());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "zeroshard demo: rank %d: %s\n", launcher_rank(), e.what());
+  }
+  return 1;
+}
+
+}  // namespace zsdemo

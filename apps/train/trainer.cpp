@@ -1,0 +1,210 @@
+#include "train/trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "model/precision.hpp"
+
+namespace zsdemo {
+
+using zeroshard::DType;
+using zeroshard::Engine;
+using zeroshard::TensorView;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Adds the wall time of its scope to a counter.
+struct Timed {
+  double& total;
+  double t0 = now_s();
+  ~Timed() { total += now_s() - t0; }
+};
+
+}  // namespace
+
+void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool with_init) {
+  // Group 1: no weight decay (layer-norm gains, biases), as GPT trainers usually do.
+  zeroshard::OptimizerOptions no_decay = engine.config().optimizer;
+  no_decay.weight_decay = 0.0f;
+  const int nd = engine.add_group(no_decay);
+  std::vector<std::vector<float>> keep;  // initial values must live until finalize()
+  for (const UnitSpec& u : gpt_units(shape)) {
+    std::vector<std::vector<float>> init;
+    if (with_init) init = gpt_init(shape, u, seed);
+    std::vector<zeroshard::Param> params;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      zeroshard::Param p{u.params[i].name, u.params[i].shape, u.params[i].decay ? 0 : nd};
+      if (with_init) {
+        keep.push_back(std::move(init[i]));
+        p.init = {keep.back().data(), int64_t(keep.back().size()), DType::f32};
+      }
+      params.push_back(std::move(p));
+    }
+    engine.add_unit(u.name, std::move(params));
+  }
+  engine.finalize();
+}
+
+UnitRunner::UnitRunner(Engine& engine, Gpt& model)
+    : e_(engine), m_(model), dt_(engine.config().dtype) {
+  if (dt_ != DType::f32) {
+    int64_t largest = 0;
+    for (int u = 0; u < e_.num_units(); ++u) largest = std::max(largest, e_.shard_info(u).numel);
+    pbuf_.resize(size_t(largest));
+    gbuf_.resize(size_t(largest));
+  }
+}
+
+std::vector<const float*> UnitRunner::params_f32(int, const std::vector<TensorView>& v) {
+  std::vector<const float*> p;
+  if (dt_ == DType::f32) {
+    // The engine's own buffers: no copy.
+    for (const TensorView& t : v) p.push_back(t.as<float>());
+    return p;
+  }
+  // A unit's parameters lie back to back; convert them into the same layout in f32.
+  size_t off = 0;
+  for (const TensorView& t : v) {
+    to_f32(t.data, t.dtype, pbuf_.data() + off, t.numel);
+    p.push_back(pbuf_.data() + off);
+    off += size_t(t.numel);
+  }
+  return p;
+}
+
+void UnitRunner::forward(bool keep_head) {
+  const int last = m_.num_units() - 1;
+  for (int u = 0; u <= last; ++u) {
+    std::vector<TensorView> v = e_.gather(u);  // stage 3: waits for the (prefetched) all-gather
+    {
+      Timed t{compute_s_};
+      m_.forward_unit(u, params_f32(u, v));
+    }
+    if (keep_head && u == last)
+      head_ = std::move(v);
+    else
+      e_.release(u);
+  }
+}
+
+void UnitRunner::backward(float loss_scale) {
+  const int last = m_.num_units() - 1;
+  for (int u = last; u >= 0; --u) {
+    std::vector<TensorView> v = u == last ? head_ : e_.gather(u);
+    std::vector<TensorView> g = e_.grads(u);  // zeroed, in the engine's dtype
+    {
+      Timed t{compute_s_};
+      std::vector<const float*> p = params_f32(u, v);
+      std::vector<float*> gp;
+      if (dt_ == DType::f32) {
+        for (const TensorView& t2 : g) gp.push_back(t2.as<float>());
+        m_.backward_unit(u, p, gp, loss_scale);
+      } else {
+        // Compute in f32, then round once into the engine's bf16/f16 buffer.
+        size_t off = 0;
+        for (const TensorView& t2 : g) gp.push_back(gbuf_.data() + off), off += size_t(t2.numel);
+        std::fill(gbuf_.begin(), gbuf_.begin() + long(off), 0.0f);
+        m_.backward_unit(u, p, gp, loss_scale);
+        for (size_t i = 0; i < g.size(); ++i) from_f32(gp[i], g[i].data, g[i].dtype, g[i].numel);
+      }
+    }
+    // Starts this unit's reduce-scatter on the communication thread; the loop goes on to the
+    // next unit's backward while it runs.
+    e_.grads_ready(u);
+    e_.release(u);
+  }
+  head_.clear();
+}
+
+float lr_at(int64_t step, int64_t steps, int64_t warmup, float peak) {
+  if (warmup > 0 && step <= warmup) return peak * float(step) / float(warmup);
+  const double span = double(std::max<int64_t>(1, steps - warmup));
+  const double progress = std::min(1.0, double(step - warmup) / span);
+  return float(peak * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress))));
+}
+
+std::vector<StepLog> train(Engine& engine, Gpt& model, BatchSampler& data, const TrainSettings& s) {
+  UnitRunner run(engine, model);
+  const int accum = engine.config().gradient_accumulation_steps;
+  std::vector<StepLog> logs;
+  double sample_s = 0;
+  for (int64_t step = 1; step <= s.steps; ++step) {
+    StepLog log;
+    log.step = step;
+    log.lr = lr_at(step, s.steps, s.warmup, s.peak_lr);
+    engine.set_lr(0, log.lr);
+    engine.set_lr(1, log.lr);
+    const double compute0 = run.compute_s() + sample_s;
+    double loss = 0;
+    for (int micro = 0; micro < accum; ++micro) {
+      {
+        Timed t{sample_s};
+        Batch b = data.next_train(s.batch);
+        model.set_batch(b.inputs, b.targets, s.batch);
+      }
+      run.forward(/*keep_head=*/true);
+      loss += model.loss();
+      // The loss scale (f16) multiplies every gradient; step() divides it back out.
+      run.backward(engine.loss_scale());
+    }
+    log.local_loss = loss / accum;
+    log.result = engine.step();
+    log.compute_s = run.compute_s() + sample_s - compute0;
+    if (s.on_step) s.on_step(log);
+    logs.push_back(log);
+  }
+  return logs;
+}
+
+double validation_loss(Engine& engine, Gpt& model, const BatchSampler& data, int64_t batch,
+                       zeroshard::Communicator& comm) {
+  UnitRunner run(engine, model);
+  Batch b = data.validation(batch);
+  model.set_batch(b.inputs, b.targets, batch);
+  run.forward(/*keep_head=*/false);
+  double loss[1] = {model.loss()};
+  comm.all_reduce(loss, 1, zeroshard::ReduceOp::sum, "validation loss")->wait();
+  return loss[0] / comm.size();
+}
+
+std::string sample_text(Engine& engine, Gpt& model, const CharTokenizer& tok,
+                        const std::string& prompt, int64_t chars, uint64_t seed) {
+  UnitRunner run(engine, model);
+  const int64_t t = model.shape().seq, v = model.shape().vocab;
+  std::vector<int32_t> ctx = tok.encode(prompt);
+  std::string out = prompt;
+  Rng rng(seed ^ 0x5A3D1E);
+  for (int64_t i = 0; i < chars; ++i) {
+    // The last t tokens at positions 0.., padded after them: causal attention never looks at
+    // the padding from the row we read.
+    const int64_t len = std::min<int64_t>(t, int64_t(ctx.size()));
+    std::vector<int32_t> in(size_t(t), 0);
+    std::copy(ctx.end() - len, ctx.end(), in.begin());
+    model.set_batch(in, {}, 1);
+    run.forward(/*keep_head=*/false);
+    const float* p = model.probs(len - 1);
+    // Temperature 0.8: p^(1/0.8), renormalised.
+    std::vector<double> w(static_cast<size_t>(v));
+    double sum = 0;
+    for (int64_t j = 0; j < v; ++j) sum += w[size_t(j)] = std::pow(double(p[j]), 1.25);
+    double r = rng.uniform() * sum;
+    int32_t next = int32_t(v - 1);
+    for (int64_t j = 0; j < v; ++j) {
+      r -= w[size_t(j)];
+      if (r < 0) {
+        next = int32_t(j);
+        break;
+      }
+    }
+    ctx.push_back(next);
+    out += tok.decode(next);
+  }
+  return out;
+}
+
+}  // namespace zsdemo

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The command line without MPI: help texts, and clear errors (exit 2, naming the flag) on bad
+# flags, before any rank starts MPI.
+# usage: run_cli_test.sh ZEROSHARD_BIN
+set -uo pipefail
+bin="$1"
+fail=0
+expect() {  # expect CODE PATTERN ARGS...: exit code and a pattern in stdout+stderr
+  local code="$1" pattern="$2"
+  shift 2
+  local out rc
+  out="$("$bin" "$@" 2>&1)"
+  rc=$?
+  if [[ $rc -ne $code ]] || ! grep -q -- "$pattern" <<<"$out"; then
+    echo "FAIL: zeroshard $*: exit $rc (want $code), output lacks '$pattern':"
+    echo "$out"
+    fail=1
+  fi
+}
+expect 0 "demo" --help
+expect 0 "zeroshard " --version
+expect 2 "unknown command" frobnicate
+expect 2 "usage" # no command
+for flag in --stage --dtype --optimizer --lr --steps --batch --seq --layers --dim --offload-optimizer \
+  --offload-param --nvme-path --accum --clip --config --seed --quiet --report-json; do
+  expect 0 "$flag" demo --help
+done
+expect 2 "did you mean --stage" demo --stgae 3
+expect 2 "must be one of f32, bf16, f16" demo --dtype fp8
+expect 2 "not a multiple of --heads" demo --dim 100 --heads 3
+expect 2 "needs a value" demo --steps
+expect 2 "requires zero_optimization.stage = 3" demo --stage 1 --offload-param cpu
+expect 2 "configuration" demo --config /nonexistent/ds_config.json
+exit $fail
