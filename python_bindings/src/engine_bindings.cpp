@@ -1,0 +1,444 @@
+// Engine, Communicator, the memory report and the small result structs.
+//
+// Threading: every call that can block (collectives, waits for reductions, the optimizer step)
+// or that computes releases the GIL, so other Python threads run meanwhile. The engine itself is
+// driven by one thread at a time (engine.hpp), so each Engine carries a mutex that these calls
+// take after dropping the GIL: two Python threads calling one engine are serialised, not racing.
+// (Lock order is always GIL, then released, then the engine mutex; never the reverse.)
+#include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <mutex>
+#include <sstream>
+
+#include "bindings.hpp"
+
+namespace zeroshard::py {
+
+namespace {
+
+/// A parameter to register: Param plus the Python object holding its initial values.
+struct PyParam {
+  std::string name;
+  std::vector<int64_t> shape;
+  int group = 0;
+  nb::object init;  // None or a CPU tensor / array of shape_numel(shape) elements
+};
+
+struct PyEngine {
+  PyEngine(Config c, std::shared_ptr<Communicator> cm) : comm(std::move(cm)), engine(std::move(c), comm) {}
+
+  std::shared_ptr<Communicator> comm;
+  Engine engine;
+  std::mutex mu;
+  // Registration as the trainer gave it: views go back out with each parameter's own shape.
+  std::vector<std::vector<std::string>> names;
+  std::vector<std::vector<std::vector<int64_t>>> shapes;
+  // Initial values are read during finalize(); their imports keep the producers' memory alive
+  // until then.
+  std::vector<Imported> init_keep;
+};
+
+// Runs `f` without the GIL and with the engine's mutex held.
+template <class F>
+auto locked(PyEngine& e, F&& f) {
+  nb::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lock(e.mu);
+  return f();
+}
+
+void check_unit(const PyEngine& e, UnitId u, const char* call) {
+  if (u < 0 || size_t(u) >= e.shapes.size())
+    throw Error(ErrorCode::invalid_argument, std::string(call) + "(): no unit with id " + std::to_string(u) +
+                                                 " (" + std::to_string(e.shapes.size()) + " registered)");
+}
+
+// Engine views, one per parameter, as arrays that keep the Engine object alive.
+nb::list export_views(PyEngine& e, UnitId u, const std::vector<TensorView>& views) {
+  nb::object owner = nb::find(&e);
+  nb::list out;
+  for (size_t i = 0; i < views.size(); ++i) out.append(export_view(views[i], e.shapes[size_t(u)][i], owner));
+  return out;
+}
+
+ReduceOp parse_op(const std::string& s) {
+  if (s == "sum") return ReduceOp::sum;
+  if (s == "max") return ReduceOp::max;
+  if (s == "min") return ReduceOp::min;
+  throw Error(ErrorCode::invalid_argument, "all_reduce(): op '" + s + "' is not one of 'sum', 'max', 'min'");
+}
+
+std::string step_repr(const StepResult& r) {
+  std::ostringstream s;
+  s << "StepResult(step=" << r.step << ", skipped=" << (r.skipped ? "True" : "False")
+    << ", grad_norm=" << r.grad_norm << ", clip_factor=" << r.clip_factor
+    << ", loss_scale=" << r.loss_scale << ", optimizer_s=" << r.optimizer_s
+    << ", comm_busy_s=" << r.comm_busy_s << ", comm_exposed_s=" << r.comm_exposed_s
+    << ", interval_s=" << r.interval_s << ")";
+  return s.str();
+}
+
+}  // namespace
+
+void bind_engine(nb::module_& m) {
+  m.def("version", &version, "The library's version, e.g. '0.1.0'.");
+
+  // ---- communicator ---------------------------------------------------------------------------
+  nb::class_<Communicator>(
+      m, "Communicator",
+      "Collectives over a fixed group of ranks (make_mpi_communicator / make_self_communicator). "
+      "Every rank must call the same collectives in the same order; a collective that outlasts "
+      "the timeout raises CollectiveTimeoutError instead of hanging. Thread-safe.")
+      .def("rank", &Communicator::rank)
+      .def("size", &Communicator::size)
+      .def("set_timeout", &Communicator::set_timeout, nb::arg("seconds"))
+      .def("barrier", &Communicator::barrier, nb::arg("what") = "barrier",
+           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "all_reduce",
+          [](Communicator& c, nb::handle buf, const std::string& op, const std::string& what) {
+            Imported t = import_tensor(buf, {"all_reduce(): buffer", /*any_dtype=*/true}, true);
+            if (t.array.dtype() != nb::dtype<double>())
+              throw Error(ErrorCode::invalid_argument,
+                          "all_reduce(): buffer has dtype " + dlpack_dtype_name(t.array.dtype()) +
+                              ", expected float64 (the reduction runs in double)");
+            const ReduceOp rop = parse_op(op);
+            nb::gil_scoped_release nogil;
+            c.all_reduce(static_cast<double*>(t.view.data), t.view.numel, rop, what)->wait();
+          },
+          nb::arg("buffer"), nb::arg("op") = "sum", nb::arg("what") = "all_reduce",
+          "In-place element-wise reduction of a contiguous float64 CPU tensor over the ranks.")
+      .def(
+          "broadcast",
+          [](Communicator& c, nb::handle buf, int root, const std::string& what) {
+            Imported t = import_tensor(buf, {"broadcast(): buffer", /*any_dtype=*/true}, true);
+            nb::gil_scoped_release nogil;
+            c.broadcast(t.view.data, t.nbytes, root, what)->wait();
+          },
+          nb::arg("buffer"), nb::arg("root") = 0, nb::arg("what") = "broadcast",
+          "In place: every rank's contiguous CPU tensor (any dtype) receives root's bytes.")
+      .def(
+          "all_gather",
+          [](Communicator& c, nb::handle send, nb::handle recv, const std::string& what) {
+            Imported s = import_tensor(send, {"all_gather(): send"}, false);
+            TensorRequest rr{"all_gather(): recv"};
+            rr.has_dtype = true;
+            rr.dtype = s.view.dtype;
+            rr.numel = s.view.numel * c.size();
+            Imported r = import_tensor(recv, rr, true);
+            nb::gil_scoped_release nogil;
+            c.all_gather(s.view.data, r.view.data, s.view.numel, s.view.dtype, what)->wait();
+          },
+          nb::arg("send"), nb::arg("recv"), nb::arg("what") = "all_gather",
+          "recv (size() x send elements, same dtype: float32/bfloat16/float16) = every rank's "
+          "send, in rank order.");
+  m.def("make_mpi_communicator", &make_mpi_communicator, nb::call_guard<nb::gil_scoped_release>(),
+        "A communicator over MPI_COMM_WORLD (initialises MPI with MPI_THREAD_MULTIPLE if needed; "
+        "finalises it when the last one is destroyed). Launch with mpirun.");
+  m.def("make_self_communicator", &make_self_communicator, "A communicator of one rank, without MPI.");
+
+  // ---- small result structs -------------------------------------------------------------------
+  nb::class_<StepResult>(m, "StepResult", "What Engine.step() did.")
+      .def_ro("skipped", &StepResult::skipped)
+      .def_ro("grad_norm", &StepResult::grad_norm)
+      .def_ro("clip_factor", &StepResult::clip_factor)
+      .def_ro("loss_scale", &StepResult::loss_scale)
+      .def_ro("step", &StepResult::step)
+      .def_ro("optimizer_s", &StepResult::optimizer_s)
+      .def_ro("comm_busy_s", &StepResult::comm_busy_s)
+      .def_ro("comm_exposed_s", &StepResult::comm_exposed_s)
+      .def_ro("interval_s", &StepResult::interval_s)
+      .def("comm_hidden_fraction", &StepResult::comm_hidden_fraction)
+      .def("__repr__", &step_repr);
+
+  nb::class_<ShardInfo>(m, "ShardInfo", "Shard geometry of one unit on this rank, in elements.")
+      .def_ro("numel", &ShardInfo::numel)
+      .def_ro("padded_numel", &ShardInfo::padded_numel)
+      .def_ro("shard_offset", &ShardInfo::shard_offset)
+      .def_ro("shard_numel", &ShardInfo::shard_numel)
+      .def("__repr__", [](const ShardInfo& s) {
+        return "ShardInfo(numel=" + std::to_string(s.numel) + ", padded_numel=" + std::to_string(s.padded_numel) +
+               ", shard_offset=" + std::to_string(s.shard_offset) + ", shard_numel=" + std::to_string(s.shard_numel) + ")";
+      });
+
+  nb::enum_<StateKind>(m, "StateKind", "Which state read_shard()/write_shard() address.")
+      .value("param", StateKind::param)
+      .value("master", StateKind::master)
+      .value("state0", StateKind::state0)
+      .value("state1", StateKind::state1);
+
+  // ---- memory report --------------------------------------------------------------------------
+  nb::enum_<MemKind>(m, "MemKind")
+      .value("param", MemKind::param)
+      .value("grad", MemKind::grad)
+      .value("master", MemKind::master)
+      .value("optim_state", MemKind::optim_state)
+      .value("buffer", MemKind::buffer);
+  nb::class_<NamedBuffer>(m, "NamedBuffer")
+      .def_ro("name", &NamedBuffer::name)
+      .def_ro("tier", &NamedBuffer::tier)
+      .def_ro("bytes", &NamedBuffer::bytes)
+      .def_ro("peak", &NamedBuffer::peak);
+  nb::class_<MemoryReport>(m, "MemoryReport",
+                           "The ledger: bytes held on this rank by tier x kind, with peaks.")
+      .def("at", &MemoryReport::at, nb::arg("tier"), nb::arg("kind"), "Bytes held now in one cell.")
+      .def(
+          "total",
+          [](const MemoryReport& r, nb::handle tier) {
+            return tier.is_none() ? r.total() : r.total(parse_tier(tier));
+          },
+          nb::arg("tier") = nb::none(), "Bytes held now, on one tier or on all.")
+      .def("model_state_bytes", &MemoryReport::model_state_bytes)
+      .def_ro("buffers", &MemoryReport::buffers)
+      .def(
+          "as_dict",
+          [](const MemoryReport& r) {
+            // {"device": {"param": {"bytes": n, "peak": n}, ...}, "host": ..., "nvme": ...}
+            nb::dict out;
+            for (int t = 0; t < kNumTiers; ++t) {
+              nb::dict row;
+              for (int k = 0; k < kNumMemKinds; ++k) {
+                nb::dict cell;
+                cell["bytes"] = r.bytes[size_t(t)][size_t(k)];
+                cell["peak"] = r.peak[size_t(t)][size_t(k)];
+                row[mem_kind_name(MemKind(k))] = cell;
+              }
+              out[tier_name(Tier(t))] = row;
+            }
+            return out;
+          },
+          "Every cell as {tier: {kind: {'bytes': n, 'peak': n}}}.")
+      .def("to_string", &MemoryReport::to_string)
+      .def("__str__", &MemoryReport::to_string);
+
+  // ---- engine ---------------------------------------------------------------------------------
+  nb::class_<PyParam>(m, "Param",
+                      "One parameter of a unit: Param(name, shape=None, group=0, init=None). init "
+                      "is an optional contiguous CPU tensor of float32/bfloat16/float16 with the "
+                      "parameter's element count (shape defaults to init's shape); it is read "
+                      "during finalize() without copying before then.")
+      .def(
+          "__init__",
+          [](PyParam* self, std::string name, nb::handle shape, int group, nb::handle init) {
+            new (self) PyParam();
+            self->name = std::move(name);
+            self->group = group;
+            self->init = nb::borrow(init);
+            if (!shape.is_none()) {
+              for (nb::handle d : shape) self->shape.push_back(nb::cast<int64_t>(d));
+            } else if (!init.is_none() && nb::hasattr(init, "shape")) {
+              for (nb::handle d : init.attr("shape")) self->shape.push_back(nb::cast<int64_t>(d));
+            } else {
+              throw Error(ErrorCode::invalid_argument,
+                          "Param('" + self->name + "'): give a shape or an init tensor");
+            }
+          },
+          nb::arg("name"), nb::arg("shape") = nb::none(), nb::arg("group") = 0, nb::arg("init") = nb::none())
+      .def_ro("name", &PyParam::name)
+      .def_ro("shape", &PyParam::shape)
+      .def_ro("group", &PyParam::group);
+
+  nb::class_<PyEngine>(
+      m, "Engine",
+      "One model's units, shards, optimizer and communication on this rank (see "
+      "include/zeroshard/engine.hpp for the contract of each call). Views it returns (params, "
+      "gather, grads) are DLPack/buffer-protocol arrays over engine memory, valid as the C++ "
+      "contract says; torch.from_dlpack() / numpy.from_dlpack() wrap them without copying.")
+      .def(
+          "__init__",
+          [](PyEngine* self, nb::handle config, std::shared_ptr<Communicator> comm) {
+            if (!comm) throw Error(ErrorCode::invalid_argument, "Engine(): the communicator is None");
+            new (self) PyEngine(coerce_config(config), std::move(comm));
+          },
+          nb::arg("config"), nb::arg("comm"),
+          "config: a Config, a dict of zeroshard/DeepSpeed keys, or a JSON file path.")
+      .def(
+          "add_group",
+          [](PyEngine& e, nb::handle options) {
+            OptimizerOptions o = coerce_optimizer(options);
+            return locked(e, [&] { return e.engine.add_group(o); });
+          },
+          nb::arg("options"), "Adds a parameter group (OptimizerOptions or a dict); returns its index.")
+      .def(
+          "add_unit",
+          [](PyEngine& e, const std::string& name, const std::vector<PyParam*>& params) {
+            std::vector<Param> ps;
+            std::vector<Imported> keep;
+            for (const PyParam* p : params) {
+              if (!p) throw Error(ErrorCode::invalid_argument, "add_unit('" + name + "'): a parameter is None");
+              Param q{p->name, p->shape, p->group, {}};
+              if (p->init.is_valid() && !p->init.is_none()) {
+                TensorRequest req{"add_unit('" + name + "'): initial values of '" + p->name + "'"};
+                req.numel = shape_numel(p->shape);
+                keep.push_back(import_tensor(p->init, req, false));
+                q.init = keep.back().view;
+              }
+              ps.push_back(std::move(q));
+            }
+            const UnitId id = locked(e, [&] { return e.engine.add_unit(name, std::move(ps)); });
+            std::vector<std::string> names;
+            std::vector<std::vector<int64_t>> shapes;
+            for (const PyParam* p : params) names.push_back(p->name), shapes.push_back(p->shape);
+            e.names.push_back(std::move(names));
+            e.shapes.push_back(std::move(shapes));
+            for (Imported& k : keep) e.init_keep.push_back(std::move(k));
+            return id;
+          },
+          nb::arg("name"), nb::arg("params"), "Registers a unit (a list of Param); returns its id.")
+      .def(
+          "finalize",
+          [](PyEngine& e) {
+            locked(e, [&] { e.engine.finalize(); });
+            e.init_keep.clear();  // read: the producers' tensors may go now
+          },
+          "Plans the layout, checks all ranks registered the same model, allocates, copies the "
+          "initial values in. Collective.")
+      .def(
+          "params",
+          [](PyEngine& e, UnitId u) {
+            check_unit(e, u, "params");
+            auto v = locked(e, [&] { return e.engine.params(u); });
+            return export_views(e, u, v);
+          },
+          nb::arg("unit"), "Stages 0-2: the unit's parameters, updated in place by step().")
+      .def(
+          "gather",
+          [](PyEngine& e, UnitId u) {
+            check_unit(e, u, "gather");
+            auto v = locked(e, [&] { return e.engine.gather(u); });
+            return export_views(e, u, v);
+          },
+          nb::arg("unit"), "Stage 3: all-gathers the unit; the views are valid until release(). Collective.")
+      .def(
+          "release", [](PyEngine& e, UnitId u) { locked(e, [&] { e.engine.release(u); }); }, nb::arg("unit"))
+      .def(
+          "grads",
+          [](PyEngine& e, UnitId u) {
+            check_unit(e, u, "grads");
+            auto v = locked(e, [&] { return e.engine.grads(u); });
+            return export_views(e, u, v);
+          },
+          nb::arg("unit"), "Zeroed gradient views to write this micro-step's gradients; valid until grads_ready().")
+      .def(
+          "grads_ready",
+          [](PyEngine& e, UnitId u, nb::handle grads) {
+            if (grads.is_none()) {
+              locked(e, [&] { e.engine.grads_ready(u); });
+              return;
+            }
+            // The copying form: validate every tensor here (clear errors, no conversion), then
+            // one GIL-free call copies them in and starts the reduction.
+            check_unit(e, u, "grads_ready");
+            const auto& names = e.names[size_t(u)];
+            const auto& shapes = e.shapes[size_t(u)];
+            const size_t n = nb::len(grads);
+            if (n != names.size())
+              throw Error(ErrorCode::invalid_argument,
+                          "grads_ready(): unit '" + e.engine.unit_name(u) + "' has " + std::to_string(names.size()) +
+                              " parameters, got " + std::to_string(n) + " gradients");
+            std::vector<Imported> keep;
+            std::vector<TensorView> views;
+            size_t i = 0;
+            for (nb::handle g : grads) {
+              TensorRequest req{"grads_ready(): gradient of '" + names[i] + "' (unit '" + e.engine.unit_name(u) + "')"};
+              req.has_dtype = true;
+              req.dtype = e.engine.config().dtype;
+              req.numel = shape_numel(shapes[i]);
+              keep.push_back(import_tensor(g, req, false));
+              views.push_back(keep.back().view);
+              ++i;
+            }
+            locked(e, [&] { e.engine.grads_ready(u, views); });
+          },
+          nb::arg("unit"), nb::arg("grads") = nb::none(),
+          "Marks the unit's gradients of this micro-step complete and starts their reduction. "
+          "With grads (one contiguous CPU tensor per parameter, of Config.dtype), copies them in "
+          "first; they may be reused on return. Collective.")
+      .def(
+          "step", [](PyEngine& e) { return locked(e, [&] { return e.engine.step(); }); },
+          "Finishes reductions; updates every shard (or skips on overflow). Collective.")
+      .def("zero_grad", [](PyEngine& e) { locked(e, [&] { e.engine.zero_grad(); }); })
+      .def(
+          "set_lr", [](PyEngine& e, int g, float lr) { locked(e, [&] { e.engine.set_lr(g, lr); }); },
+          nb::arg("group"), nb::arg("lr"))
+      .def(
+          "lr", [](PyEngine& e, int g) { return locked(e, [&] { return e.engine.lr(g); }); },
+          nb::arg("group") = 0)
+      .def("loss_scale", [](PyEngine& e) { return locked(e, [&] { return e.engine.loss_scale(); }); })
+      .def("step_count", [](PyEngine& e) { return locked(e, [&] { return e.engine.step_count(); }); })
+      .def("rank", [](PyEngine& e) { return e.engine.rank(); })
+      .def("world_size", [](PyEngine& e) { return e.engine.world_size(); })
+      .def("num_units", [](PyEngine& e) { return int(e.shapes.size()); })
+      .def(
+          "unit_name", [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.unit_name(u); }); },
+          nb::arg("unit"))
+      .def(
+          "param_names",
+          [](PyEngine& e, UnitId u) {
+            check_unit(e, u, "param_names");
+            return e.names[size_t(u)];
+          },
+          nb::arg("unit"))
+      .def(
+          "param_shapes",
+          [](PyEngine& e, UnitId u) {
+            check_unit(e, u, "param_shapes");
+            return e.shapes[size_t(u)];
+          },
+          nb::arg("unit"))
+      .def(
+          "shard_info", [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.shard_info(u); }); },
+          nb::arg("unit"))
+      .def("config", [](PyEngine& e) { return e.engine.config(); }, "A copy of the engine's Config.")
+      .def(
+          "read_shard",
+          [](PyEngine& e, UnitId u, StateKind k) {
+            auto v = locked(e, [&] { return e.engine.read_shard(u, k); });
+            return export_owned(std::move(v));
+          },
+          nb::arg("unit"), nb::arg("kind"), "This rank's shard of one state, as a new float32 array.")
+      .def(
+          "write_shard",
+          [](PyEngine& e, UnitId u, StateKind k, nb::handle values) {
+            TensorRequest req{"write_shard(): values"};
+            req.has_dtype = true;
+            req.dtype = DType::f32;
+            Imported t = import_tensor(values, req, false);
+            const float* p = static_cast<const float*>(t.view.data);
+            std::vector<float> v(p, p + t.view.numel);
+            locked(e, [&] { e.engine.write_shard(u, k, v); });
+          },
+          nb::arg("unit"), nb::arg("kind"), nb::arg("values"),
+          "Overwrites this rank's shard of master/state0/state1 (float32, shard_numel elements).")
+      .def("commit_shards", [](PyEngine& e) { locked(e, [&] { e.engine.commit_shards(); }); },
+           "Collective: rebuilds the parameters from the shards written with write_shard().")
+      .def(
+          "set_step_count", [](PyEngine& e, int64_t n) { locked(e, [&] { e.engine.set_step_count(n); }); },
+          nb::arg("steps"))
+      .def(
+          "set_loss_scale", [](PyEngine& e, float s) { locked(e, [&] { e.engine.set_loss_scale(s); }); },
+          nb::arg("scale"))
+      .def(
+          "has_state", [](PyEngine& e, StateKind k) { return e.engine.has_state(k); }, nb::arg("kind"),
+          "Whether the optimizer keeps this state (read_shard() of an absent one raises).")
+      .def(
+          "save",
+          [](PyEngine& e, const std::filesystem::path& dir) { locked(e, [&] { e.engine.save(dir); }); },
+          nb::arg("dir"),
+          "Collective: writes a checkpoint (f32 master weights, optimizer state, step count, loss "
+          "scale) that any world size and any stage can load.")
+      .def(
+          "load",
+          [](PyEngine& e, const std::filesystem::path& dir) { locked(e, [&] { e.engine.load(dir); }); },
+          nb::arg("dir"),
+          "Collective: loads a checkpoint written by save() at any world size or stage; the "
+          "parameters are rebuilt from the master weights.")
+      .def("memory", [](PyEngine& e) { return locked(e, [&] { return e.engine.memory(); }); },
+           "The ledger's MemoryReport.")
+      .def("communicator", [](PyEngine& e) { return e.comm; });
+}
+
+}  // namespace zeroshard::py

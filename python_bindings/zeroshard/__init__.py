@@ -1,0 +1,88 @@
+"""zeroshard: ZeRO sharding and offload for training large models.
+
+The names here mirror the C++ API (include/zeroshard/*.hpp): Config and its option structs,
+Engine, Communicator (make_mpi_communicator / make_self_communicator), MemoryReport, and one
+exception class per zeroshard::ErrorCode, all derived from zeroshard.Error. PyTorch users want
+zeroshard.torch.ZeroOptimizer.
+
+Tensors cross by DLPack (or the buffer protocol) without copies: the views Engine returns wrap
+engine memory (torch.from_dlpack / numpy.from_dlpack), and tensors passed in must be contiguous
+CPU tensors of the right dtype -- anything else raises InvalidArgumentError instead of being
+copied. Blocking and computing calls release the GIL.
+"""
+
+from . import _core
+from ._core import (  # noqa: F401  (re-exported API)
+    AioOptions,
+    CollectiveTimeoutError,
+    CommunicationError,
+    Communicator,
+    Config,
+    ConfigError,
+    CorruptedDataError,
+    CudaError,
+    DType,
+    Engine,
+    Error,
+    InternalError,
+    InvalidArgumentError,
+    LossScaleOptions,
+    MemKind,
+    MemoryReport,
+    ModelMismatchError,
+    NamedBuffer,
+    NoSpaceError,
+    OffloadOptions,
+    OptimizerKind,
+    OptimizerOptions,
+    Param,
+    ShardInfo,
+    StateKind,
+    StepResult,
+    StorageError,
+    Tier,
+    dtype_size,
+    make_mpi_communicator,
+    make_self_communicator,
+    version,
+)
+from ._launch import default_communicator, launch_info  # noqa: F401
+
+__version__ = _core.__version__
+
+__all__ = [
+    "AioOptions",
+    "CollectiveTimeoutError",
+    "CommunicationError",
+    "Communicator",
+    "Config",
+    "ConfigError",
+    "CorruptedDataError",
+    "CudaError",
+    "DType",
+    "Engine",
+    "Error",
+    "InternalError",
+    "InvalidArgumentError",
+    "LossScaleOptions",
+    "MemKind",
+    "MemoryReport",
+    "ModelMismatchError",
+    "NamedBuffer",
+    "NoSpaceError",
+    "OffloadOptions",
+    "OptimizerKind",
+    "OptimizerOptions",
+    "Param",
+    "ShardInfo",
+    "StateKind",
+    "StepResult",
+    "StorageError",
+    "Tier",
+    "default_communicator",
+    "dtype_size",
+    "launch_info",
+    "make_mpi_communicator",
+    "make_self_communicator",
+    "version",
+]

@@ -1,0 +1,795 @@
+"""zeroshard.torch: ZeRO sharding and offload for an ordinary PyTorch training loop.
+
+    opt = zeroshard.torch.ZeroOptimizer(model, stage=2, lr=3e-4, offload_optimizer="cpu")
+    for x, y in data:                    # this rank's share of the global batch
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)      # the mean over this rank's micro-batch
+        loss.backward()                  # each unit's reduction starts as its gradients are ready
+        opt.step()
+
+Launch with `mpirun -np N python train.py` (or plain `python train.py` for one rank).
+
+How it maps onto the engine
+---------------------------
+Units. One unit per top-level child module of the model (its parameters, recursively); a child
+with more than `unit_numel` trainable elements is split into its own children (its direct
+parameters then form a unit of their own), and parameters directly on the model form a unit
+"<root>". `units=[module, ...]` sets the boundaries by hand instead (parameters outside them
+form the unit "<rest>", attached to the model). Only parameters with requires_grad=True are
+managed; frozen ones stay ordinary tensors.
+
+Parameters. The engine owns parameter memory. In stages 0-2 each parameter's .data becomes a
+view of the engine's whole-parameter buffer (DLPack, no copy), which step() updates in place.
+In stage 3 a parameter exists only while its unit is gathered: a forward pre-hook on the unit's
+module gathers it and a forward hook releases it; a hook on the module's outputs gathers it
+again when backward reaches the module, and it is released once the unit's gradients are handed
+over. Outside those windows .data is an empty tensor. While gathered, .data is a torch-owned
+buffer that the gathered values are copied into (one memcpy per gather), because autograd saves
+*views* of parameters (Linear saves weight.t()) whose storage must still be the parameter's when
+backward runs; that buffer's storage is freed (resized to 0) at release, so memory stays that of
+the live units.
+
+Gradients. torch 1.13 has no register_post_accumulate_grad_hook, so a hook on each parameter's
+AccumulateGrad node (p.expand_as(p).grad_fn.next_functions[0][0].register_hook) sees the moment
+its .grad is complete. When every parameter of a unit has its gradient, the unit's gradients go
+to the engine with the copying Engine.grads_ready(unit, grads) (validated, one copy, no GIL), its
+reduce-scatter starts while backward goes on, and .grad is set back to None: after backward the
+gradients live in the engine (sharded from stage 2), not in .grad. A callback queued on the
+autograd engine hands over, at the end of backward, any unit that did not get all its gradients
+(unused parameters count as zero). This is the same for every stage.
+
+Batches. Each backward() is one micro-step. The engine averages gradients over ranks and over
+gradient_accumulation_steps micro-steps, so each rank's loss should be the mean over its own
+micro-batch, without dividing by the rank count or the accumulation steps: the update then
+equals that of one process taking the mean over the whole global batch.
+
+Checkpoints. Two forms. save_checkpoint(dir) / load_checkpoint(dir) are the engine's own
+(collective, one directory shared by the ranks) and load at any world size and any stage.
+state_dict() is the torch.optim form: this rank's shard of the f32 master weights and optimizer
+state (plus step count, loss scale and hyperparameters), to torch.save one file per rank and
+load into an optimizer over the same model at the same world size. Either way loading also
+restores the model's parameters (they are rebuilt from the master weights).
+"""
+
+import difflib
+
+import torch
+from torch.utils import dlpack as _dlpack
+
+from . import _core
+from ._launch import default_communicator
+
+__all__ = ["ZeroOptimizer", "partition_units"]
+
+_TORCH_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_ZS_TO_TORCH = {_core.DType.f32: torch.float32, _core.DType.bf16: torch.bfloat16,
+                _core.DType.f16: torch.float16}
+
+# Optimizer state slots by optimizer kind, named as torch names them.
+_STATE_NAMES = {
+    _core.OptimizerKind.adam: ("exp_avg", "exp_avg_sq"),
+    _core.OptimizerKind.adamw: ("exp_avg", "exp_avg_sq"),
+    _core.OptimizerKind.lion: ("exp_avg",),
+    _core.OptimizerKind.sgd: ("momentum_buffer",),
+}
+_STATE_KINDS = (_core.StateKind.state0, _core.StateKind.state1)
+
+# Hyperparameters a torch param group may carry, per optimizer kind.
+_GROUP_KEYS = {
+    _core.OptimizerKind.adam: ("lr", "betas", "eps", "weight_decay"),
+    _core.OptimizerKind.adamw: ("lr", "betas", "eps", "weight_decay"),
+    _core.OptimizerKind.lion: ("lr", "betas", "weight_decay"),
+    _core.OptimizerKind.sgd: ("lr", "momentum", "nesterov", "weight_decay"),
+}
+
+_STATE_FORMAT = "zeroshard.sharded/1"
+
+
+def _resize_storage(t, numel):
+    """Frees (numel = 0) or re-allocates a tensor's storage in place, keeping its identity, so
+    views autograd saved of it see the new memory."""
+    if hasattr(t, "untyped_storage"):  # torch >= 2.0
+        t.untyped_storage().resize_(numel * t.element_size())
+    else:
+        t.storage().resize_(numel)
+
+
+def _tensors(obj):
+    """The tensors in a module's output (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+class _Unit:
+    """Bookkeeping of one engine unit on the torch side."""
+
+    def __init__(self, index, name, module, names, params):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.names = names            # qualified parameter names
+        self.params = params          # the nn.Parameters, in registration order
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.ready = [False] * len(params)  # gradient complete in this backward
+        self.n_ready = 0
+        self.handed = False           # gradients given to the engine in this backward
+        self.gathered = False         # stage 3: parameters present
+        self.forward_stack = []       # stage 3: was it gathered before each nested forward?
+        self.full = []                # stage 3: torch buffers the gathered values live in
+        self.placeholder = None       # stage 3: what .data is while released
+
+
+def partition_units(model, unit_numel=1 << 25, units=None, trainable=None):
+    """Unit boundaries for `model`, as ZeroOptimizer cuts them: a list of
+    (name, module, [(param_name, param), ...]). See the module doc for the rules."""
+    names = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    if trainable is None:
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assigned = set()
+    out = []
+
+    def take(module, recurse):
+        got = []
+        for p in module.parameters(recurse=recurse):
+            if id(p) in trainable and id(p) not in assigned:
+                assigned.add(id(p))
+                got.append((names[id(p)], p))
+        return got
+
+    if units is not None:
+        module_names = {id(m): n for n, m in model.named_modules()}
+        for m in units:
+            if id(m) not in module_names:
+                raise _core.InvalidArgumentError(
+                    f"ZeroOptimizer: units contains a {type(m).__name__} that is not a "
+                    "submodule of the model")
+            ps = take(m, True)
+            if ps:
+                out.append((module_names[id(m)] or "<root>", m, ps))
+        rest = take(model, True)
+        if rest:
+            out.append(("<rest>", model, rest))
+        return out
+
+    def subtree_numel(m):
+        return sum(p.numel() for p in m.parameters()
+                   if id(p) in trainable and id(p) not in assigned)
+
+    def visit(m, prefix, depth):
+        total = subtree_numel(m)
+        if total == 0:
+            return
+        children = [(n, c) for n, c in m.named_children() if subtree_numel(c) > 0]
+        # The model itself always splits into its children; below it, a module is one unit
+        # unless it is too large and has children to split into.
+        if depth > 0 and (total <= unit_numel or not children):
+            out.append((prefix, m, take(m, True)))
+            return
+        own = take(m, False)
+        if own:
+            out.append((prefix or "<root>", m, own))
+        for n, c in children:
+            visit(c, f"{prefix}.{n}" if prefix else n, depth + 1)
+
+    visit(model, "", 0)
+    return out
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose parameters, gradients and optimizer state are owned and
+    sharded by a zeroshard Engine (ZeRO stage 0-3, optional offload).
+
+    Args:
+        model: the nn.Module to train. Its trainable parameters must share one dtype (float32,
+            bfloat16 or float16), which becomes the engine's Config.dtype.
+        stage: ZeRO stage 0-3.
+        optimizer: "adamw" (default), "adam", "sgd" or "lion".
+        lr, betas, eps, weight_decay, momentum, nesterov: hyperparameters of every group not
+            given its own (torch's meanings; "adam" adds weight decay to the gradient, "adamw"
+            decouples it).
+        param_groups: torch-style groups, e.g. [{"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0}]; together they must cover every
+            trainable parameter. Default: one group of all of them.
+        offload_optimizer: tier of master weights and optimizer state: "none" (default),
+            "cpu" or "nvme" (or an OffloadOptions / dict); offload_param likewise (stage 3).
+        nvme_path: directory (or list) for the nvme tier.
+        gradient_clipping, gradient_accumulation_steps: as in Config.
+        config: a base Config, a dict of zeroshard/DeepSpeed keys, or a JSON file path; the
+            keyword arguments above override it.
+        comm: a Communicator; default zeroshard.default_communicator() (MPI under mpirun).
+        units: modules whose parameters form one unit each (default: see module doc).
+        unit_numel: the size above which a module is split into its children.
+        broadcast_init: start every rank from rank 0's parameters and buffers (as DDP does).
+        **config_fields: any other Config field (overlap_comm, max_live_units, prefetch,
+            shard_alignment, grad_buffers, collective_timeout_s, loss_scale, ...).
+    """
+
+    def __init__(self, model, *, stage=None, optimizer=None, lr=None, betas=None, eps=None,
+                 weight_decay=None, momentum=None, nesterov=None, param_groups=None,
+                 offload_optimizer=None, offload_param=None, nvme_path=None,
+                 gradient_clipping=None, gradient_accumulation_steps=None, config=None,
+                 comm=None, units=None, unit_numel=1 << 25, broadcast_init=True,
+                 **config_fields):
+        if not isinstance(model, torch.nn.Module):
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise _core.InvalidArgumentError("ZeroOptimizer: the model has no trainable parameters")
+        for n, p in model.named_parameters():
+            if p.requires_grad and p.device.type != "cpu":
+                raise _core.InvalidArgumentError(
+                    f"ZeroOptimizer: parameter '{n}' is on {p.device}; this build of the "
+                    "Python bindings trains CPU models")
+        dtypes = {p.dtype for p in trainable}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _TORCH_DTYPES:
+            raise _core.InvalidArgumentError(
+                "ZeroOptimizer: the trainable parameters must share one dtype of float32, "
+                f"bfloat16 or float16, got {sorted(str(d) for d in dtypes)}")
+        self._torch_dtype = next(iter(dtypes))
+
+        cfg = self._build_config(config, stage, optimizer, lr, betas, eps, weight_decay, momentum,
+                                 nesterov, offload_optimizer, offload_param, nvme_path,
+                                 gradient_clipping, gradient_accumulation_steps, config_fields)
+        self.comm = comm if comm is not None else default_communicator()
+        self.stage = cfg.stage
+        self._kind = cfg.optimizer.kind
+
+        # Torch-side param groups, validated; their order defines the engine's groups.
+        groups = self._build_groups(param_groups, trainable)
+        defaults = self._group_defaults(cfg.optimizer)
+        super().__init__(groups, defaults)
+        group_of = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                group_of[id(p)] = gi
+        cfg.optimizer = self._options(self.param_groups[0])
+
+        unit_list = partition_units(model, unit_numel, units, {id(p) for p in trainable})
+        if self.stage == 3:
+            self._check_stage3_units(model, unit_list)
+            # In-use gather buffers: a unit, the units of the modules enclosing it, and the next
+            # unit of backward while this one's gradients are not yet handed over.
+            cfg.max_live_units = max(cfg.max_live_units, self._nesting(model, unit_list) + 2)
+
+        self.engine = _core.Engine(cfg, self.comm)
+        for g in self.param_groups[1:]:
+            self.engine.add_group(self._options(g))
+
+        if broadcast_init and self.comm.size() > 1:
+            self._broadcast_from_rank0(model)
+
+        self._units = []
+        for name, module, named in unit_list:
+            ps = [p for _, p in named]
+            zparams = []
+            for (pname, p) in named:
+                init = p.detach()
+                if not init.is_contiguous():
+                    init = init.contiguous()  # initial values only; read once in finalize()
+                zparams.append(_core.Param(pname, list(p.shape), group_of[id(p)], init))
+            index = self.engine.add_unit(name, zparams)
+            self._units.append(_Unit(index, name, module, [n for n, _ in named], ps))
+        self.engine.finalize()
+
+        self._hooks = []
+        self._grad_accs = []  # AccumulateGrad nodes: torch holds them weakly, the hooks need them
+        self._callback_queued = False
+        self.last_result = None
+        self._engine_options = [self._options(g) for g in self.param_groups]
+        if self.stage < 3:
+            for u in self._units:
+                for p, v in zip(u.params, self.engine.params(u.index)):
+                    p.data = _dlpack.from_dlpack(v)  # zero-copy view of engine memory
+                self._register_grad_hooks(u)
+        else:
+            for u in self._units:
+                self._setup_stage3(u)
+
+    # ---- construction helpers ------------------------------------------------------------------
+
+    def _build_config(self, config, stage, optimizer, lr, betas, eps, weight_decay, momentum,
+                      nesterov, offload_optimizer, offload_param, nvme_path, gradient_clipping,
+                      gradient_accumulation_steps, config_fields):
+        cfg = _core.Config() if config is None else _coerce_config(config)
+        model_dtype = _TORCH_DTYPES[self._torch_dtype]
+        if config is not None and cfg.dtype != _core.DType.__members__[model_dtype]:
+            raise _core.ConfigError(
+                f"config: dtype is {cfg.dtype.name} (fp16/bf16 sections) but the model's "
+                f"parameters are {self._torch_dtype}; convert the model first (e.g. "
+                f"model.to(torch.bfloat16)) -- zeroshard does not convert silently")
+        cfg.dtype = model_dtype
+        if stage is not None:
+            cfg.stage = stage
+        if optimizer is not None:
+            kind = _core.OptimizerOptions(kind=optimizer).kind
+            if kind != cfg.optimizer.kind:
+                # A different optimizer starts from torch's defaults for it: weight decay 1e-2
+                # for AdamW, 0 for the others (not the previous optimizer's values).
+                cfg.optimizer = _core.OptimizerOptions(
+                    kind=kind, weight_decay=0.01 if kind == _core.OptimizerKind.adamw else 0.0)
+        opt = cfg.optimizer
+        for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                           ("momentum", momentum), ("nesterov", nesterov)):
+            if value is not None:
+                setattr(opt, key, value)
+        if betas is not None:
+            opt.beta1, opt.beta2 = betas
+        if offload_optimizer is not None:
+            cfg.offload_optimizer = offload_optimizer
+        if offload_param is not None:
+            cfg.offload_param = offload_param
+        if nvme_path is not None:
+            for off in (cfg.offload_optimizer, cfg.offload_param):
+                if off.tier == _core.Tier.nvme:
+                    off.nvme_paths = nvme_path
+        if gradient_clipping is not None:
+            cfg.gradient_clipping = gradient_clipping
+        if gradient_accumulation_steps is not None:
+            cfg.gradient_accumulation_steps = gradient_accumulation_steps
+        fields = _core.Config.fields()
+        for key, value in config_fields.items():
+            if key not in fields or key == "dtype":
+                close = difflib.get_close_matches(key, fields + ["stage", "lr", "betas"], n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                why = (" (the dtype is the model's)" if key == "dtype" else "")
+                raise _core.ConfigError(
+                    f"config: unknown keyword argument '{key}' for ZeroOptimizer{why}{hint}")
+            setattr(cfg, key, value)
+        cfg.validate()
+        return cfg
+
+    def _group_defaults(self, o):
+        d = {"lr": o.lr, "weight_decay": o.weight_decay}
+        if self._kind in (_core.OptimizerKind.adam, _core.OptimizerKind.adamw,
+                          _core.OptimizerKind.lion):
+            d["betas"] = (o.beta1, o.beta2)
+        if self._kind in (_core.OptimizerKind.adam, _core.OptimizerKind.adamw):
+            d["eps"] = o.eps
+        if self._kind == _core.OptimizerKind.sgd:
+            d["momentum"] = o.momentum
+            d["nesterov"] = o.nesterov
+        return d
+
+    def _build_groups(self, param_groups, trainable):
+        ids = {id(p) for p in trainable}
+        if param_groups is None:
+            return [{"params": list(trainable)}]
+        allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
+        groups, seen = [], set()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for gi, g in enumerate(param_groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise _core.InvalidArgumentError(
+                    f"ZeroOptimizer: param_groups[{gi}] must be a dict with a 'params' entry")
+            for k in g:
+                if k not in allowed:
+                    raise _core.ConfigError(
+                        f"config: param_groups[{gi}] has key '{k}', which the "
+                        f"{self._kind.name} optimizer does not take (allowed: "
+                        f"{', '.join(sorted(allowed))})")
+            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+            keep = []
+            for p in ps:
+                if id(p) not in names:
+                    raise _core.InvalidArgumentError(
+                        f"ZeroOptimizer: param_groups[{gi}] holds a tensor that is not a "
+                        "parameter of the model")
+                if id(p) in seen:
+                    raise _core.InvalidArgumentError(
+                        f"ZeroOptimizer: parameter '{names[id(p)]}' is in more than one group")
+                seen.add(id(p))
+                if id(p) in ids:  # frozen parameters are not the engine's
+                    keep.append(p)
+            if keep:
+                groups.append(dict(g, params=keep))
+        missing = [names[id(p)] for p in trainable if id(p) not in seen]
+        if missing:
+            raise _core.InvalidArgumentError(
+                "ZeroOptimizer: param_groups leave out trainable parameters "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; every trainable parameter "
+                "must be in exactly one group")
+        return groups
+
+    def _options(self, group):
+        o = _core.OptimizerOptions(kind=self._kind)
+        o.lr = float(group["lr"])
+        o.weight_decay = float(group["weight_decay"])
+        if "betas" in group:
+            o.beta1, o.beta2 = (float(b) for b in group["betas"])
+        if "eps" in group:
+            o.eps = float(group["eps"])
+        if "momentum" in group:
+            o.momentum = float(group["momentum"])
+            o.nesterov = bool(group["nesterov"])
+        return o
+
+    def _broadcast_from_rank0(self, model):
+        # As DDP does: every rank starts from rank 0's parameters and buffers, so that a model
+        # initialised from a different random seed per rank still trains as one.
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                if t.numel() == 0:
+                    continue
+                if not t.is_contiguous():
+                    t.data = t.data.contiguous()
+                self.comm.broadcast(t.detach(), 0, "initial parameters from rank 0")
+
+    @staticmethod
+    def _ancestors(model):
+        parent = {}
+        for n, m in model.named_modules():
+            for c in m.children():
+                parent.setdefault(id(c), m)
+        return parent
+
+    def _nesting(self, model, unit_list):
+        parent = self._ancestors(model)
+        unit_modules = {id(m) for _, m, _ in unit_list}
+        deepest = 0
+        for _, m, _ in unit_list:
+            depth, cur = 0, m
+            while id(cur) in parent:
+                cur = parent[id(cur)]
+                depth += id(cur) in unit_modules
+            deepest = max(deepest, depth)
+        return deepest + 1
+
+    def _check_stage3_units(self, model, unit_list):
+        # A stage-3 parameter exists only while its unit's module runs (or a module around it).
+        # A parameter used by a module outside that (tied weights) would be read released.
+        parent = self._ancestors(model)
+        owner = {}
+        for name, m, named in unit_list:
+            for pname, p in named:
+                owner[id(p)] = (name, m, pname)
+
+        def encloses(outer, inner):
+            cur = inner
+            while True:
+                if cur is outer:
+                    return True
+                if id(cur) not in parent:
+                    return False
+                cur = parent[id(cur)]
+
+        for name, m, _ in unit_list:
+            for p in m.parameters():
+                if id(p) not in owner:
+                    continue
+                oname, om, pname = owner[id(p)]
+                if not (encloses(om, m) or encloses(m, om)):
+                    raise _core.InvalidArgumentError(
+                        f"ZeroOptimizer: parameter '{pname}' of unit '{oname}' is also used by "
+                        f"unit '{name}' (tied weights). In stage 3 a parameter exists only while "
+                        "its unit's module runs; pass units=[...] with a module enclosing both")
+
+    # ---- hooks ---------------------------------------------------------------------------------
+
+    def _register_grad_hooks(self, u):
+        with torch.enable_grad():
+            for i, p in enumerate(u.params):
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                self._hooks.append(acc.register_hook(self._make_grad_hook(u, i)))
+                self._grad_accs.append(acc)
+
+    def _make_grad_hook(self, u, i):
+        def hook(grad_inputs, grad_outputs):
+            self._on_grad(u, i)
+        return hook
+
+    def _setup_stage3(self, u):
+        dtype = self._torch_dtype
+        u.placeholder = torch.empty(0, dtype=dtype)
+        for p, shape in zip(u.params, u.shapes):
+            full = torch.empty(shape, dtype=dtype)
+            u.full.append(full)
+            # AccumulateGrad records the parameter's shape when it is created: create it (and
+            # hook it) while .data has the full shape and storage, then release.
+            p.data = full
+        self._register_grad_hooks(u)
+        for p, full in zip(u.params, u.full):
+            p.data = u.placeholder
+            _resize_storage(full, 0)
+        self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
+        self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+
+    def _make_pre_forward(self, u):
+        def hook(module, inputs):
+            u.forward_stack.append(u.gathered)
+            if not u.gathered:
+                self._gather(u)
+        return hook
+
+    def _make_post_forward(self, u):
+        def hook(module, inputs, output):
+            if torch.is_grad_enabled():
+                def pre_backward(grad):
+                    self._queue_end_of_backward()
+                    if not u.gathered and not u.handed:
+                        self._gather(u)
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(pre_backward)
+            was_gathered = u.forward_stack.pop() if u.forward_stack else True
+            if not was_gathered:
+                self._release(u)
+        return hook
+
+    def _gather(self, u):
+        views = self.engine.gather(u.index)
+        for p, full, v, n in zip(u.params, u.full, views, u.numels):
+            _resize_storage(full, n)
+            full.copy_(_dlpack.from_dlpack(v))
+            p.data = full
+        u.gathered = True
+
+    def _release(self, u):
+        for p, full in zip(u.params, u.full):
+            p.data = u.placeholder
+            _resize_storage(full, 0)
+        self.engine.release(u.index)
+        u.gathered = False
+
+    def _queue_end_of_backward(self):
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    def _on_grad(self, u, i):
+        self._queue_end_of_backward()
+        if u.handed:
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: unit '{u.name}' got gradient of '{u.names[i]}' after its "
+                "gradients were handed to the engine in this backward pass")
+        if not u.ready[i]:
+            u.ready[i] = True
+            u.n_ready += 1
+        if u.n_ready == len(u.params):
+            self._hand_off(u)
+
+    def _hand_off(self, u):
+        grads = []
+        for p, shape in zip(u.params, u.shapes):
+            g = p.grad
+            if g is None:  # unused in this backward: contributes zero
+                g = torch.zeros(shape, dtype=self._torch_dtype)
+            elif not g.is_contiguous():
+                # AccumulateGrad lays .grad out like the parameter (contiguous here); this is
+                # only reached if a user hook replaced it with a strided tensor.
+                g = g.contiguous()
+            grads.append(g.detach())
+        self.engine.grads_ready(u.index, grads)  # copies; the reduction starts now
+        for p in u.params:
+            p.grad = None
+        u.handed = True
+        if self.stage == 3 and u.gathered:
+            self._release(u)
+
+    def _end_of_backward(self):
+        # Runs on the autograd thread once backward is done: units some of whose parameters got
+        # no gradient are handed over now (in unit order, the same on every rank).
+        self._callback_queued = False
+        for u in self._units:
+            if not u.handed:
+                self._hand_off(u)
+        for u in self._units:
+            u.handed = False
+            u.ready = [False] * len(u.params)
+            u.n_ready = 0
+            if self.stage == 3 and u.gathered and not u.forward_stack:
+                self._release(u)
+
+    # ---- the optimizer interface ---------------------------------------------------------------
+
+    def zero_grad(self, set_to_none=True):
+        """Drops the gradients accumulated since the last step (in the engine and in .grad)."""
+        for u in self._units:
+            for p in u.params:
+                p.grad = None
+            u.ready = [False] * len(u.params)
+            u.n_ready = 0
+            u.handed = False
+        self.engine.zero_grad()
+
+    def _sync_hyperparameters(self):
+        # Schedulers change group["lr"]; the engine takes a new lr at any step. The other
+        # hyperparameters are fixed when the engine is built.
+        for gi, (g, o) in enumerate(zip(self.param_groups, self._engine_options)):
+            now = self._options(g)
+            for key in ("beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov"):
+                if getattr(now, key) != getattr(o, key):
+                    raise _core.InvalidArgumentError(
+                        f"ZeroOptimizer: param_groups[{gi}] changed '{key}' after construction; "
+                        "only 'lr' can change (the engine fixes the rest when it is built)")
+            if now.lr != o.lr:
+                self.engine.set_lr(gi, now.lr)
+                o.lr = now.lr
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step: finishes the reductions, updates every shard (skipped on f16
+        overflow), and brings the parameters up to date. Returns closure's loss, if given;
+        the engine's StepResult is in .last_result."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        self.last_result = self.engine.step()
+        return loss
+
+    def backward(self, loss):
+        """loss.backward() with the loss scaled by the engine's loss scale (f16 training)."""
+        scale = self.engine.loss_scale()
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    @property
+    def loss_scale(self):
+        return self.engine.loss_scale()
+
+    @property
+    def units(self):
+        """[(unit name, [parameter names])] in engine order."""
+        return [(u.name, list(u.names)) for u in self._units]
+
+    def memory(self):
+        """The engine's MemoryReport (bytes by tier x kind on this rank, with peaks)."""
+        return self.engine.memory()
+
+    @torch.no_grad()
+    def model_state_dict(self):
+        """model.state_dict() with every managed parameter whole, as copies: in stage 3 each
+        unit's parameter shards are all-gathered (collective: call it on every rank), so this is
+        how to export or evaluate stage-3 weights outside forward. Other entries are
+        model.state_dict()'s."""
+        whole = {}
+        for u in self._units:
+            if self.stage == 3:
+                # All-gather the parameter shards directly rather than through Engine.gather():
+                # an export between steps must not use gather buffers or enter the gather order
+                # the engine records for its prefetch.
+                si = self.engine.shard_info(u.index)
+                shard = _dlpack.from_dlpack(self.engine.read_shard(u.index, _core.StateKind.param))
+                flat = torch.empty(si.padded_numel, dtype=torch.float32)
+                self.comm.all_gather(shard, flat, f"model_state_dict(): unit '{u.name}'")
+                offset = 0
+                for p, shape, n in zip(u.params, u.shapes, u.numels):
+                    # Exact: f32 holds every bf16/f16 value, so this is the parameter itself.
+                    whole[id(p)] = flat[offset:offset + n].view(shape).to(self._torch_dtype)
+                    offset += n
+            else:
+                for p in u.params:
+                    whole[id(p)] = p.detach().clone()
+        return {k: whole.get(id(t), t.detach()) for k, t in
+                self.model.state_dict(keep_vars=True).items()}
+
+    def save_checkpoint(self, path):
+        """Collective: writes the engine's checkpoint to directory `path` (shared by the ranks):
+        master weights, optimizer state, step count and loss scale, in a layout that any world
+        size and any stage can load with load_checkpoint(). Learning rates are not in it (they
+        belong to the trainer's schedule)."""
+        self.engine.save(str(path))
+
+    def load_checkpoint(self, path):
+        """Collective: loads a save_checkpoint() directory written at any world size or stage
+        into this optimizer (same model: unit and parameter names, shapes, optimizer). The
+        model's parameters are rebuilt from the loaded master weights."""
+        self.engine.load(str(path))
+
+    def state_dict(self):
+        """This rank's shard of the optimizer: f32 master weights and optimizer state per unit,
+        step count, loss scale, and the param groups' hyperparameters (params as indices)."""
+        state_names = _STATE_NAMES[self._kind]
+        units = []
+        for u in self._units:
+            si = self.engine.shard_info(u.index)
+            entry = {"name": u.name, "param_names": list(u.names), "numel": si.numel,
+                     "padded_numel": si.padded_numel, "shard_offset": si.shard_offset,
+                     "shard_numel": si.shard_numel,
+                     "master": _dlpack.from_dlpack(
+                         self.engine.read_shard(u.index, _core.StateKind.master))}
+            for name, kind in zip(state_names, _STATE_KINDS):
+                if self.engine.has_state(kind):
+                    entry[name] = _dlpack.from_dlpack(self.engine.read_shard(u.index, kind))
+            units.append(entry)
+        index, groups = 0, []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(d)
+        return {"state": {"format": _STATE_FORMAT, "rank": self.engine.rank(),
+                          "world_size": self.engine.world_size(), "stage": self.stage,
+                          "optimizer": self._kind.name, "step": self.engine.step_count(),
+                          "loss_scale": self.engine.loss_scale(), "units": units},
+                "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Restores a state_dict() saved by the same rank of a run at the same world size over
+        the same model: master weights (and so the model's parameters), optimizer state, step
+        count, loss scale and learning rates."""
+        st = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if not isinstance(st, dict) or st.get("format") != _STATE_FORMAT:
+            raise _core.InvalidArgumentError(
+                "load_state_dict(): not a zeroshard state dict (expected state['format'] == "
+                f"'{_STATE_FORMAT}')")
+        rank, world = self.engine.rank(), self.engine.world_size()
+        if st["world_size"] != world or st["rank"] != rank:
+            raise _core.InvalidArgumentError(
+                f"load_state_dict(): the state is rank {st['rank']}'s of {st['world_size']} ranks; "
+                f"this is rank {rank} of {world} (load each rank's own file, at the same world size)")
+        if st["optimizer"] != self._kind.name:
+            raise _core.InvalidArgumentError(
+                f"load_state_dict(): the state is of optimizer {st['optimizer']}, this optimizer "
+                f"is {self._kind.name}")
+        if len(st["units"]) != len(self._units):
+            raise _core.InvalidArgumentError(
+                f"load_state_dict(): the state has {len(st['units'])} units, the model has "
+                f"{len(self._units)}")
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            raise _core.InvalidArgumentError(
+                f"load_state_dict(): the state has {len(groups)} param groups, this optimizer "
+                f"has {len(self.param_groups)}")
+        state_names = _STATE_NAMES[self._kind]
+        # Check everything before writing anything, so a bad file leaves the optimizer intact.
+        for u, entry in zip(self._units, st["units"]):
+            si = self.engine.shard_info(u.index)
+            for key, want in (("name", u.name), ("numel", si.numel),
+                              ("padded_numel", si.padded_numel),
+                              ("shard_numel", si.shard_numel)):
+                if entry.get(key) != want:
+                    raise _core.InvalidArgumentError(
+                        f"load_state_dict(): unit '{u.name}': saved {key} = {entry.get(key)!r}, "
+                        f"this model has {want!r} (same model, world size and shard_alignment "
+                        "needed)")
+        for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
+            for key in _GROUP_KEYS[self._kind]:
+                if key != "lr" and key in saved and _norm(saved[key]) != _norm(g[key]):
+                    raise _core.InvalidArgumentError(
+                        f"load_state_dict(): param_groups[{gi}]['{key}'] was {saved[key]!r}, "
+                        f"this optimizer has {g[key]!r}; only 'lr' is restored (build the "
+                        "optimizer with the saved hyperparameters)")
+        for u, entry in zip(self._units, st["units"]):
+            self.engine.write_shard(u.index, _core.StateKind.master, _f32(entry["master"]))
+            for name, kind in zip(state_names, _STATE_KINDS):
+                if name in entry:
+                    self.engine.write_shard(u.index, kind, _f32(entry[name]))
+        self.engine.commit_shards()
+        self.engine.set_step_count(int(st["step"]))
+        self.engine.set_loss_scale(float(st["loss_scale"]))
+        for g, saved in zip(self.param_groups, groups):
+            g["lr"] = saved["lr"]
+        self._sync_hyperparameters()
+
+
+def _norm(v):
+    return tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _f32(t):
+    """A saved shard as the contiguous float32 CPU tensor write_shard() takes."""
+    if not isinstance(t, torch.Tensor):
+        raise _core.InvalidArgumentError(
+            f"load_state_dict(): a saved shard is a {type(t).__name__}, expected a tensor")
+    return t.detach().to("cpu", torch.float32).contiguous()
+
+
+def _coerce_config(config):
+    """A fresh Config from a Config (copied), a dict of zeroshard/DeepSpeed keys or a path."""
+    if isinstance(config, _core.Config):
+        return config.copy()
+    if isinstance(config, dict):
+        return _core.Config.from_dict(config)
+    return _core.Config.from_json_file(str(config))

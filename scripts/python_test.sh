@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds and installs the `zeroshard` Python package into .venv and runs the Python tests: the
+# single-process suite, then tests/python/mpi on 2 ranks under mpirun. Exits non-zero if
+# anything fails, including a suite that ran no test (pytest's exit code 5).
+#
+# The interpreter is Debian's /usr/bin/python3 on purpose (not whatever python3 is first on
+# PATH): its python3-torch comes from apt (scripts/setup.sh), and the venv sees it through
+# --system-site-packages. Environment: ZEROSHARD_JOBS (build parallelism, default 2).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/setup.sh  # python3-torch, python3-venv, python3-dev, python3-pytest, Open MPI
+
+python=/usr/bin/python3
+venv=.venv
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "python: creating $venv from $python"
+  "$python" -m venv --system-site-packages "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+# The build requirements live in the venv so that later runs build incrementally (the build
+# directory is build-wheel/, see pyproject.toml) and without reaching PyPI; a plain
+# `pip install .` fetches the same ones into an isolated environment instead.
+if ! "$venv/bin/python" -c "import scikit_build_core, nanobind" 2>/dev/null; then
+  echo "python: installing the build requirements (scikit-build-core, nanobind)"
+  "${pip[@]}" install "scikit-build-core>=0.10" "nanobind>=2.9,<4"
+fi
+echo "python: pip install ."
+CMAKE_BUILD_PARALLEL_LEVEL="${ZEROSHARD_JOBS:-2}" \
+  "${pip[@]}" install --root-user-action=ignore --no-build-isolation .
+
+# mpirun as root, more ranks than cores, no CMA single-copy (see scripts/test.sh).
+export OMPI_ALLOW_RUN_AS_ROOT=1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+
+# Runs one pytest invocation; "no tests ran" is a failure here, not a pass.
+run() {
+  local rc=0
+  "$@" || rc=$?
+  if ((rc == 5)); then
+    echo "python: no tests ran: $*" >&2
+  fi
+  return "$rc"
+}
+
+echo "python: single-process tests"
+run "$venv/bin/python" -m pytest tests/python --ignore=tests/python/mpi -q --color=no
+echo "python: 2-rank tests (mpirun -np 2)"
+run timeout 900 mpirun -np 2 "$venv/bin/python" -m pytest tests/python/mpi -q --color=no

@@ -1,0 +1,94 @@
+"""Config from keyword arguments, dicts (DeepSpeed's keys included) and JSON files, and the
+errors a bad configuration raises."""
+
+import json
+
+import pytest
+
+import zeroshard as zs
+
+
+def test_keywords_set_every_kind_of_field():
+    c = zs.Config(stage=3, dtype="bf16", gradient_clipping=1.5, gradient_accumulation_steps=4,
+                  optimizer={"kind": "sgd", "lr": 0.5, "momentum": 0.9, "nesterov": True},
+                  offload_optimizer="cpu", offload_param={"device": "cpu"},
+                  loss_scale=zs.LossScaleOptions(window=10), max_live_units=5, prefetch=False)
+    assert c.stage == 3 and c.dtype == zs.DType.bf16
+    assert c.gradient_clipping == 1.5 and c.gradient_accumulation_steps == 4
+    assert c.optimizer.kind == zs.OptimizerKind.sgd and c.optimizer.momentum == pytest.approx(0.9)
+    assert c.optimizer.nesterov
+    assert c.offload_optimizer.tier == zs.Tier.host and c.offload_param.tier == zs.Tier.host
+    assert c.loss_scale.window == 10 and c.max_live_units == 5 and not c.prefetch
+
+
+def test_nested_options_are_references():
+    c = zs.Config()
+    c.optimizer.lr = 0.25
+    c.offload_optimizer.tier = "cpu"
+    assert c.optimizer.lr == 0.25 and c.offload_optimizer.tier == zs.Tier.host
+
+
+def test_torch_dtype_spellings():
+    torch = pytest.importorskip("torch")
+    assert zs.Config(dtype=torch.float16).dtype == zs.DType.f16
+    assert zs.Config(dtype=torch.bfloat16).dtype == zs.DType.bf16
+
+
+def test_deepspeed_dict_and_json_file(tmp_path):
+    ds = {
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8,
+                              "offload_optimizer": {"device": "cpu"}},
+        "bf16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
+    }
+    for c in (zs.Config.from_dict(ds), zs.Config.from_json(json.dumps(ds))):
+        assert c.stage == 2 and c.dtype == zs.DType.bf16
+        assert c.offload_optimizer.tier == zs.Tier.host
+        assert c.optimizer.kind == zs.OptimizerKind.adamw
+        assert c.optimizer.lr == pytest.approx(3e-4) and c.gradient_accumulation_steps == 4
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    assert zs.Config.from_json_file(path).stage == 2
+    assert zs.Config.from_json_file(str(path)).gradient_clipping == 1.0
+
+
+def test_unknown_keyword_is_a_config_error_naming_it():
+    with pytest.raises(zs.ConfigError) as e:
+        zs.Config(stag=2)
+    assert "'stag'" in str(e.value) and "did you mean 'stage'" in str(e.value)
+    assert e.value.code == "invalid_config"
+    assert isinstance(e.value, ValueError) and isinstance(e.value, zs.Error)
+
+
+def test_wrong_type_and_bad_value():
+    with pytest.raises(zs.ConfigError, match=r"Config\.stage must be an integer, got str"):
+        zs.Config(stage="two")
+    with pytest.raises(zs.ConfigError, match=r"OptimizerOptions\.lr must be a number"):
+        zs.Config(optimizer={"lr": "fast"})
+    with pytest.raises(zs.ConfigError, match=r"offload device = 'gpu' is not one of"):
+        zs.Config(offload_optimizer="gpu")
+    # Keyword construction validates at once, with the C++ rule's message.
+    with pytest.raises(zs.ConfigError, match=r"zero_optimization\.stage = 7 is out of range"):
+        zs.Config(stage=7)
+
+
+def test_bad_deepspeed_key_carries_the_cpp_message():
+    # The dict goes through the C++ reader, so the message is the C++ one, key path included.
+    with pytest.raises(zs.ConfigError) as e:
+        zs.Config.from_dict({"zero_optimization": {"stage": 2, "offload_optimizer": {"devic": "cpu"}}})
+    msg = str(e.value)
+    assert msg.startswith("config: unknown key")
+    assert "zero_optimization.offload_optimizer.devic" in msg and "did you mean" in msg
+    with pytest.raises(zs.ConfigError, match="invalid JSON"):
+        zs.Config.from_json("{")
+    with pytest.raises(zs.ConfigError, match="not JSON-serializable"):
+        zs.Config.from_dict({"gradient_clipping": object()})
+
+
+def test_copy_is_independent():
+    a = zs.Config(stage=1)
+    b = a.copy()
+    b.stage = 2
+    assert a.stage == 1 and b.stage == 2

@@ -1,0 +1,159 @@
+"""The Engine binding on one rank: zero-copy views, the copying grads_ready form, tensor
+validation (never a silent copy), error translation, the GIL, and the memory report."""
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import zeroshard as zs  # noqa: E402
+
+
+def make_engine(stage=2, dtype="f32", sizes=(24, 5), **kw):
+    e = zs.Engine(zs.Config(stage=stage, dtype=dtype, **kw), zs.make_self_communicator())
+    tdt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    inits = [torch.linspace(-1, 1, n).to(tdt) for n in sizes]
+    u = e.add_unit("u", [zs.Param(f"p{i}", init=t) for i, t in enumerate(inits)])
+    e.finalize()
+    return e, u, inits
+
+
+def test_params_are_zero_copy_views_updated_by_step():
+    e, u, inits = make_engine(stage=1, optimizer={"lr": 0.1, "weight_decay": 0.0})
+    views = [torch.from_dlpack(v) for v in e.params(u)]
+    assert [tuple(v.shape) for v in views] == [(24,), (5,)]
+    assert torch.equal(views[0], inits[0])
+    # Two calls see the same memory: the views are the engine's buffer, not copies.
+    assert torch.from_dlpack(e.params(u)[0]).data_ptr() == views[0].data_ptr()
+    before = views[0].clone()
+    e.grads_ready(u, [torch.ones(24), torch.ones(5)])
+    r = e.step()
+    assert r.step == 1 and not r.skipped and r.grad_norm == pytest.approx(29 ** 0.5, rel=1e-6)
+    # Adam's first step moves every element by lr against the gradient's sign.
+    assert torch.allclose(views[0], before - 0.1, atol=1e-5)
+
+
+def test_grads_views_and_no_copy_form():
+    e, u, _ = make_engine(stage=2, optimizer={"lr": 0.1, "weight_decay": 0.0})
+    g = [torch.from_dlpack(v) for v in e.grads(u)]
+    assert all(float(t.abs().sum()) == 0 for t in g)  # handed out zeroed
+    g[0].fill_(-2.0)
+    g[1].fill_(3.0)
+    e.grads_ready(u)
+    e.step()
+    p = torch.from_dlpack(e.gather(u)[0])
+    assert torch.allclose(p, torch.linspace(-1, 1, 24) + 0.1, atol=1e-5)
+
+
+def test_state_shards_round_trip():
+    e, u, _ = make_engine(stage=0)
+    info = e.shard_info(u)
+    assert info.numel == 29 and info.shard_numel == info.padded_numel
+    m = torch.from_dlpack(e.read_shard(u, zs.StateKind.master))
+    assert m.dtype == torch.float32 and m.shape == (info.shard_numel,)
+    new = torch.zeros_like(m)
+    new[:29] = 0.5
+    e.write_shard(u, zs.StateKind.master, new)
+    e.commit_shards()
+    assert torch.equal(torch.from_dlpack(e.params(u)[1]), torch.full((5,), 0.5))
+    e.set_step_count(7)
+    assert e.step_count() == 7
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: torch.ones(24, dtype=torch.float64), r"dtype float64 does not match the expected float32"),
+    (lambda: torch.ones(24, dtype=torch.bfloat16), r"dtype bfloat16 does not match the expected float32"),
+    (lambda: torch.ones(8, 3).t(), r"not contiguous \(shape \[3, 8\], strides \[1, 3\]\)"),
+    (lambda: torch.ones(4, 12)[:, ::2], r"not contiguous .*pass tensor\.contiguous\(\)"),
+    (lambda: torch.ones(25), r"has 25 elements \(shape \[25\]\), expected 24"),
+    (lambda: [1.0] * 24, r"expected a CPU tensor or array supporting DLPack"),
+])
+def test_bad_gradient_tensors_are_rejected_not_copied(bad, match):
+    e, u, _ = make_engine(stage=2)
+    with pytest.raises(zs.InvalidArgumentError, match=match) as info:
+        e.grads_ready(u, [bad(), torch.ones(5)])
+    assert "gradient of 'p0'" in str(info.value)
+    assert isinstance(info.value, ValueError) and info.value.code == "invalid_argument"
+
+
+def test_strided_view_of_right_size_is_rejected():
+    # 24 elements with a stride of 2: the numel matches, only the layout is wrong. A binding
+    # that copied would accept it; this one must not.
+    e, u, _ = make_engine(stage=0)
+    strided = torch.arange(48, dtype=torch.float32)[::2]
+    assert strided.numel() == 24 and not strided.is_contiguous()
+    with pytest.raises(zs.InvalidArgumentError, match="not contiguous"):
+        e.grads_ready(u, [strided, torch.ones(5)])
+
+
+def test_init_tensor_is_validated():
+    e = zs.Engine(zs.Config(), zs.make_self_communicator())
+    with pytest.raises(zs.InvalidArgumentError, match=r"initial values of 'w'.*not contiguous"):
+        e.add_unit("u", [zs.Param("w", shape=[8, 3], init=torch.ones(3, 8).t())])
+    with pytest.raises(zs.InvalidArgumentError, match=r"initial values of 'w'.*dtype int64"):
+        e.add_unit("u", [zs.Param("w", shape=[4], init=torch.ones(4, dtype=torch.int64))])
+
+
+def test_cpp_errors_become_python_exceptions_with_the_same_message():
+    e, u, _ = make_engine(stage=2)
+    with pytest.raises(zs.InvalidArgumentError) as info:
+        e.step()  # no gradients this step
+    msg = str(info.value)
+    # The C++ message names the rank, the unit and the call.
+    assert msg.startswith("step(): rank 0, unit 'u'") and "micro-steps" in msg
+    with pytest.raises(zs.InvalidArgumentError, match=r"write_shard\(\): rank 0, unit 'u': got 3 values"):
+        e.write_shard(u, zs.StateKind.master, torch.zeros(3))
+    with pytest.raises(zs.ConfigError, match="nvme"):
+        zs.Engine(zs.Config(offload_optimizer={"device": "nvme"}), zs.make_self_communicator())
+
+
+def test_memory_report():
+    e, u, _ = make_engine(stage=2, offload_optimizer="cpu")
+    m = e.memory()
+    d = m.as_dict()
+    assert set(d) == {"device", "host", "nvme"}
+    assert m.total() == sum(c["bytes"] for row in d.values() for c in row.values())
+    assert m.at(zs.Tier.host, zs.MemKind.optim_state) > 0  # Adam's moments on the host tier
+    assert "optim_state" in str(m)
+
+
+def test_step_releases_the_gil():
+    # One engine with a few million parameters, so that each step() takes tens of ms. While a
+    # worker thread runs step(), the main thread must keep running Python code; with the GIL
+    # held through step() it could not run at all inside the call.
+    n = 1 << 22
+    e = zs.Engine(zs.Config(stage=0), zs.make_self_communicator())
+    u = e.add_unit("big", [zs.Param("w", shape=[n])])
+    e.finalize()
+    grad = torch.full((n,), 0.01)
+    spans, done = [], threading.Event()
+
+    def worker():
+        try:
+            for _ in range(6):
+                e.grads_ready(u, [grad])
+                t0 = time.perf_counter()
+                e.step()
+                spans.append((t0, time.perf_counter()))
+        finally:
+            done.set()
+
+    samples, last = [], 0.0
+    t = threading.Thread(target=worker)
+    t.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        if now - last > 2e-4:
+            samples.append(now)
+            last = now
+    t.join()
+    assert len(spans) == 6
+    long = [(a, b) for a, b in spans if b - a > 0.01]
+    assert long, f"steps too short to judge: {[b - a for a, b in spans]}"
+    for a, b in long:
+        lo, hi = a + 0.25 * (b - a), b - 0.25 * (b - a)
+        inside = sum(lo < s < hi for s in samples)
+        assert inside >= 3, (f"the main thread ran {inside} times in the middle half of a "
+                             f"{(b - a) * 1e3:.1f} ms step(): the GIL was held")

@@ -1,0 +1,255 @@
+"""zeroshard.torch.ZeroOptimizer on one rank: parity with torch.optim.AdamW, the zero-copy
+parameter path, stage-3 parameter lifetime, state_dict round trips and the errors users meet.
+The two-rank versions of the parity and checkpoint tests are in mpi/."""
+
+import copy
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import zeroshard as zs  # noqa: E402
+import zeroshard.torch as zt  # noqa: E402
+from zs_testutil import (  # noqa: E402
+    CLIP, EPS, LR, batches, groups, make_model, max_abs_diff, train_reference, train_zero)
+
+# See mpi/test_parity.py for the derivation of this bound; one rank sees the same sources of
+# rounding difference except the cross-rank gradient sum.
+BOUND = 2e-5
+
+
+def zero(model, stage, **kw):
+    kw.setdefault("param_groups", groups(model))
+    return zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, gradient_clipping=CLIP,
+                            comm=zs.make_self_communicator(), **kw)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_matches_adamw(stage):
+    model, data = make_model(), batches(20)
+    ref = train_reference(model, data)
+    opt = zero(model, stage)
+    train_zero(opt, model, data, 0, 1)
+    got = opt.model_state_dict()
+    want = ref.state_dict()
+    assert max_abs_diff(got, want) <= BOUND
+    assert max_abs_diff(got, make_model().state_dict()) > 100 * BOUND  # it trained
+
+
+def test_stage3_overlapping_units_match_adamw():
+    # A parameter that gets no gradient keeps the head's unit gathered to the end of backward,
+    # so the other units are gathered into other buffers in backward than in forward. Autograd
+    # saved views of the forward's parameters (Linear keeps weight.t()); this checks that they
+    # still see their own unit's values, not whatever the forward's buffer holds by then.
+    def build():
+        m = make_model()
+        m.head.unused_bias = torch.nn.Parameter(torch.ones(3))  # no decay: torch skips it too
+        return m
+    model, data = build(), batches(10)
+    ref = train_reference(model, data)
+    opt = zero(model, 3)
+    train_zero(opt, model, data, 0, 1)
+    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+
+
+def test_gradient_accumulation_and_lr_schedule_match():
+    # Two micro-steps per step (the engine averages them) and a scheduler changing lr.
+    model, data = make_model(), batches(12)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
+    rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=4, gamma=0.5)
+    for tokens, labels in data:
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ropt.step()
+        rsched.step()
+    opt = zero(model, 2, gradient_accumulation_steps=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    for tokens, labels in data:
+        opt.zero_grad()
+        for half in (slice(0, 8), slice(8, 16)):
+            torch.nn.functional.cross_entropy(model(tokens[half]), labels[half]).backward()
+        opt.step()
+        sched.step()
+    # The engine takes group["lr"] at each step(): the last step ran at LR / 4.
+    assert opt.engine.lr(0) == pytest.approx(LR / 4)
+    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+
+
+def test_stage2_parameters_are_engine_memory():
+    model = make_model()
+    opt = zero(model, 2)
+    for u in range(opt.engine.num_units()):
+        for p, v in zip(opt._units[u].params, opt.engine.params(u)):
+            assert p.data_ptr() == torch.from_dlpack(v).data_ptr()
+    w = model.proj.weight.detach().clone()
+    train_zero(opt, model, batches(1), 0, 1)
+    assert not torch.equal(w, model.proj.weight)  # updated in place by the engine
+    assert all(p.grad is None for p in model.parameters())  # gradients live in the engine
+
+
+def test_stage3_parameters_exist_only_when_gathered():
+    model = make_model()
+    opt = zero(model, 3)
+    assert model.proj.weight.numel() == 0
+    seen = {}
+
+    def look(module, inputs):  # runs after the optimizer's pre-hook has gathered the unit
+        seen.setdefault("shape", tuple(module.weight.shape))
+    model.proj.register_forward_pre_hook(look)
+    train_zero(opt, model, batches(2), 0, 1)
+    assert seen["shape"] == (32, 16)
+    assert model.proj.weight.numel() == 0 and model.proj.weight.requires_grad
+    whole = opt.model_state_dict()
+    assert whole["proj.weight"].shape == (32, 16)
+    with torch.no_grad():  # evaluation works too, gathering unit by unit
+        out = model(batches(1)[0][0])
+    assert out.shape == (16, 7)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_state_dict_round_trip_continues_identically(stage):
+    data = batches(8)
+    a_model = make_model()
+    a = zero(a_model, stage)
+    train_zero(a, a_model, data[:4], 0, 1)
+    a.param_groups[0]["lr"] = LR / 2  # as a scheduler would; must be saved and restored
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    train_zero(a, a_model, data[4:], 0, 1)
+
+    b_model = make_model(seed=123)  # different weights: all must come from the state dict
+    b = zero(b_model, stage)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    assert b.param_groups[0]["lr"] == LR / 2 and b.engine.step_count() == 4
+    train_zero(b, b_model, data[4:], 0, 1)
+    got, want = b.model_state_dict(), a.model_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want), "not bitwise identical"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_model_keeps_f32_master_weights(stage):
+    # A bf16 model trains with the engine in bf16 (Config.dtype follows the model); the f32
+    # master weights carry the update, and each parameter is their round-to-nearest bf16.
+    model = make_model().to(torch.bfloat16)
+    opt = zero(model, stage)
+    assert opt.engine.config().dtype == zs.DType.bf16
+    before = {k: v.float() for k, v in opt.model_state_dict().items()}
+    train_zero(opt, model, batches(5), 0, 1)
+    params = opt.model_state_dict()
+    assert all(v.dtype == torch.bfloat16 for v in params.values())
+    assert max_abs_diff(params, before) > 1e-2  # it trained
+    for (name, names), entry in zip(opt.units, opt.state_dict()["state"]["units"]):
+        flat = torch.cat([params[n].reshape(-1) for n in names])
+        master = entry["master"][:flat.numel()]
+        assert not torch.equal(master, flat.float())  # the master is finer than bf16 ...
+        assert torch.equal(master.to(torch.bfloat16), flat)  # ... and rounds to the parameters
+
+
+def test_load_state_dict_rejects_a_mismatch():
+    m = make_model()
+    opt = zero(m, 2)
+    sd = opt.state_dict()
+    sd["state"]["world_size"] = 3
+    with pytest.raises(zs.InvalidArgumentError, match="same world size"):
+        opt.load_state_dict(sd)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["weight_decay"] = 0.5
+    with pytest.raises(zs.InvalidArgumentError, match=r"'weight_decay'\] was 0.5"):
+        opt.load_state_dict(sd)
+    with pytest.raises(zs.InvalidArgumentError, match="not a zeroshard state dict"):
+        opt.load_state_dict(torch.optim.AdamW(make_model().parameters()).state_dict())
+
+
+def test_config_errors_surface_as_python_exceptions():
+    m = make_model()
+    with pytest.raises(zs.ConfigError, match="did you mean 'stage'"):
+        zt.ZeroOptimizer(m, stag=2, comm=zs.make_self_communicator())
+    with pytest.raises(zs.ConfigError, match=r"zero_optimization\.stag"):
+        zt.ZeroOptimizer(m, config={"zero_optimization": {"stag": 2}},
+                         comm=zs.make_self_communicator())
+    with pytest.raises(zs.ConfigError, match="convert the model first"):
+        zt.ZeroOptimizer(m, config={"bf16": {"enabled": True}}, comm=zs.make_self_communicator())
+    with pytest.raises(zs.ConfigError, match="does not take"):
+        zt.ZeroOptimizer(m, param_groups=[{"params": list(m.parameters()), "momentum": 0.9}],
+                         comm=zs.make_self_communicator())
+    with pytest.raises(zs.InvalidArgumentError, match="leave out trainable parameters"):
+        zt.ZeroOptimizer(m, param_groups=[{"params": [m.proj.weight]}],
+                         comm=zs.make_self_communicator())
+
+
+def test_deepspeed_config_drives_the_optimizer():
+    m = make_model()
+    opt = zt.ZeroOptimizer(m, comm=zs.make_self_communicator(), config={
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.02}},
+        "gradient_clipping": 1.0})
+    cfg = opt.engine.config()
+    assert cfg.stage == 2 and cfg.offload_optimizer.tier == zs.Tier.host
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.003)
+    assert opt.param_groups[0]["weight_decay"] == pytest.approx(0.02)
+    train_zero(opt, m, batches(2), 0, 1)
+    assert opt.memory().at(zs.Tier.host, zs.MemKind.optim_state) > 0
+
+
+def test_only_lr_may_change_after_construction():
+    m = make_model()
+    opt = zero(m, 1)
+    opt.param_groups[0]["betas"] = (0.8, 0.99)
+    with pytest.raises(zs.InvalidArgumentError, match="changed 'beta1'"):
+        train_zero(opt, m, batches(1), 0, 1)
+
+
+def test_unused_parameters_count_as_zero_gradients():
+    for stage in (2, 3):
+        m = make_model()
+        m.extra = torch.nn.Linear(4, 4)  # never called in forward
+        opt = zt.ZeroOptimizer(m, stage=stage, comm=zs.make_self_communicator())
+        train_zero(opt, m, batches(2), 0, 1)
+        assert opt.last_result.step == 2
+
+
+def test_tied_weights_are_refused_in_stage3():
+    m = make_model()
+    m.head2 = torch.nn.Linear(16, 50)
+    m.head2.weight = m.embed.weight  # tied, in a sibling module
+    with pytest.raises(zs.InvalidArgumentError, match="tied weights"):
+        zt.ZeroOptimizer(m, stage=3, comm=zs.make_self_communicator())
+    zt.ZeroOptimizer(m, stage=2, comm=zs.make_self_communicator())  # fine below stage 3
+
+
+def test_units_follow_modules_with_a_size_fallback():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(
+        torch.nn.Linear(4, 64), torch.nn.Linear(64, 4)))
+    names = [n for n, _, _ in zt.partition_units(m)]
+    assert names == ["0", "1"]
+    # "1" has 580 elements: above unit_numel it splits into its children.
+    names = [n for n, _, _ in zt.partition_units(m, unit_numel=100)]
+    assert names == ["0", "1.0", "1.1"]
+    names = [n for n, _, _ in zt.partition_units(m, units=[m[1]])]
+    assert names == ["1", "<rest>"]
+
+
+def _run_clean(code, **env):
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMIX", "PMI_"))}
+    base.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_torchrun_launch_is_refused_with_advice():
+    r = _run_clean("import zeroshard; zeroshard.default_communicator()", RANK="1", WORLD_SIZE="2",
+                   LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    assert r.returncode != 0
+    assert "zeroshard needs an MPI launcher" in r.stderr and "mpirun -np 2" in r.stderr
+    # A one-process torchrun is just one rank.
+    r = _run_clean("import zeroshard; print(zeroshard.default_communicator().size())",
+                   RANK="0", WORLD_SIZE="1")
+    assert r.returncode == 0 and r.stdout.strip() == "1"
