@@ -69,4 +69,34 @@ std::shared_ptr<Communicator> make_mpi_communicator();
 /// A communicator of one rank (no MPI): collectives are copies.
 std::shared_ptr<Communicator> make_self_communicator();
 
+/// A communicator over NCCL for buffers in the memory of CUDA device `device` (an index as
+/// cudaSetDevice takes it; NCCL allows one rank per GPU, so ranks on one machine pass different
+/// devices, usually the local rank). Bootstrapped through MPI_COMM_WORLD (make_mpi_communicator():
+/// rank 0 creates NCCL's unique id and broadcasts it); in a build without MPI it is a world of
+/// one rank. Collective, like MPI_Init: every rank calls it. Setting up the NCCL communicator may
+/// take up to 300 s before it fails with ErrorCode::timeout.
+///
+/// Buffers: reduce_scatter and all_gather take device memory of `device` (invalid_argument
+/// otherwise). all_reduce and broadcast also take host memory (staged through pinned buffers),
+/// so small control values such as the step's [sum of squares, overflow flag] pair work as with
+/// MPI. bf16/f16 sums are NCCL's (f32 arithmetic, one rounding per addition, in NCCL's order).
+///
+/// Streams: collectives run in call order on one communication stream of their own. Each one
+/// first waits (on the device) for the work already queued on the legacy default stream when it
+/// was called, which covers inputs written by cudaMemcpy or by kernels on any blocking stream;
+/// producers on non-blocking streams must synchronise or order their work before the call. When
+/// Work::done() is true (or wait() returns) the results are visible to the host and to every
+/// stream. The timeout runs from the call; on a timeout the NCCL communicator is aborted (as
+/// NCCL prescribes, so no kernel spins forever), the Work fails with ErrorCode::timeout naming
+/// the collective, and later calls fail with comm_failure.
+///
+/// Throws Error(cuda_error) if the device or NCCL cannot be set up, and Error(comm_failure)
+/// naming the build option when zeroshard was built without CUDA (ZEROSHARD_WITH_CUDA=OFF).
+std::shared_ptr<Communicator> make_nccl_communicator(int device);
+
+/// As above, bootstrapped through `bootstrap` instead of MPI: its rank and size become the NCCL
+/// ranks, and its broadcast carries the unique id (e.g. make_self_communicator() for one rank).
+/// The NCCL communicator does not keep `bootstrap`.
+std::shared_ptr<Communicator> make_nccl_communicator(int device, std::shared_ptr<Communicator> bootstrap);
+
 }  // namespace zeroshard

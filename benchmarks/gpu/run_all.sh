@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# Builds zeroshard with CUDA on a GPU machine, runs the GPU tests (ctest label "gpu") and the GPU
+# benchmark, and writes logs and figures to $OUT when set, else to benchmarks/gpu/results/.
+#
+#   bash benchmarks/gpu/run_all.sh pack   # on a development machine (Debian, after
+#                                         # scripts/setup.sh): gathers into .gpu-deps/ the build
+#                                         # dependencies a bare GPU machine lacks
+#   bash benchmarks/gpu/run_all.sh        # on the GPU machine, with .gpu-deps/ beside the sources
+#
+# What the GPU machine must have: nvcc (CUDA >= 12) with a C++20 host compiler it supports
+# (g++ 11-14), CMake >= 3.22, ninja or make, NCCL (the toolkit's, or the pip wheel
+# nvidia-nccl-cu13, found through python3), an NVIDIA driver. What zeroshard also needs and a
+# bare machine usually lacks, and how this script gets it:
+#   oneTBB, nlohmann_json   copied by `pack` (headers, CMake package files, libtbb*.so*; built
+#                           for glibc >= 2.36, which any current CUDA image has)
+#   GoogleTest              its source (/usr/src/googletest) copied by `pack`, built here
+#   Open MPI, liburing      switched off unless present: the build then has the one-rank
+#                           communicator and no NVMe tier, which the GPU tests do not need
+# A dependency found on the machine itself is used instead of the packed one.
+# Environment: ZEROSHARD_GPU_DEPS (default .gpu-deps), ZEROSHARD_GPU_BUILD_DIR (default
+# build-gpu), ZEROSHARD_CUDA_ARCHS (default: the project's "80;90"), ZEROSHARD_GPU_PACKED_ONLY=1
+# (ignore system copies of the packed dependencies: tests this script on a development machine).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+root="$PWD"
+deps="${ZEROSHARD_GPU_DEPS:-$root/.gpu-deps}"
+
+say() { echo "run_all: $*"; }
+die() {
+  echo "run_all: $*" >&2
+  exit 1
+}
+
+# ---- pack: on a development machine ----------------------------------------------------------
+pack() {
+  local arch=x86_64-linux-gnu
+  [[ -f /usr/include/nlohmann/json.hpp && -d /usr/lib/$arch/cmake/TBB && -d /usr/src/googletest ]] ||
+    die "pack needs nlohmann-json3-dev, libtbb-dev and libgtest-dev installed (bash scripts/setup.sh)"
+  rm -rf "$deps"
+  mkdir -p "$deps/usr/include" "$deps/usr/share/cmake" "$deps/usr/lib/$arch/cmake"
+  # Same layout as /usr, so the packages' own CMake files find their files relative to themselves.
+  cp -a /usr/include/nlohmann "$deps/usr/include/"
+  cp -a /usr/share/cmake/nlohmann_json "$deps/usr/share/cmake/"
+  cp -a /usr/include/tbb /usr/include/oneapi "$deps/usr/include/"
+  cp -a /usr/lib/$arch/cmake/TBB "$deps/usr/lib/$arch/cmake/"
+  cp -a /usr/lib/$arch/libtbb*.so* "$deps/usr/lib/$arch/"
+  cp -a /usr/src/googletest "$deps/googletest-src"
+  # Keep the default folder out of git (it travels only when carried).
+  local exclude
+  if [[ "$deps" == "$root/.gpu-deps" ]] && exclude="$(git -C "$root" rev-parse --git-path info/exclude 2>/dev/null)"; then
+    [[ "$exclude" == /* ]] || exclude="$root/$exclude"
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.gpu-deps/' "$exclude" 2>/dev/null || echo '/.gpu-deps/' >>"$exclude"
+  fi
+  say "packed $(du -sh "$deps" | cut -f1) into $deps; carry it to the GPU machine (the device tool's carry: [\".gpu-deps\"])"
+}
+
+if [[ "${1:-}" == "pack" ]]; then
+  pack
+  exit 0
+fi
+(($# == 0)) || die "usage: $0 [pack]"
+
+out="${OUT:-$root/benchmarks/gpu/results}"
+mkdir -p "$out"
+build="${ZEROSHARD_GPU_BUILD_DIR:-$root/build-gpu}"
+jobs="$(nproc)"
+
+# ---- tools -------------------------------------------------------------------------------------
+if ! command -v nvcc >/dev/null; then
+  [[ -x /usr/local/cuda/bin/nvcc ]] || die "nvcc not found (install the CUDA toolkit or put it on PATH)"
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+command -v cmake >/dev/null || die "cmake not found"
+cxx="${CXX:-$(command -v g++ || command -v c++ || true)}"
+[[ -n "$cxx" ]] || die "no C++ host compiler (g++) found"
+generator=()
+if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || true
+  else
+    echo "nvidia-smi: not found"
+  fi
+  nvcc --version | tail -2
+  "$cxx" --version | head -1
+  cmake --version | head -1
+} >"$out/env.txt"
+cat "$out/env.txt"
+
+# ---- dependencies ------------------------------------------------------------------------------
+# Warnings stay warnings here: the GPU machine's compiler may be newer than CI's and warn about
+# more, which must not keep the GPU from being measured (CI keeps -Werror).
+args=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" -DZEROSHARD_WITH_CUDA=ON -DZEROSHARD_WERROR=OFF
+      -DZEROSHARD_BUILD_APPS=OFF -DZEROSHARD_BUILD_PYTHON=OFF -DZEROSHARD_BUILD_BENCHMARKS=OFF
+      -DZEROSHARD_BUILD_GPU_BENCHMARKS=ON)
+if [[ -n "${ZEROSHARD_CUDA_ARCHS:-}" ]]; then args+=("-DCMAKE_CUDA_ARCHITECTURES=$ZEROSHARD_CUDA_ARCHS"); fi
+missing=()
+tbb_dir="$(ls -d "$deps"/usr/lib/*/cmake/TBB 2>/dev/null | head -1 || true)"
+packed_only="${ZEROSHARD_GPU_PACKED_ONLY:-0}"
+if [[ "$packed_only" != 1 && ( -f /usr/include/oneapi/tbb.h || -f /usr/local/include/oneapi/tbb.h ) ]]; then
+  say "oneTBB: system"
+elif [[ -n "$tbb_dir" ]]; then
+  say "oneTBB: packed ($tbb_dir)"
+  args+=("-DTBB_DIR=$tbb_dir")
+else
+  missing+=(oneTBB)
+fi
+if [[ "$packed_only" != 1 && ( -f /usr/include/nlohmann/json.hpp || -f /usr/local/include/nlohmann/json.hpp ) ]]; then
+  say "nlohmann_json: system"
+elif [[ -d "$deps/usr/share/cmake/nlohmann_json" ]]; then
+  say "nlohmann_json: packed"
+  args+=("-Dnlohmann_json_DIR=$deps/usr/share/cmake/nlohmann_json")
+else
+  missing+=(nlohmann_json)
+fi
+gtest_dir="$(ls -d "$deps"/gtest/lib*/cmake/GTest 2>/dev/null | head -1 || true)"
+if [[ "$packed_only" != 1 && -f /usr/include/gtest/gtest.h ]]; then
+  say "GoogleTest: system"
+elif [[ -n "$gtest_dir" || -d "$deps/googletest-src" ]]; then
+  if [[ -z "$gtest_dir" ]]; then
+    # Built here with this machine's compiler, so its C++ ABI matches the tests'.
+    say "GoogleTest: building the packed source"
+    cmake -S "$deps/googletest-src" -B "$deps/gtest-build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_INSTALL_PREFIX="$deps/gtest" >"$out/gtest-build.log" 2>&1 &&
+      cmake --build "$deps/gtest-build" -j "$jobs" >>"$out/gtest-build.log" 2>&1 &&
+      cmake --install "$deps/gtest-build" >>"$out/gtest-build.log" 2>&1 ||
+      die "building GoogleTest failed; see $out/gtest-build.log"
+    gtest_dir="$(ls -d "$deps"/gtest/lib*/cmake/GTest | head -1)"
+  fi
+  say "GoogleTest: packed ($gtest_dir)"
+  args+=("-DGTest_DIR=$gtest_dir")
+else
+  missing+=(GoogleTest)
+fi
+if ((${#missing[@]})); then
+  die "missing: ${missing[*]}. Run 'bash benchmarks/gpu/run_all.sh pack' on a development machine" \
+      "(after scripts/setup.sh) and bring the .gpu-deps folder along, or install them here."
+fi
+# NCCL: the toolkit's, the system's, or the pip wheel's (nvidia-nccl-cu13 ships include/ and lib/).
+if [[ -n "${NCCL_ROOT:-}" ]]; then
+  say "NCCL: $NCCL_ROOT (NCCL_ROOT)"
+  args+=("-DNCCL_ROOT=$NCCL_ROOT")
+elif [[ ! -f /usr/local/cuda/include/nccl.h && ! -f /usr/include/nccl.h ]]; then
+  nccl_root="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)"
+  [[ -n "$nccl_root" && -f "$nccl_root/include/nccl.h" ]] ||
+    die "NCCL not found: neither in the CUDA toolkit nor as python3's nvidia.nccl; set NCCL_ROOT"
+  say "NCCL: $nccl_root"
+  args+=("-DNCCL_ROOT=$nccl_root")
+fi
+mpi=OFF
+if command -v mpicxx >/dev/null && command -v mpirun >/dev/null; then mpi=ON; fi
+uring=OFF
+if pkg-config --exists liburing 2>/dev/null; then uring=ON; fi
+args+=("-DZEROSHARD_WITH_MPI=$mpi" "-DZEROSHARD_WITH_URING=$uring")
+say "MPI $mpi, io_uring $uring"
+
+# ---- build, test, benchmark --------------------------------------------------------------------
+if [[ ! -f "$build/CMakeCache.txt" ]]; then args+=("${generator[@]}"); fi
+say "cmake -S . -B $build ${args[*]}"
+start=$SECONDS
+cmake -S . -B "$build" "${args[@]}" >"$out/build.log" 2>&1 || {
+  tail -40 "$out/build.log"
+  die "configure failed; see $out/build.log"
+}
+cmake --build "$build" -j "$jobs" >>"$out/build.log" 2>&1 || {
+  tail -60 "$out/build.log"
+  die "build failed; see $out/build.log"
+}
+say "built in $((SECONDS - start)) s"
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+status=0
+# Verbose, so the log shows every test's output, skips included.
+ctest --test-dir "$build" -L gpu -V -j 1 >"$out/ctest-gpu.log" 2>&1 || status=1
+tail -25 "$out/ctest-gpu.log"
+# A run where the GPU tests skipped proves nothing: say so loudly.
+if grep -q "no CUDA GPU on this machine" "$out/ctest-gpu.log" ||
+   ! grep -q "100% tests passed" "$out/ctest-gpu.log"; then
+  say "WARNING: some GPU tests failed or skipped; see $out/ctest-gpu.log"
+fi
+"$build/benchmarks/gpu/fused_adamw_bench" --out "$out/fused_adamw_bench.txt" || status=1
+say "results in $out: $(cd "$out" && ls | tr '\n' ' ')"
+exit $status

@@ -1,0 +1,384 @@
+// The fused optimizer update on the GPU: one pass reads master, state and gradient and writes
+// master, state and the low-precision parameter copy, 8 elements per thread with 16-byte
+// accesses. The arithmetic is cpu::optimizer_update's (kernels/cpu/update_impl.hpp) operation
+// for operation: each multiply, add, divide and square root is an __f*_rn intrinsic, so nvcc
+// cannot contract or reorder them and the results are bitwise equal to the CPU kernels.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/cuda_check.hpp"
+#include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/device_io.cuh"
+
+namespace zeroshard::cuda {
+namespace {
+
+using dev::kVec;
+
+// Same split as the CPU's update_impl.hpp: SGD's shapes are separate rules so the momentum
+// branches vanish from the kernel, and the copy-out dtype is a template parameter too.
+enum class Rule : uint8_t { adam, adamw, sgd, sgd_momentum, sgd_nesterov, lion };
+enum class Out : uint8_t { none, f32, bf16, f16 };
+
+constexpr int kThreads = 256;
+
+// Per-group constants folded on the host exactly as cpu::fold_consts folds them (single float
+// operations, so host and CPU kernels produce the same bits), then passed by value.
+struct Consts {
+  float lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale, omb1, omb2, lr_wd;
+};
+
+Consts fold(const cpu::UpdateHyper& h) {
+  Consts c{};
+  c.lr = h.lr;
+  c.beta1 = h.beta1;
+  c.beta2 = h.beta2;
+  c.eps = h.eps;
+  c.wd = h.weight_decay;
+  c.momentum = h.momentum;
+  c.bc1 = h.bias_correction1;
+  c.bc2 = h.bias_correction2;
+  c.grad_scale = h.grad_scale;
+  c.omb1 = 1.0f - h.beta1;
+  c.omb2 = 1.0f - h.beta2;
+  c.lr_wd = h.lr * h.weight_decay;
+  return c;
+}
+
+// One run, split into an 8-aligned body [body_begin, body_end) done with vector accesses and a
+// head [begin, body_begin) and tail [body_end, end) of at most 7 elements each, done per element
+// by the run's first block. Blocks [first_block, next run's first_block) cover the body.
+struct RunDesc {
+  int64_t begin, body_begin, body_end, end;
+  unsigned first_block;
+  Consts c;
+};
+
+// Kernel parameters: pointers plus the run table, 32 × 80 bytes, inside the 4 KiB that every
+// architecture accepts for kernel parameters.
+struct UpdateParams {
+  float* master;
+  float* s0;
+  float* s1;
+  const void* grad;
+  void* out;
+  int num_runs;
+  RunDesc runs[kMaxRunsPerLaunch];
+};
+static_assert(sizeof(UpdateParams) <= 4000, "kernel parameters must stay below 4 KiB");
+
+template <Rule R>
+constexpr bool kUsesS0 = R != Rule::sgd;
+template <Rule R>
+constexpr bool kUsesS1 = R == Rule::adam || R == Rule::adamw;
+
+// sign(c) as ScalarVec::sign: ±1, +0 for ±0, NaN for NaN (c - c).
+__device__ __forceinline__ float sign_of(float c) {
+  return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : __fsub_rn(c, c));
+}
+
+// The update of one element, in update_impl.hpp's order. C++ parses `a * b + c * d` as
+// (a*b) + (c*d) and `a * b * c` as (a*b)*c; each step here is one rounded IEEE operation.
+template <Rule R>
+__device__ __forceinline__ void update_one(const Consts& k, float& p, float g_in, float& s0,
+                                           float& s1) {
+  float g = __fmul_rn(g_in, k.grad_scale);
+  if constexpr (R == Rule::adam || R == Rule::adamw) {
+    float m = s0, v = s1;
+    if constexpr (R == Rule::adam) {
+      g = __fadd_rn(g, __fmul_rn(k.wd, p));
+    } else {
+      p = __fsub_rn(p, __fmul_rn(k.lr_wd, p));
+    }
+    m = __fadd_rn(__fmul_rn(k.beta1, m), __fmul_rn(k.omb1, g));
+    v = __fadd_rn(__fmul_rn(k.beta2, v), __fmul_rn(__fmul_rn(k.omb2, g), g));
+    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, k.bc2)), k.eps);
+    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(k.lr, __fdiv_rn(m, k.bc1)), denom));
+    s0 = m;
+    s1 = v;
+  } else if constexpr (R == Rule::lion) {
+    const float m = s0;
+    const float dir = __fadd_rn(__fmul_rn(k.beta1, m), __fmul_rn(k.omb1, g));
+    p = __fsub_rn(p, __fmul_rn(k.lr_wd, p));
+    p = __fsub_rn(p, __fmul_rn(k.lr, sign_of(dir)));
+    s0 = __fadd_rn(__fmul_rn(k.beta2, m), __fmul_rn(k.omb2, g));
+  } else {
+    g = __fadd_rn(g, __fmul_rn(k.wd, p));
+    if constexpr (R == Rule::sgd_momentum || R == Rule::sgd_nesterov) {
+      const float buf = __fadd_rn(__fmul_rn(k.momentum, s0), g);
+      s0 = buf;
+      if constexpr (R == Rule::sgd_nesterov) {
+        g = __fadd_rn(g, __fmul_rn(k.momentum, buf));
+      } else {
+        g = buf;
+      }
+    }
+    p = __fsub_rn(p, __fmul_rn(k.lr, g));
+  }
+}
+
+template <Out O>
+constexpr DType kOutDType = O == Out::bf16  ? DType::bf16
+                            : O == Out::f16 ? DType::f16
+                                            : DType::f32;
+
+// One element e (head or tail of a run): the same update with scalar accesses.
+template <Rule R, DType G, Out O>
+__device__ __forceinline__ void update_element(const UpdateParams& P, const Consts& k, int64_t e) {
+  float p = P.master[e];
+  float s0 = 0.0f, s1 = 0.0f;
+  if constexpr (kUsesS0<R>) s0 = P.s0[e];
+  if constexpr (kUsesS1<R>) s1 = P.s1[e];
+  update_one<R>(k, p, dev::load1<G>(P.grad, e), s0, s1);
+  P.master[e] = p;
+  if constexpr (kUsesS0<R>) P.s0[e] = s0;
+  if constexpr (kUsesS1<R>) P.s1[e] = s1;
+  if constexpr (O != Out::none) dev::store1<kOutDType<O>>(P.out, e, p);
+}
+
+// __grid_constant__ keeps the run table in the parameter bank (indexed in place, no local copy).
+template <Rule R, DType G, Out O>
+__global__ void __launch_bounds__(kThreads) update_kernel(const __grid_constant__ UpdateParams P) {
+  // The block's run: the last one whose first block is at or before this block (few runs, and
+  // the scan is uniform across the block, so it costs a handful of constant-bank reads).
+  int r = 0;
+  while (r + 1 < P.num_runs && P.runs[r + 1].first_block <= blockIdx.x) ++r;
+  const RunDesc& run = P.runs[r];
+  const Consts k = run.c;
+
+  const int64_t i =
+      run.body_begin + (int64_t(blockIdx.x - run.first_block) * kThreads + threadIdx.x) * kVec;
+  if (i < run.body_end) {
+    float p[kVec], g[kVec], s0[kVec] = {}, s1[kVec] = {};
+    dev::load8f(P.master, i, p);
+    dev::load8<G>(P.grad, i, g);
+    if constexpr (kUsesS0<R>) dev::load8f(P.s0, i, s0);
+    if constexpr (kUsesS1<R>) dev::load8f(P.s1, i, s1);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) update_one<R>(k, p[j], g[j], s0[j], s1[j]);
+    dev::store8f(P.master, i, p);
+    if constexpr (kUsesS0<R>) dev::store8f(P.s0, i, s0);
+    if constexpr (kUsesS1<R>) dev::store8f(P.s1, i, s1);
+    if constexpr (O != Out::none) dev::store8<kOutDType<O>>(P.out, i, p);
+  }
+  // Head (threads 0-7) and tail (threads 8-15) of the run, by its first block.
+  if (blockIdx.x == run.first_block && threadIdx.x < 2 * kVec) {
+    const int t = int(threadIdx.x);
+    const int64_t e = t < kVec ? run.begin + t : run.body_end + (t - kVec);
+    const int64_t stop = t < kVec ? run.body_begin : run.end;
+    if (e < stop) update_element<R, G, O>(P, k, e);
+  }
+}
+
+Rule rule_of(const cpu::UpdateHyper& h) {
+  switch (h.kind) {
+    case OptimizerKind::adam:
+      return Rule::adam;
+    case OptimizerKind::adamw:
+      return Rule::adamw;
+    case OptimizerKind::lion:
+      return Rule::lion;
+    case OptimizerKind::sgd:
+      break;
+  }
+  if (h.momentum == 0.0f) return Rule::sgd;
+  return h.nesterov ? Rule::sgd_nesterov : Rule::sgd_momentum;
+}
+
+const char* rule_name(Rule r) {
+  switch (r) {
+    case Rule::adam:
+      return "adam";
+    case Rule::adamw:
+      return "adamw";
+    case Rule::sgd:
+      return "sgd";
+    case Rule::sgd_momentum:
+      return "sgd (momentum)";
+    case Rule::sgd_nesterov:
+      return "sgd (nesterov)";
+    case Rule::lion:
+      return "lion";
+  }
+  return "?";
+}
+
+Out out_of(const cpu::UpdateArgs& a) {
+  if (a.out == nullptr) return Out::none;
+  switch (a.out_dtype) {
+    case DType::f32:
+      return Out::f32;
+    case DType::bf16:
+      return Out::bf16;
+    case DType::f16:
+      return Out::f16;
+  }
+  return Out::none;
+}
+
+// Run-time choices become template arguments, so each (rule, grad dtype, copy-out) gets its own
+// kernel with no per-element branch on them (72 small kernels per architecture).
+template <Rule R>
+using RuleTag = std::integral_constant<Rule, R>;
+template <Out O>
+using OutTag = std::integral_constant<Out, O>;
+template <DType D>
+using DTypeTag = std::integral_constant<DType, D>;
+
+template <class F>
+void with_rule(Rule r, F&& f) {
+  switch (r) {
+    case Rule::adam:
+      return f(RuleTag<Rule::adam>{});
+    case Rule::adamw:
+      return f(RuleTag<Rule::adamw>{});
+    case Rule::sgd:
+      return f(RuleTag<Rule::sgd>{});
+    case Rule::sgd_momentum:
+      return f(RuleTag<Rule::sgd_momentum>{});
+    case Rule::sgd_nesterov:
+      return f(RuleTag<Rule::sgd_nesterov>{});
+    case Rule::lion:
+      return f(RuleTag<Rule::lion>{});
+  }
+}
+template <class F>
+void with_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::f32:
+      return f(DTypeTag<DType::f32>{});
+    case DType::bf16:
+      return f(DTypeTag<DType::bf16>{});
+    case DType::f16:
+      return f(DTypeTag<DType::f16>{});
+  }
+}
+template <class F>
+void with_out(Out o, F&& f) {
+  switch (o) {
+    case Out::none:
+      return f(OutTag<Out::none>{});
+    case Out::f32:
+      return f(OutTag<Out::f32>{});
+    case Out::bf16:
+      return f(OutTag<Out::bf16>{});
+    case Out::f16:
+      return f(OutTag<Out::f16>{});
+  }
+}
+
+// float4 / uint4 accesses fault on misaligned addresses, so alignment is checked up front.
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+}  // namespace
+
+void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const UpdateRun* runs,
+                      int num_runs, const cpu::UpdateArgs& a, StreamHandle stream) {
+  if (num_runs < 0 || num_hypers < 0 || a.n < 0 || (num_runs > 0 && (!runs || !hypers)))
+    ZS_THROW(invalid_argument, "cuda::optimizer_update: bad counts ("
+                                   << num_runs << " runs, " << num_hypers
+                                   << " hyperparameter sets, n = " << a.n << ")");
+  // Runs are checked in begin order: in range, non-empty ones disjoint, hyper index valid.
+  std::vector<UpdateRun> sorted;
+  for (int r = 0; r < num_runs; ++r) {
+    const UpdateRun& u = runs[r];
+    if (u.begin < 0 || u.begin > u.end || u.end > a.n || u.hyper < 0 || u.hyper >= num_hypers)
+      ZS_THROW(invalid_argument, "cuda::optimizer_update: run "
+                                     << r << " [" << u.begin << ", " << u.end
+                                     << ") with hyperparameters " << u.hyper << " does not fit n = "
+                                     << a.n << " and " << num_hypers << " hyperparameter sets");
+    if (u.begin < u.end) sorted.push_back(u);
+  }
+  // Nothing to update launches nothing (and touches no CUDA API).
+  if (sorted.empty()) return;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const UpdateRun& x, const UpdateRun& y) { return x.begin < y.begin; });
+  for (size_t r = 1; r < sorted.size(); ++r) {
+    if (sorted[r].begin < sorted[r - 1].end)
+      ZS_THROW(invalid_argument, "cuda::optimizer_update: runs ["
+                                     << sorted[r - 1].begin << ", " << sorted[r - 1].end
+                                     << ") and [" << sorted[r].begin << ", " << sorted[r].end
+                                     << ") overlap");
+  }
+  for (const void* p :
+       {static_cast<const void*>(a.master), static_cast<const void*>(a.state0),
+        static_cast<const void*>(a.state1), a.grad, static_cast<const void*>(a.out)}) {
+    if (!aligned16(p))
+      ZS_THROW(invalid_argument, "cuda::optimizer_update: pointer "
+                                     << p
+                                     << " is not 16-byte aligned (the kernel moves 8 elements per "
+                                        "vector access)");
+  }
+  if (!a.master || !a.grad)
+    ZS_THROW(invalid_argument, "cuda::optimizer_update: master and grad must not be null");
+
+  // Group the runs by update rule (in practice there is one), then launch each group in batches
+  // of at most kMaxRunsPerLaunch runs.
+  std::vector<std::pair<Rule, std::vector<UpdateRun>>> by_rule;
+  for (const UpdateRun& u : sorted) {
+    const Rule rule = rule_of(hypers[u.hyper]);
+    auto it =
+        std::find_if(by_rule.begin(), by_rule.end(), [&](auto& e) { return e.first == rule; });
+    if (it == by_rule.end()) {
+      by_rule.push_back({rule, {}});
+      it = by_rule.end() - 1;
+    }
+    it->second.push_back(u);
+  }
+  // Every launch takes the same pointers; only the run table and the rule differ.
+  const Out out = out_of(a);
+  auto cu_stream = static_cast<cudaStream_t>(stream);
+  for (auto& [rule, list] : by_rule) {
+    const bool needs_s0 = rule != Rule::sgd;
+    const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
+    if ((needs_s0 && !a.state0) || (needs_s1 && !a.state1))
+      ZS_THROW(invalid_argument, "cuda::optimizer_update: " << rule_name(rule) << " needs state0"
+                                                            << (needs_s1 ? " and state1" : "")
+                                                            << ", got null");
+    for (size_t first = 0; first < list.size(); first += kMaxRunsPerLaunch) {
+      UpdateParams P{};
+      P.master = a.master;
+      P.s0 = a.state0;
+      P.s1 = a.state1;
+      P.grad = a.grad;
+      P.out = a.out;
+      P.num_runs = int(std::min<size_t>(kMaxRunsPerLaunch, list.size() - first));
+      uint64_t blocks = 0;
+      for (int r = 0; r < P.num_runs; ++r) {
+        const UpdateRun& u = list[first + size_t(r)];
+        RunDesc& d = P.runs[r];
+        d.begin = u.begin;
+        d.end = u.end;
+        d.body_begin = std::min(u.end, (u.begin + kVec - 1) / kVec * kVec);
+        d.body_end = std::max(d.body_begin, u.end / kVec * kVec);
+        d.first_block = unsigned(blocks);
+        d.c = fold(hypers[u.hyper]);
+        const int64_t vecs = (d.body_end - d.body_begin) / kVec;
+        // At least one block per run: its first block also does the head and the tail.
+        blocks += uint64_t(std::max<int64_t>(1, (vecs + kThreads - 1) / kThreads));
+      }
+      if (blocks > 0x7FFFFFFFull)
+        ZS_THROW(invalid_argument,
+                 "cuda::optimizer_update: " << a.n << " elements need more than 2^31 blocks");
+      with_rule(rule, [&](auto R) {
+        with_dtype(a.grad_dtype, [&](auto G) {
+          with_out(out, [&](auto O) {
+            update_kernel<decltype(R)::value, decltype(G)::value, decltype(O)::value>
+                <<<unsigned(blocks), kThreads, 0, cu_stream>>>(P);
+          });
+        });
+      });
+      ZS_CUDA_CHECK_LAUNCH("cuda::optimizer_update (" << rule_name(rule) << ", grad "
+                                                      << dtype_name(a.grad_dtype) << ")");
+    }
+  }
+}
+
+}  // namespace zeroshard::cuda
