@@ -13,12 +13,17 @@ packages=(
   openmpi-bin
   libtbb-dev
   liburing-dev
+  fio
   nlohmann-json3-dev
   libgtest-dev
   libgmock-dev
   libbenchmark-dev
   libopenblas-dev
   python3
+  python3-dev
+  python3-venv
+  python3-torch
+  python3-pytest
 )
 
 if ! command -v dpkg-query >/dev/null; then

@@ -14,3 +14,6 @@ export OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 
 ctest --test-dir "${ZEROSHARD_BUILD_DIR:-build}" --output-on-failure --no-tests=error -j2
+
+# The Python package and its tests (single-process, then 2 ranks under mpirun).
+bash scripts/python_test.sh

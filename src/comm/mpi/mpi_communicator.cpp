@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -99,6 +100,7 @@ class MpiCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
     }
+    wake_.notify_one();
     thread_.join();
     // A collective abandoned after a timeout still references this communicator; freeing it
     // could crash MPI, so it is left to the process's end.
@@ -179,20 +181,23 @@ class MpiCommunicator final : public Communicator {
       return work;
     }
     queue_.push_back({work, std::move(start), std::move(desc)});
+    queued_.store(true, std::memory_order_release);
+    wake_.notify_one();
     return work;
   }
 
   // The communication thread: start queued collectives in order, test the ones in flight,
-  // fail those past their deadline, and back off while idle so compute keeps the cores.
+  // fail those past their deadline, and sleep only while nothing is in flight.
   void run() {
     std::vector<InFlight> inflight;
-    int idle = 0;
+    std::chrono::steady_clock::time_point give_up{};  // when stopping: abandon timed-out requests then
     for (;;) {
       bool stopping;
       {
         std::lock_guard<std::mutex> lock(mu_);
         for (Pending& p : queue_) waiting_.push_back(std::move(p));
         queue_.clear();
+        queued_.store(false, std::memory_order_relaxed);
         stopping = stop_;
       }
       bool progress = false;
@@ -237,19 +242,30 @@ class MpiCommunicator final : public Communicator {
         ++i;
       }
       if (stopping) {
+        // Requests that timed out may still complete when a late peer arrives; give them a
+        // grace period, then leave them to the process's end.
         bool only_abandoned = true;
         for (InFlight& f : inflight) only_abandoned &= f.timed_out;
-        if (waiting_.empty() && (inflight.empty() || (only_abandoned && ++stop_polls_ > 20000))) {
+        auto now = std::chrono::steady_clock::now();
+        if (give_up == std::chrono::steady_clock::time_point{}) give_up = now + std::chrono::seconds(2);
+        if (waiting_.empty() && (inflight.empty() || (only_abandoned && now > give_up))) {
           abandoned_ = int(inflight.size());
           return;
         }
       }
-      if (progress) {
-        idle = 0;
-      } else if (++idle < 64) {
+      if (inflight.empty() && waiting_.empty() && !stopping) {
+        // Idle: the next collective usually follows within microseconds (a step's reductions
+        // come in bursts), so spin briefly, then block until submit() or the end notifies.
+        const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+        while (!queued_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spin_until)
+          std::this_thread::yield();
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return !queue_.empty() || stop_; });
+      } else if (!progress) {
+        // In flight: Open MPI advances non-blocking collectives only inside MPI calls, and a
+        // large one needs a call per fragment, so keep testing without sleeping; yield so that
+        // ranks sharing cores still run.
         std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(inflight.empty() ? 200 : 20));
       }
     }
   }
@@ -341,6 +357,8 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   std::atomic<double> timeout_s_{300.0};
   std::mutex mu_;
+  std::condition_variable wake_;  // submit() and the destructor wake an idle comm thread
+  std::atomic<bool> queued_{false};  // queue_ is non-empty (read without the lock while spinning)
   std::deque<Pending> queue_;
   std::deque<Pending> waiting_;  // comm thread only: taken from queue_, not started yet
   // ZEROSHARD_CHECK_COLLECTIVES=1: every collective first checks that all ranks call the same.
@@ -351,7 +369,6 @@ class MpiCommunicator final : public Communicator {
   bool stop_ = false;
   std::string poisoned_;
   int abandoned_ = 0;
-  long stop_polls_ = 0;
   std::thread thread_;
 };
 
