@@ -3,6 +3,8 @@
 // are done to the files for real; each test fails if the code under it ignores the fault.
 #include <fcntl.h>
 #include <gmock/gmock.h>
+
+#include "multirank/harness.hpp"
 #include <gtest/gtest.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -88,17 +90,6 @@ struct Rig {
   void read(int e) { io->wait(*transfer(e, false)); }
   bool round_trip_ok() { return std::memcmp(out(), in(), kBytes) == 0; }
 };
-
-#define EXPECT_ZS_ERROR(stmt, code_, text)                   \
-  do {                                                       \
-    try {                                                    \
-      stmt;                                                  \
-      ADD_FAILURE() << #stmt " did not throw";               \
-    } catch (const Error& err) {                             \
-      EXPECT_EQ(err.code(), ErrorCode::code_) << err.what(); \
-      EXPECT_THAT(std::string(err.what()), HasSubstr(text)); \
-    }                                                        \
-  } while (0)
 
 TEST(Swapper, Xxh64MatchesReferenceVectors) {
   EXPECT_EQ(xxh64("", 0, 0), 0xEF46DB3751D8E999ull);

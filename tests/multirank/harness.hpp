@@ -8,7 +8,22 @@
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include "zeroshard/zeroshard.hpp"
+
+/// Expects `stmt` to throw zeroshard::Error with code `code_` and a message containing `text`.
+#define EXPECT_ZS_ERROR(stmt, code_, text)                                            \
+  do {                                                                                \
+    try {                                                                             \
+      stmt;                                                                           \
+      ADD_FAILURE() << #stmt " did not throw";                                        \
+    } catch (const ::zeroshard::Error& err) {                                         \
+      EXPECT_EQ(err.code(), ::zeroshard::ErrorCode::code_) << err.what();             \
+      EXPECT_THAT(std::string(err.what()), ::testing::HasSubstr(text));               \
+    }                                                                                 \
+  } while (0)
 
 namespace zs_test {
 

@@ -13,17 +13,6 @@ using zs_test::world;
 
 namespace {
 
-#define EXPECT_ZS_ERROR(stmt, code_, text)                                  \
-  do {                                                                      \
-    try {                                                                   \
-      stmt;                                                                 \
-      ADD_FAILURE() << #stmt " did not throw";                              \
-    } catch (const Error& err) {                                            \
-      EXPECT_EQ(err.code(), ErrorCode::code_) << err.what();                \
-      EXPECT_THAT(std::string(err.what()), HasSubstr(text));                \
-    }                                                                       \
-  } while (0)
-
 // Rank 1 registers layer1.w with another shape: every rank fails, naming unit and shapes.
 TEST(ModelCheck, DifferentShapeFailsOnEveryRank) {
   if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
