@@ -108,7 +108,8 @@ void validate_offload(const OffloadOptions& o, const std::string& key) {
     // Each path holds one stripe file per tier; the same path twice would be the same file.
     for (size_t j = 0; j < i; ++j) {
       if (o.nvme_paths[j] == o.nvme_paths[i]) {
-        fail(key + ".nvme_path[" + show(i) + "] = \"" + o.nvme_paths[i] + "\" repeats nvme_path[" + show(j) + "]");
+        fail(key + ".nvme_path[" + show(i) + "] = \"" + o.nvme_paths[i] + "\" repeats nvme_path[" +
+             show(j) + "]");
       }
     }
   }
@@ -184,8 +185,9 @@ void Config::validate() const {
   }
   // Stage 0 keeps the whole optimizer state on every rank: swapping it would only be slower.
   if (offload_optimizer.tier == Tier::nvme && stage < 1) {
-    fail("zero_optimization.offload_optimizer.device = nvme requires zero_optimization.stage >= 1 "
-         "(stage is 0: the optimizer state is not sharded)");
+    fail(
+        "zero_optimization.offload_optimizer.device = nvme requires zero_optimization.stage >= 1 "
+        "(stage is 0: the optimizer state is not sharded)");
   }
   // The pipeline needs a slot to update in and one to read (or write) with.
   if (offload_optimizer.tier == Tier::nvme) {
@@ -196,9 +198,11 @@ void Config::validate() const {
     require(offload_param.buffer_count >= 2, "zero_optimization.offload_param.buffer_count",
             offload_param.buffer_count, "must be >= 2 for device nvme");
   }
-  require(swap_read_ahead >= 0, "zeroshard.swap_read_ahead", swap_read_ahead, "must be >= 0 (0 = automatic)");
+  require(swap_read_ahead >= 0, "zeroshard.swap_read_ahead", swap_read_ahead,
+          "must be >= 0 (0 = automatic)");
   if (offload_optimizer.tier == Tier::nvme && swap_read_ahead > 0) {
-    require(swap_read_ahead < offload_optimizer.buffer_count, "zeroshard.swap_read_ahead", swap_read_ahead,
+    require(swap_read_ahead < offload_optimizer.buffer_count, "zeroshard.swap_read_ahead",
+            swap_read_ahead,
             "must be below zero_optimization.offload_optimizer.buffer_count (" +
                 show(offload_optimizer.buffer_count) + ")");
   }

@@ -30,8 +30,9 @@ Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm)
   if (!comm) ZS_THROW(invalid_argument, "Engine: the communicator is null");
 #ifndef ZEROSHARD_HAVE_URING
   if (cfg.offload_optimizer.tier == Tier::nvme || cfg.offload_param.tier == Tier::nvme)
-    ZS_THROW(invalid_config, "Engine: the nvme tier needs io_uring, and this zeroshard was built without it "
-                             "(ZEROSHARD_WITH_URING=OFF); use offload device \"cpu\" or \"none\"");
+    ZS_THROW(invalid_config,
+             "Engine: the nvme tier needs io_uring, and this zeroshard was built without it "
+             "(ZEROSHARD_WITH_URING=OFF); use offload device \"cpu\" or \"none\"");
 #endif
   rank = comm->rank();
   world = comm->size();
@@ -42,7 +43,8 @@ Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm)
 }
 
 Unit& Engine::Impl::unit(UnitId id, const char* call) {
-  if (!finalized) ZS_THROW(invalid_argument, "rank " << rank << ": " << call << "() before finalize()");
+  if (!finalized)
+    ZS_THROW(invalid_argument, "rank " << rank << ": " << call << "() before finalize()");
   if (id < 0 || size_t(id) >= units.size())
     ZS_THROW(invalid_argument, "rank " << rank << ": " << call << "(): no unit with id " << id
                                        << " (" << units.size() << " registered)");
@@ -59,8 +61,10 @@ std::string Engine::Impl::where(const Unit& u) const {
 int Engine::Impl::num_states() const {
   switch (cfg.optimizer.kind) {
     case OptimizerKind::adam:
-    case OptimizerKind::adamw: return 2;
-    case OptimizerKind::lion: return 1;
+    case OptimizerKind::adamw:
+      return 2;
+    case OptimizerKind::lion:
+      return 1;
     case OptimizerKind::sgd:
       for (const OptimizerOptions& g : groups)
         if (g.momentum != 0) return 1;
@@ -92,10 +96,12 @@ Engine::~Engine() {
 
 int Engine::add_group(const OptimizerOptions& o) {
   Impl& m = *impl_;
-  if (m.finalized) ZS_THROW(invalid_argument, "rank " << m.rank << ": add_group() after finalize()");
+  if (m.finalized)
+    ZS_THROW(invalid_argument, "rank " << m.rank << ": add_group() after finalize()");
   if (o.kind != m.cfg.optimizer.kind)
-    ZS_THROW(invalid_argument, "rank " << m.rank << ": add_group(): optimizer " << optimizer_name(o.kind)
-                                       << " differs from the engine's " << optimizer_name(m.cfg.optimizer.kind));
+    ZS_THROW(invalid_argument, "rank " << m.rank << ": add_group(): optimizer "
+                                       << optimizer_name(o.kind) << " differs from the engine's "
+                                       << optimizer_name(m.cfg.optimizer.kind));
   Config probe = m.cfg;
   probe.optimizer = o;
   probe.validate();  // same range checks as group 0
@@ -111,15 +117,19 @@ UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
     if (u.layout.name == name) ZS_THROW(invalid_argument, at << ": a unit of that name exists");
   std::set<std::string> names;
   for (const Param& p : params) {
-    if (!names.insert(p.name).second) ZS_THROW(invalid_argument, at << ": parameter '" << p.name << "' twice");
+    if (!names.insert(p.name).second)
+      ZS_THROW(invalid_argument, at << ": parameter '" << p.name << "' twice");
     for (int64_t d : p.shape)
-      if (d < 0) ZS_THROW(invalid_argument, at << ": parameter '" << p.name << "' has shape " << shape_string(p.shape));
+      if (d < 0)
+        ZS_THROW(invalid_argument,
+                 at << ": parameter '" << p.name << "' has shape " << shape_string(p.shape));
     if (p.group < 0 || size_t(p.group) >= m.groups.size())
       ZS_THROW(invalid_argument, at << ": parameter '" << p.name << "' names group " << p.group
                                     << " but " << m.groups.size() << " exist");
     if (p.init.data && (p.init.numel != shape_numel(p.shape) || p.init.device != Device::cpu))
-      ZS_THROW(invalid_argument, at << ": initial values of '" << p.name << "' have " << p.init.numel
-                                    << " elements (need " << shape_numel(p.shape) << ", on the CPU)");
+      ZS_THROW(invalid_argument, at << ": initial values of '" << p.name << "' have "
+                                    << p.init.numel << " elements (need " << shape_numel(p.shape)
+                                    << ", on the CPU)");
   }
   Unit u;
   u.layout = plan_unit(name, params, m.world, m.cfg.shard_alignment);
@@ -134,8 +144,9 @@ UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
 void Engine::Impl::check_same_model() {
   std::ostringstream os;
   os << "config stage=" << cfg.stage << " dtype=" << dtype_name(cfg.dtype)
-     << " optimizer=" << optimizer_name(cfg.optimizer.kind) << " accumulation=" << cfg.gradient_accumulation_steps
-     << " alignment=" << cfg.shard_alignment << " clipping=" << cfg.gradient_clipping
+     << " optimizer=" << optimizer_name(cfg.optimizer.kind)
+     << " accumulation=" << cfg.gradient_accumulation_steps << " alignment=" << cfg.shard_alignment
+     << " clipping=" << cfg.gradient_clipping
      << " offload_optimizer=" << tier_name(cfg.offload_optimizer.tier)
      << " offload_param=" << tier_name(cfg.offload_param.tier) << "\n";
   for (size_t g = 0; g < groups.size(); ++g)
@@ -143,8 +154,8 @@ void Engine::Impl::check_same_model() {
   for (const Unit& u : units) {
     os << "unit '" << u.layout.name << "'\n";
     for (const ParamSlot& p : u.layout.params)
-      os << "  param '" << p.name << "' shape " << shape_string(p.shape) << " dtype " << dtype_name(pdt)
-         << " group " << p.group << "\n";
+      os << "  param '" << p.name << "' shape " << shape_string(p.shape) << " dtype "
+         << dtype_name(pdt) << " group " << p.group << "\n";
   }
   os << "end\n";
   std::string mine = os.str();
@@ -155,7 +166,8 @@ void Engine::Impl::check_same_model() {
   std::string theirs(size_t(len), '\0');
   if (rank == 0) std::copy(mine.begin(), mine.end(), theirs.begin());
   comm->broadcast(theirs.data(), int64_t(theirs.size()), 0, "model check (rank 0's model)")->wait();
-  theirs.resize(theirs.find("end\n") == std::string::npos ? theirs.size() : theirs.find("end\n") + 4);
+  theirs.resize(theirs.find("end\n") == std::string::npos ? theirs.size()
+                                                          : theirs.find("end\n") + 4);
 
   std::string diff;
   if (mine != theirs) {
@@ -171,8 +183,9 @@ void Engine::Impl::check_same_model() {
       if (la.rfind("unit ", 0) == 0) context = la;
       ++line;
     }
-    diff = "rank " + std::to_string(rank) + " registered a different model than rank 0: first difference in " +
-           context + ": rank 0 has \"" + la + "\", rank " + std::to_string(rank) + " has \"" + lb + "\"";
+    diff = "rank " + std::to_string(rank) +
+           " registered a different model than rank 0: first difference in " + context +
+           ": rank 0 has \"" + la + "\", rank " + std::to_string(rank) + " has \"" + lb + "\"";
   }
   double first = diff.empty() ? double(world) : double(rank);
   comm->all_reduce(&first, 1, ReduceOp::min, "model check (first differing rank)")->wait();
@@ -208,14 +221,17 @@ void Engine::Impl::allocate() {
       u.param = u.param_buf.data();
     }
     if (st < 2) {
-      u.grad_buf = Buffer(&ledger, Tier::device, MemKind::grad, "grad", size_t(L.padded_numel) * pbytes);
+      u.grad_buf =
+          Buffer(&ledger, Tier::device, MemKind::grad, "grad", size_t(L.padded_numel) * pbytes);
       u.grad_whole = u.grad_buf.data();
     }
     if (topt == Tier::nvme) continue;
     if (st < 2)
-      u.grad_shard_buf = Buffer(&ledger, topt, MemKind::buffer, "grad_shard", size_t(L.shard_numel) * pbytes, pin_opt);
+      u.grad_shard_buf = Buffer(&ledger, topt, MemKind::buffer, "grad_shard",
+                                size_t(L.shard_numel) * pbytes, pin_opt);
     else
-      u.grad_shard_buf = Buffer(&ledger, topt, MemKind::grad, "grad", size_t(L.shard_numel) * pbytes, pin_opt);
+      u.grad_shard_buf =
+          Buffer(&ledger, topt, MemKind::grad, "grad", size_t(L.shard_numel) * pbytes, pin_opt);
     u.grad_shard = u.grad_shard_buf.data();
     if (k > 1) {
       u.accum_buf = Buffer(&ledger, topt, MemKind::buffer, "grad_accum", size_t(ext) * 4, pin_opt);
@@ -231,17 +247,20 @@ void Engine::Impl::allocate() {
     }
     int ns = num_states();
     if (ns >= 1) {
-      u.state0_buf = Buffer(&ledger, topt, MemKind::optim_state, "state0", size_t(ext) * 4, pin_opt);
+      u.state0_buf =
+          Buffer(&ledger, topt, MemKind::optim_state, "state0", size_t(ext) * 4, pin_opt);
       u.state0 = u.state0_buf.as<float>();
     }
     if (ns >= 2) {
-      u.state1_buf = Buffer(&ledger, topt, MemKind::optim_state, "state1", size_t(ext) * 4, pin_opt);
+      u.state1_buf =
+          Buffer(&ledger, topt, MemKind::optim_state, "state1", size_t(ext) * 4, pin_opt);
       u.state1 = u.state1_buf.as<float>();
     }
   }
   auto make_pool = [&](BufferPool& pool, int count, const char* name) {
     for (int i = 0; i < count; ++i) {
-      pool.buffers.emplace_back(&ledger, Tier::device, MemKind::buffer, name, size_t(largest) * pbytes);
+      pool.buffers.emplace_back(&ledger, Tier::device, MemKind::buffer, name,
+                                size_t(largest) * pbytes);
       pool.owner.push_back(-1);
     }
   };
@@ -265,7 +284,9 @@ void Engine::Impl::load_initial_values() {
         whole.assign(size_t(L.padded_numel), 0.0f);
         for (size_t i = 0; i < u.init_params.size(); ++i) {
           const TensorView& v = u.init_params[i].init;
-          if (v.data) cpu::convert(res.isa(), v.data, v.dtype, whole.data() + L.params[i].offset, DType::f32, v.numel);
+          if (v.data)
+            cpu::convert(res.isa(), v.data, v.dtype, whole.data() + L.params[i].offset, DType::f32,
+                         v.numel);
         }
       }
       nvme_load_initial(int(&u - units.data()), any ? whole.data() : nullptr);
@@ -277,7 +298,9 @@ void Engine::Impl::load_initial_values() {
       whole.assign(size_t(L.padded_numel), 0.0f);
       for (size_t i = 0; i < u.init_params.size(); ++i) {
         const TensorView& v = u.init_params[i].init;
-        if (v.data) cpu::convert(res.isa(), v.data, v.dtype, whole.data() + L.params[i].offset, DType::f32, v.numel);
+        if (v.data)
+          cpu::convert(res.isa(), v.data, v.dtype, whole.data() + L.params[i].offset, DType::f32,
+                       v.numel);
       }
       int64_t b = cfg.stage == 0 ? 0 : rank * L.shard_numel;
       int64_t ext = cfg.stage == 0 ? L.padded_numel : L.shard_numel;
@@ -296,9 +319,11 @@ void Engine::Impl::load_initial_values() {
 void Engine::finalize() {
   Impl& m = *impl_;
   if (m.finalized) ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() called twice");
-  if (m.units.empty()) ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() with no units registered");
+  if (m.units.empty())
+    ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() with no units registered");
   m.check_same_model();
-  if (m.cfg.offload_optimizer.tier == Tier::nvme || (m.cfg.stage == 3 && m.cfg.offload_param.tier == Tier::nvme)) {
+  if (m.cfg.offload_optimizer.tier == Tier::nvme ||
+      (m.cfg.stage == 3 && m.cfg.offload_param.tier == Tier::nvme)) {
     // Swap files can fail on one rank only (a full or read-only path): every rank must then
     // fail here, naming the rank and path, instead of hanging in its first collective.
     std::optional<Error> mine;
@@ -308,9 +333,11 @@ void Engine::finalize() {
     } catch (const Error& e) {
       mine = e;
     } catch (const std::bad_alloc&) {
-      mine = Error(ErrorCode::no_space, "rank " + std::to_string(m.rank) + ": finalize(): out of host memory");
+      mine = Error(ErrorCode::no_space,
+                   "rank " + std::to_string(m.rank) + ": finalize(): out of host memory");
     } catch (const std::exception& e) {
-      mine = Error(ErrorCode::internal, "rank " + std::to_string(m.rank) + ": finalize(): " + e.what());
+      mine = Error(ErrorCode::internal,
+                   "rank " + std::to_string(m.rank) + ": finalize(): " + e.what());
     }
     if (std::optional<Error> e = m.agree(mine, "finalize()")) {
       m.nv.reset();  // removes the swap directory: a failed finalize() leaves nothing behind
@@ -321,7 +348,8 @@ void Engine::finalize() {
     m.load_initial_values();
   }
   m.finalized = true;
-  m.interval_start = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  m.interval_start =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // ---- parameters: views, gather, release --------------------------------------------------------
@@ -331,8 +359,9 @@ std::vector<TensorView> Engine::params(UnitId id) const {
   const Unit& u = m.unit(id, "params");
   if (m.cfg.stage < 3) return m.views(u, u.param);
   if (!u.gathered)
-    ZS_THROW(invalid_argument, "params(): " << m.where(u) << " is not gathered (stage 3 keeps only a "
-                                             "shard); call gather() first");
+    ZS_THROW(invalid_argument, "params(): " << m.where(u)
+                                            << " is not gathered (stage 3 keeps only a "
+                                               "shard); call gather() first");
   return m.views(u, m.gather_pool.buffers[size_t(u.gather_slot)].data());
 }
 
@@ -359,8 +388,8 @@ void Engine::Impl::start_gather(int id) {
   int slot = take_gather_slot(id);
   if (slot < 0)
     ZS_THROW(invalid_argument, "gather(): " << where(u) << ": " << cfg.max_live_units
-                                             << " units are already gathered (max_live_units); "
-                                                "release() some or raise max_live_units");
+                                            << " units are already gathered (max_live_units); "
+                                               "release() some or raise max_live_units");
   u.gather_slot = slot;
   const void* shard = u.param;
   if (par_nvme()) {
@@ -372,8 +401,9 @@ void Engine::Impl::start_gather(int id) {
       throw;
     }
   }
-  u.gather_work = track(comm->all_gather(shard, gather_pool.buffers[size_t(slot)].data(), u.layout.shard_numel,
-                                   pdt, "unit '" + u.layout.name + "'"));
+  u.gather_work =
+      track(comm->all_gather(shard, gather_pool.buffers[size_t(slot)].data(), u.layout.shard_numel,
+                             pdt, "unit '" + u.layout.name + "'"));
 }
 
 void Engine::Impl::prefetch_after(int) {
@@ -390,13 +420,16 @@ std::vector<TensorView> Engine::gather(UnitId id) {
   Impl& m = *impl_;
   Unit& u = m.unit(id, "gather");
   if (m.cfg.stage < 3) return m.views(u, u.param);
-  if (u.gathered) ZS_THROW(invalid_argument, "gather(): " << m.where(u) << " is already gathered; release() it first");
+  if (u.gathered)
+    ZS_THROW(invalid_argument,
+             "gather(): " << m.where(u) << " is already gathered; release() it first");
   // Follow the recorded order; after a divergence, resynchronise at the next occurrence.
   if (!m.order_recorded) {
     m.gather_order.push_back(id);
   } else {
-    auto it = std::find(m.gather_order.begin() + long(std::min(m.gather_pos, m.gather_order.size())),
-                        m.gather_order.end(), id);
+    auto it =
+        std::find(m.gather_order.begin() + long(std::min(m.gather_pos, m.gather_order.size())),
+                  m.gather_order.end(), id);
     if (it != m.gather_order.end()) m.gather_pos = size_t(it - m.gather_order.begin()) + 1;
   }
   if (u.gather_slot < 0) m.start_gather(id);
@@ -442,12 +475,14 @@ std::vector<TensorView> Engine::grads(UnitId id) {
   Unit& u = m.unit(id, "grads");
   const size_t bytes = size_t(u.layout.padded_numel) * m.pbytes;
   if (u.grads_out)
-    return m.views(u, m.cfg.stage < 2 ? u.grad_whole : m.grad_pool.buffers[size_t(u.grad_slot)].data());
+    return m.views(
+        u, m.cfg.stage < 2 ? u.grad_whole : m.grad_pool.buffers[size_t(u.grad_slot)].data());
   m.finish_reduction(id);
   if (u.micro_done >= m.cfg.gradient_accumulation_steps)
-    ZS_THROW(invalid_argument, "grads(): " << m.where(u) << " already has the gradients of "
-                                           << u.micro_done << " micro-steps (gradient_accumulation_steps = "
-                                           << m.cfg.gradient_accumulation_steps << "); call step() first");
+    ZS_THROW(invalid_argument,
+             "grads(): " << m.where(u) << " already has the gradients of " << u.micro_done
+                         << " micro-steps (gradient_accumulation_steps = "
+                         << m.cfg.gradient_accumulation_steps << "); call step() first");
   void* base = u.grad_whole;
   if (m.cfg.stage >= 2) {
     int slot = m.grad_pool.acquire(id);
@@ -476,15 +511,18 @@ void Engine::grads_ready(UnitId id, const std::vector<TensorView>& src) {
   Unit& u = m.unit(id, "grads_ready");
   const auto& ps = u.layout.params;
   if (src.size() != ps.size())
-    ZS_THROW(invalid_argument, "grads_ready(): " << m.where(u) << " has " << ps.size() << " parameters, got "
-                                                 << src.size() << " gradients");
+    ZS_THROW(invalid_argument, "grads_ready(): " << m.where(u) << " has " << ps.size()
+                                                 << " parameters, got " << src.size()
+                                                 << " gradients");
   for (size_t i = 0; i < ps.size(); ++i) {
     const TensorView& g = src[i];
-    if (g.numel != ps[i].numel || g.dtype != m.pdt || g.device != Device::cpu || (!g.data && g.numel))
-      ZS_THROW(invalid_argument, "grads_ready(): " << m.where(u) << ": gradient of '" << ps[i].name << "' has "
-                                                   << g.numel << " elements of " << dtype_name(g.dtype)
-                                                   << (g.device == Device::cpu ? "" : " on a GPU") << ", expected "
-                                                   << ps[i].numel << " of " << dtype_name(m.pdt) << " on the CPU");
+    if (g.numel != ps[i].numel || g.dtype != m.pdt || g.device != Device::cpu ||
+        (!g.data && g.numel))
+      ZS_THROW(invalid_argument,
+               "grads_ready(): " << m.where(u) << ": gradient of '" << ps[i].name << "' has "
+                                 << g.numel << " elements of " << dtype_name(g.dtype)
+                                 << (g.device == Device::cpu ? "" : " on a GPU") << ", expected "
+                                 << ps[i].numel << " of " << dtype_name(m.pdt) << " on the CPU");
   }
   std::vector<TensorView> dst = grads(id);
   for (size_t i = 0; i < ps.size(); ++i)
@@ -496,10 +534,13 @@ void Engine::grads_ready(UnitId id) {
   Impl& m = *impl_;
   Unit& u = m.unit(id, "grads_ready");
   if (!u.grads_out)
-    ZS_THROW(invalid_argument, "grads_ready(): " << m.where(u) << " has no gradient buffer out; call grads() first");
-  const void* src = m.cfg.stage < 2 ? u.grad_whole : m.grad_pool.buffers[size_t(u.grad_slot)].data();
+    ZS_THROW(invalid_argument,
+             "grads_ready(): " << m.where(u) << " has no gradient buffer out; call grads() first");
+  const void* src =
+      m.cfg.stage < 2 ? u.grad_whole : m.grad_pool.buffers[size_t(u.grad_slot)].data();
   if (m.opt_nvme()) m.nvme_grad_target(id);  // points u.grad_shard at a slot of the gradient cache
-  u.reduction = m.track(m.comm->reduce_scatter(src, u.grad_shard, u.layout.shard_numel, m.pdt, "unit '" + u.layout.name + "'"));
+  u.reduction = m.track(m.comm->reduce_scatter(src, u.grad_shard, u.layout.shard_numel, m.pdt,
+                                               "unit '" + u.layout.name + "'"));
   u.grads_out = false;
   if (!m.cfg.overlap_comm) m.finish_reduction(id);
 }
@@ -513,25 +554,43 @@ void Engine::set_lr(int group, float lr) {
   impl_->groups[size_t(group)].lr = lr;
 }
 float Engine::lr(int group) const {
-  if (group < 0 || size_t(group) >= impl_->groups.size()) ZS_THROW(invalid_argument, "lr(): no parameter group " << group);
+  if (group < 0 || size_t(group) >= impl_->groups.size())
+    ZS_THROW(invalid_argument, "lr(): no parameter group " << group);
   return impl_->groups[size_t(group)].lr;
 }
-float Engine::loss_scale() const { return impl_->scaler.scale(); }
-int64_t Engine::step_count() const { return impl_->steps; }
-int Engine::rank() const { return impl_->rank; }
-int Engine::world_size() const { return impl_->world; }
-int Engine::num_units() const { return int(impl_->units.size()); }
+float Engine::loss_scale() const {
+  return impl_->scaler.scale();
+}
+int64_t Engine::step_count() const {
+  return impl_->steps;
+}
+int Engine::rank() const {
+  return impl_->rank;
+}
+int Engine::world_size() const {
+  return impl_->world;
+}
+int Engine::num_units() const {
+  return int(impl_->units.size());
+}
 const std::string& Engine::unit_name(UnitId id) const {
-  if (id < 0 || size_t(id) >= impl_->units.size()) ZS_THROW(invalid_argument, "unit_name(): no unit " << id);
+  if (id < 0 || size_t(id) >= impl_->units.size())
+    ZS_THROW(invalid_argument, "unit_name(): no unit " << id);
   return impl_->units[size_t(id)].layout.name;
 }
-const Config& Engine::config() const { return impl_->cfg; }
-const std::shared_ptr<Communicator>& Engine::communicator() const { return impl_->comm; }
+const Config& Engine::config() const {
+  return impl_->cfg;
+}
+const std::shared_ptr<Communicator>& Engine::communicator() const {
+  return impl_->comm;
+}
 
 std::vector<Param> Engine::unit_params(UnitId id) const {
-  if (id < 0 || size_t(id) >= impl_->units.size()) ZS_THROW(invalid_argument, "unit_params(): no unit " << id);
+  if (id < 0 || size_t(id) >= impl_->units.size())
+    ZS_THROW(invalid_argument, "unit_params(): no unit " << id);
   std::vector<Param> out;
-  for (const ParamSlot& p : impl_->units[size_t(id)].layout.params) out.push_back(Param{p.name, p.shape, p.group});
+  for (const ParamSlot& p : impl_->units[size_t(id)].layout.params)
+    out.push_back(Param{p.name, p.shape, p.group});
   return out;
 }
 
@@ -539,11 +598,14 @@ bool Engine::has_state(StateKind kind) const {
   int n = impl_->num_states();
   return kind == StateKind::state1 ? n >= 2 : kind == StateKind::state0 ? n >= 1 : true;
 }
-MemoryReport Engine::memory() const { return impl_->ledger.report(); }
+MemoryReport Engine::memory() const {
+  return impl_->ledger.report();
+}
 
 ShardInfo Engine::shard_info(UnitId id) const {
   const Impl& m = *impl_;
-  if (id < 0 || size_t(id) >= m.units.size()) ZS_THROW(invalid_argument, "shard_info(): no unit " << id);
+  if (id < 0 || size_t(id) >= m.units.size())
+    ZS_THROW(invalid_argument, "shard_info(): no unit " << id);
   const UnitLayout& L = m.units[size_t(id)].layout;
   return {L.numel, L.padded_numel, m.rank * L.shard_numel, L.shard_numel};
 }
@@ -559,16 +621,25 @@ std::vector<float> Engine::read_shard(UnitId id, StateKind kind) const {
   const float* src = nullptr;
   switch (kind) {
     case StateKind::param: {
-      const char* p = static_cast<const char*>(u.param) + size_t(m.cfg.stage == 3 ? 0 : off) * m.pbytes;
+      const char* p =
+          static_cast<const char*>(u.param) + size_t(m.cfg.stage == 3 ? 0 : off) * m.pbytes;
       cpu::convert(m.res.isa(), p, m.pdt, out.data(), DType::f32, n);
       return out;
     }
-    case StateKind::master: src = u.master + f32_off; break;
-    case StateKind::state0: src = u.state0 ? u.state0 + f32_off : nullptr; break;
-    case StateKind::state1: src = u.state1 ? u.state1 + f32_off : nullptr; break;
+    case StateKind::master:
+      src = u.master + f32_off;
+      break;
+    case StateKind::state0:
+      src = u.state0 ? u.state0 + f32_off : nullptr;
+      break;
+    case StateKind::state1:
+      src = u.state1 ? u.state1 + f32_off : nullptr;
+      break;
   }
-  if (!src) ZS_THROW(invalid_argument, "read_shard(): " << m.where(u) << ": optimizer "
-                                                         << optimizer_name(m.cfg.optimizer.kind) << " keeps no such state");
+  if (!src)
+    ZS_THROW(invalid_argument, "read_shard(): " << m.where(u) << ": optimizer "
+                                                << optimizer_name(m.cfg.optimizer.kind)
+                                                << " keeps no such state");
   std::memcpy(out.data(), src, size_t(n) * 4);
   return out;
 }
@@ -582,23 +653,26 @@ void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v)
   Unit& u = m.unit(id, "write_shard");
   const int64_t n = u.layout.shard_numel;
   if (int64_t(v.size()) != n)
-    ZS_THROW(invalid_argument, "write_shard(): " << m.where(u) << ": got " << v.size() << " values for a shard of " << n);
+    ZS_THROW(invalid_argument, "write_shard(): " << m.where(u) << ": got " << v.size()
+                                                 << " values for a shard of " << n);
   if (m.opt_nvme() && kind != StateKind::param) {
     m.nvme_write_state(u, kind, v);
     return;
   }
   const int64_t off = m.cfg.stage == 0 ? m.rank * n : 0;
-  float* dst = kind == StateKind::master ? u.master + off
+  float* dst = kind == StateKind::master   ? u.master + off
                : kind == StateKind::state0 ? (u.state0 ? u.state0 + off : nullptr)
                : kind == StateKind::state1 ? (u.state1 ? u.state1 + off : nullptr)
                                            : nullptr;
-  if (!dst) ZS_THROW(invalid_argument, "write_shard(): " << m.where(u) << ": no such writable state");
+  if (!dst)
+    ZS_THROW(invalid_argument, "write_shard(): " << m.where(u) << ": no such writable state");
   std::memcpy(dst, v.data(), size_t(n) * 4);
 }
 
 void Engine::commit_shards() {
   Impl& m = *impl_;
-  if (!m.finalized) ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
+  if (!m.finalized)
+    ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
   if (m.nv) {
     m.nvme_commit_shards();
     return;
@@ -618,8 +692,12 @@ void Engine::commit_shards() {
     const std::string what = "unit '" + u.layout.name + "' (restored parameters)";
     char* p = static_cast<char*>(u.param);
     switch (m.cfg.stage) {
-      case 0: cpu::convert(m.res.isa(), u.master, DType::f32, p, m.pdt, u.layout.padded_numel); break;
-      case 3: cpu::convert(m.res.isa(), u.master, DType::f32, p, m.pdt, n); break;
+      case 0:
+        cpu::convert(m.res.isa(), u.master, DType::f32, p, m.pdt, u.layout.padded_numel);
+        break;
+      case 3:
+        cpu::convert(m.res.isa(), u.master, DType::f32, p, m.pdt, n);
+        break;
       default:
         cpu::convert(m.res.isa(), u.master, DType::f32, p + size_t(off) * m.pbytes, m.pdt, n);
         works.push_back(m.comm->all_gather(p + size_t(off) * m.pbytes, p, n, m.pdt, what));

@@ -27,7 +27,7 @@ struct BufferPool {
 
 struct Unit {
   UnitLayout layout;
-  std::vector<Param> init_params;  // kept only until finalize() reads the initial values
+  std::vector<Param> init_params;    // kept only until finalize() reads the initial values
   std::vector<GroupRun> shard_runs;  // this rank's shard, relative to the shard start
   std::vector<GroupRun> whole_runs;  // the whole unit (stage 0 updates it all)
 
@@ -124,8 +124,9 @@ struct Engine::Impl {
     const cpu::UpdateHyper* h;
     cpu::UpdateArgs a;
   };
-  void unit_tasks(const Unit& u, const std::vector<cpu::UpdateHyper>& hyper, float* master, float* state0,
-                  float* state1, const void* grad, DType grad_dtype, void* out, std::vector<UpdateTask>& tasks) const;
+  void unit_tasks(const Unit& u, const std::vector<cpu::UpdateHyper>& hyper, float* master,
+                  float* state0, float* state1, const void* grad, DType grad_dtype, void* out,
+                  std::vector<UpdateTask>& tasks) const;
 
   // engine_offload.cpp: the nvme tier.
   bool opt_nvme() const;
@@ -135,19 +136,20 @@ struct Engine::Impl {
   std::optional<Error> agree(const std::optional<Error>& mine, const std::string& what);
   std::string not_applied(int64_t step) const;  // the note a failed step's error ends with
   void nvme_setup();
-  void nvme_load_initial(int id, const float* whole);  // whole: the padded unit in f32, or null (zeros)
+  void nvme_load_initial(int id,
+                         const float* whole);  // whole: the padded unit in f32, or null (zeros)
   void nvme_finish_load();
   RecordLayout record_layout(const Unit& u) const;
-  void nvme_grad_target(int id);    // grads_ready(): where the reduce-scatter writes
-  void nvme_grad_reduced(int id);   // finish_reduction(): accumulate, norm, cache
-  void nvme_forget_grads();         // zero_grad() and after step()
+  void nvme_grad_target(int id);             // grads_ready(): where the reduce-scatter writes
+  void nvme_grad_reduced(int id);            // finish_reduction(): accumulate, norm, cache
+  void nvme_forget_grads();                  // zero_grad() and after step()
   std::optional<Error> nvme_settle_grads();  // step(): every gradient on disk or in memory
   double nvme_sumsq() const;
   void nvme_update(const std::vector<cpu::UpdateHyper>& hyper);        // optimizer on nvme
   void nvme_param_update(const std::vector<cpu::UpdateHyper>& hyper);  // params only on nvme
   const void* nvme_param_source(int id);  // stage 3 gather: the shard, read and agreed on
   void nvme_param_read_ahead();
-  void nvme_param_done(int id);           // the unit's all-gather finished: free its staging
+  void nvme_param_done(int id);  // the unit's all-gather finished: free its staging
   void nvme_drop_param_reads();
   std::vector<float> nvme_read_state(const Unit& u, StateKind kind) const;
   void nvme_write_state(Unit& u, StateKind kind, const std::vector<float>& values);

@@ -50,11 +50,13 @@ static double busy_union(std::vector<std::shared_ptr<Work>>& works) {
 void Engine::Impl::finish_reduction(int id) {
   Unit& u = units[size_t(id)];
   if (!u.reduction) return;
-  wait_for(*u.reduction);  // on failure the handle stays, so the destructor can wait for it to settle
+  wait_for(
+      *u.reduction);  // on failure the handle stays, so the destructor can wait for it to settle
   u.reduction.reset();
   const UnitLayout& L = u.layout;
   if (cfg.stage == 0)
-    wait_for(*track(comm->all_gather(u.grad_shard, u.grad_whole, L.shard_numel, pdt, "unit '" + L.name + "' (gradients)")));
+    wait_for(*track(comm->all_gather(u.grad_shard, u.grad_whole, L.shard_numel, pdt,
+                                     "unit '" + L.name + "' (gradients)")));
   if (u.grad_slot >= 0) {
     grad_pool.release(u.grad_slot);
     u.grad_slot = -1;
@@ -67,7 +69,8 @@ void Engine::Impl::finish_reduction(int id) {
   if (cfg.gradient_accumulation_steps > 1) {
     const void* g = cfg.stage == 0 ? u.grad_whole : u.grad_shard;
     int64_t n = cfg.stage == 0 ? L.padded_numel : L.shard_numel;
-    const bool first = u.micro_done == 0;  // acc = g on the first micro-step: no separate zeroing pass
+    const bool first =
+        u.micro_done == 0;  // acc = g on the first micro-step: no separate zeroing pass
     res.parallel_chunks(n, [&](int64_t b, int64_t e) {
       const void* gb = static_cast<const char*>(g) + size_t(b) * pbytes;
       if (first)
@@ -92,7 +95,9 @@ void Engine::zero_grad() {
   if (m.opt_nvme()) m.nvme_forget_grads();
 }
 
-StepResult Engine::step() { return impl_->step(); }
+StepResult Engine::step() {
+  return impl_->step();
+}
 
 StepResult Engine::Impl::step() {
   if (!finalized) ZS_THROW(invalid_argument, "rank " << rank << ": step() before finalize()");
@@ -100,11 +105,13 @@ StepResult Engine::Impl::step() {
   for (size_t i = 0; i < units.size(); ++i) finish_reduction(int(i));
   for (Unit& u : units) {
     if (u.grads_out)
-      ZS_THROW(invalid_argument, "step(): " << where(u) << " has gradients out that were never marked "
+      ZS_THROW(invalid_argument, "step(): " << where(u)
+                                            << " has gradients out that were never marked "
                                                "ready; call grads_ready() first");
     if (u.micro_done != k)
-      ZS_THROW(invalid_argument, "step(): " << where(u) << " has the gradients of " << u.micro_done << " of "
-                                            << k << " micro-steps (gradient_accumulation_steps); "
+      ZS_THROW(invalid_argument, "step(): " << where(u) << " has the gradients of " << u.micro_done
+                                            << " of " << k
+                                            << " micro-steps (gradient_accumulation_steps); "
                                                "each unit needs grads_ready() once per micro-step");
   }
   for (Unit& u : units) u.micro_done = 0;
@@ -148,7 +155,8 @@ StepResult Engine::Impl::step() {
   if (agg[2] > 0) {
     // Some rank lost a gradient shard: no rank may update. The state stays at the last step.
     nvme_forget_grads();
-    std::optional<Error> e = agree(grad_error, "step " + std::to_string(steps + 1) + " (gradient swap)");
+    std::optional<Error> e =
+        agree(grad_error, "step " + std::to_string(steps + 1) + " (gradient swap)");
     ZS_CHECK(e.has_value());
     throw Error(e->code(), std::string(e->what()) + not_applied(steps + 1));
   }
@@ -200,12 +208,15 @@ StepResult Engine::Impl::step() {
     std::vector<UpdateTask> tasks;
     for (Unit& u : units) {
       const bool whole = cfg.stage == 0;
-      const void* g = k > 1 ? static_cast<const void*>(u.accum) : whole ? u.grad_whole : u.grad_shard;
+      const void* g = k > 1   ? static_cast<const void*>(u.accum)
+                      : whole ? u.grad_whole
+                              : u.grad_shard;
       // Stage 0 updates the whole unit; the others their shard, whose copy-out lands in the
       // rank's part of the whole parameters (stages 1–2) or in the parameter shard (stage 3).
       void* out = nullptr;
       if (!u.master_buf.empty())
-        out = static_cast<char*>(u.param) + size_t(cfg.stage == 1 || cfg.stage == 2 ? rank * u.layout.shard_numel : 0) * pbytes;
+        out = static_cast<char*>(u.param) +
+              size_t(cfg.stage == 1 || cfg.stage == 2 ? rank * u.layout.shard_numel : 0) * pbytes;
       unit_tasks(u, hyper, u.master, u.state0, u.state1, g, k > 1 ? DType::f32 : pdt, out, tasks);
     }
     res.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
@@ -220,7 +231,8 @@ StepResult Engine::Impl::step() {
     std::vector<std::shared_ptr<Work>> works;
     for (Unit& u : units) {
       char* own = static_cast<char*>(u.param) + size_t(rank * u.layout.shard_numel) * pbytes;
-      works.push_back(track(comm->all_gather(own, u.param, u.layout.shard_numel, pdt, "unit '" + u.layout.name + "' (parameters)")));
+      works.push_back(track(comm->all_gather(own, u.param, u.layout.shard_numel, pdt,
+                                             "unit '" + u.layout.name + "' (parameters)")));
     }
     for (auto& w : works) wait_for(*w);
   }
@@ -254,9 +266,9 @@ std::vector<cpu::UpdateHyper> Engine::Impl::fold_hyper(double grad_scale) const 
 
 // Positions are relative to the state's extent (the whole unit in stage 0, else the shard), and
 // so are the gradient's and the copy-out's: every tier runs the same tasks on the same values.
-void Engine::Impl::unit_tasks(const Unit& u, const std::vector<cpu::UpdateHyper>& hyper, float* master,
-                              float* state0, float* state1, const void* grad, DType grad_dtype, void* out,
-                              std::vector<UpdateTask>& tasks) const {
+void Engine::Impl::unit_tasks(const Unit& u, const std::vector<cpu::UpdateHyper>& hyper,
+                              float* master, float* state0, float* state1, const void* grad,
+                              DType grad_dtype, void* out, std::vector<UpdateTask>& tasks) const {
   const size_t gsize = dtype_size(grad_dtype);
   for (const GroupRun& run : cfg.stage == 0 ? u.whole_runs : u.shard_runs) {
     for (int64_t b = run.begin; b < run.end; b += Resources::kChunk) {

@@ -4,7 +4,9 @@
 
 namespace zeroshard {
 
-int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+int64_t round_up(int64_t n, int64_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
 
 UnitLayout plan_unit(std::string name, const std::vector<Param>& params, int world_size,
                      int64_t alignment) {
@@ -16,7 +18,8 @@ UnitLayout plan_unit(std::string name, const std::vector<Param>& params, int wor
     u.params.push_back(std::move(s));
   }
   // An empty unit still gets one aligned block per rank so every rank has a shard to own.
-  u.padded_numel = std::max<int64_t>(round_up(u.numel, world_size * alignment), world_size * alignment);
+  u.padded_numel =
+      std::max<int64_t>(round_up(u.numel, world_size * alignment), world_size * alignment);
   u.shard_numel = u.padded_numel / world_size;
   return u;
 }

@@ -47,7 +47,10 @@ class Buffer {
 
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
-  template <class T> T* as() const { return static_cast<T*>(data_); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
   bool empty() const { return data_ == nullptr; }
 
  private:

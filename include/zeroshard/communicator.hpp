@@ -53,7 +53,8 @@ class Communicator {
   virtual std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
                                            std::string what) = 0;
   /// `bytes` bytes from `root` to every rank, in place.
-  virtual std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) = 0;
+  virtual std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root,
+                                          std::string what) = 0;
   virtual void barrier(std::string what) = 0;
 
   /// Seconds a collective may take before it fails with ErrorCode::timeout. After a timeout the
@@ -97,6 +98,7 @@ std::shared_ptr<Communicator> make_nccl_communicator(int device);
 /// As above, bootstrapped through `bootstrap` instead of MPI: its rank and size become the NCCL
 /// ranks, and its broadcast carries the unique id (e.g. make_self_communicator() for one rank).
 /// The NCCL communicator does not keep `bootstrap`.
-std::shared_ptr<Communicator> make_nccl_communicator(int device, std::shared_ptr<Communicator> bootstrap);
+std::shared_ptr<Communicator> make_nccl_communicator(int device,
+                                                     std::shared_ptr<Communicator> bootstrap);
 
 }  // namespace zeroshard

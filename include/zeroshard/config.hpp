@@ -45,13 +45,13 @@ struct OptimizerOptions {
 /// offload_optimizer to nvme through a cache of grad_buffers + 1 pinned slots: the oldest are
 /// written out during the backward pass and read back by step(); the last few stay in memory.
 struct OffloadOptions {
-  Tier tier = Tier::device;              ///< "none" → device, "cpu" → host, "nvme" → nvme
-  std::vector<std::string> nvme_paths;   ///< directories striped over for the nvme tier
+  Tier tier = Tier::device;             ///< "none" → device, "cpu" → host, "nvme" → nvme
+  std::vector<std::string> nvme_paths;  ///< directories striped over for the nvme tier
   /// nvme tier: pinned staging buffers. offload_optimizer: slots of the swap pipeline, each
   /// holding one unit's master weights, optimizer state and gradient shard (at least 2).
   /// offload_param: parameter shards being read for gather() (at least 2).
   int buffer_count = 4;
-  bool pin_memory = true;                ///< page-lock host-tier buffers
+  bool pin_memory = true;  ///< page-lock host-tier buffers
 };
 
 /// io_uring swapper settings (DeepSpeed's "aio").

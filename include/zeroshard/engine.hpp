@@ -32,17 +32,17 @@ struct Param {
 
 /// What step() did.
 struct StepResult {
-  bool skipped = false;     ///< an overflow (inf/NaN gradient on any rank) skipped the update
-  double grad_norm = 0.0;   ///< global L2 norm of the unscaled, averaged gradients (before clipping)
-  double clip_factor = 1.0; ///< multiplier applied for clipping (1 when not clipped)
-  float loss_scale = 1.0f;  ///< the scale the trainer must apply to its next loss
-  int64_t step = 0;         ///< optimizer steps taken so far (skipped steps do not count)
+  bool skipped = false;    ///< an overflow (inf/NaN gradient on any rank) skipped the update
+  double grad_norm = 0.0;  ///< global L2 norm of the unscaled, averaged gradients (before clipping)
+  double clip_factor = 1.0;  ///< multiplier applied for clipping (1 when not clipped)
+  float loss_scale = 1.0f;   ///< the scale the trainer must apply to its next loss
+  int64_t step = 0;          ///< optimizer steps taken so far (skipped steps do not count)
 
   /// Where the time since the previous step() went, in seconds, on this rank:
-  double optimizer_s = 0;      ///< the optimizer update itself (communication excluded)
-  double comm_busy_s = 0;      ///< wall time with at least one of the engine's collectives running
-  double comm_exposed_s = 0;   ///< wall time the trainer's thread waited for collectives
-  double interval_s = 0;       ///< wall time since the previous step() returned (or finalize())
+  double optimizer_s = 0;     ///< the optimizer update itself (communication excluded)
+  double comm_busy_s = 0;     ///< wall time with at least one of the engine's collectives running
+  double comm_exposed_s = 0;  ///< wall time the trainer's thread waited for collectives
+  double interval_s = 0;      ///< wall time since the previous step() returned (or finalize())
   /// Share of communication hidden behind the trainer's compute: 1 − exposed / busy (1 if none).
   double comm_hidden_fraction() const {
     return comm_busy_s > 0 ? 1.0 - std::min(1.0, comm_exposed_s / comm_busy_s) : 1.0;

@@ -26,8 +26,7 @@ const char* error_code_name(ErrorCode c);
 /// where they are known, e.g. "rank 1: reduce_scatter of unit 'layer3' timed out after 5 s".
 class Error : public std::runtime_error {
  public:
-  Error(ErrorCode code, const std::string& message)
-      : std::runtime_error(message), code_(code) {}
+  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   ErrorCode code() const noexcept { return code_; }
 
  private:

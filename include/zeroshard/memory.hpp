@@ -25,10 +25,10 @@ inline constexpr int kNumTiers = 3;
 const char* mem_kind_name(MemKind k);
 
 struct NamedBuffer {
-  std::string name;   ///< e.g. "grad_staging", "gather", "grad_shard", "grad_accum"
+  std::string name;  ///< e.g. "grad_staging", "gather", "grad_shard", "grad_accum"
   Tier tier;
-  int64_t bytes;      ///< currently held
-  int64_t peak;       ///< most held at once since the engine was created
+  int64_t bytes;  ///< currently held
+  int64_t peak;   ///< most held at once since the engine was created
 };
 
 struct MemoryReport {

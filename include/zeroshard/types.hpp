@@ -36,7 +36,10 @@ struct TensorView {
   int device_index = 0;
 
   size_t bytes() const { return static_cast<size_t>(numel) * dtype_size(dtype); }
-  template <class T> T* as() const { return static_cast<T*>(data); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data);
+  }
 };
 
 /// Number of elements of a shape (product of the extents; 1 for an empty shape).

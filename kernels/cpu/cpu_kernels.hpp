@@ -41,7 +41,8 @@ struct UpdateHyper {
 ///   adam:  g += wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
 ///          p -= lr * (m/bc1) / (sqrt(v/bc2) + eps)
 ///   adamw: p -= lr*wd*p  (i.e. p = p - (lr*wd)*p), then as adam without the g += wd*p
-///   sgd:   g += wd*p; if momentum != 0: buf = momentum*buf + g; g = nesterov ? g + momentum*buf : buf;
+///   sgd:   g += wd*p; if momentum != 0: buf = momentum*buf + g; g = nesterov ? g + momentum*buf :
+///   buf;
 ///          p -= lr*g
 ///   lion:  c = b1*m + (1-b1)*g; p = p - (lr*wd)*p; p -= lr*sign(c); m = b2*m + (1-b2)*g
 ///          (sign(0) = 0)
@@ -75,6 +76,6 @@ void same_bytes(Isa isa, const float* const* reads, int read_streams, float* con
 float bf16_to_float(uint16_t h);
 uint16_t float_to_bf16(float f);  ///< round to nearest even; NaN stays a quiet NaN
 float f16_to_float(uint16_t h);
-uint16_t float_to_f16(float f);   ///< IEEE round to nearest even, subnormals and inf included
+uint16_t float_to_f16(float f);  ///< IEEE round to nearest even, subnormals and inf included
 
 }  // namespace zeroshard::cpu

@@ -34,14 +34,14 @@ struct TensorRequest {
   bool any_dtype = false;  ///< raw bytes (broadcast): skip the f32/bf16/f16 check
   bool has_dtype = false;  ///< `dtype` must match exactly
   DType dtype = DType::f32;
-  int64_t numel = -1;      ///< >= 0: the element count must match
+  int64_t numel = -1;  ///< >= 0: the element count must match
 };
 
 /// A tensor imported without copying, and the view of it that C++ reads or writes. Holding the
 /// Imported keeps the producer's memory alive (the DLPack capsule owns a reference).
 struct Imported {
-  Array array;        // writable import (empty if imported read-only)
-  ArrayRO array_ro;   // read-only import
+  Array array;       // writable import (empty if imported read-only)
+  ArrayRO array_ro;  // read-only import
   TensorView view;
   int64_t nbytes = 0;
 };
@@ -58,8 +58,8 @@ nb::object export_view(const TensorView& v, const std::vector<int64_t>& shape, n
 /// A 1-D float32 array that owns `values` (moved in).
 nb::object export_owned(std::vector<float>&& values);
 
-DType parse_dtype(nb::handle h);        // DType, or "f32"/"float32"/"bf16"/"fp16"/torch.float16...
-Tier parse_tier(nb::handle h);          // Tier, or "device"/"none", "host"/"cpu", "nvme"
+DType parse_dtype(nb::handle h);  // DType, or "f32"/"float32"/"bf16"/"fp16"/torch.float16...
+Tier parse_tier(nb::handle h);    // Tier, or "device"/"none", "host"/"cpu", "nvme"
 OptimizerKind parse_optimizer(nb::handle h);  // OptimizerKind, or "adam"/"adamw"/"sgd"/"lion"
 
 /// A Config from a Config (copied), a dict of zeroshard/DeepSpeed keys, or a JSON file path.

@@ -37,7 +37,8 @@ int64_t as_int(nb::handle v, const std::string& path) {
     config_fail(path + " must be an integer, got " + describe(v));
   int overflow = 0;
   const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
-  if (overflow) config_fail(path + " = " + nb::repr(v).c_str() + " is out of range for a 64-bit integer");
+  if (overflow)
+    config_fail(path + " = " + nb::repr(v).c_str() + " is out of range for a 64-bit integer");
   return x;
 }
 int as_int32(nb::handle v, const std::string& path) {
@@ -116,7 +117,8 @@ T as_struct(const std::vector<FieldSetter<T>>& table, const char* type, nb::hand
   if (nb::try_cast<T>(v, out, false)) return out;
   if (!PyDict_Check(v.ptr()))
     config_fail(path + " must be a " + type + " or a dict of its fields, got " + describe(v));
-  for (auto [k, val] : nb::borrow<nb::dict>(v)) set_field(table, type, out, nb::cast<std::string>(k), val);
+  for (auto [k, val] : nb::borrow<nb::dict>(v))
+    set_field(table, type, out, nb::cast<std::string>(k), val);
   return out;
 }
 
@@ -128,7 +130,8 @@ const std::vector<FieldSetter<OptimizerOptions>>& optimizer_fields() {
       {"beta1", [](O& o, nb::handle v, const std::string& p) { o.beta1 = as_float(v, p); }},
       {"beta2", [](O& o, nb::handle v, const std::string& p) { o.beta2 = as_float(v, p); }},
       {"eps", [](O& o, nb::handle v, const std::string& p) { o.eps = as_float(v, p); }},
-      {"weight_decay", [](O& o, nb::handle v, const std::string& p) { o.weight_decay = as_float(v, p); }},
+      {"weight_decay",
+       [](O& o, nb::handle v, const std::string& p) { o.weight_decay = as_float(v, p); }},
       {"momentum", [](O& o, nb::handle v, const std::string& p) { o.momentum = as_float(v, p); }},
       {"nesterov", [](O& o, nb::handle v, const std::string& p) { o.nesterov = as_bool(v, p); }},
   };
@@ -141,10 +144,14 @@ const std::vector<FieldSetter<OffloadOptions>>& offload_fields() {
       {"tier", [](O& o, nb::handle v, const std::string&) { o.tier = parse_tier(v); }},
       // DeepSpeed's name for the same thing.
       {"device", [](O& o, nb::handle v, const std::string&) { o.tier = parse_tier(v); }},
-      {"nvme_paths", [](O& o, nb::handle v, const std::string& p) { o.nvme_paths = as_paths(v, p); }},
-      {"nvme_path", [](O& o, nb::handle v, const std::string& p) { o.nvme_paths = as_paths(v, p); }},
-      {"buffer_count", [](O& o, nb::handle v, const std::string& p) { o.buffer_count = as_int32(v, p); }},
-      {"pin_memory", [](O& o, nb::handle v, const std::string& p) { o.pin_memory = as_bool(v, p); }},
+      {"nvme_paths",
+       [](O& o, nb::handle v, const std::string& p) { o.nvme_paths = as_paths(v, p); }},
+      {"nvme_path",
+       [](O& o, nb::handle v, const std::string& p) { o.nvme_paths = as_paths(v, p); }},
+      {"buffer_count",
+       [](O& o, nb::handle v, const std::string& p) { o.buffer_count = as_int32(v, p); }},
+      {"pin_memory",
+       [](O& o, nb::handle v, const std::string& p) { o.pin_memory = as_bool(v, p); }},
   };
   return t;
 }
@@ -152,11 +159,13 @@ const std::vector<FieldSetter<OffloadOptions>>& offload_fields() {
 const std::vector<FieldSetter<LossScaleOptions>>& loss_scale_fields() {
   using O = LossScaleOptions;
   static const std::vector<FieldSetter<O>> t = {
-      {"static_scale", [](O& o, nb::handle v, const std::string& p) { o.static_scale = as_float(v, p); }},
+      {"static_scale",
+       [](O& o, nb::handle v, const std::string& p) { o.static_scale = as_float(v, p); }},
       {"initial_scale_power",
        [](O& o, nb::handle v, const std::string& p) { o.initial_scale_power = as_int32(v, p); }},
       {"window", [](O& o, nb::handle v, const std::string& p) { o.window = as_int32(v, p); }},
-      {"hysteresis", [](O& o, nb::handle v, const std::string& p) { o.hysteresis = as_int32(v, p); }},
+      {"hysteresis",
+       [](O& o, nb::handle v, const std::string& p) { o.hysteresis = as_int32(v, p); }},
       {"min_scale", [](O& o, nb::handle v, const std::string& p) { o.min_scale = as_float(v, p); }},
   };
   return t;
@@ -166,7 +175,8 @@ const std::vector<FieldSetter<AioOptions>>& aio_fields() {
   using O = AioOptions;
   static const std::vector<FieldSetter<O>> t = {
       {"block_size", [](O& o, nb::handle v, const std::string& p) { o.block_size = as_int(v, p); }},
-      {"queue_depth", [](O& o, nb::handle v, const std::string& p) { o.queue_depth = as_int32(v, p); }},
+      {"queue_depth",
+       [](O& o, nb::handle v, const std::string& p) { o.queue_depth = as_int32(v, p); }},
   };
   return t;
 }
@@ -193,7 +203,9 @@ const std::vector<FieldSetter<Config>>& config_fields() {
       {"gradient_clipping",
        [](C& c, nb::handle v, const std::string& p) { c.gradient_clipping = as_double(v, p); }},
       {"gradient_accumulation_steps",
-       [](C& c, nb::handle v, const std::string& p) { c.gradient_accumulation_steps = as_int32(v, p); }},
+       [](C& c, nb::handle v, const std::string& p) {
+         c.gradient_accumulation_steps = as_int32(v, p);
+       }},
       {"optimizer",
        [](C& c, nb::handle v, const std::string& p) {
          c.optimizer = as_struct(optimizer_fields(), "OptimizerOptions", v, p);
@@ -202,12 +214,17 @@ const std::vector<FieldSetter<Config>>& config_fields() {
        [](C& c, nb::handle v, const std::string& p) { c.offload_optimizer = as_offload(v, p); }},
       {"offload_param",
        [](C& c, nb::handle v, const std::string& p) { c.offload_param = as_offload(v, p); }},
-      {"aio", [](C& c, nb::handle v, const std::string& p) { c.aio = as_struct(aio_fields(), "AioOptions", v, p); }},
-      {"shard_alignment", [](C& c, nb::handle v, const std::string& p) { c.shard_alignment = as_int(v, p); }},
-      {"grad_buffers", [](C& c, nb::handle v, const std::string& p) { c.grad_buffers = as_int32(v, p); }},
-      {"max_live_units", [](C& c, nb::handle v, const std::string& p) { c.max_live_units = as_int32(v, p); }},
+      {"aio", [](C& c, nb::handle v,
+                 const std::string& p) { c.aio = as_struct(aio_fields(), "AioOptions", v, p); }},
+      {"shard_alignment",
+       [](C& c, nb::handle v, const std::string& p) { c.shard_alignment = as_int(v, p); }},
+      {"grad_buffers",
+       [](C& c, nb::handle v, const std::string& p) { c.grad_buffers = as_int32(v, p); }},
+      {"max_live_units",
+       [](C& c, nb::handle v, const std::string& p) { c.max_live_units = as_int32(v, p); }},
       {"prefetch", [](C& c, nb::handle v, const std::string& p) { c.prefetch = as_bool(v, p); }},
-      {"overlap_comm", [](C& c, nb::handle v, const std::string& p) { c.overlap_comm = as_bool(v, p); }},
+      {"overlap_comm",
+       [](C& c, nb::handle v, const std::string& p) { c.overlap_comm = as_bool(v, p); }},
       {"collective_timeout_s",
        [](C& c, nb::handle v, const std::string& p) { c.collective_timeout_s = as_double(v, p); }},
       {"reduce_bucket_size",
@@ -230,8 +247,9 @@ void bind_fields(Cls& cls, const std::vector<FieldSetter<T>>& table, const char*
     auto setter = f.set;
     const std::string path = std::string(type) + "." + f.name;
     const std::string name = f.name;
-    cls.def_prop_rw(f.name, [get, name](const T& t) { return get(t, name); },
-                    [setter, path](T& t, nb::handle v) { setter(t, v, path); });
+    cls.def_prop_rw(
+        f.name, [get, name](const T& t) { return get(t, name); },
+        [setter, path](T& t, nb::handle v) { setter(t, v, path); });
   }
   if (!with_init) return;
   cls.def("__init__", [&table, type](T* self, const nb::kwargs& kw) {
@@ -253,8 +271,10 @@ Config coerce_config(nb::handle h) {
   if (nb::try_cast<Config>(h, c, false)) return c;
   if (PyDict_Check(h.ptr())) return nb::cast<Config>(nb::type<Config>().attr("from_dict")(h));
   if (PyUnicode_Check(h.ptr()) || nb::hasattr(h, "__fspath__"))
-    return Config::from_json_file(nb::cast<std::string>(nb::module_::import_("os").attr("fspath")(h)));
-  config_fail("expected a Config, a dict of zeroshard/DeepSpeed keys or a JSON file path, got " + describe(h));
+    return Config::from_json_file(
+        nb::cast<std::string>(nb::module_::import_("os").attr("fspath")(h)));
+  config_fail("expected a Config, a dict of zeroshard/DeepSpeed keys or a JSON file path, got " +
+              describe(h));
 }
 
 OptimizerOptions coerce_optimizer(nb::handle h) {
@@ -310,9 +330,9 @@ void bind_config(nb::module_& m) {
                 return nb::cast(o.pin_memory);
               });
   off.def("__repr__", [](const OffloadOptions& o) {
-    return std::string("OffloadOptions(tier='") + tier_name(o.tier) + "', nvme_paths=" +
-           std::to_string(o.nvme_paths.size()) + " path(s), buffer_count=" +
-           std::to_string(o.buffer_count) + ")";
+    return std::string("OffloadOptions(tier='") + tier_name(o.tier) +
+           "', nvme_paths=" + std::to_string(o.nvme_paths.size()) +
+           " path(s), buffer_count=" + std::to_string(o.buffer_count) + ")";
   });
 
   auto ls = nb::class_<LossScaleOptions>(m, "LossScaleOptions", "Dynamic loss scaling for f16.");
@@ -326,30 +346,35 @@ void bind_config(nb::module_& m) {
               });
 
   auto aio = nb::class_<AioOptions>(m, "AioOptions", "io_uring swapper settings.");
-  bind_fields(aio, aio_fields(), "AioOptions", [](const AioOptions& o, const std::string& n) -> nb::object {
-    if (n == "block_size") return nb::cast(o.block_size);
-    return nb::cast(o.queue_depth);
-  });
+  bind_fields(aio, aio_fields(), "AioOptions",
+              [](const AioOptions& o, const std::string& n) -> nb::object {
+                if (n == "block_size") return nb::cast(o.block_size);
+                return nb::cast(o.queue_depth);
+              });
 
   auto cfg = nb::class_<Config>(
       m, "Config",
       "Engine configuration. Config(**fields) with the C++ struct's field names (nested options "
       "as dicts or option objects), or Config.from_dict / from_json / from_json_file with "
       "zeroshard's or DeepSpeed's JSON keys. Keyword construction validates at once.");
-  bind_fields(cfg, config_fields(), "Config", [](const Config& c, const std::string& n) -> nb::object {
-    if (n == "stage") return nb::cast(c.stage);
-    if (n == "dtype") return nb::cast(c.dtype);
-    if (n == "gradient_clipping") return nb::cast(c.gradient_clipping);
-    if (n == "gradient_accumulation_steps") return nb::cast(c.gradient_accumulation_steps);
-    if (n == "shard_alignment") return nb::cast(c.shard_alignment);
-    if (n == "grad_buffers") return nb::cast(c.grad_buffers);
-    if (n == "max_live_units") return nb::cast(c.max_live_units);
-    if (n == "prefetch") return nb::cast(c.prefetch);
-    if (n == "overlap_comm") return nb::cast(c.overlap_comm);
-    if (n == "collective_timeout_s") return nb::cast(c.collective_timeout_s);
-    if (n == "reduce_bucket_size") return nb::cast(c.reduce_bucket_size);
-    return nb::cast(c.allgather_bucket_size);
-  }, /*with_init=*/false, {"optimizer", "offload_optimizer", "offload_param", "loss_scale", "aio"});
+  bind_fields(cfg, config_fields(), "Config",
+              [](const Config& c, const std::string& n) -> nb::object {
+                if (n == "stage") return nb::cast(c.stage);
+                if (n == "dtype") return nb::cast(c.dtype);
+                if (n == "gradient_clipping") return nb::cast(c.gradient_clipping);
+                if (n == "gradient_accumulation_steps")
+                  return nb::cast(c.gradient_accumulation_steps);
+                if (n == "shard_alignment") return nb::cast(c.shard_alignment);
+                if (n == "grad_buffers") return nb::cast(c.grad_buffers);
+                if (n == "max_live_units") return nb::cast(c.max_live_units);
+                if (n == "prefetch") return nb::cast(c.prefetch);
+                if (n == "overlap_comm") return nb::cast(c.overlap_comm);
+                if (n == "collective_timeout_s") return nb::cast(c.collective_timeout_s);
+                if (n == "reduce_bucket_size") return nb::cast(c.reduce_bucket_size);
+                return nb::cast(c.allgather_bucket_size);
+              },
+              /*with_init=*/false,
+              {"optimizer", "offload_optimizer", "offload_param", "loss_scale", "aio"});
   // Keyword construction validates at once; a Config built up by attribute assignment is
   // validated by validate() or when an Engine is made from it.
   cfg.def("__init__", [](Config* self, const nb::kwargs& kw) {
@@ -359,10 +384,11 @@ void bind_config(nb::module_& m) {
   });
   // Nested option structs: the getter returns a reference into the Config, so that
   // cfg.optimizer.lr = 0.1 changes cfg (the setters above still take dicts and objects).
-#define ZS_NESTED(field, T, conv)                                                            \
-  cfg.def_prop_rw(                                                                           \
-      #field, [](Config& c) -> T& { return c.field; },                                       \
-      [](Config& c, nb::handle v) { c.field = conv(v, "Config." #field); }, nb::rv_policy::reference_internal)
+#define ZS_NESTED(field, T, conv)                                           \
+  cfg.def_prop_rw(                                                          \
+      #field, [](Config& c) -> T& { return c.field; },                      \
+      [](Config& c, nb::handle v) { c.field = conv(v, "Config." #field); }, \
+      nb::rv_policy::reference_internal)
   ZS_NESTED(optimizer, OptimizerOptions, ([](nb::handle x, const std::string& p) {
               return as_struct(optimizer_fields(), "OptimizerOptions", x, p);
             }));
@@ -371,14 +397,20 @@ void bind_config(nb::module_& m) {
   ZS_NESTED(loss_scale, LossScaleOptions, ([](nb::handle x, const std::string& p) {
               return as_struct(loss_scale_fields(), "LossScaleOptions", x, p);
             }));
-  ZS_NESTED(aio, AioOptions, ([](nb::handle x, const std::string& p) { return as_struct(aio_fields(), "AioOptions", x, p); }));
+  ZS_NESTED(aio, AioOptions, ([](nb::handle x, const std::string& p) {
+              return as_struct(aio_fields(), "AioOptions", x, p);
+            }));
 #undef ZS_NESTED
 
-  cfg.def("validate", &Config::validate, "Raises ConfigError naming the first field with a bad value.")
-      .def_static("from_json", [](const std::string& text) { return Config::from_json(text); },
-                  nb::arg("text"), "Parses zeroshard's or DeepSpeed's JSON keys (ConfigError names a bad key's path).")
-      .def_static("from_json_file", [](const std::filesystem::path& p) { return Config::from_json_file(p); },
-                  nb::arg("path"))
+  cfg.def("validate", &Config::validate,
+          "Raises ConfigError naming the first field with a bad value.")
+      .def_static(
+          "from_json", [](const std::string& text) { return Config::from_json(text); },
+          nb::arg("text"),
+          "Parses zeroshard's or DeepSpeed's JSON keys (ConfigError names a bad key's path).")
+      .def_static(
+          "from_json_file",
+          [](const std::filesystem::path& p) { return Config::from_json_file(p); }, nb::arg("path"))
       .def_static(
           "from_dict",
           [](nb::handle d) {

@@ -29,7 +29,8 @@ struct PyParam {
 };
 
 struct PyEngine {
-  PyEngine(Config c, std::shared_ptr<Communicator> cm) : comm(std::move(cm)), engine(std::move(c), comm) {}
+  PyEngine(Config c, std::shared_ptr<Communicator> cm)
+      : comm(std::move(cm)), engine(std::move(c), comm) {}
 
   std::shared_ptr<Communicator> comm;
   Engine engine;
@@ -52,15 +53,17 @@ auto locked(PyEngine& e, F&& f) {
 
 void check_unit(const PyEngine& e, UnitId u, const char* call) {
   if (u < 0 || size_t(u) >= e.shapes.size())
-    throw Error(ErrorCode::invalid_argument, std::string(call) + "(): no unit with id " + std::to_string(u) +
-                                                 " (" + std::to_string(e.shapes.size()) + " registered)");
+    throw Error(ErrorCode::invalid_argument, std::string(call) + "(): no unit with id " +
+                                                 std::to_string(u) + " (" +
+                                                 std::to_string(e.shapes.size()) + " registered)");
 }
 
 // Engine views, one per parameter, as arrays that keep the Engine object alive.
 nb::list export_views(PyEngine& e, UnitId u, const std::vector<TensorView>& views) {
   nb::object owner = nb::find(&e);
   nb::list out;
-  for (size_t i = 0; i < views.size(); ++i) out.append(export_view(views[i], e.shapes[size_t(u)][i], owner));
+  for (size_t i = 0; i < views.size(); ++i)
+    out.append(export_view(views[i], e.shapes[size_t(u)][i], owner));
   return out;
 }
 
@@ -68,7 +71,8 @@ ReduceOp parse_op(const std::string& s) {
   if (s == "sum") return ReduceOp::sum;
   if (s == "max") return ReduceOp::max;
   if (s == "min") return ReduceOp::min;
-  throw Error(ErrorCode::invalid_argument, "all_reduce(): op '" + s + "' is not one of 'sum', 'max', 'min'");
+  throw Error(ErrorCode::invalid_argument,
+              "all_reduce(): op '" + s + "' is not one of 'sum', 'max', 'min'");
 }
 
 std::string step_repr(const StepResult& r) {
@@ -138,7 +142,8 @@ void bind_engine(nb::module_& m) {
   m.def("make_mpi_communicator", &make_mpi_communicator, nb::call_guard<nb::gil_scoped_release>(),
         "A communicator over MPI_COMM_WORLD (initialises MPI with MPI_THREAD_MULTIPLE if needed; "
         "finalises it when the last one is destroyed). Launch with mpirun.");
-  m.def("make_self_communicator", &make_self_communicator, "A communicator of one rank, without MPI.");
+  m.def("make_self_communicator", &make_self_communicator,
+        "A communicator of one rank, without MPI.");
 
   // ---- small result structs -------------------------------------------------------------------
   nb::class_<StepResult>(m, "StepResult", "What Engine.step() did.")
@@ -160,8 +165,10 @@ void bind_engine(nb::module_& m) {
       .def_ro("shard_offset", &ShardInfo::shard_offset)
       .def_ro("shard_numel", &ShardInfo::shard_numel)
       .def("__repr__", [](const ShardInfo& s) {
-        return "ShardInfo(numel=" + std::to_string(s.numel) + ", padded_numel=" + std::to_string(s.padded_numel) +
-               ", shard_offset=" + std::to_string(s.shard_offset) + ", shard_numel=" + std::to_string(s.shard_numel) + ")";
+        return "ShardInfo(numel=" + std::to_string(s.numel) +
+               ", padded_numel=" + std::to_string(s.padded_numel) +
+               ", shard_offset=" + std::to_string(s.shard_offset) +
+               ", shard_numel=" + std::to_string(s.shard_numel) + ")";
       });
 
   nb::enum_<StateKind>(m, "StateKind", "Which state read_shard()/write_shard() address.")
@@ -236,7 +243,8 @@ void bind_engine(nb::module_& m) {
                           "Param('" + self->name + "'): give a shape or an init tensor");
             }
           },
-          nb::arg("name"), nb::arg("shape") = nb::none(), nb::arg("group") = 0, nb::arg("init") = nb::none())
+          nb::arg("name"), nb::arg("shape") = nb::none(), nb::arg("group") = 0,
+          nb::arg("init") = nb::none())
       .def_ro("name", &PyParam::name)
       .def_ro("shape", &PyParam::shape)
       .def_ro("group", &PyParam::group);
@@ -250,7 +258,8 @@ void bind_engine(nb::module_& m) {
       .def(
           "__init__",
           [](PyEngine* self, nb::handle config, std::shared_ptr<Communicator> comm) {
-            if (!comm) throw Error(ErrorCode::invalid_argument, "Engine(): the communicator is None");
+            if (!comm)
+              throw Error(ErrorCode::invalid_argument, "Engine(): the communicator is None");
             new (self) PyEngine(coerce_config(config), std::move(comm));
           },
           nb::arg("config"), nb::arg("comm"),
@@ -261,14 +270,17 @@ void bind_engine(nb::module_& m) {
             OptimizerOptions o = coerce_optimizer(options);
             return locked(e, [&] { return e.engine.add_group(o); });
           },
-          nb::arg("options"), "Adds a parameter group (OptimizerOptions or a dict); returns its index.")
+          nb::arg("options"),
+          "Adds a parameter group (OptimizerOptions or a dict); returns its index.")
       .def(
           "add_unit",
           [](PyEngine& e, const std::string& name, const std::vector<PyParam*>& params) {
             std::vector<Param> ps;
             std::vector<Imported> keep;
             for (const PyParam* p : params) {
-              if (!p) throw Error(ErrorCode::invalid_argument, "add_unit('" + name + "'): a parameter is None");
+              if (!p)
+                throw Error(ErrorCode::invalid_argument,
+                            "add_unit('" + name + "'): a parameter is None");
               Param q{p->name, p->shape, p->group, {}};
               if (p->init.is_valid() && !p->init.is_none()) {
                 TensorRequest req{"add_unit('" + name + "'): initial values of '" + p->name + "'"};
@@ -311,9 +323,11 @@ void bind_engine(nb::module_& m) {
             auto v = locked(e, [&] { return e.engine.gather(u); });
             return export_views(e, u, v);
           },
-          nb::arg("unit"), "Stage 3: all-gathers the unit; the views are valid until release(). Collective.")
+          nb::arg("unit"),
+          "Stage 3: all-gathers the unit; the views are valid until release(). Collective.")
       .def(
-          "release", [](PyEngine& e, UnitId u) { locked(e, [&] { e.engine.release(u); }); }, nb::arg("unit"))
+          "release", [](PyEngine& e, UnitId u) { locked(e, [&] { e.engine.release(u); }); },
+          nb::arg("unit"))
       .def(
           "grads",
           [](PyEngine& e, UnitId u) {
@@ -321,7 +335,8 @@ void bind_engine(nb::module_& m) {
             auto v = locked(e, [&] { return e.engine.grads(u); });
             return export_views(e, u, v);
           },
-          nb::arg("unit"), "Zeroed gradient views to write this micro-step's gradients; valid until grads_ready().")
+          nb::arg("unit"),
+          "Zeroed gradient views to write this micro-step's gradients; valid until grads_ready().")
       .def(
           "grads_ready",
           [](PyEngine& e, UnitId u, nb::handle grads) {
@@ -337,13 +352,15 @@ void bind_engine(nb::module_& m) {
             const size_t n = nb::len(grads);
             if (n != names.size())
               throw Error(ErrorCode::invalid_argument,
-                          "grads_ready(): unit '" + e.engine.unit_name(u) + "' has " + std::to_string(names.size()) +
-                              " parameters, got " + std::to_string(n) + " gradients");
+                          "grads_ready(): unit '" + e.engine.unit_name(u) + "' has " +
+                              std::to_string(names.size()) + " parameters, got " +
+                              std::to_string(n) + " gradients");
             std::vector<Imported> keep;
             std::vector<TensorView> views;
             size_t i = 0;
             for (nb::handle g : grads) {
-              TensorRequest req{"grads_ready(): gradient of '" + names[i] + "' (unit '" + e.engine.unit_name(u) + "')"};
+              TensorRequest req{"grads_ready(): gradient of '" + names[i] + "' (unit '" +
+                                e.engine.unit_name(u) + "')"};
               req.has_dtype = true;
               req.dtype = e.engine.config().dtype;
               req.numel = shape_numel(shapes[i]);
@@ -362,18 +379,22 @@ void bind_engine(nb::module_& m) {
           "Finishes reductions; updates every shard (or skips on overflow). Collective.")
       .def("zero_grad", [](PyEngine& e) { locked(e, [&] { e.engine.zero_grad(); }); })
       .def(
-          "set_lr", [](PyEngine& e, int g, float lr) { locked(e, [&] { e.engine.set_lr(g, lr); }); },
+          "set_lr",
+          [](PyEngine& e, int g, float lr) { locked(e, [&] { e.engine.set_lr(g, lr); }); },
           nb::arg("group"), nb::arg("lr"))
       .def(
           "lr", [](PyEngine& e, int g) { return locked(e, [&] { return e.engine.lr(g); }); },
           nb::arg("group") = 0)
-      .def("loss_scale", [](PyEngine& e) { return locked(e, [&] { return e.engine.loss_scale(); }); })
-      .def("step_count", [](PyEngine& e) { return locked(e, [&] { return e.engine.step_count(); }); })
+      .def("loss_scale",
+           [](PyEngine& e) { return locked(e, [&] { return e.engine.loss_scale(); }); })
+      .def("step_count",
+           [](PyEngine& e) { return locked(e, [&] { return e.engine.step_count(); }); })
       .def("rank", [](PyEngine& e) { return e.engine.rank(); })
       .def("world_size", [](PyEngine& e) { return e.engine.world_size(); })
       .def("num_units", [](PyEngine& e) { return int(e.shapes.size()); })
       .def(
-          "unit_name", [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.unit_name(u); }); },
+          "unit_name",
+          [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.unit_name(u); }); },
           nb::arg("unit"))
       .def(
           "param_names",
@@ -390,16 +411,19 @@ void bind_engine(nb::module_& m) {
           },
           nb::arg("unit"))
       .def(
-          "shard_info", [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.shard_info(u); }); },
+          "shard_info",
+          [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.shard_info(u); }); },
           nb::arg("unit"))
-      .def("config", [](PyEngine& e) { return e.engine.config(); }, "A copy of the engine's Config.")
+      .def(
+          "config", [](PyEngine& e) { return e.engine.config(); }, "A copy of the engine's Config.")
       .def(
           "read_shard",
           [](PyEngine& e, UnitId u, StateKind k) {
             auto v = locked(e, [&] { return e.engine.read_shard(u, k); });
             return export_owned(std::move(v));
           },
-          nb::arg("unit"), nb::arg("kind"), "This rank's shard of one state, as a new float32 array.")
+          nb::arg("unit"), nb::arg("kind"),
+          "This rank's shard of one state, as a new float32 array.")
       .def(
           "write_shard",
           [](PyEngine& e, UnitId u, StateKind k, nb::handle values) {
@@ -413,31 +437,40 @@ void bind_engine(nb::module_& m) {
           },
           nb::arg("unit"), nb::arg("kind"), nb::arg("values"),
           "Overwrites this rank's shard of master/state0/state1 (float32, shard_numel elements).")
-      .def("commit_shards", [](PyEngine& e) { locked(e, [&] { e.engine.commit_shards(); }); },
-           "Collective: rebuilds the parameters from the shards written with write_shard().")
       .def(
-          "set_step_count", [](PyEngine& e, int64_t n) { locked(e, [&] { e.engine.set_step_count(n); }); },
+          "commit_shards", [](PyEngine& e) { locked(e, [&] { e.engine.commit_shards(); }); },
+          "Collective: rebuilds the parameters from the shards written with write_shard().")
+      .def(
+          "set_step_count",
+          [](PyEngine& e, int64_t n) { locked(e, [&] { e.engine.set_step_count(n); }); },
           nb::arg("steps"))
       .def(
-          "set_loss_scale", [](PyEngine& e, float s) { locked(e, [&] { e.engine.set_loss_scale(s); }); },
+          "set_loss_scale",
+          [](PyEngine& e, float s) { locked(e, [&] { e.engine.set_loss_scale(s); }); },
           nb::arg("scale"))
       .def(
-          "has_state", [](PyEngine& e, StateKind k) { return e.engine.has_state(k); }, nb::arg("kind"),
+          "has_state", [](PyEngine& e, StateKind k) { return e.engine.has_state(k); },
+          nb::arg("kind"),
           "Whether the optimizer keeps this state (read_shard() of an absent one raises).")
       .def(
           "save",
-          [](PyEngine& e, const std::filesystem::path& dir) { locked(e, [&] { e.engine.save(dir); }); },
+          [](PyEngine& e, const std::filesystem::path& dir) {
+            locked(e, [&] { e.engine.save(dir); });
+          },
           nb::arg("dir"),
           "Collective: writes a checkpoint (f32 master weights, optimizer state, step count, loss "
           "scale) that any world size and any stage can load.")
       .def(
           "load",
-          [](PyEngine& e, const std::filesystem::path& dir) { locked(e, [&] { e.engine.load(dir); }); },
+          [](PyEngine& e, const std::filesystem::path& dir) {
+            locked(e, [&] { e.engine.load(dir); });
+          },
           nb::arg("dir"),
           "Collective: loads a checkpoint written by save() at any world size or stage; the "
           "parameters are rebuilt from the master weights.")
-      .def("memory", [](PyEngine& e) { return locked(e, [&] { return e.engine.memory(); }); },
-           "The ledger's MemoryReport.")
+      .def(
+          "memory", [](PyEngine& e) { return locked(e, [&] { return e.engine.memory(); }); },
+          "The ledger's MemoryReport.")
       .def("communicator", [](PyEngine& e) { return e.comm; });
 }
 

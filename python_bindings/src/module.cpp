@@ -60,8 +60,9 @@ void bind_errors(nb::module_& m) {
   for (size_t i = 0; i < kNumCodes; ++i) {
     const ErrorClass& e = kErrorClasses[i];
     const std::string qual = std::string("zeroshard.") + e.name;
-    nb::object bases = e.value_error ? nb::object(nb::make_tuple(nb::handle(g_base), nb::handle(PyExc_ValueError)))
-                                     : nb::borrow(g_base);
+    nb::object bases =
+        e.value_error ? nb::object(nb::make_tuple(nb::handle(g_base), nb::handle(PyExc_ValueError)))
+                      : nb::borrow(g_base);
     PyObject* cls = PyErr_NewExceptionWithDoc(qual.c_str(), e.doc, bases.ptr(), nullptr);
     if (!cls) throw nb::python_error();
     nb::setattr(cls, "code", nb::str(error_code_name(e.code)));

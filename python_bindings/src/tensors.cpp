@@ -12,14 +12,18 @@ namespace zeroshard::py {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& msg) { throw Error(ErrorCode::invalid_argument, msg); }
+[[noreturn]] void fail(const std::string& msg) {
+  throw Error(ErrorCode::invalid_argument, msg);
+}
 
 std::string lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
 }
 
-bool same(nb::dlpack::dtype a, nb::dlpack::dtype b) { return a == b; }
+bool same(nb::dlpack::dtype a, nb::dlpack::dtype b) {
+  return a == b;
+}
 
 std::string shape_text(size_t ndim, const int64_t* shape) {
   std::ostringstream s;
@@ -30,15 +34,20 @@ std::string shape_text(size_t ndim, const int64_t* shape) {
 }
 
 // A fixed-size std::vector<float> handed to Python: the capsule frees it with the array.
-void delete_floats(void* p) noexcept { delete static_cast<std::vector<float>*>(p); }
+void delete_floats(void* p) noexcept {
+  delete static_cast<std::vector<float>*>(p);
+}
 
 }  // namespace
 
 nb::dlpack::dtype to_dlpack(DType t) {
   switch (t) {
-    case DType::f32: return nb::dtype<float>();
-    case DType::f16: return {uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
-    case DType::bf16: return {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+    case DType::f32:
+      return nb::dtype<float>();
+    case DType::f16:
+      return {uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
+    case DType::bf16:
+      return {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
   }
   throw Error(ErrorCode::internal, "to_dlpack(): unknown dtype");
 }
@@ -46,13 +55,25 @@ nb::dlpack::dtype to_dlpack(DType t) {
 std::string dlpack_dtype_name(nb::dlpack::dtype t) {
   const char* base = "unknown";
   switch (nb::dlpack::dtype_code(t.code)) {
-    case nb::dlpack::dtype_code::Int: base = "int"; break;
-    case nb::dlpack::dtype_code::UInt: base = "uint"; break;
-    case nb::dlpack::dtype_code::Float: base = "float"; break;
-    case nb::dlpack::dtype_code::Bfloat: base = "bfloat"; break;
-    case nb::dlpack::dtype_code::Complex: base = "complex"; break;
-    case nb::dlpack::dtype_code::Bool: return "bool";
-    default: break;
+    case nb::dlpack::dtype_code::Int:
+      base = "int";
+      break;
+    case nb::dlpack::dtype_code::UInt:
+      base = "uint";
+      break;
+    case nb::dlpack::dtype_code::Float:
+      base = "float";
+      break;
+    case nb::dlpack::dtype_code::Bfloat:
+      base = "bfloat";
+      break;
+    case nb::dlpack::dtype_code::Complex:
+      base = "complex";
+      break;
+    case nb::dlpack::dtype_code::Bool:
+      return "bool";
+    default:
+      break;
   }
   std::string s = base + std::to_string(t.bits);
   if (t.lanes != 1) s += "x" + std::to_string(t.lanes);
@@ -74,8 +95,9 @@ Imported import_tensor(nb::handle obj, const TensorRequest& req, bool writable) 
       hint = " (it requires grad: pass tensor.detach(), which shares its memory)";
     else if (writable)
       hint = " (it must also be writable)";
-    fail(req.what + ": expected a CPU tensor or array supporting DLPack or the buffer protocol, got " +
-         type + hint);
+    fail(req.what +
+         ": expected a CPU tensor or array supporting DLPack or the buffer protocol, got " + type +
+         hint);
   }
   const size_t ndim = writable ? out.array.ndim() : out.array_ro.ndim();
   const int device = writable ? out.array.device_type() : out.array_ro.device_type();
@@ -111,9 +133,12 @@ Imported import_tensor(nb::handle obj, const TensorRequest& req, bool writable) 
          dlpack_dtype_name(to_dlpack(req.dtype)) + " (" + dtype_name(req.dtype) +
          "); zeroshard never converts silently: pass tensor.to(the expected dtype)");
   if (!req.any_dtype) {
-    if (same(dt, to_dlpack(DType::f32))) zdt = DType::f32;
-    else if (same(dt, to_dlpack(DType::bf16))) zdt = DType::bf16;
-    else if (same(dt, to_dlpack(DType::f16))) zdt = DType::f16;
+    if (same(dt, to_dlpack(DType::f32)))
+      zdt = DType::f32;
+    else if (same(dt, to_dlpack(DType::bf16)))
+      zdt = DType::bf16;
+    else if (same(dt, to_dlpack(DType::f16)))
+      zdt = DType::f16;
     else
       fail(req.what + ": dtype " + dlpack_dtype_name(dt) +
            " is not supported (float32, bfloat16 or float16)");
@@ -172,7 +197,8 @@ DType parse_dtype(nb::handle h) {
   if (s == "f32" || s == "fp32" || s == "float32" || s == "float") return DType::f32;
   if (s == "bf16" || s == "bfloat16") return DType::bf16;
   if (s == "f16" || s == "fp16" || s == "float16" || s == "half") return DType::f16;
-  bad_value("dtype", h, "\"f32\", \"bf16\", \"f16\" (or torch.float32, torch.bfloat16, torch.float16)");
+  bad_value("dtype", h,
+            "\"f32\", \"bf16\", \"f16\" (or torch.float32, torch.bfloat16, torch.float16)");
 }
 
 Tier parse_tier(nb::handle h) {
@@ -184,7 +210,8 @@ Tier parse_tier(nb::handle h) {
   if (s == "device" || s == "none") return Tier::device;
   if (s == "host" || s == "cpu") return Tier::host;
   if (s == "nvme") return Tier::nvme;
-  bad_value("offload device", h, "\"none\", \"cpu\", \"nvme\" (or Tier.device, Tier.host, Tier.nvme)");
+  bad_value("offload device", h,
+            "\"none\", \"cpu\", \"nvme\" (or Tier.device, Tier.host, Tier.nvme)");
 }
 
 OptimizerKind parse_optimizer(nb::handle h) {

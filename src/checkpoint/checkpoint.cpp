@@ -31,8 +31,10 @@ std::filesystem::path state_path(const std::filesystem::path& dir, int unit, con
 // Move-only owner of a file descriptor.
 class File {
  public:
-  File(const std::filesystem::path& p, int flags) : path_(p), fd_(::open(p.c_str(), flags | O_CLOEXEC, 0644)) {
-    if (fd_ < 0) ZS_THROW(io_error, "checkpoint: cannot open " << p << ": " << std::strerror(errno));
+  File(const std::filesystem::path& p, int flags)
+      : path_(p), fd_(::open(p.c_str(), flags | O_CLOEXEC, 0644)) {
+    if (fd_ < 0)
+      ZS_THROW(io_error, "checkpoint: cannot open " << p << ": " << std::strerror(errno));
   }
   ~File() {
     if (fd_ >= 0) ::close(fd_);
@@ -45,7 +47,8 @@ class File {
     while (bytes > 0) {
       ssize_t n = ::pwrite(fd_, c, bytes, off);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) ZS_THROW(io_error, "checkpoint: writing " << path_ << ": " << std::strerror(errno));
+      if (n < 0)
+        ZS_THROW(io_error, "checkpoint: writing " << path_ << ": " << std::strerror(errno));
       c += n, bytes -= size_t(n), off += n;
     }
   }
@@ -54,8 +57,10 @@ class File {
     while (bytes > 0) {
       ssize_t n = ::pread(fd_, c, bytes, off);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) ZS_THROW(io_error, "checkpoint: reading " << path_ << ": " << std::strerror(errno));
-      if (n == 0) ZS_THROW(corrupted, "checkpoint: " << path_ << " is shorter than its manifest says");
+      if (n < 0)
+        ZS_THROW(io_error, "checkpoint: reading " << path_ << ": " << std::strerror(errno));
+      if (n == 0)
+        ZS_THROW(corrupted, "checkpoint: " << path_ << " is shorter than its manifest says");
       c += n, bytes -= size_t(n), off += n;
     }
   }
@@ -64,11 +69,13 @@ class File {
       ZS_THROW(io_error, "checkpoint: sizing " << path_ << ": " << std::strerror(errno));
   }
   void sync() {
-    if (::fsync(fd_) != 0) ZS_THROW(io_error, "checkpoint: fsync " << path_ << ": " << std::strerror(errno));
+    if (::fsync(fd_) != 0)
+      ZS_THROW(io_error, "checkpoint: fsync " << path_ << ": " << std::strerror(errno));
   }
   int64_t size() const {
     off_t end = ::lseek(fd_, 0, SEEK_END);
-    if (end < 0) ZS_THROW(io_error, "checkpoint: size of " << path_ << ": " << std::strerror(errno));
+    if (end < 0)
+      ZS_THROW(io_error, "checkpoint: size of " << path_ << ": " << std::strerror(errno));
     return end;
   }
 
@@ -81,8 +88,10 @@ nlohmann::json describe_model(const Engine& e) {
   nlohmann::json units = nlohmann::json::array();
   for (int u = 0; u < e.num_units(); ++u) {
     nlohmann::json params = nlohmann::json::array();
-    for (const Param& p : e.unit_params(u)) params.push_back({{"name", p.name}, {"shape", p.shape}});
-    units.push_back({{"name", e.unit_name(u)}, {"numel", e.shard_info(u).numel}, {"params", params}});
+    for (const Param& p : e.unit_params(u))
+      params.push_back({{"name", p.name}, {"shape", p.shape}});
+    units.push_back(
+        {{"name", e.unit_name(u)}, {"numel", e.shard_info(u).numel}, {"params", params}});
   }
   return units;
 }
@@ -96,7 +105,8 @@ void agree(Communicator& comm, bool ok, const std::string& what) {
 
 // The range of unit values this rank's shard holds: [begin, end) in unpadded elements.
 std::pair<int64_t, int64_t> owned(const ShardInfo& s) {
-  int64_t b = std::min(s.shard_offset, s.numel), e = std::min(s.shard_offset + s.shard_numel, s.numel);
+  int64_t b = std::min(s.shard_offset, s.numel),
+          e = std::min(s.shard_offset + s.shard_numel, s.numel);
   return {b, e};
 }
 
@@ -114,7 +124,9 @@ void Engine::save(const std::filesystem::path& dir) {
       std::filesystem::remove(dir / "manifest.json");
       for (int u = 0; u < num_units(); ++u)
         for (auto [kind, name] : state_files())
-          if (has_state(kind)) File(state_path(dir, u, name), O_WRONLY | O_CREAT | O_TRUNC).resize(shard_info(u).numel * 4);
+          if (has_state(kind))
+            File(state_path(dir, u, name), O_WRONLY | O_CREAT | O_TRUNC)
+                .resize(shard_info(u).numel * 4);
     } catch (const std::exception& ex) {
       err = ex.what();
     }
@@ -165,7 +177,9 @@ void Engine::load(const std::filesystem::path& dir) {
   nlohmann::json m;
   {
     std::ifstream is(dir / "manifest.json");
-    if (!is) ZS_THROW(invalid_argument, at << ": no manifest.json (not a checkpoint, or an incomplete save)");
+    if (!is)
+      ZS_THROW(invalid_argument,
+               at << ": no manifest.json (not a checkpoint, or an incomplete save)");
     try {
       is >> m;
     } catch (const std::exception& ex) {
@@ -173,16 +187,19 @@ void Engine::load(const std::filesystem::path& dir) {
     }
   }
   if (m.value("format", "") != kFormat)
-    ZS_THROW(invalid_argument, at << ": format " << m.value("format", "?") << ", expected " << kFormat);
+    ZS_THROW(invalid_argument,
+             at << ": format " << m.value("format", "?") << ", expected " << kFormat);
   if (m.value("optimizer", "") != optimizer_name(config().optimizer.kind))
-    ZS_THROW(invalid_argument, at << ": checkpoint holds " << m.value("optimizer", "?") << " state, this engine runs "
+    ZS_THROW(invalid_argument, at << ": checkpoint holds " << m.value("optimizer", "?")
+                                  << " state, this engine runs "
                                   << optimizer_name(config().optimizer.kind));
   // The model must be the same, unit by unit and parameter by parameter.
   const nlohmann::json want = describe_model(*this), got = m.at("units");
   for (size_t u = 0; u < std::max(want.size(), got.size()); ++u) {
     if (u >= got.size() || u >= want.size() || want[u] != got[u])
       ZS_THROW(invalid_argument, at << ": the model differs at unit " << u << ": checkpoint has "
-                                    << (u < got.size() ? got[u].dump() : "nothing") << ", engine has "
+                                    << (u < got.size() ? got[u].dump() : "nothing")
+                                    << ", engine has "
                                     << (u < want.size() ? want[u].dump() : "nothing"));
   }
   // Every rank reads its own ranges; they agree on the outcome before the collective commit, so
@@ -198,7 +215,8 @@ void Engine::load(const std::filesystem::path& dir) {
         std::vector<float> v(static_cast<size_t>(s.shard_numel), 0.0f);  // padding stays zero
         File f(state_path(dir, u, name), O_RDONLY);
         if (f.size() != s.numel * 4)
-          ZS_THROW(corrupted, state_path(dir, u, name) << " has " << f.size() << " bytes, expected " << s.numel * 4);
+          ZS_THROW(corrupted, state_path(dir, u, name)
+                                  << " has " << f.size() << " bytes, expected " << s.numel * 4);
         if (b < e) f.read_at(v.data(), size_t(e - b) * 4, off_t(b) * 4);
         write_shard(u, kind, v);
       }

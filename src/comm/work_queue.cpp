@@ -1,7 +1,7 @@
-#include "comm/work_state.hpp"
-
 #include <chrono>
 #include <thread>
+
+#include "comm/work_state.hpp"
 
 namespace zeroshard {
 

@@ -3,8 +3,6 @@
 // are done to the files for real; each test fails if the code under it ignores the fault.
 #include <fcntl.h>
 #include <gmock/gmock.h>
-
-#include "multirank/harness.hpp"
 #include <gtest/gtest.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -16,6 +14,7 @@
 #include <memory>
 
 #include "fault_backend.hpp"
+#include "multirank/harness.hpp"
 #include "offload/checksum.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"

@@ -1,8 +1,7 @@
 // Parses a JSON configuration file (the README's example) with the installed zeroshard and
 // prints what it understood. Exits non-zero if the file does not parse or validate.
-#include <zeroshard/zeroshard.hpp>
-
 #include <cstdio>
+#include <zeroshard/zeroshard.hpp>
 
 int main(int argc, char** argv) {
   if (argc != 2) {

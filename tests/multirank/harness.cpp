@@ -52,18 +52,27 @@ float synthetic_grad(float p, int unit, int64_t i, int rank, int micro, int64_t 
 
 float load(const void* base, DType dt, int64_t i) {
   switch (dt) {
-    case DType::f32: return static_cast<const float*>(base)[i];
-    case DType::bf16: return cpu::bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::f16: return cpu::f16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::f32:
+      return static_cast<const float*>(base)[i];
+    case DType::bf16:
+      return cpu::bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::f16:
+      return cpu::f16_to_float(static_cast<const uint16_t*>(base)[i]);
   }
   return 0;
 }
 
 void store(void* base, DType dt, int64_t i, float v) {
   switch (dt) {
-    case DType::f32: static_cast<float*>(base)[i] = v; break;
-    case DType::bf16: static_cast<uint16_t*>(base)[i] = cpu::float_to_bf16(v); break;
-    case DType::f16: static_cast<uint16_t*>(base)[i] = cpu::float_to_f16(v); break;
+    case DType::f32:
+      static_cast<float*>(base)[i] = v;
+      break;
+    case DType::bf16:
+      static_cast<uint16_t*>(base)[i] = cpu::float_to_bf16(v);
+      break;
+    case DType::f16:
+      static_cast<uint16_t*>(base)[i] = cpu::float_to_f16(v);
+      break;
   }
 }
 
@@ -82,7 +91,8 @@ std::vector<StepResult> train(Engine& e, const TrainOptions& opt) {
             float pv = load(p[t].data, p[t].dtype, i);
             float gv = 0;
             if (opt.merge_micro) {
-              for (int j = 0; j < opt.micro_batches; ++j) gv += synthetic_grad(pv, u, flat, e.rank(), j, step);
+              for (int j = 0; j < opt.micro_batches; ++j)
+                gv += synthetic_grad(pv, u, flat, e.rank(), j, step);
               gv /= float(opt.micro_batches);
             } else {
               gv = synthetic_grad(pv, u, flat, e.rank(), micro, step);

@@ -3,26 +3,26 @@
 // sizes, and a deterministic trainer loop whose gradients depend on the parameters, the rank,
 // the micro-step and the step, so a wrong reduction, shard or update shows up in the results.
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "zeroshard/zeroshard.hpp"
 
 /// Expects `stmt` to throw zeroshard::Error with code `code_` and a message containing `text`.
-#define EXPECT_ZS_ERROR(stmt, code_, text)                                            \
-  do {                                                                                \
-    try {                                                                             \
-      stmt;                                                                           \
-      ADD_FAILURE() << #stmt " did not throw";                                        \
-    } catch (const ::zeroshard::Error& err) {                                         \
-      EXPECT_EQ(err.code(), ::zeroshard::ErrorCode::code_) << err.what();             \
-      EXPECT_THAT(std::string(err.what()), ::testing::HasSubstr(text));               \
-    }                                                                                 \
+#define EXPECT_ZS_ERROR(stmt, code_, text)                                \
+  do {                                                                    \
+    try {                                                                 \
+      stmt;                                                               \
+      ADD_FAILURE() << #stmt " did not throw";                            \
+    } catch (const ::zeroshard::Error& err) {                             \
+      EXPECT_EQ(err.code(), ::zeroshard::ErrorCode::code_) << err.what(); \
+      EXPECT_THAT(std::string(err.what()), ::testing::HasSubstr(text));   \
+    }                                                                     \
   } while (0)
 
 namespace zs_test {
@@ -55,7 +55,8 @@ struct TrainOptions {
   int micro_batches = 1;
   bool merge_micro = false;
   /// Called with (engine, unit, micro, step, grads) after the trainer wrote its gradients.
-  std::function<void(zeroshard::Engine&, int, int, int64_t, std::vector<zeroshard::TensorView>&)> tamper;
+  std::function<void(zeroshard::Engine&, int, int, int64_t, std::vector<zeroshard::TensorView>&)>
+      tamper;
 };
 
 /// Runs opt.steps steps: per micro-step, per unit, gather → gradient → grads_ready → release.

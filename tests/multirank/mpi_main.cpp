@@ -6,7 +6,9 @@
 
 namespace zs_test {
 static std::shared_ptr<zeroshard::Communicator> g_world;
-std::shared_ptr<zeroshard::Communicator> world() { return g_world; }
+std::shared_ptr<zeroshard::Communicator> world() {
+  return g_world;
+}
 }  // namespace zs_test
 
 int main(int argc, char** argv) {
@@ -19,8 +21,8 @@ int main(int argc, char** argv) {
     struct FailurePrinter : ::testing::EmptyTestEventListener {
       void OnTestPartResult(const ::testing::TestPartResult& r) override {
         if (r.failed())
-          fprintf(stderr, "[rank %d] %s:%d: %s\n", zs_test::g_world->rank(), r.file_name() ? r.file_name() : "?",
-                  r.line_number(), r.summary());
+          fprintf(stderr, "[rank %d] %s:%d: %s\n", zs_test::g_world->rank(),
+                  r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
       }
     };
     listeners.Append(new FailurePrinter);

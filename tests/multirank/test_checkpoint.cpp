@@ -1,11 +1,11 @@
 // Checkpoints: save at this world size and stage, load at another stage on the same ranks and
 // at world size 1 (rank 0 alone), and continue exactly as the original.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
 
 #include "harness.hpp"
 
@@ -27,14 +27,17 @@ std::filesystem::path shared_dir(const char* name) {
   // One directory for all ranks (same machine): rank 0's pid, broadcast.
   double id = world()->rank() == 0 ? double(::getpid()) : 0;
   world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
-  return std::filesystem::temp_directory_path() / ("zeroshard-ckpt-" + std::string(name) + "-" + std::to_string(int64_t(id)));
+  return std::filesystem::temp_directory_path() /
+         ("zeroshard-ckpt-" + std::string(name) + "-" + std::to_string(int64_t(id)));
 }
 
 // Gathers a unit's whole f32 state over the ranks (for comparing across world sizes).
 std::vector<float> whole(Engine& e, int u, StateKind k) {
   ShardInfo s = e.shard_info(u);
   std::vector<float> shard = e.read_shard(u, k), all(size_t(s.padded_numel));
-  e.communicator()->all_gather(shard.data(), all.data(), s.shard_numel, DType::f32, "test gather")->wait();
+  e.communicator()
+      ->all_gather(shard.data(), all.data(), s.shard_numel, DType::f32, "test gather")
+      ->wait();
   all.resize(size_t(s.numel));
   return all;
 }
@@ -57,7 +60,8 @@ TEST(Checkpoint, LoadsAtAnotherStageAndWorldSize) {
   zs_test::train(a, o);
   zs_test::train(b, o);
   for (int u = 0; u < a.num_units(); ++u)
-    for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
+    for (StateKind k :
+         {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
       auto x = a.read_shard(u, k), y = b.read_shard(u, k);
       EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0) << "unit " << u;
     }
@@ -96,7 +100,8 @@ TEST(Checkpoint, RefusesAnotherModelAndTruncatedFiles) {
     b.load(dir);
     ADD_FAILURE() << "loaded a checkpoint of another model";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("the model differs at unit 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the model differs at unit 1"), std::string::npos)
+        << e.what();
   }
   world()->barrier("before truncation");
   if (world()->rank() == 0) std::filesystem::resize_file(dir / "unit2.master.f32", 8);

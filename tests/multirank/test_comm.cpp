@@ -21,13 +21,15 @@ TEST(Comm, ReduceScatterSumsEveryDtype) {
       size_t es = dtype_size(dt);
       std::vector<char> send(size_t(count * n) * es), recv(size_t(count) * es, 0x55);
       // Small integers are exact in every dtype, so the expected sum is exact too.
-      for (int64_t i = 0; i < count * n; ++i) zs_test::store(send.data(), dt, i, float((i + r) % 17));
+      for (int64_t i = 0; i < count * n; ++i)
+        zs_test::store(send.data(), dt, i, float((i + r) % 17));
       c->reduce_scatter(send.data(), recv.data(), count, dt, "test")->wait();
       for (int64_t i = 0; i < count; ++i) {
         int64_t gi = r * count + i;
         float want = 0;
         for (int q = 0; q < n; ++q) want += float((gi + q) % 17);
-        ASSERT_EQ(zs_test::load(recv.data(), dt, i), want) << dtype_name(dt) << " count " << count << " i " << i;
+        ASSERT_EQ(zs_test::load(recv.data(), dt, i), want)
+            << dtype_name(dt) << " count " << count << " i " << i;
       }
     }
   }
@@ -37,11 +39,13 @@ TEST(Comm, AllGatherInPlaceAndOutOfPlace) {
   auto c = world();
   const int n = c->size(), r = c->rank();
   const int64_t count = 13;
-  std::vector<float> mine(count), whole(size_t(count * n), -1.0f), inplace(size_t(count * n), -1.0f);
+  std::vector<float> mine(count), whole(size_t(count * n), -1.0f),
+      inplace(size_t(count * n), -1.0f);
   for (int64_t i = 0; i < count; ++i) mine[size_t(i)] = float(r * 100 + i);
   std::copy(mine.begin(), mine.end(), inplace.begin() + r * count);
   auto w1 = c->all_gather(mine.data(), whole.data(), count, DType::f32, "out of place");
-  auto w2 = c->all_gather(inplace.data() + r * count, inplace.data(), count, DType::f32, "in place");
+  auto w2 =
+      c->all_gather(inplace.data() + r * count, inplace.data(), count, DType::f32, "in place");
   w1->wait();
   w2->wait();
   for (int q = 0; q < n; ++q)
@@ -79,7 +83,8 @@ TEST(Comm, TimeoutNamesTheCollective) {
       ADD_FAILURE() << "no timeout";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::timeout);
-      EXPECT_NE(std::string(e.what()).find("all_reduce of the slow sum did not complete within"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("all_reduce of the slow sum did not complete within"),
+                std::string::npos)
           << e.what();
     }
     EXPECT_TRUE(w->wait_settled(30)) << "the late peers complete the abandoned collective";
@@ -115,8 +120,10 @@ TEST(Comm, CheckingModeNamesMismatchedCalls) {
     std::string m = e.what();
     EXPECT_EQ(e.code(), ErrorCode::comm_failure);
     EXPECT_NE(m.find("collective mismatch"), std::string::npos) << m;
-    EXPECT_NE(m.find(c->rank() == 1 ? "all_gather of unit 'b' (8 f32 per rank)" : "all_reduce of unit 'a' (1 doubles)"),
-              std::string::npos) << m;
+    EXPECT_NE(m.find(c->rank() == 1 ? "all_gather of unit 'b' (8 f32 per rank)"
+                                    : "all_reduce of unit 'a' (1 doubles)"),
+              std::string::npos)
+        << m;
   }
   world()->barrier("after checking mode");
 }

@@ -1,6 +1,6 @@
 // Bad input gets a clear error on every rank, never a hang or silent damage.
-#include <gtest/gtest.h>
 #include <gmock/gmock.h>
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <thread>
@@ -46,7 +46,8 @@ TEST(ModelCheck, MessageNamesBothShapesAndRanks) {
     std::string m = err.what();
     EXPECT_THAT(m, HasSubstr("[4, 5]"));
     EXPECT_THAT(m, HasSubstr("[4, 6]"));
-    EXPECT_THAT(m, HasSubstr("rank " + std::to_string(world()->size() - 1) + " registered a different model"));
+    EXPECT_THAT(m, HasSubstr("rank " + std::to_string(world()->size() - 1) +
+                             " registered a different model"));
   }
 }
 
@@ -86,7 +87,8 @@ TEST(Timeout, LateRankFailsTheCollectiveNamingTheUnit) {
       e.grads_ready(0);
       EXPECT_ZS_ERROR(e.step(), timeout, "reduce_scatter of unit 'late_unit'");
       double x = 0;
-      EXPECT_ZS_ERROR(comm->all_reduce(&x, 1, ReduceOp::sum, "after")->wait(), comm_failure, "unusable");
+      EXPECT_ZS_ERROR(comm->all_reduce(&x, 1, ReduceOp::sum, "after")->wait(), comm_failure,
+                      "unusable");
     } else {
       std::this_thread::sleep_for(std::chrono::milliseconds(1500));
       e.grads(0);
@@ -105,7 +107,8 @@ TEST(Misuse, ClearErrors) {
   Engine e(cfg, world());
   EXPECT_ZS_ERROR(e.params(0), invalid_argument, "before finalize()");
   e.add_unit("u", {Param{"w", {5, 3}}, Param{"b", {3}}});
-  EXPECT_ZS_ERROR(e.add_unit("u", {Param{"x", {1}}}), invalid_argument, "a unit of that name exists");
+  EXPECT_ZS_ERROR(e.add_unit("u", {Param{"x", {1}}}), invalid_argument,
+                  "a unit of that name exists");
   EXPECT_ZS_ERROR(e.add_unit("v", {Param{"x", {1}, 7}}), invalid_argument, "names group 7");
   e.finalize();
   EXPECT_ZS_ERROR(e.params(0), invalid_argument, "unit 'u' is not gathered");
@@ -120,7 +123,8 @@ TEST(Misuse, ClearErrors) {
   // Gradients handed in by the trainer: wrong count, size, dtype.
   std::vector<float> w(15), b(3), wrong(4);
   std::vector<uint16_t> half(15);
-  EXPECT_ZS_ERROR(e.grads_ready(0, {{w.data(), 15, DType::f32}}), invalid_argument, "has 2 parameters, got 1");
+  EXPECT_ZS_ERROR(e.grads_ready(0, {{w.data(), 15, DType::f32}}), invalid_argument,
+                  "has 2 parameters, got 1");
   EXPECT_ZS_ERROR(e.grads_ready(0, {{w.data(), 15, DType::f32}, {wrong.data(), 4, DType::f32}}),
                   invalid_argument, "gradient of 'b' has 4 elements of f32, expected 3 of f32");
   EXPECT_ZS_ERROR(e.grads_ready(0, {{half.data(), 15, DType::bf16}, {b.data(), 3, DType::f32}}),
@@ -148,13 +152,15 @@ TEST(Misuse, NvmeTierChecksStageAndPaths) {
   EXPECT_ZS_ERROR(Engine(cfg, world()), invalid_config, "buffer_count = 1 must be >= 2");
   cfg.offload_optimizer.buffer_count = 4;
   cfg.offload_optimizer.nvme_paths = {"/tmp", "/tmp"};
-  EXPECT_ZS_ERROR(Engine(cfg, world()), invalid_config, "nvme_path[1] = \"/tmp\" repeats nvme_path[0]");
+  EXPECT_ZS_ERROR(Engine(cfg, world()), invalid_config,
+                  "nvme_path[1] = \"/tmp\" repeats nvme_path[0]");
   cfg.offload_optimizer.nvme_paths = {"/tmp"};
   const std::string missing = "/nonexistent/zeroshard-swap";
   if (world()->rank() == world()->size() - 1) cfg.offload_optimizer.nvme_paths = {missing};
   Engine e(cfg, world());
   e.add_unit("u", {Param{"w", {5, 3}}});
-  EXPECT_ZS_ERROR(e.finalize(), io_error, "nvme path '" + missing + "' cannot be used: No such file or directory");
+  EXPECT_ZS_ERROR(e.finalize(), io_error,
+                  "nvme path '" + missing + "' cannot be used: No such file or directory");
 }
 
 }  // namespace

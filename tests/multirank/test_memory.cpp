@@ -22,7 +22,8 @@ Sizes model_sizes(const std::vector<zs_test::UnitSpec>& model, int n, int64_t al
   for (const auto& u : model) {
     int64_t numel = 0;
     for (const auto& p : u.params) numel += shape_numel(p.second);
-    int64_t grain = n * align, padded = std::max<int64_t>((numel + grain - 1) / grain * grain, grain);
+    int64_t grain = n * align,
+            padded = std::max<int64_t>((numel + grain - 1) / grain * grain, grain);
     s.psi += padded;
     s.largest = std::max(s.largest, padded);
   }
@@ -55,9 +56,18 @@ TEST(Memory, LedgerEqualsZeroFormulas) {
         const int64_t K = dt == DType::f32 ? 8 : 12;
         int64_t expect_model = 0, expect_grad_shard = 0, expect_staging = 0, expect_gather = 0;
         switch (stage) {
-          case 0: expect_model = P * psi + P * psi + K * psi; expect_grad_shard = P * sh; break;
-          case 1: expect_model = P * psi + P * psi + K * sh; expect_grad_shard = P * sh; break;
-          case 2: expect_model = P * psi + (P + K) * sh; expect_staging = cfg.grad_buffers * s.largest * P; break;
+          case 0:
+            expect_model = P * psi + P * psi + K * psi;
+            expect_grad_shard = P * sh;
+            break;
+          case 1:
+            expect_model = P * psi + P * psi + K * sh;
+            expect_grad_shard = P * sh;
+            break;
+          case 2:
+            expect_model = P * psi + (P + K) * sh;
+            expect_staging = cfg.grad_buffers * s.largest * P;
+            break;
           case 3:
             expect_model = (P + P + K) * sh;
             expect_staging = cfg.grad_buffers * s.largest * P;
@@ -66,13 +76,15 @@ TEST(Memory, LedgerEqualsZeroFormulas) {
         }
         const int64_t expect_accum = k > 1 ? 4 * (stage == 0 ? psi : sh) : 0;
         MemoryReport r = e.memory();
-        SCOPED_TRACE(std::string(dtype_name(dt)) + " stage " + std::to_string(stage) + " k " + std::to_string(k));
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " stage " + std::to_string(stage) + " k " +
+                     std::to_string(k));
         EXPECT_EQ(r.model_state_bytes(), expect_model);
         EXPECT_EQ(buffer(r, "grad_shard"), expect_grad_shard);
         EXPECT_EQ(buffer(r, "grad_staging"), expect_staging);
         EXPECT_EQ(buffer(r, "gather"), expect_gather);
         EXPECT_EQ(buffer(r, "grad_accum"), expect_accum);
-        EXPECT_EQ(r.total(), expect_model + expect_grad_shard + expect_staging + expect_gather + expect_accum);
+        EXPECT_EQ(r.total(),
+                  expect_model + expect_grad_shard + expect_staging + expect_gather + expect_accum);
         EXPECT_EQ(r.at(Tier::device, MemKind::optim_state), 8 * (stage == 0 ? psi : sh));
         // Training does not allocate more: peaks stay where finalize() put them.
         zs_test::TrainOptions o;

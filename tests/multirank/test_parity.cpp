@@ -90,25 +90,32 @@ TEST_P(Parity, StagesMatchStageZeroBitwise) {
   for (int stage = 1; stage <= 3; ++stage) {
     Snapshot s = run(c, stage);
     for (size_t u = 0; u < ref.param.size(); ++u) {
-      EXPECT_TRUE(bitwise_equal(ref.param[u], s.param[u])) << "stage " << stage << " unit " << u << " param";
-      EXPECT_TRUE(bitwise_equal(ref.master[u], s.master[u])) << "stage " << stage << " unit " << u << " master";
-      EXPECT_TRUE(bitwise_equal(ref.s0[u], s.s0[u])) << "stage " << stage << " unit " << u << " state0";
-      EXPECT_TRUE(bitwise_equal(ref.s1[u], s.s1[u])) << "stage " << stage << " unit " << u << " state1";
+      EXPECT_TRUE(bitwise_equal(ref.param[u], s.param[u]))
+          << "stage " << stage << " unit " << u << " param";
+      EXPECT_TRUE(bitwise_equal(ref.master[u], s.master[u]))
+          << "stage " << stage << " unit " << u << " master";
+      EXPECT_TRUE(bitwise_equal(ref.s0[u], s.s0[u]))
+          << "stage " << stage << " unit " << u << " state0";
+      EXPECT_TRUE(bitwise_equal(ref.s1[u], s.s1[u]))
+          << "stage " << stage << " unit " << u << " state1";
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AdamW, Parity,
-    ::testing::Values(Case{DType::f32, 1, OptimizerKind::adamw}, Case{DType::bf16, 1, OptimizerKind::adamw},
-                      Case{DType::f16, 1, OptimizerKind::adamw}, Case{DType::f32, 3, OptimizerKind::adamw},
-                      Case{DType::bf16, 3, OptimizerKind::adamw}, Case{DType::f16, 3, OptimizerKind::adamw}),
-    case_name);
-INSTANTIATE_TEST_SUITE_P(
-    Others, Parity,
-    ::testing::Values(Case{DType::bf16, 2, OptimizerKind::adam}, Case{DType::bf16, 2, OptimizerKind::sgd},
-                      Case{DType::bf16, 2, OptimizerKind::lion}, Case{DType::f32, 1, OptimizerKind::sgd}),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(AdamW, Parity,
+                         ::testing::Values(Case{DType::f32, 1, OptimizerKind::adamw},
+                                           Case{DType::bf16, 1, OptimizerKind::adamw},
+                                           Case{DType::f16, 1, OptimizerKind::adamw},
+                                           Case{DType::f32, 3, OptimizerKind::adamw},
+                                           Case{DType::bf16, 3, OptimizerKind::adamw},
+                                           Case{DType::f16, 3, OptimizerKind::adamw}),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(Others, Parity,
+                         ::testing::Values(Case{DType::bf16, 2, OptimizerKind::adam},
+                                           Case{DType::bf16, 2, OptimizerKind::sgd},
+                                           Case{DType::bf16, 2, OptimizerKind::lion},
+                                           Case{DType::f32, 1, OptimizerKind::sgd}),
+                         case_name);
 
 // k micro-batches of gradients accumulated by the engine equal one step on their mean.
 // Bound: the merged run rounds the mean once to the gradient dtype, the accumulated one rounds
@@ -139,7 +146,8 @@ TEST(Accumulation, MicroBatchesEqualOneLargerBatch) {
       for (int u = 0; u < acc.num_units(); ++u) {
         auto a = acc.read_shard(u, StateKind::master), b = one.read_shard(u, StateKind::master);
         auto init = acc.read_shard(u, StateKind::state0);
-        for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, double(std::fabs(a[i] - b[i])));
+        for (size_t i = 0; i < a.size(); ++i)
+          worst = std::max(worst, double(std::fabs(a[i] - b[i])));
         for (float v : init) moved += std::fabs(v);
       }
       EXPECT_GT(moved, 0.0);
@@ -161,15 +169,18 @@ TEST(Restore, WriteShardCommitContinuesIdentically) {
     o.steps = 5;
     zs_test::train(a, o);
     for (int u = 0; u < a.num_units(); ++u)
-      for (StateKind k : {StateKind::master, StateKind::state0, StateKind::state1}) b.write_shard(u, k, a.read_shard(u, k));
+      for (StateKind k : {StateKind::master, StateKind::state0, StateKind::state1})
+        b.write_shard(u, k, a.read_shard(u, k));
     b.commit_shards();
     b.set_step_count(a.step_count());
     b.set_loss_scale(a.loss_scale());
     zs_test::train(a, o);
     zs_test::train(b, o);
     for (int u = 0; u < a.num_units(); ++u)
-      for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1})
-        EXPECT_TRUE(bitwise_equal(a.read_shard(u, k), b.read_shard(u, k))) << "stage " << stage << " unit " << u;
+      for (StateKind k :
+           {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1})
+        EXPECT_TRUE(bitwise_equal(a.read_shard(u, k), b.read_shard(u, k)))
+            << "stage " << stage << " unit " << u;
     // Without the restore the fresh engine would differ (the check can fail).
     EXPECT_GT(a.step_count(), 5);
   }
@@ -200,7 +211,7 @@ TEST(Restore, PrefetchedUnitIsFreshAfterStep) {
     e.step();
   };
   visit({0, 1, 0});
-  step();  // records the order A, B, A
+  step();         // records the order A, B, A
   visit({0, 1});  // gather(B) prefetches A
   step();         // updates A's shard: the prefetch is stale
   auto a = e.gather(0);

@@ -46,7 +46,8 @@ TEST(LossScale, InfOnOneRankSkipsEverywhereAndHalves) {
     bad.steps = 1;
     const int culprit = e.world_size() - 1;
     bad.tamper = [&](Engine& eng, int u, int, int64_t, std::vector<TensorView>& g) {
-      if (eng.rank() == culprit && u == 2) zs_test::store(g[1].data, g[1].dtype, 3, std::numeric_limits<float>::infinity());
+      if (eng.rank() == culprit && u == 2)
+        zs_test::store(g[1].data, g[1].dtype, 3, std::numeric_limits<float>::infinity());
     };
     auto r = zs_test::train(e, bad);
     EXPECT_TRUE(r[0].skipped) << "stage " << stage;
@@ -54,7 +55,8 @@ TEST(LossScale, InfOnOneRankSkipsEverywhereAndHalves) {
     EXPECT_EQ(e.loss_scale(), scale0 / 2) << "stage " << stage;
     auto after = masters(e);
     for (size_t u = 0; u < before.size(); ++u)
-      EXPECT_EQ(std::memcmp(before[u].data(), after[u].data(), before[u].size() * 4), 0) << "unit " << u;
+      EXPECT_EQ(std::memcmp(before[u].data(), after[u].data(), before[u].size() * 4), 0)
+          << "unit " << u;
 
     auto rr = zs_test::train(e, clean);  // window 2 after the overflow: iteration 2 is clean
     EXPECT_FALSE(rr[0].skipped);
@@ -108,7 +110,8 @@ TEST(Clipping, NormAndFactorMatchReference) {
       }
       std::vector<double> g(init.size());
       for (size_t i = 0; i < init.size(); ++i) {
-        for (int rk = 0; rk < e.world_size(); ++rk) g[i] += zs_test::synthetic_grad(init[i], int(u), int64_t(i), rk, 0, 0);
+        for (int rk = 0; rk < e.world_size(); ++rk)
+          g[i] += zs_test::synthetic_grad(init[i], int(u), int64_t(i), rk, 0, 0);
         g[i] /= e.world_size();
         sumsq += g[i] * g[i];
       }
@@ -124,7 +127,8 @@ TEST(Clipping, NormAndFactorMatchReference) {
       auto p1 = e.read_shard(u, StateKind::master);
       for (int64_t j = 0; j < si.shard_numel && si.shard_offset + j < si.numel; ++j) {
         double step = double(p0[size_t(u)][size_t(j)]) - p1[size_t(j)];
-        EXPECT_NEAR(step, factor * gavg[size_t(u)][size_t(si.shard_offset + j)], 1e-6) << "unit " << u << " elem " << j;
+        EXPECT_NEAR(step, factor * gavg[size_t(u)][size_t(si.shard_offset + j)], 1e-6)
+            << "unit " << u << " elem " << j;
       }
     }
   }

@@ -15,12 +15,14 @@ TEST(Layout, PadsToWorldTimesAlignment) {
     EXPECT_EQ(u.shard_numel * world, u.padded_numel);
     EXPECT_EQ(u.params[1].offset, 30);
   }
-  EXPECT_EQ(plan_unit("e", {}, 3, 4).padded_numel, 12) << "an empty unit still has one block per rank";
+  EXPECT_EQ(plan_unit("e", {}, 3, 4).padded_numel, 12)
+      << "an empty unit still has one block per rank";
 }
 
 TEST(Layout, RunsMergeGroupsAndStopAtShardEdges) {
   // w (group 0) 0..30, b (group 1) 30..33, g (group 1) 33..36, padding after 36.
-  UnitLayout u = plan_unit("u", {Param{"w", {10, 3}, 0}, Param{"b", {3}, 1}, Param{"g", {3}, 1}}, 2, 10);
+  UnitLayout u =
+      plan_unit("u", {Param{"w", {10, 3}, 0}, Param{"b", {3}, 1}, Param{"g", {3}, 1}}, 2, 10);
   ASSERT_EQ(u.padded_numel, 40);
   auto all = u.runs(0, 40);
   ASSERT_EQ(all.size(), 2u);

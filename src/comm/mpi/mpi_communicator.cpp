@@ -49,13 +49,15 @@ struct MpiRuntime {
     int provided = 0;
     if (!inited) {
       int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      if (rc != MPI_SUCCESS) ZS_THROW(comm_failure, "MPI_Init_thread failed: " << mpi_error_string(rc));
+      if (rc != MPI_SUCCESS)
+        ZS_THROW(comm_failure, "MPI_Init_thread failed: " << mpi_error_string(rc));
       we_initialized = true;
     } else {
       MPI_Query_thread(&provided);
     }
     if (provided < MPI_THREAD_MULTIPLE)
-      ZS_THROW(comm_failure, "MPI provides thread level " << provided
+      ZS_THROW(comm_failure, "MPI provides thread level "
+                                 << provided
                                  << " but zeroshard needs MPI_THREAD_MULTIPLE (its communication "
                                     "thread calls MPI while the trainer may too); initialise MPI "
                                     "with MPI_Init_thread(MPI_THREAD_MULTIPLE)");
@@ -77,7 +79,9 @@ struct MpiRuntime {
   }
 };
 
-MPI_Datatype mpi_type(DType t) { return t == DType::f32 ? MPI_FLOAT : MPI_UINT16_T; }
+MPI_Datatype mpi_type(DType t) {
+  return t == DType::f32 ? MPI_FLOAT : MPI_UINT16_T;
+}
 
 int checked_count(int64_t n, const std::string& what) {
   if (n < 0 || n > INT_MAX)
@@ -114,36 +118,47 @@ class MpiCommunicator final : public Communicator {
                                        std::string what) override {
     int n = checked_count(count, what);
     MPI_Op op = dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? rt_->op_bf16 : rt_->op_f16;
-    return submit("reduce_scatter of " + what, [=, this](MPI_Request* r) {
-      return MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype), op, comm_, r);
-    }, " (" + std::to_string(n) + " " + dtype_name(dtype) + " per rank)");
+    return submit(
+        "reduce_scatter of " + what,
+        [=, this](MPI_Request* r) {
+          return MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype), op, comm_, r);
+        },
+        " (" + std::to_string(n) + " " + dtype_name(dtype) + " per rank)");
   }
 
   std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count, DType dtype,
                                    std::string what) override {
     int n = checked_count(count, what);
     // The caller's block already in place is MPI's in-place all-gather.
-    const char* own = static_cast<const char*>(recv) + size_t(rank_) * size_t(n) * dtype_size(dtype);
+    const char* own =
+        static_cast<const char*>(recv) + size_t(rank_) * size_t(n) * dtype_size(dtype);
     const void* src = send == own ? MPI_IN_PLACE : send;
-    return submit("all_gather of " + what, [=, this](MPI_Request* r) {
-      return MPI_Iallgather(src, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, r);
-    }, " (" + std::to_string(n) + " " + dtype_name(dtype) + " per rank)");
+    return submit(
+        "all_gather of " + what,
+        [=, this](MPI_Request* r) {
+          return MPI_Iallgather(src, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, r);
+        },
+        " (" + std::to_string(n) + " " + dtype_name(dtype) + " per rank)");
   }
 
   std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
                                    std::string what) override {
     int n = checked_count(count, what);
     MPI_Op mop = op == ReduceOp::sum ? MPI_SUM : op == ReduceOp::max ? MPI_MAX : MPI_MIN;
-    return submit("all_reduce of " + what, [=, this](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, inout, n, MPI_DOUBLE, mop, comm_, r);
-    }, " (" + std::to_string(n) + " doubles)");
+    return submit(
+        "all_reduce of " + what,
+        [=, this](MPI_Request* r) {
+          return MPI_Iallreduce(MPI_IN_PLACE, inout, n, MPI_DOUBLE, mop, comm_, r);
+        },
+        " (" + std::to_string(n) + " doubles)");
   }
 
   std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) override {
     int n = checked_count(bytes, what);
-    return submit("broadcast of " + what, [=, this](MPI_Request* r) {
-      return MPI_Ibcast(data, n, MPI_BYTE, root, comm_, r);
-    }, " (" + std::to_string(n) + " bytes from rank " + std::to_string(root) + ")");
+    return submit(
+        "broadcast of " + what,
+        [=, this](MPI_Request* r) { return MPI_Ibcast(data, n, MPI_BYTE, root, comm_, r); },
+        " (" + std::to_string(n) + " bytes from rank " + std::to_string(root) + ")");
   }
 
   void barrier(std::string what) override {
@@ -175,8 +190,10 @@ class MpiCommunicator final : public Communicator {
     std::string desc = what + shape;
     std::lock_guard<std::mutex> lock(mu_);
     if (!poisoned_.empty()) {
-      work->fail(ErrorCode::comm_failure, work->what() + " refused: the communicator is unusable "
-                                          "after an earlier failure (" + poisoned_ + ")");
+      work->fail(ErrorCode::comm_failure, work->what() +
+                                              " refused: the communicator is unusable "
+                                              "after an earlier failure (" +
+                                              poisoned_ + ")");
       work->settle();
       return work;
     }
@@ -190,7 +207,8 @@ class MpiCommunicator final : public Communicator {
   // fail those past their deadline, and sleep only while nothing is in flight.
   void run() {
     std::vector<InFlight> inflight;
-    std::chrono::steady_clock::time_point give_up{};  // when stopping: abandon timed-out requests then
+    std::chrono::steady_clock::time_point
+        give_up{};  // when stopping: abandon timed-out requests then
     for (;;) {
       bool stopping;
       {
@@ -214,7 +232,8 @@ class MpiCommunicator final : public Communicator {
         int rc = MPI_Test(&f.req, &flag, MPI_STATUS_IGNORE);
         if (rc != MPI_SUCCESS) {
           poison(f.work->what() + " failed: " + mpi_error_string(rc));
-          f.work->fail(ErrorCode::comm_failure, f.work->what() + " failed: " + mpi_error_string(rc));
+          f.work->fail(ErrorCode::comm_failure,
+                       f.work->what() + " failed: " + mpi_error_string(rc));
           flag = 1;
         }
         if (flag && f.start && !f.work->failed()) {
@@ -247,7 +266,8 @@ class MpiCommunicator final : public Communicator {
         bool only_abandoned = true;
         for (InFlight& f : inflight) only_abandoned &= f.timed_out;
         auto now = std::chrono::steady_clock::now();
-        if (give_up == std::chrono::steady_clock::time_point{}) give_up = now + std::chrono::seconds(2);
+        if (give_up == std::chrono::steady_clock::time_point{})
+          give_up = now + std::chrono::seconds(2);
         if (waiting_.empty() && (inflight.empty() || (only_abandoned && now > give_up))) {
           abandoned_ = int(inflight.size());
           return;
@@ -257,7 +277,8 @@ class MpiCommunicator final : public Communicator {
         // Idle: the next collective usually follows within microseconds (a step's reductions
         // come in bursts), so spin briefly, then block until submit() or the end notifies.
         const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-        while (!queued_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spin_until)
+        while (!queued_.load(std::memory_order_acquire) &&
+               std::chrono::steady_clock::now() < spin_until)
           std::this_thread::yield();
         std::unique_lock<std::mutex> lock(mu_);
         wake_.wait(lock, [&] { return !queue_.empty() || stop_; });
@@ -285,7 +306,8 @@ class MpiCommunicator final : public Communicator {
       if (std::strncmp(mine, theirs, kDescBytes) != 0) {
         std::string msg = "collective mismatch: rank " + std::to_string(rank_) + " called " +
                           std::string(mine, strnlen(mine, kDescBytes)) + " while rank " +
-                          std::to_string(q) + " called " + std::string(theirs, strnlen(theirs, kDescBytes));
+                          std::to_string(q) + " called " +
+                          std::string(theirs, strnlen(theirs, kDescBytes));
         poison(msg);
         f.work->fail(ErrorCode::comm_failure, msg);
         f.start = nullptr;
@@ -297,7 +319,8 @@ class MpiCommunicator final : public Communicator {
     f.descs.clear();
     int rc = start(&f.req);
     if (rc != MPI_SUCCESS) {
-      f.work->fail(ErrorCode::comm_failure, f.work->what() + " could not start: " + mpi_error_string(rc));
+      f.work->fail(ErrorCode::comm_failure,
+                   f.work->what() + " could not start: " + mpi_error_string(rc));
       return false;
     }
     f.deadline = deadline_from_now();
@@ -305,8 +328,9 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::chrono::steady_clock::time_point deadline_from_now() const {
-    return std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                  std::chrono::duration<double>(timeout_s_.load()));
+    return std::chrono::steady_clock::now() +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+               std::chrono::duration<double>(timeout_s_.load()));
   }
 
   void start_one(Pending& p, std::vector<InFlight>& inflight) {
@@ -314,8 +338,10 @@ class MpiCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(mu_);
       if (!poisoned_.empty()) {
         p.work->fail(ErrorCode::comm_failure,
-                     p.work->what() + " refused: the communicator is unusable after an earlier "
-                                      "failure (" + poisoned_ + ")");
+                     p.work->what() +
+                         " refused: the communicator is unusable after an earlier "
+                         "failure (" +
+                         poisoned_ + ")");
         p.work->settle();
         return;
       }
@@ -325,13 +351,16 @@ class MpiCommunicator final : public Communicator {
     if (check_) {
       // Checking mode: first all-gather what every rank is calling (a fixed-size exchange that
       // matches on every rank whatever they called), then the collective itself.
-      InFlight f{p.work, MPI_REQUEST_NULL, deadline_from_now(), false, std::move(p.start),
-                 std::vector<char>(size_t(size_ + 1) * kDescBytes, '\0')};
+      InFlight f{
+          p.work, MPI_REQUEST_NULL,   deadline_from_now(),
+          false,  std::move(p.start), std::vector<char>(size_t(size_ + 1) * kDescBytes, '\0')};
       char* own = f.descs.data() + size_t(size_) * kDescBytes;
       std::strncpy(own, p.desc.c_str(), kDescBytes - 1);
-      int rc = MPI_Iallgather(own, kDescBytes, MPI_CHAR, f.descs.data(), kDescBytes, MPI_CHAR, comm_, &f.req);
+      int rc = MPI_Iallgather(own, kDescBytes, MPI_CHAR, f.descs.data(), kDescBytes, MPI_CHAR,
+                              comm_, &f.req);
       if (rc != MPI_SUCCESS) {
-        p.work->fail(ErrorCode::comm_failure, p.work->what() + " could not start its check: " + mpi_error_string(rc));
+        p.work->fail(ErrorCode::comm_failure,
+                     p.work->what() + " could not start its check: " + mpi_error_string(rc));
         p.work->settle();
         return;
       }
@@ -340,7 +369,8 @@ class MpiCommunicator final : public Communicator {
     }
     int rc = p.start(&req);
     if (rc != MPI_SUCCESS) {
-      p.work->fail(ErrorCode::comm_failure, p.work->what() + " could not start: " + mpi_error_string(rc));
+      p.work->fail(ErrorCode::comm_failure,
+                   p.work->what() + " could not start: " + mpi_error_string(rc));
       p.work->settle();
       return;
     }
@@ -357,7 +387,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   std::atomic<double> timeout_s_{300.0};
   std::mutex mu_;
-  std::condition_variable wake_;  // submit() and the destructor wake an idle comm thread
+  std::condition_variable wake_;     // submit() and the destructor wake an idle comm thread
   std::atomic<bool> queued_{false};  // queue_ is non-empty (read without the lock while spinning)
   std::deque<Pending> queue_;
   std::deque<Pending> waiting_;  // comm thread only: taken from queue_, not started yet

@@ -4,7 +4,8 @@
 
 namespace zeroshard {
 std::shared_ptr<Communicator> make_mpi_communicator() {
-  ZS_THROW(comm_failure, "make_mpi_communicator: zeroshard was built with ZEROSHARD_WITH_MPI=OFF; "
-                         "rebuild with it ON or use make_self_communicator()");
+  ZS_THROW(comm_failure,
+           "make_mpi_communicator: zeroshard was built with ZEROSHARD_WITH_MPI=OFF; "
+           "rebuild with it ON or use make_self_communicator()");
 }
 }  // namespace zeroshard
