@@ -29,18 +29,6 @@ std::string si(double x) {
   return buf;
 }
 
-const char* tier_label(Tier t) {
-  switch (t) {
-    case Tier::device:
-      return "device";
-    case Tier::host:
-      return "host";
-    case Tier::nvme:
-      return "nvme";
-  }
-  return "?";
-}
-
 int64_t total(const MemCells& m) {
   int64_t s = 0;
   for (const auto& row : m)
@@ -76,8 +64,8 @@ void print_header(const RunSummary& s) {
       double(c.optimizer.lr), (long long)o.warmup, c.gradient_clipping,
       o.config_path.empty() ? "" : (", config " + o.config_path).c_str());
   std::printf("  tiers:  optimizer state + master weights on %s, parameter shards on %s\n",
-              tier_label(c.offload_optimizer.tier),
-              tier_label(c.stage == 3 ? c.offload_param.tier : Tier::device));
+              zeroshard::tier_name(c.offload_optimizer.tier),
+              zeroshard::tier_name(c.stage == 3 ? c.offload_param.tier : Tier::device));
   std::printf("  validation loss before training: %.4f (uniform guess: %.4f)\n\n", s.val_before,
               std::log(double(s.shape.vocab)));
   std::fflush(stdout);
@@ -124,7 +112,7 @@ void print_final(const RunSummary& s) {
       for (int r = 0; r < n; ++r) any |= s.rank_bytes[size_t(r)][size_t(t)][size_t(k)] != 0;
       if (!any) continue;
       std::string label =
-          std::string(tier_label(Tier(t))) + " " + zeroshard::mem_kind_name(MemKind(k));
+          std::string(zeroshard::tier_name(Tier(t))) + " " + zeroshard::mem_kind_name(MemKind(k));
       std::printf("  %-20s", label.c_str());
       for (int r = 0; r < n; ++r)
         std::printf(" %9.2f", mib(s.rank_bytes[size_t(r)][size_t(t)][size_t(k)]));
@@ -201,14 +189,14 @@ void write_json(const RunSummary& s, const std::string& path) {
       json row = json::object();
       for (int k = 0; k < zeroshard::kNumMemKinds; ++k)
         row[zeroshard::mem_kind_name(MemKind(k))] = m[size_t(t)][size_t(k)];
-      j[tier_label(Tier(t))] = row;
+      j[zeroshard::tier_name(Tier(t))] = row;
     }
     return j;
   };
   auto buffers = [](const zeroshard::MemoryReport& r) {
     json j = json::object();
     for (const auto& b : r.buffers)
-      j[b.name] = {{"tier", tier_label(b.tier)}, {"bytes", b.bytes}, {"peak", b.peak}};
+      j[b.name] = {{"tier", zeroshard::tier_name(b.tier)}, {"bytes", b.bytes}, {"peak", b.peak}};
     return j;
   };
   json j;
@@ -220,8 +208,8 @@ void write_json(const RunSummary& s, const std::string& path) {
                  {"shard_alignment", c.shard_alignment},
                  {"grad_buffers", c.grad_buffers},
                  {"max_live_units", c.max_live_units},
-                 {"offload_optimizer", tier_label(c.offload_optimizer.tier)},
-                 {"offload_param", tier_label(c.offload_param.tier)},
+                 {"offload_optimizer", zeroshard::tier_name(c.offload_optimizer.tier)},
+                 {"offload_param", zeroshard::tier_name(c.offload_param.tier)},
                  {"gradient_clipping", c.gradient_clipping},
                  {"peak_lr", c.optimizer.lr}};
   j["model"] = {{"vocab", s.shape.vocab},   {"seq", s.shape.seq},     {"dim", s.shape.dim},

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "parse_size.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 using namespace zeroshard;
@@ -26,28 +27,7 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-int64_t parse_size(const std::string& s, bool binary) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  const double k = binary ? 1024.0 : 1000.0;
-  switch (end && *end ? *end : ' ') {
-    case 'K':
-    case 'k':
-      v *= k;
-      break;
-    case 'M':
-    case 'm':
-      v *= k * k;
-      break;
-    case 'G':
-    case 'g':
-      v *= k * k * k;
-      break;
-    default:
-      break;
-  }
-  return int64_t(v);
-}
+using zeroshard::bench::parse_size;
 
 // Peak resident set of this process, from the kernel (bytes).
 int64_t peak_rss() {

@@ -23,6 +23,7 @@
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
 #include "offload/swap_store.hpp"
+#include "parse_size.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 using namespace zeroshard;
@@ -33,29 +34,7 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// "128M" → 128e6 (counts), or with binary = true "1M" → 2^20 (bytes).
-int64_t parse_size(const std::string& s, bool binary = false) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  const double k = binary ? 1024.0 : 1000.0;
-  switch (end && *end ? *end : ' ') {
-    case 'K':
-    case 'k':
-      v *= k;
-      break;
-    case 'M':
-    case 'm':
-      v *= k * k;
-      break;
-    case 'G':
-    case 'g':
-      v *= k * k * k;
-      break;
-    default:
-      break;
-  }
-  return int64_t(v);
-}
+using zeroshard::bench::parse_size;
 
 // The swapper's sequential write and read bandwidth (bytes/s) through the engine's path (pinned
 // staging, O_DIRECT, checksums, same block size and depth), and the seconds it takes to read

@@ -19,6 +19,7 @@
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
 #include "offload/swap_store.hpp"
+#include "parse_size.hpp"
 #include "zeroshard/error.hpp"
 
 using namespace zeroshard;
@@ -26,26 +27,9 @@ using namespace zeroshard::offload;
 
 namespace {
 
+// Sizes here are bytes: "1M" is 2^20.
 int64_t parse_size(const std::string& s) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  switch (end && *end ? *end : ' ') {
-    case 'K':
-    case 'k':
-      v *= 1024;
-      break;
-    case 'M':
-    case 'm':
-      v *= 1024 * 1024;
-      break;
-    case 'G':
-    case 'g':
-      v *= 1024.0 * 1024 * 1024;
-      break;
-    default:
-      break;
-  }
-  return int64_t(v);
+  return bench::parse_size(s, true);
 }
 
 double now() {
