@@ -50,8 +50,8 @@ static double busy_union(std::vector<std::shared_ptr<Work>>& works) {
 void Engine::Impl::finish_reduction(int id) {
   Unit& u = units[size_t(id)];
   if (!u.reduction) return;
-  wait_for(
-      *u.reduction);  // on failure the handle stays, so the destructor can wait for it to settle
+  // On failure the handle stays, so the destructor can wait for it to settle.
+  wait_for(*u.reduction);
   u.reduction.reset();
   const UnitLayout& L = u.layout;
   if (cfg.stage == 0)
@@ -69,8 +69,8 @@ void Engine::Impl::finish_reduction(int id) {
   if (cfg.gradient_accumulation_steps > 1) {
     const void* g = cfg.stage == 0 ? u.grad_whole : u.grad_shard;
     int64_t n = cfg.stage == 0 ? L.padded_numel : L.shard_numel;
-    const bool first =
-        u.micro_done == 0;  // acc = g on the first micro-step: no separate zeroing pass
+    // acc = g on the first micro-step: no separate zeroing pass.
+    const bool first = u.micro_done == 0;
     res.parallel_chunks(n, [&](int64_t b, int64_t e) {
       const void* gb = static_cast<const char*>(g) + size_t(b) * pbytes;
       if (first)

@@ -98,7 +98,8 @@ class Engine {
   /// Stage 3: all-gathers the unit's parameters (or waits for the prefetch that already did)
   /// and returns views valid until release(unit); then starts the prefetch of the next unit in
   /// the gather order recorded during the first step. Stages 0–2: returns params(unit).
-  /// Collective. Gathering a unit twice without release is an error.
+  /// Collective. Gathering a unit twice without release is an error. A unit still gathered
+  /// across step() keeps the values it was gathered with: release units before stepping.
   std::vector<TensorView> gather(UnitId unit);
   /// Stage 3: returns the unit's gather buffer to the pool. Stages 0–2: no-op.
   void release(UnitId unit);
