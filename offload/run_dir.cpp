@@ -9,8 +9,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
-#include <regex>
 
 #include "check.hpp"
 
@@ -38,15 +38,32 @@ std::string read_small(int fd) {
   return s;
 }
 
+// Whether `name` reads "zeroshard-<digits>-<digits>-rank<digits>", the shape of a run directory.
+bool is_run_dir_name(const std::string& name) {
+  size_t i = 0;
+  auto lit = [&](const char* t) {
+    const size_t n = std::strlen(t);
+    if (name.compare(i, n, t) != 0) return false;
+    i += n;
+    return true;
+  };
+  auto digits = [&] {
+    const size_t b = i;
+    while (i < name.size() && name[i] >= '0' && name[i] <= '9') ++i;
+    return i > b;
+  };
+  return lit("zeroshard-") && digits() && lit("-") && digits() && lit("-rank") && digits() &&
+         i == name.size();
+}
+
 }  // namespace
 
 int RunDir::clean_stale(const fs::path& root, int rank) {
-  static const std::regex name_re("zeroshard-[0-9]+-[0-9]+-rank[0-9]+");
   std::error_code ec;
   int removed = 0;
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
     const fs::path dir = it->path();
-    if (!std::regex_match(dir.filename().string(), name_re) || !it->is_directory(ec)) continue;
+    if (!is_run_dir_name(dir.filename().string()) || !it->is_directory(ec)) continue;
     // A live run holds an exclusive flock on its lock file for its whole life; the kernel drops
     // it when the process dies, however it dies.
     int fd = ::open((dir / "lock").c_str(), O_RDWR | O_CLOEXEC);
