@@ -10,39 +10,11 @@
 
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/scalar_vec.hpp"
+#include "kernels/cpu/update_rules.hpp"
 #include "kernels/cpu/vec_io.hpp"
 
 namespace zeroshard::cpu {
 namespace {
-
-// SGD's three shapes are separate rules so the momentum branches vanish from the inner loop.
-enum class Rule : uint8_t { adam, adamw, sgd, sgd_momentum, sgd_nesterov, lion };
-// The low-precision copy-out: none, or the dtype written to UpdateArgs::out.
-enum class Out : uint8_t { none, f32, bf16, f16 };
-
-// Per-call constants, folded once in scalar float before the loop. Every ISA folds them the same
-// way, then broadcasts the identical bits, so the lanes see the same values as the scalar code.
-struct UpdateConsts {
-  float lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale;
-  float one_minus_beta1, one_minus_beta2, lr_wd;
-};
-
-inline UpdateConsts fold_consts(const UpdateHyper& h) {
-  UpdateConsts c{};
-  c.lr = h.lr;
-  c.beta1 = h.beta1;
-  c.beta2 = h.beta2;
-  c.eps = h.eps;
-  c.wd = h.weight_decay;
-  c.momentum = h.momentum;
-  c.bc1 = h.bias_correction1;
-  c.bc2 = h.bias_correction2;
-  c.grad_scale = h.grad_scale;
-  c.one_minus_beta1 = 1.0f - h.beta1;
-  c.one_minus_beta2 = 1.0f - h.beta2;
-  c.lr_wd = h.lr * h.weight_decay;
-  return c;
-}
 
 // The folded constants splat into vectors once per call, outside the element loop.
 template <class V>
@@ -59,8 +31,8 @@ struct Broadcast {
         bc1(V::set1(c.bc1)),
         bc2(V::set1(c.bc2)),
         grad_scale(V::set1(c.grad_scale)),
-        omb1(V::set1(c.one_minus_beta1)),
-        omb2(V::set1(c.one_minus_beta2)),
+        omb1(V::set1(c.omb1)),
+        omb2(V::set1(c.omb2)),
         lr_wd(V::set1(c.lr_wd)) {}
 };
 
@@ -142,72 +114,8 @@ void update_all(const UpdateConsts& c, const UpdateArgs& a) {
 
 // momentum == 0 is plain SGD whatever `nesterov` says (torch rejects that pair; we ignore it),
 // so no momentum buffer is read or written.
-inline Rule rule_of(const UpdateHyper& h) {
-  switch (h.kind) {
-    case OptimizerKind::adam:
-      return Rule::adam;
-    case OptimizerKind::adamw:
-      return Rule::adamw;
-    case OptimizerKind::lion:
-      return Rule::lion;
-    case OptimizerKind::sgd:
-      break;
-  }
-  if (h.momentum == 0.0f) return Rule::sgd;
-  return h.nesterov ? Rule::sgd_nesterov : Rule::sgd_momentum;
-}
-
-// out_dtype means nothing without an out pointer.
-inline Out out_of(const UpdateArgs& a) {
-  if (a.out == nullptr) return Out::none;
-  switch (a.out_dtype) {
-    case DType::f32:
-      return Out::f32;
-    case DType::bf16:
-      return Out::bf16;
-    case DType::f16:
-      return Out::f16;
-  }
-  return Out::none;
-}
 
 // Run-time → compile-time switches: each combination becomes its own branch-free loop.
-template <Rule R>
-using RuleTag = std::integral_constant<Rule, R>;
-template <Out O>
-using OutTag = std::integral_constant<Out, O>;
-
-template <class F>
-void with_rule(Rule r, F&& f) {
-  switch (r) {
-    case Rule::adam:
-      return f(RuleTag<Rule::adam>{});
-    case Rule::adamw:
-      return f(RuleTag<Rule::adamw>{});
-    case Rule::sgd:
-      return f(RuleTag<Rule::sgd>{});
-    case Rule::sgd_momentum:
-      return f(RuleTag<Rule::sgd_momentum>{});
-    case Rule::sgd_nesterov:
-      return f(RuleTag<Rule::sgd_nesterov>{});
-    case Rule::lion:
-      return f(RuleTag<Rule::lion>{});
-  }
-}
-
-template <class F>
-void with_out(Out o, F&& f) {
-  switch (o) {
-    case Out::none:
-      return f(OutTag<Out::none>{});
-    case Out::f32:
-      return f(OutTag<Out::f32>{});
-    case Out::bf16:
-      return f(OutTag<Out::bf16>{});
-    case Out::f16:
-      return f(OutTag<Out::f16>{});
-  }
-}
 
 /// The KernelTable entry: resolves rule × grad dtype × out dtype to one instantiation. The
 /// constants are folded here, once per call, so vector body and scalar tail share them.

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cpu/update_rules.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard::cpu {
@@ -50,25 +51,6 @@ inline void prefetch_ahead(const void* base, int64_t i, size_t elem_bytes) {
   const uintptr_t addr =
       reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(i + kPrefetchElems) * elem_bytes;
   __builtin_prefetch(reinterpret_cast<const void*>(addr), 0, 3);
-}
-
-template <DType D>
-using DTypeTag = std::integral_constant<DType, D>;
-
-/// Calls f(DTypeTag<d>{}); the caller reads the dtype back as decltype(tag)::value.
-template <class F>
-inline void with_dtype(DType d, F&& f) {
-  switch (d) {
-    case DType::f32:
-      f(DTypeTag<DType::f32>{});
-      return;
-    case DType::bf16:
-      f(DTypeTag<DType::bf16>{});
-      return;
-    case DType::f16:
-      f(DTypeTag<DType::f16>{});
-      return;
-  }
 }
 
 }  // namespace

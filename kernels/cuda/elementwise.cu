@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_check.hpp"
+#include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
 
@@ -28,20 +29,7 @@ constexpr int kSumBlocks = 1024;
 static_assert(kSumBlocks * (sizeof(double) + sizeof(unsigned)) <= kSumSquaresWorkspaceBytes);
 
 // Run-time dtypes become template arguments (one tight kernel per combination).
-template <DType D>
-using DTypeTag = std::integral_constant<DType, D>;
-
-template <class F>
-void with_dtype(DType d, F&& f) {
-  switch (d) {
-    case DType::f32:
-      return f(DTypeTag<DType::f32>{});
-    case DType::bf16:
-      return f(DTypeTag<DType::bf16>{});
-    case DType::f16:
-      return f(DTypeTag<DType::f16>{});
-  }
-}
+using cpu::with_dtype;
 
 // The vector path needs every pointer 16-byte aligned; otherwise the same kernel loads scalars.
 bool aligned16(const void* p) {

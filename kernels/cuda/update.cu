@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/cuda_check.hpp"
+#include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
 
@@ -20,35 +21,20 @@ namespace {
 
 using dev::kVec;
 
-// Same split as the CPU's update_impl.hpp: SGD's shapes are separate rules so the momentum
-// branches vanish from the kernel, and the copy-out dtype is a template parameter too.
-enum class Rule : uint8_t { adam, adamw, sgd, sgd_momentum, sgd_nesterov, lion };
-enum class Out : uint8_t { none, f32, bf16, f16 };
+// The rules, constants and dispatch of the CPU kernels (kernels/cpu/update_rules.hpp): the same
+// definitions, so the GPU folds and selects exactly as the CPU reference does. Each
+// (rule, grad dtype, copy-out) becomes its own kernel, with no per-element branch on them.
+using cpu::fold_consts;
+using cpu::Out;
+using cpu::out_of;
+using cpu::Rule;
+using cpu::rule_of;
+using cpu::with_dtype;
+using cpu::with_out;
+using cpu::with_rule;
+using Consts = cpu::UpdateConsts;
 
 constexpr int kThreads = 256;
-
-// Per-group constants folded on the host exactly as cpu::fold_consts folds them (single float
-// operations, so host and CPU kernels produce the same bits), then passed by value.
-struct Consts {
-  float lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale, omb1, omb2, lr_wd;
-};
-
-Consts fold(const cpu::UpdateHyper& h) {
-  Consts c{};
-  c.lr = h.lr;
-  c.beta1 = h.beta1;
-  c.beta2 = h.beta2;
-  c.eps = h.eps;
-  c.wd = h.weight_decay;
-  c.momentum = h.momentum;
-  c.bc1 = h.bias_correction1;
-  c.bc2 = h.bias_correction2;
-  c.grad_scale = h.grad_scale;
-  c.omb1 = 1.0f - h.beta1;
-  c.omb2 = 1.0f - h.beta2;
-  c.lr_wd = h.lr * h.weight_decay;
-  return c;
-}
 
 // One run, split into an 8-aligned body [body_begin, body_end) done with vector accesses and a
 // head [begin, body_begin) and tail [body_end, end) of at most 7 elements each, done per element
@@ -175,21 +161,6 @@ __global__ void __launch_bounds__(kThreads) update_kernel(const __grid_constant_
   }
 }
 
-Rule rule_of(const cpu::UpdateHyper& h) {
-  switch (h.kind) {
-    case OptimizerKind::adam:
-      return Rule::adam;
-    case OptimizerKind::adamw:
-      return Rule::adamw;
-    case OptimizerKind::lion:
-      return Rule::lion;
-    case OptimizerKind::sgd:
-      break;
-  }
-  if (h.momentum == 0.0f) return Rule::sgd;
-  return h.nesterov ? Rule::sgd_nesterov : Rule::sgd_momentum;
-}
-
 const char* rule_name(Rule r) {
   switch (r) {
     case Rule::adam:
@@ -206,70 +177,6 @@ const char* rule_name(Rule r) {
       return "lion";
   }
   return "?";
-}
-
-Out out_of(const cpu::UpdateArgs& a) {
-  if (a.out == nullptr) return Out::none;
-  switch (a.out_dtype) {
-    case DType::f32:
-      return Out::f32;
-    case DType::bf16:
-      return Out::bf16;
-    case DType::f16:
-      return Out::f16;
-  }
-  return Out::none;
-}
-
-// Run-time choices become template arguments, so each (rule, grad dtype, copy-out) gets its own
-// kernel with no per-element branch on them (72 small kernels per architecture).
-template <Rule R>
-using RuleTag = std::integral_constant<Rule, R>;
-template <Out O>
-using OutTag = std::integral_constant<Out, O>;
-template <DType D>
-using DTypeTag = std::integral_constant<DType, D>;
-
-template <class F>
-void with_rule(Rule r, F&& f) {
-  switch (r) {
-    case Rule::adam:
-      return f(RuleTag<Rule::adam>{});
-    case Rule::adamw:
-      return f(RuleTag<Rule::adamw>{});
-    case Rule::sgd:
-      return f(RuleTag<Rule::sgd>{});
-    case Rule::sgd_momentum:
-      return f(RuleTag<Rule::sgd_momentum>{});
-    case Rule::sgd_nesterov:
-      return f(RuleTag<Rule::sgd_nesterov>{});
-    case Rule::lion:
-      return f(RuleTag<Rule::lion>{});
-  }
-}
-template <class F>
-void with_dtype(DType d, F&& f) {
-  switch (d) {
-    case DType::f32:
-      return f(DTypeTag<DType::f32>{});
-    case DType::bf16:
-      return f(DTypeTag<DType::bf16>{});
-    case DType::f16:
-      return f(DTypeTag<DType::f16>{});
-  }
-}
-template <class F>
-void with_out(Out o, F&& f) {
-  switch (o) {
-    case Out::none:
-      return f(OutTag<Out::none>{});
-    case Out::f32:
-      return f(OutTag<Out::f32>{});
-    case Out::bf16:
-      return f(OutTag<Out::bf16>{});
-    case Out::f16:
-      return f(OutTag<Out::f16>{});
-  }
 }
 
 // float4 / uint4 accesses fault on misaligned addresses, so alignment is checked up front.
@@ -359,7 +266,7 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
         d.body_begin = std::min(u.end, (u.begin + kVec - 1) / kVec * kVec);
         d.body_end = std::max(d.body_begin, u.end / kVec * kVec);
         d.first_block = unsigned(blocks);
-        d.c = fold(hypers[u.hyper]);
+        d.c = fold_consts(hypers[u.hyper]);
         const int64_t vecs = (d.body_end - d.body_begin) / kVec;
         // At least one block per run: its first block also does the head and the tail.
         blocks += uint64_t(std::max<int64_t>(1, (vecs + kThreads - 1) / kThreads));
