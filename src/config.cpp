@@ -206,6 +206,23 @@ void Config::validate() const {
             "must be below zero_optimization.offload_optimizer.buffer_count (" +
                 show(offload_optimizer.buffer_count) + ")");
   }
+  require(device_index >= -1, "zeroshard.device_index", device_index,
+          "must be >= 0, or -1 for the local rank's GPU");
+  if (device == Device::cuda) {
+    // What the GPU engine does not move yet: the nvme tier's swap pipeline works on host memory
+    // only, and stage 3's parameter shard must be in GPU memory for the all-gather.
+    if (offload_param.tier != Tier::device)
+      fail(
+          "zeroshard.device = cuda takes offload_param.device none: stage 3's parameter shards "
+          "stay in GPU memory (parameter offload runs with zeroshard.device cpu)");
+    if (offload_optimizer.tier == Tier::host && stage == 0)
+      fail(
+          "zero_optimization.offload_optimizer.device = cpu with zeroshard.device = cuda "
+          "requires zero_optimization.stage >= 1 (stage 0 keeps whole gradients on the GPU)");
+    // The GPU update moves 8 elements per 16-byte access: every shard must start aligned.
+    require(shard_alignment % 8 == 0, "zeroshard.shard_alignment", shard_alignment,
+            "must be a multiple of 8 with zeroshard.device = cuda (vector accesses)");
+  }
   // O_DIRECT needs requests aligned to the logical block size; 4096 covers every NVMe format.
   require(aio.block_size > 0 && aio.block_size % 4096 == 0, "aio.block_size", aio.block_size,
           "must be a positive multiple of 4096 (O_DIRECT alignment)");
@@ -373,6 +390,13 @@ Tier parse_device(const Field& f) {
   if (s == "cpu") return Tier::host;
   if (s == "nvme") return Tier::nvme;
   f.bad("= \"" + s + "\" is not one of \"none\", \"cpu\", \"nvme\"");
+}
+
+Device compute_device(const Field& f) {
+  const std::string s = f.string();
+  if (s == "cpu") return Device::cpu;
+  if (s == "cuda") return Device::cuda;
+  f.bad("= \"" + s + "\" is not one of \"cpu\", \"cuda\"");
 }
 
 bool adam_family(OptimizerKind k) {
@@ -593,6 +617,9 @@ const Node& schema() {
                 [](const Field& f, Ctx& x) { x.c.collective_timeout_s = f.number(); }},
                {"swap_read_ahead",
                 [](const Field& f, Ctx& x) { x.c.swap_read_ahead = f.integer<int>(); }},
+               {"device", [](const Field& f, Ctx& x) { x.c.device = compute_device(f); }},
+               {"device_index",
+                [](const Field& f, Ctx& x) { x.c.device_index = f.integer<int>(); }},
            }},
       });
   return root;

@@ -36,6 +36,9 @@ Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm)
 #endif
   rank = comm->rank();
   world = comm->size();
+  dev = make_compute(cfg, res);
+  host = make_cpu_compute(res);
+  dev->attach(*comm);
   comm->set_timeout(cfg.collective_timeout_s);
   groups.push_back(cfg.optimizer);
   pdt = cfg.dtype;
@@ -76,8 +79,13 @@ int Engine::Impl::num_states() const {
 std::vector<TensorView> Engine::Impl::views(const Unit& u, void* base) const {
   std::vector<TensorView> v;
   for (const ParamSlot& p : u.layout.params)
-    v.push_back({static_cast<char*>(base) + size_t(p.offset) * pbytes, p.numel, pdt});
+    v.push_back({static_cast<char*>(base) + size_t(p.offset) * pbytes, p.numel, pdt, dev->device(),
+                 dev->device_index()});
   return v;
+}
+
+static std::string device_string(Device d, int index) {
+  return d == Device::cpu ? std::string("the CPU") : "GPU " + std::to_string(index);
 }
 
 // ---- registration and finalize --------------------------------------------------------------
@@ -205,36 +213,48 @@ void Engine::Impl::allocate() {
   const Tier tpar = st == 3 ? cfg.offload_param.tier : Tier::device;
   const bool pin_opt = cfg.offload_optimizer.pin_memory, pin_par = cfg.offload_param.pin_memory;
   const int k = cfg.gradient_accumulation_steps;
-  int64_t largest = 0;
+  int64_t largest = 0, largest_shard = 0;
+  // Device-tier memory comes from the device's backend; pinned host-tier memory from CUDA when
+  // the device is a GPU (so copies are DMA), else from the heap, mlock'ed.
+  auto buffer = [&](Tier t, MemKind kind, const char* name, size_t bytes, bool pin) {
+    if (t == Tier::device) return Buffer(&ledger, t, kind, name, bytes, dev->device_memory());
+    if (pin && dev->pinned_memory())
+      return Buffer(&ledger, t, kind, name, bytes, dev->pinned_memory());
+    return Buffer(&ledger, t, kind, name, bytes, pin);
+  };
   for (Unit& u : units) {
     const UnitLayout& L = u.layout;
     const int64_t ext = st == 0 ? L.padded_numel : L.shard_numel;  // extent of f32 state
     largest = std::max(largest, L.padded_numel);
+    largest_shard = std::max(largest_shard, L.shard_numel);
     u.whole_runs = L.runs(0, L.padded_numel);
     u.shard_runs = L.runs(rank * L.shard_numel, (rank + 1) * L.shard_numel);
 
     // On the nvme tier the shards live in swap files (nvme_setup() below) and the grad shard in
     // the tier's gradient cache; nothing of them is allocated here.
     if (tpar != Tier::nvme) {
-      u.param_buf = Buffer(&ledger, tpar, MemKind::param, "param",
+      u.param_buf = buffer(tpar, MemKind::param, "param",
                            size_t(st == 3 ? L.shard_numel : L.padded_numel) * pbytes, pin_par);
       u.param = u.param_buf.data();
     }
     if (st < 2) {
       u.grad_buf =
-          Buffer(&ledger, Tier::device, MemKind::grad, "grad", size_t(L.padded_numel) * pbytes);
+          buffer(Tier::device, MemKind::grad, "grad", size_t(L.padded_numel) * pbytes, false);
       u.grad_whole = u.grad_buf.data();
     }
+    if (staged())
+      u.param_upload_buf =
+          buffer(Tier::host, MemKind::buffer, "param_upload", size_t(L.shard_numel) * pbytes, true);
     if (topt == Tier::nvme) continue;
     if (st < 2)
-      u.grad_shard_buf = Buffer(&ledger, topt, MemKind::buffer, "grad_shard",
-                                size_t(L.shard_numel) * pbytes, pin_opt);
+      u.grad_shard_buf =
+          buffer(topt, MemKind::buffer, "grad_shard", size_t(L.shard_numel) * pbytes, pin_opt);
     else
       u.grad_shard_buf =
-          Buffer(&ledger, topt, MemKind::grad, "grad", size_t(L.shard_numel) * pbytes, pin_opt);
+          buffer(topt, MemKind::grad, "grad", size_t(L.shard_numel) * pbytes, pin_opt);
     u.grad_shard = u.grad_shard_buf.data();
     if (k > 1) {
-      u.accum_buf = Buffer(&ledger, topt, MemKind::buffer, "grad_accum", size_t(ext) * 4, pin_opt);
+      u.accum_buf = buffer(topt, MemKind::buffer, "grad_accum", size_t(ext) * 4, pin_opt);
       u.accum = u.accum_buf.as<float>();
     }
     // An f32 model's master weights are its parameters when both live on the same tier.
@@ -242,35 +262,45 @@ void Engine::Impl::allocate() {
     if (alias) {
       u.master = static_cast<float*>(u.param) + (st == 1 || st == 2 ? rank * L.shard_numel : 0);
     } else {
-      u.master_buf = Buffer(&ledger, topt, MemKind::master, "master", size_t(ext) * 4, pin_opt);
+      u.master_buf = buffer(topt, MemKind::master, "master", size_t(ext) * 4, pin_opt);
       u.master = u.master_buf.as<float>();
     }
     int ns = num_states();
     if (ns >= 1) {
-      u.state0_buf =
-          Buffer(&ledger, topt, MemKind::optim_state, "state0", size_t(ext) * 4, pin_opt);
+      u.state0_buf = buffer(topt, MemKind::optim_state, "state0", size_t(ext) * 4, pin_opt);
       u.state0 = u.state0_buf.as<float>();
     }
     if (ns >= 2) {
-      u.state1_buf =
-          Buffer(&ledger, topt, MemKind::optim_state, "state1", size_t(ext) * 4, pin_opt);
+      u.state1_buf = buffer(topt, MemKind::optim_state, "state1", size_t(ext) * 4, pin_opt);
       u.state1 = u.state1_buf.as<float>();
     }
   }
-  auto make_pool = [&](BufferPool& pool, int count, const char* name) {
+  auto make_pool = [&](BufferPool& pool, int count, const char* name, int64_t numel) {
     for (int i = 0; i < count; ++i) {
-      pool.buffers.emplace_back(&ledger, Tier::device, MemKind::buffer, name,
-                                size_t(largest) * pbytes);
+      pool.buffers.push_back(
+          buffer(Tier::device, MemKind::buffer, name, size_t(numel) * pbytes, false));
       pool.owner.push_back(-1);
     }
   };
-  if (st >= 2) make_pool(grad_pool, cfg.grad_buffers, "grad_staging");
-  if (st == 3) make_pool(gather_pool, cfg.max_live_units, "gather");
+  if (st >= 2) make_pool(grad_pool, cfg.grad_buffers, "grad_staging", largest);
+  if (st == 3) make_pool(gather_pool, cfg.max_live_units, "gather", largest);
+  if (staged()) make_pool(shard_pool, cfg.grad_buffers, "grad_shard_staging", largest_shard);
   if (topt == Tier::nvme || tpar == Tier::nvme) nvme_setup();
 }
 
 // Initial values go through f32 once; the low-precision copy is rounded from the master, so every
 // stage starts from bitwise the same state.
+void Engine::Impl::write_params(void* dst, const float* values, int64_t n) {
+  if (dev->device() == Device::cpu) {
+    host->convert(values, DType::f32, dst, pdt, n);
+    return;
+  }
+  std::vector<char> low(size_t(n) * pbytes);
+  host->convert(values, DType::f32, low.data(), pdt, n);
+  dev->copy(dst, low.data(), low.size());
+  dev->synchronize();
+}
+
 void Engine::Impl::load_initial_values() {
   std::vector<float> whole;
   for (Unit& u : units) {
@@ -304,11 +334,14 @@ void Engine::Impl::load_initial_values() {
       }
       int64_t b = cfg.stage == 0 ? 0 : rank * L.shard_numel;
       int64_t ext = cfg.stage == 0 ? L.padded_numel : L.shard_numel;
-      if (!u.master_buf.empty()) std::memcpy(u.master, whole.data() + b, size_t(ext) * 4);
+      if (!u.master_buf.empty()) {
+        opt_compute().copy(u.master, whole.data() + b, size_t(ext) * 4);
+        opt_compute().synchronize();  // before `whole` is refilled
+      }
       if (cfg.stage == 3)
-        cpu::convert(res.isa(), whole.data() + b, DType::f32, u.param, pdt, L.shard_numel);
+        write_params(u.param, whole.data() + b, L.shard_numel);
       else
-        cpu::convert(res.isa(), whole.data(), DType::f32, u.param, pdt, L.padded_numel);
+        write_params(u.param, whole.data(), L.padded_numel);
     }
     u.init_params.clear();
     u.init_params.shrink_to_fit();
@@ -401,6 +434,7 @@ void Engine::Impl::start_gather(int id) {
       throw;
     }
   }
+  dev->before_collective();
   u.gather_work =
       track(comm->all_gather(shard, gather_pool.buffers[size_t(slot)].data(), u.layout.shard_numel,
                              pdt, "unit '" + u.layout.name + "'"));
@@ -501,7 +535,7 @@ std::vector<TensorView> Engine::grads(UnitId id) {
     u.grad_slot = slot;
     base = m.grad_pool.buffers[size_t(slot)].data();
   }
-  std::memset(base, 0, bytes);
+  m.dev->zero(base, bytes);
   u.grads_out = true;
   return m.views(u, base);
 }
@@ -516,17 +550,29 @@ void Engine::grads_ready(UnitId id, const std::vector<TensorView>& src) {
                                                  << " gradients");
   for (size_t i = 0; i < ps.size(); ++i) {
     const TensorView& g = src[i];
-    if (g.numel != ps[i].numel || g.dtype != m.pdt || g.device != Device::cpu ||
-        (!g.data && g.numel))
-      ZS_THROW(invalid_argument,
-               "grads_ready(): " << m.where(u) << ": gradient of '" << ps[i].name << "' has "
-                                 << g.numel << " elements of " << dtype_name(g.dtype)
-                                 << (g.device == Device::cpu ? "" : " on a GPU") << ", expected "
-                                 << ps[i].numel << " of " << dtype_name(m.pdt) << " on the CPU");
+    // The CPU or the engine's own GPU: copies from another GPU would need peer access.
+    const bool reachable = g.device == Device::cpu ||
+                           (g.device == m.dev->device() && g.device_index == m.dev->device_index());
+    if (g.numel != ps[i].numel || g.dtype != m.pdt || !reachable || (!g.data && g.numel))
+      ZS_THROW(
+          invalid_argument,
+          "grads_ready(): "
+              << m.where(u) << ": gradient of '" << ps[i].name << "' has " << g.numel
+              << " elements of " << dtype_name(g.dtype)
+              << (g.device == Device::cpu ? "" : " on " + device_string(g.device, g.device_index))
+              << ", expected " << ps[i].numel << " of " << dtype_name(m.pdt) << " on the CPU"
+              << (m.dev->device() == Device::cpu
+                      ? ""
+                      : " or " + device_string(m.dev->device(), m.dev->device_index())));
   }
   std::vector<TensorView> dst = grads(id);
-  for (size_t i = 0; i < ps.size(); ++i)
-    if (src[i].numel) std::memcpy(dst[i].data, src[i].data, src[i].bytes());
+  bool from_host = false;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (src[i].numel) m.dev->copy(dst[i].data, src[i].data, src[i].bytes());
+    from_host |= src[i].device == Device::cpu;
+  }
+  // The caller may reuse its host memory once this returns.
+  if (from_host) m.dev->synchronize();
   grads_ready(id);
 }
 
@@ -539,7 +585,19 @@ void Engine::grads_ready(UnitId id) {
   const void* src =
       m.cfg.stage < 2 ? u.grad_whole : m.grad_pool.buffers[size_t(u.grad_slot)].data();
   if (m.opt_nvme()) m.nvme_grad_target(id);  // points u.grad_shard at a slot of the gradient cache
-  u.reduction = m.track(m.comm->reduce_scatter(src, u.grad_shard, u.layout.shard_numel, m.pdt,
+  void* dst = u.grad_shard;
+  if (m.staged()) {  // into GPU memory first; finish_reduction() brings it to the host tier
+    int slot = m.shard_pool.acquire(id);
+    for (size_t i = 0; slot < 0 && i < m.shard_pool.owner.size(); ++i) {
+      m.finish_reduction(m.shard_pool.owner[i]);  // the oldest reductions free their slots
+      slot = m.shard_pool.acquire(id);
+    }
+    ZS_CHECK(slot >= 0);
+    u.shard_slot = slot;
+    dst = m.shard_pool.buffers[size_t(slot)].data();
+  }
+  m.dev->before_collective();
+  u.reduction = m.track(m.comm->reduce_scatter(src, dst, u.layout.shard_numel, m.pdt,
                                                "unit '" + u.layout.name + "'"));
   u.grads_out = false;
   if (!m.cfg.overlap_comm) m.finish_reduction(id);
@@ -584,6 +642,12 @@ const Config& Engine::config() const {
 const std::shared_ptr<Communicator>& Engine::communicator() const {
   return impl_->comm;
 }
+void* Engine::stream() const {
+  return impl_->dev->stream();
+}
+void Engine::set_stream(void* stream) {
+  impl_->dev->set_stream(stream);
+}
 
 std::vector<Param> Engine::unit_params(UnitId id) const {
   if (id < 0 || size_t(id) >= impl_->units.size())
@@ -623,7 +687,10 @@ std::vector<float> Engine::read_shard(UnitId id, StateKind kind) const {
     case StateKind::param: {
       const char* p =
           static_cast<const char*>(u.param) + size_t(m.cfg.stage == 3 ? 0 : off) * m.pbytes;
-      cpu::convert(m.res.isa(), p, m.pdt, out.data(), DType::f32, n);
+      std::vector<char> low(size_t(n) * m.pbytes);
+      m.dev->copy(low.data(), p, low.size());
+      m.dev->synchronize();
+      cpu::convert(m.res.isa(), low.data(), m.pdt, out.data(), DType::f32, n);
       return out;
     }
     case StateKind::master:
@@ -640,7 +707,8 @@ std::vector<float> Engine::read_shard(UnitId id, StateKind kind) const {
     ZS_THROW(invalid_argument, "read_shard(): " << m.where(u) << ": optimizer "
                                                 << optimizer_name(m.cfg.optimizer.kind)
                                                 << " keeps no such state");
-  std::memcpy(out.data(), src, size_t(n) * 4);
+  m.opt_compute().copy(out.data(), src, size_t(n) * 4);
+  m.opt_compute().synchronize();
   return out;
 }
 
@@ -666,7 +734,8 @@ void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v)
                                            : nullptr;
   if (!dst)
     ZS_THROW(invalid_argument, "write_shard(): " << m.where(u) << ": no such writable state");
-  std::memcpy(dst, v.data(), size_t(n) * 4);
+  m.opt_compute().copy(dst, v.data(), size_t(n) * 4);
+  m.opt_compute().synchronize();
 }
 
 void Engine::commit_shards() {
@@ -681,26 +750,27 @@ void Engine::commit_shards() {
   for (Unit& u : m.units) {
     const int64_t n = u.layout.shard_numel, off = m.rank * n;
     const std::string what = "unit '" + u.layout.name + "' (restored state)";
-    if (m.cfg.stage == 0)  // whole f32 state on every rank: gather the restored shards first
+    if (m.cfg.stage == 0) {  // whole f32 state on every rank: gather the restored shards first
+      m.dev->before_collective();
       for (float* f : {u.master, u.state0, u.state1})
         if (f) works.push_back(m.comm->all_gather(f + off, f, n, DType::f32, what));
+    }
   }
   for (auto& w : works) w->wait();
   works.clear();
   for (Unit& u : m.units) {
-    const int64_t n = u.layout.shard_numel, off = m.rank * n;
+    const int64_t n = u.layout.shard_numel;
     const std::string what = "unit '" + u.layout.name + "' (restored parameters)";
-    char* p = static_cast<char*>(u.param);
-    switch (m.cfg.stage) {
-      case 0:
-        cpu::convert(m.res.isa(), u.master, DType::f32, p, m.pdt, u.layout.padded_numel);
-        break;
-      case 3:
-        cpu::convert(m.res.isa(), u.master, DType::f32, p, m.pdt, n);
-        break;
-      default:
-        cpu::convert(m.res.isa(), u.master, DType::f32, p + size_t(off) * m.pbytes, m.pdt, n);
-        works.push_back(m.comm->all_gather(p + size_t(off) * m.pbytes, p, n, m.pdt, what));
+    // The parameters are rounded from the master where the master lives.
+    const int64_t count = m.cfg.stage == 0 ? u.layout.padded_numel : n;
+    if (m.staged()) {
+      m.write_params(m.own_param(u), u.master, count);
+    } else {
+      m.opt_compute().convert(u.master, DType::f32, m.own_param(u), m.pdt, count);
+    }
+    if (m.cfg.stage == 1 || m.cfg.stage == 2) {
+      m.dev->before_collective();
+      works.push_back(m.comm->all_gather(m.own_param(u), u.param, n, m.pdt, what));
     }
   }
   for (auto& w : works) w->wait();

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "compute.hpp"
 #include "layout.hpp"
 #include "ledger.hpp"
 #include "precision/loss_scaler.hpp"
@@ -33,6 +34,9 @@ struct Unit {
 
   // Persistent state. Pointers alias into the buffers (or into another state, see finalize).
   Buffer param_buf, grad_buf, grad_shard_buf, accum_buf, master_buf, state0_buf, state1_buf;
+  // GPU with the optimizer on the host tier: the update's low-precision copy of this rank's
+  // shard, uploaded to the parameters on the GPU.
+  Buffer param_upload_buf;
   void* param = nullptr;       // stages 0–2: whole unit; stage 3: this rank's shard
   void* grad_whole = nullptr;  // stages 0–1: the trainer's whole gradient buffer
   void* grad_shard = nullptr;  // reduce-scatter output, this rank's shard
@@ -45,6 +49,7 @@ struct Unit {
   std::shared_ptr<Work> reduction;  // reduce-scatter in flight
   bool grads_out = false;           // grads() handed out, grads_ready() not yet called
   int grad_slot = -1;               // stage 2–3 staging buffer in use
+  int shard_slot = -1;              // GPU + host tier: device buffer the reduce-scatter fills
   int micro_done = 0;               // micro-steps reduced since the last step
   // Stage 3 gather state.
   int gather_slot = -1;
@@ -60,21 +65,24 @@ struct Engine::Impl {
   std::shared_ptr<Communicator> comm;
   int rank = 0, world = 1;
   std::vector<OptimizerOptions> groups;
-  // Declared before everything that holds a Buffer, so it outlives them all.
-  // Declared before everything that holds a Buffer: members die in reverse order, and every
-  // Buffer unregisters from the ledger when it dies.
+  Resources res;
+  // The device's backend and the CPU's (the host tier's optimizer). Declared before the
+  // ledger and every Buffer: members die in reverse order, and buffers return their memory to
+  // the backends' allocators and unregister from the ledger when they die.
+  std::unique_ptr<Compute> dev, host;
   Ledger ledger;
   std::vector<Unit> units;
   bool finalized = false;
 
-  Resources res;
   LossScaler scaler;
   int64_t steps = 0;
   DType pdt = DType::f32;  // parameter and gradient dtype
   size_t pbytes = 4;
 
-  BufferPool grad_pool;    // stages 2–3
-  BufferPool gather_pool;  // stage 3
+  BufferPool grad_pool;          // stages 2–3
+  BufferPool gather_pool;        // stage 3
+  BufferPool shard_pool;         // GPU + host tier: reduce-scatter outputs on the GPU
+  bool uploads_pending = false;  // param_upload_bufs still being copied to the GPU
   // Stage 3 prefetch: the gather order recorded during the first step, and where we are in it.
   std::vector<int> gather_order;
   bool order_recorded = false;
@@ -103,7 +111,28 @@ struct Engine::Impl {
   const Unit& unit(UnitId id, const char* call) const;
   std::string where(const Unit& u) const;  // "rank 1, unit 'layer3'"
   int num_states() const;                  // optimizer moment buffers: 0, 1 or 2
+  /// Where the optimizer state lives decides where its work runs.
+  Compute& opt_compute() const { return cfg.offload_optimizer.tier == Tier::device ? *dev : *host; }
+  /// GPU with the optimizer on the host or nvme tier (run by the CPU): gradient shards come
+  /// down, updated parameters go up.
+  bool staged() const {
+    return dev->device() != Device::cpu && cfg.offload_optimizer.tier != Tier::device;
+  }
+  /// n low-precision parameters at dst (device memory) rounded from f32 values in host memory;
+  /// returns once the values may be reused. Off the step path (set-up, restore).
+  void write_params(void* dst, const float* values, int64_t n);
+  /// The update of unit u wrote its low-precision shard to its upload buffer: send it up.
+  void upload_params(Unit& u) {
+    dev->copy(own_param(u), u.param_upload_buf.data(), u.param_upload_buf.bytes());
+    uploads_pending = true;
+  }
   std::vector<TensorView> views(const Unit& u, void* base) const;
+  /// Where this rank's updated shard of the low-precision parameters goes: its block of the
+  /// whole parameters (stages 1–2), the shard itself (stage 3) or the whole unit (stage 0).
+  void* own_param(const Unit& u) const {
+    return static_cast<char*>(u.param) +
+           size_t(cfg.stage == 1 || cfg.stage == 2 ? rank * u.layout.shard_numel : 0) * pbytes;
+  }
 
   // engine.cpp
   void check_same_model();
@@ -117,13 +146,11 @@ struct Engine::Impl {
   void finish_reduction(int id);
   StepResult step();
   std::vector<cpu::UpdateHyper> fold_hyper(double grad_scale) const;
-  /// Update tasks of one unit: chunks of at most Resources::kChunk elements per group run, with
-  /// the state at master/state0/state1 (shard-relative, or whole in stage 0), the gradient at
-  /// grad (grad_dtype) and the low-precision copy-out at out (null: none).
-  struct UpdateTask {
-    const cpu::UpdateHyper* h;
-    cpu::UpdateArgs a;
-  };
+  /// One unit's update: the state at master/state0/state1 (shard-relative, or whole in stage 0),
+  /// the gradient at grad (grad_dtype) and the low-precision copy-out at out (null: none).
+  UnitUpdate unit_update(const Unit& u, float* master, float* state0, float* state1,
+                         const void* grad, DType grad_dtype, void* out) const;
+  /// The same as CPU tasks of at most Resources::kChunk elements (the nvme tier).
   void unit_tasks(const Unit& u, const std::vector<cpu::UpdateHyper>& hyper, float* master,
                   float* state0, float* state1, const void* grad, DType grad_dtype, void* out,
                   std::vector<UpdateTask>& tasks) const;

@@ -231,9 +231,9 @@ void Engine::Impl::nvme_load_initial(int id, const float* whole) {
   } else if (whole) {
     // Parameters in memory: the whole unit in stages 1–2, the shard in stage 3.
     if (cfg.stage == 3)
-      cpu::convert(res.isa(), shard, DType::f32, u.param, pdt, S);
+      write_params(u.param, shard, S);
     else
-      cpu::convert(res.isa(), whole, DType::f32, u.param, pdt, u.layout.padded_numel);
+      write_params(u.param, whole, u.layout.padded_numel);
   }
 }
 
@@ -470,15 +470,16 @@ void Engine::Impl::nvme_update(const std::vector<cpu::UpdateHyper>& hyper) {
     float* s1 = num_states() >= 2 ? reinterpret_cast<float*>(base + 2 * L.sec) : nullptr;
     const char* grad = base + L.grad_off;
     if (nu.gslot >= 0) grad = n.grad_pool.data(nu.gslot) + (k > 1 ? n.grad_acc_off : 0);
-    void* out = n.par ? static_cast<void*>(base + L.lowp_off)
-                      : static_cast<char*>(u.param) +
-                            size_t(cfg.stage == 3 ? 0 : rank * u.layout.shard_numel) * pbytes;
+    void* out = n.par      ? static_cast<void*>(base + L.lowp_off)
+                : staged() ? u.param_upload_buf.data()  // parameters on a GPU
+                           : own_param(u);
     if (n.par) zero_padding(u, base + L.lowp_off, pbytes);
     tasks.clear();
     unit_tasks(u, hyper, master, s0, s1, grad, gdt, out, tasks);
     res.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
       cpu::optimizer_update(res.isa(), *tasks[size_t(t)].h, tasks[size_t(t)].a);
     });
+    if (staged()) upload_params(u);
     if (nu.gslot >= 0) {  // the cached gradient is spent
       n.grad_pool.release(nu.gslot);
       nu.gslot = -1;
@@ -523,9 +524,8 @@ void Engine::Impl::nvme_update(const std::vector<cpu::UpdateHyper>& hyper) {
       Unit& u = units[size_t(i)];
       try {
         std::vector<float> master = nvme_read_state(u, StateKind::master);
-        char* p = static_cast<char*>(u.param) +
-                  size_t(cfg.stage == 3 ? 0 : rank * u.layout.shard_numel) * pbytes;
-        cpu::convert(res.isa(), master.data(), DType::f32, p, pdt, u.layout.shard_numel);
+        if (uploads_pending) dev->synchronize();  // the failed step's uploads, first
+        write_params(own_param(u), master.data(), u.layout.shard_numel);
       } catch (const Error& e) {
         restore_error +=
             std::string("; restoring the parameters of unit '") + u.layout.name +
@@ -791,7 +791,7 @@ void Engine::Impl::nvme_commit_shards() {
   for (size_t i = 0; i < units.size(); ++i) {
     Unit& u = units[i];
     NvmeUnit& nu = n.units[i];
-    const int64_t S = u.layout.shard_numel, off = rank * S;
+    const int64_t S = u.layout.shard_numel;
     std::vector<float> master =
         n.opt ? nvme_read_state(u, StateKind::master) : std::vector<float>(u.master, u.master + S);
     if (n.par) {
@@ -804,13 +804,13 @@ void Engine::Impl::nvme_commit_shards() {
                                                 "' (restored parameters)");
       n.io->wait(*wr);
       nu.pcur = 1 - nu.pcur;
-    } else if (cfg.stage == 3) {
-      cpu::convert(res.isa(), master.data(), DType::f32, u.param, pdt, S);
     } else {
-      char* p = static_cast<char*>(u.param);
-      cpu::convert(res.isa(), master.data(), DType::f32, p + size_t(off) * pbytes, pdt, S);
-      works.push_back(comm->all_gather(p + size_t(off) * pbytes, p, S, pdt,
-                                       "unit '" + u.layout.name + "' (restored parameters)"));
+      write_params(own_param(u), master.data(), S);
+      if (cfg.stage == 1 || cfg.stage == 2) {
+        dev->before_collective();
+        works.push_back(comm->all_gather(own_param(u), u.param, S, pdt,
+                                         "unit '" + u.layout.name + "' (restored parameters)"));
+      }
     }
   }
   for (auto& w : works) w->wait();

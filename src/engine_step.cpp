@@ -54,12 +54,20 @@ void Engine::Impl::finish_reduction(int id) {
   wait_for(*u.reduction);
   u.reduction.reset();
   const UnitLayout& L = u.layout;
-  if (cfg.stage == 0)
+  if (cfg.stage == 0) {
+    dev->before_collective();
     wait_for(*track(comm->all_gather(u.grad_shard, u.grad_whole, L.shard_numel, pdt,
                                      "unit '" + L.name + "' (gradients)")));
+  }
   if (u.grad_slot >= 0) {
     grad_pool.release(u.grad_slot);
     u.grad_slot = -1;
+  }
+  if (u.shard_slot >= 0) {  // the reduced shard comes down to the host tier
+    dev->download(u.grad_shard, shard_pool.buffers[size_t(u.shard_slot)].data(),
+                  size_t(L.shard_numel) * pbytes);
+    shard_pool.release(u.shard_slot);
+    u.shard_slot = -1;
   }
   if (opt_nvme()) {  // the gradient goes to the nvme tier's cache (engine_offload.cpp)
     nvme_grad_reduced(id);
@@ -70,14 +78,10 @@ void Engine::Impl::finish_reduction(int id) {
     const void* g = cfg.stage == 0 ? u.grad_whole : u.grad_shard;
     int64_t n = cfg.stage == 0 ? L.padded_numel : L.shard_numel;
     // acc = g on the first micro-step: no separate zeroing pass.
-    const bool first = u.micro_done == 0;
-    res.parallel_chunks(n, [&](int64_t b, int64_t e) {
-      const void* gb = static_cast<const char*>(g) + size_t(b) * pbytes;
-      if (first)
-        cpu::convert(res.isa(), gb, pdt, u.accum + b, DType::f32, e - b);
-      else
-        cpu::accumulate(res.isa(), u.accum + b, gb, pdt, e - b);
-    });
+    if (u.micro_done == 0)
+      opt_compute().convert(g, pdt, u.accum, DType::f32, n);
+    else
+      opt_compute().accumulate(u.accum, g, pdt, n);
   }
   ++u.micro_done;
 }
@@ -89,6 +93,8 @@ void Engine::zero_grad() {
     Unit& u = m.units[i];
     if (u.grad_slot >= 0) m.grad_pool.release(u.grad_slot);
     u.grad_slot = -1;
+    if (u.shard_slot >= 0) m.shard_pool.release(u.shard_slot);
+    u.shard_slot = -1;
     u.grads_out = false;
     u.micro_done = 0;
   }
@@ -144,11 +150,13 @@ StepResult Engine::Impl::step() {
     grad_error = nvme_settle_grads();
     local = nvme_sumsq();  // taken per unit when its gradient was final, summed in unit order
   } else {
-    for (const Unit& u : units)
-      local += res.parallel_sum(u.layout.shard_numel, [&](int64_t b, int64_t e) {
-        auto [g, dt] = grad_at(u, b);
-        return cpu::sum_squares(res.isa(), g, dt, e - b);
-      });
+    std::vector<GradSpan> spans;
+    for (const Unit& u : units) {
+      auto [g, dt] = grad_at(u, 0);
+      spans.push_back({g, dt, u.layout.shard_numel});
+    }
+    auto [sum, nonfinite] = opt_compute().sum_squares(spans);
+    local = nonfinite ? std::numeric_limits<double>::infinity() : sum;
   }
   double agg[3] = {local, std::isfinite(local) ? 0.0 : 1.0, grad_error ? 1.0 : 0.0};
   wait_for(*track(comm->all_reduce(agg, 3, ReduceOp::sum, "gradient norm and overflow flag")));
@@ -190,6 +198,11 @@ StepResult Engine::Impl::step() {
   const double t_update = now_s();
 
   const std::vector<cpu::UpdateHyper> hyper = fold_hyper(inv * r.clip_factor);
+  // The last step's uploads must land before the update rewrites their buffers.
+  if (uploads_pending) {
+    dev->synchronize();
+    uploads_pending = false;
+  }
   if (opt_nvme() || par_nvme()) {
     // The nvme tier commits the step on every rank or on none; on failure it restores what it
     // changed in memory and throws, leaving the state of the last completed step.
@@ -203,25 +216,32 @@ StepResult Engine::Impl::step() {
       throw;
     }
   } else {
-    // Every (unit, group run) piece of at most kChunk elements is one task, so small units and
-    // big ones share the arena evenly.
-    std::vector<UpdateTask> tasks;
+    std::vector<UnitUpdate> updates;
     for (Unit& u : units) {
       const bool whole = cfg.stage == 0;
       const void* g = k > 1   ? static_cast<const void*>(u.accum)
                       : whole ? u.grad_whole
                               : u.grad_shard;
       // Stage 0 updates the whole unit; the others their shard, whose copy-out lands in the
-      // rank's part of the whole parameters (stages 1–2) or in the parameter shard (stage 3).
+      // rank's part of the whole parameters (stages 1–2) or in the parameter shard (stage 3),
+      // or, when those are on a GPU and the update on the CPU, in the upload buffer.
       void* out = nullptr;
-      if (!u.master_buf.empty())
-        out = static_cast<char*>(u.param) +
-              size_t(cfg.stage == 1 || cfg.stage == 2 ? rank * u.layout.shard_numel : 0) * pbytes;
-      unit_tasks(u, hyper, u.master, u.state0, u.state1, g, k > 1 ? DType::f32 : pdt, out, tasks);
+      if (staged())
+        out = u.param_upload_buf.data();
+      else if (!u.master_buf.empty())
+        out = own_param(u);
+      updates.push_back(
+          unit_update(u, u.master, u.state0, u.state1, g, k > 1 ? DType::f32 : pdt, out));
     }
-    res.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
-      cpu::optimizer_update(res.isa(), *tasks[size_t(t)].h, tasks[size_t(t)].a);
-    });
+    if (staged()) {
+      // Unit by unit, so each unit's upload to the GPU overlaps the next one's update.
+      for (size_t i = 0; i < units.size(); ++i) {
+        host->update(hyper, {updates[i]});
+        upload_params(units[i]);
+      }
+    } else {
+      opt_compute().update(hyper, updates);
+    }
   }
 
   // The update alone: the all-gather that follows is communication, counted as such.
@@ -229,9 +249,9 @@ StepResult Engine::Impl::step() {
   // Stages 1–2 keep whole parameters: each rank contributes its updated shard.
   if (cfg.stage == 1 || cfg.stage == 2) {
     std::vector<std::shared_ptr<Work>> works;
+    dev->before_collective();
     for (Unit& u : units) {
-      char* own = static_cast<char*>(u.param) + size_t(rank * u.layout.shard_numel) * pbytes;
-      works.push_back(track(comm->all_gather(own, u.param, u.layout.shard_numel, pdt,
+      works.push_back(track(comm->all_gather(own_param(u), u.param, u.layout.shard_numel, pdt,
                                              "unit '" + u.layout.name + "' (parameters)")));
     }
     for (auto& w : works) wait_for(*w);
@@ -265,28 +285,28 @@ std::vector<cpu::UpdateHyper> Engine::Impl::fold_hyper(double grad_scale) const 
 }
 
 // Positions are relative to the state's extent (the whole unit in stage 0, else the shard), and
-// so are the gradient's and the copy-out's: every tier runs the same tasks on the same values.
+// so are the gradient's and the copy-out's: every tier runs the same update on the same values.
+UnitUpdate Engine::Impl::unit_update(const Unit& u, float* master, float* state0, float* state1,
+                                     const void* grad, DType grad_dtype, void* out) const {
+  UnitUpdate w;
+  w.runs = cfg.stage == 0 ? &u.whole_runs : &u.shard_runs;
+  w.args.master = master;
+  w.args.state0 = state0;
+  w.args.state1 = state1;
+  w.args.grad = grad;
+  w.args.grad_dtype = grad_dtype;
+  if (out) {
+    w.args.out = out;
+    w.args.out_dtype = pdt;
+  }
+  w.args.n = cfg.stage == 0 ? u.layout.padded_numel : u.layout.shard_numel;
+  return w;
+}
+
 void Engine::Impl::unit_tasks(const Unit& u, const std::vector<cpu::UpdateHyper>& hyper,
                               float* master, float* state0, float* state1, const void* grad,
                               DType grad_dtype, void* out, std::vector<UpdateTask>& tasks) const {
-  const size_t gsize = dtype_size(grad_dtype);
-  for (const GroupRun& run : cfg.stage == 0 ? u.whole_runs : u.shard_runs) {
-    for (int64_t b = run.begin; b < run.end; b += Resources::kChunk) {
-      const int64_t e = std::min(run.end, b + Resources::kChunk);
-      cpu::UpdateArgs a;
-      a.master = master + b;
-      a.state0 = state0 ? state0 + b : nullptr;
-      a.state1 = state1 ? state1 + b : nullptr;
-      a.grad = static_cast<const char*>(grad) + size_t(b) * gsize;
-      a.grad_dtype = grad_dtype;
-      if (out) {
-        a.out = static_cast<char*>(out) + size_t(b) * pbytes;
-        a.out_dtype = pdt;
-      }
-      a.n = e - b;
-      tasks.push_back({&hyper[size_t(run.group)], a});
-    }
-  }
+  append_update_tasks(hyper, unit_update(u, master, state0, state1, grad, grad_dtype, out), tasks);
 }
 
 }  // namespace zeroshard

@@ -26,6 +26,17 @@ class Ledger {
   std::map<std::pair<std::string, int>, NamedBuffer> named_;
 };
 
+/// Memory Buffer takes from somewhere other than the host heap: the CUDA device tier, or host
+/// memory page-locked through CUDA so the GPU copies it by DMA (src/compute.hpp).
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  /// `bytes` (> 0) zero-filled bytes, aligned to at least 256; throws Error(no_space) naming
+  /// `name` when they do not fit, Error(cuda_error) on another failure.
+  virtual void* allocate(size_t bytes, const std::string& name) = 0;
+  virtual void deallocate(void* p) noexcept = 0;
+};
+
 /// Move-only, zero-filled, aligned host memory counted in a Ledger for its lifetime.
 /// Tier::host buffers are page-locked (mlock) when `pin` is set, as the offload tier needs.
 /// With `huge_pages` (I/O staging), buffers of 2 MiB or more are 2 MiB-aligned and backed by
@@ -35,6 +46,8 @@ class Buffer {
   Buffer() = default;
   Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t bytes, bool pin = false,
          bool huge_pages = false);
+  /// From `alloc` instead (null: the host heap, as above, unpinned).
+  Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t bytes, Allocator* alloc);
   ~Buffer();
   Buffer(Buffer&& o) noexcept { swap(o); }
   Buffer& operator=(Buffer&& o) noexcept {
@@ -62,6 +75,7 @@ class Buffer {
   Tier tier_ = Tier::device;
   MemKind kind_ = MemKind::buffer;
   bool pinned_ = false;
+  Allocator* alloc_ = nullptr;
   std::string name_;
 };
 

@@ -114,10 +114,25 @@ Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t
   if (ledger_) ledger_->add(tier_, kind_, name_, int64_t(bytes_));
 }
 
+Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t bytes,
+               Allocator* alloc)
+    : Buffer(alloc ? nullptr : ledger, tier, kind, std::move(name), alloc ? 0 : bytes) {
+  if (!alloc || bytes == 0) return;
+  ledger_ = ledger;
+  data_ = alloc->allocate(bytes, name_);
+  alloc_ = alloc;
+  bytes_ = rounded_ = bytes;
+  if (ledger_) ledger_->add(tier_, kind_, name_, int64_t(bytes_));
+}
+
 Buffer::~Buffer() {
   if (!data_) return;
-  if (pinned_) munlock(data_, rounded_);
-  std::free(data_);
+  if (alloc_) {
+    alloc_->deallocate(data_);
+  } else {
+    if (pinned_) munlock(data_, rounded_);
+    std::free(data_);
+  }
   if (ledger_) ledger_->sub(tier_, kind_, name_, int64_t(bytes_));
 }
 
@@ -129,6 +144,7 @@ void Buffer::swap(Buffer& o) noexcept {
   std::swap(kind_, o.kind_);
   std::swap(pinned_, o.pinned_);
   std::swap(rounded_, o.rounded_);
+  std::swap(alloc_, o.alloc_);
   std::swap(name_, o.name_);
 }
 

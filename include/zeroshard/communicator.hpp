@@ -65,9 +65,23 @@ class Communicator {
 /// A communicator over MPI_COMM_WORLD. Initialises MPI with MPI_THREAD_MULTIPLE if the process
 /// has not, and then finalises it when the last such communicator is destroyed.
 /// Throws Error(comm_failure) if the MPI library cannot provide MPI_THREAD_MULTIPLE.
+///
+/// Buffers are host memory. In a build with CUDA (ZEROSHARD_WITH_CUDA=ON) on a machine where a
+/// CUDA GPU is present when this is called, reduce_scatter, all_gather (in place too) and
+/// broadcast also accept CUDA device memory (from cudaMalloc and the like, of any device; managed
+/// memory counts as host memory), staged through pinned host memory, so that several ranks can
+/// share one GPU (which NCCL does not allow): a path for testing, not for speed. A device input
+/// is copied out synchronously in the call, on the legacy default stream: write it from a
+/// blocking stream, or synchronise a non-blocking producer first. The result is copied back
+/// synchronously by the thread that first sees the collective complete (in wait(), done() or
+/// wait_settled()), before that call returns; a failed collective copies nothing back, and
+/// neither does a Work dropped before anyone saw it complete. A failed copy throws
+/// Error(cuda_error) naming the collective. all_reduce takes host doubles only. Without a GPU
+/// the communicator is the plain host one, and no collective calls the CUDA runtime.
 std::shared_ptr<Communicator> make_mpi_communicator();
 
-/// A communicator of one rank (no MPI): collectives are copies.
+/// A communicator of one rank (no MPI): collectives are copies. As make_mpi_communicator(), it
+/// takes CUDA device buffers where a GPU is present (staged through pinned host memory).
 std::shared_ptr<Communicator> make_self_communicator();
 
 /// A communicator over NCCL for buffers in the memory of CUDA device `device` (an index as

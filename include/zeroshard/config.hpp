@@ -72,6 +72,13 @@ struct LossScaleOptions {
 struct Config {
   /// ZeRO stage 0 (plain data parallel), 1, 2 or 3; see DESIGN.md for what each shards.
   int stage = 0;
+  /// The compute device ("zeroshard.device": "cpu" or "cuda"). Parameters, gradients and the
+  /// device tier live in its memory, and the optimizer runs there when its state is on the
+  /// device tier (on the CPU when offloaded to host or nvme). cuda needs a CUDA build and a GPU;
+  /// it takes every offload_optimizer tier (host and nvme from stage 1) and offload_param none.
+  Device device = Device::cpu;
+  /// The GPU for device cuda; −1 picks the launcher's local rank modulo the number of GPUs.
+  int device_index = -1;
   /// Element type of parameters and gradients the trainer sees ("fp16"/"bf16" enabled → f16/bf16).
   /// Master weights and optimizer state are always f32.
   DType dtype = DType::f32;

@@ -69,6 +69,13 @@ struct SwapStats {
 /// Which state read_shard() returns.
 enum class StateKind : uint8_t { param, master, state0, state1 };
 
+/// On a GPU (Config::device cuda) the views that params(), gather() and grads() return are
+/// device memory (TensorView::device cuda), and the engine's kernels and copies run in order on
+/// its compute stream (stream()). The trainer's own kernels that write gradients must be queued
+/// on that stream before grads_ready(), and those that read parameters after gather() or step()
+/// returns; or the trainer hands its stream to the engine with set_stream(). The engine never
+/// synchronises the whole device; it waits on its own stream where the host needs a result
+/// (the gradient norm, checkpoint reads).
 class Engine {
  public:
   /// Validates `config` (throws Error(invalid_config)). `comm` may be shared by several engines
@@ -113,7 +120,8 @@ class Engine {
   /// Collective. Each unit must be marked ready once per micro-step.
   void grads_ready(UnitId unit);
   /// The copying form for trainers that keep their own gradient tensors (PyTorch's .grad): checks
-  /// one CPU view per Param with the Param's element count and Config::dtype (else throws
+  /// one view per Param, on the CPU or the engine's GPU, with the Param's element count and
+  /// Config::dtype (else throws
   /// Error(invalid_argument) naming the parameter), copies them into the unit's gradient buffer
   /// and starts the reduction as grads_ready(unit) does. The views may be reused on return.
   void grads_ready(UnitId unit, const std::vector<TensorView>& grads);
@@ -140,6 +148,12 @@ class Engine {
   ShardInfo shard_info(UnitId unit) const;
   const Config& config() const;
   const std::shared_ptr<Communicator>& communicator() const;
+  /// Config::device cuda: the compute stream (a cudaStream_t), else null.
+  void* stream() const;
+  /// Config::device cuda: run the engine's work on the trainer's stream (a cudaStream_t, e.g.
+  /// torch.cuda.current_stream().cuda_stream) from now on; null returns to the engine's own.
+  /// Waits for the work already issued on the old stream. Throws on the CPU device.
+  void set_stream(void* stream);
   /// The unit's parameters as registered (without their initial values).
   std::vector<Param> unit_params(UnitId unit) const;
   /// Whether the optimizer keeps `kind` (master and param always; state1 for Adam/AdamW; state0

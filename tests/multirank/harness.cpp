@@ -84,7 +84,20 @@ std::vector<StepResult> train(Engine& e, const TrainOptions& opt) {
       const float scale = e.loss_scale();
       for (int u = 0; u < e.num_units(); ++u) {
         std::vector<TensorView> p = e.gather(u);
-        std::vector<TensorView> g = e.grads(u);
+        std::vector<TensorView> g;
+        // A GPU engine: parameters come down, gradients are written here and copied over.
+        std::vector<std::vector<unsigned char>> host_p, host_g;
+        if (opt.download) {
+          for (TensorView& v : p) {
+            host_p.emplace_back(v.bytes());
+            if (v.numel) opt.download(host_p.back().data(), v.data, v.bytes());
+            v.data = host_p.back().data();
+            host_g.emplace_back(v.bytes());
+            g.push_back({host_g.back().data(), v.numel, v.dtype});
+          }
+        } else {
+          g = e.grads(u);
+        }
         int64_t flat = 0;
         for (size_t t = 0; t < p.size(); ++t) {
           for (int64_t i = 0; i < p[t].numel; ++i, ++flat) {
@@ -101,7 +114,10 @@ std::vector<StepResult> train(Engine& e, const TrainOptions& opt) {
           }
         }
         if (opt.tamper) opt.tamper(e, u, micro, step, g);
-        e.grads_ready(u);
+        if (opt.download)
+          e.grads_ready(u, g);
+        else
+          e.grads_ready(u);
         e.release(u);
       }
     }

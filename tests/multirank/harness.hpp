@@ -57,6 +57,10 @@ struct TrainOptions {
   /// Called with (engine, unit, micro, step, grads) after the trainer wrote its gradients.
   std::function<void(zeroshard::Engine&, int, int, int64_t, std::vector<zeroshard::TensorView>&)>
       tamper;
+  /// For an engine on a GPU (the harness itself is CUDA-free): copies `bytes` of device memory
+  /// to the host. Parameters are then read through it, and gradients are written on the host
+  /// and handed over with the copying grads_ready(unit, views).
+  std::function<void(void* host, const void* device, size_t bytes)> download;
 };
 
 /// Runs opt.steps steps: per micro-step, per unit, gather → gradient → grads_ready → release.

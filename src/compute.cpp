@@ -1,0 +1,124 @@
+// The CPU backend of Compute, and the choice of backend.
+#include "compute.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "check.hpp"
+#include "resources.hpp"
+#include "zeroshard/config.hpp"
+#include "zeroshard/error.hpp"
+
+namespace zeroshard {
+
+void append_update_tasks(const std::vector<cpu::UpdateHyper>& hyper, const UnitUpdate& unit,
+                         std::vector<UpdateTask>& tasks) {
+  const cpu::UpdateArgs& w = unit.args;
+  const size_t gsize = dtype_size(w.grad_dtype), osize = dtype_size(w.out_dtype);
+  for (const GroupRun& run : *unit.runs) {
+    for (int64_t b = run.begin; b < run.end; b += Resources::kChunk) {
+      cpu::UpdateArgs a = w;
+      a.master = w.master + b;
+      a.state0 = w.state0 ? w.state0 + b : nullptr;
+      a.state1 = w.state1 ? w.state1 + b : nullptr;
+      a.grad = static_cast<const char*>(w.grad) + size_t(b) * gsize;
+      a.out = w.out ? static_cast<char*>(w.out) + size_t(b) * osize : nullptr;
+      a.n = std::min(run.end, b + Resources::kChunk) - b;
+      tasks.push_back({&hyper[size_t(run.group)], a});
+    }
+  }
+}
+
+namespace {
+
+class CpuCompute final : public Compute {
+ public:
+  explicit CpuCompute(Resources& res) : res_(res) {}
+
+  Device device() const override { return Device::cpu; }
+  int device_index() const override { return 0; }
+  Allocator* device_memory() override { return nullptr; }
+  Allocator* pinned_memory() override { return nullptr; }
+
+  void zero(void* p, size_t bytes) override {
+    if (bytes) std::memset(p, 0, bytes);
+  }
+  void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
+    const size_t ss = dtype_size(sd), ds = dtype_size(dd);
+    res_.parallel_chunks(n, [&](int64_t b, int64_t e) {
+      cpu::convert(res_.isa(), static_cast<const char*>(src) + size_t(b) * ss, sd,
+                   static_cast<char*>(dst) + size_t(b) * ds, dd, e - b);
+    });
+  }
+  void accumulate(float* acc, const void* g, DType gd, int64_t n) override {
+    const size_t gs = dtype_size(gd);
+    res_.parallel_chunks(n, [&](int64_t b, int64_t e) {
+      cpu::accumulate(res_.isa(), acc + b, static_cast<const char*>(g) + size_t(b) * gs, gd, e - b);
+    });
+  }
+  void update(const std::vector<cpu::UpdateHyper>& hyper,
+              const std::vector<UnitUpdate>& units) override {
+    std::vector<UpdateTask> tasks;
+    for (const UnitUpdate& u : units) append_update_tasks(hyper, u, tasks);
+    res_.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
+      cpu::optimizer_update(res_.isa(), *tasks[size_t(t)].h, tasks[size_t(t)].a);
+    });
+  }
+  std::pair<double, bool> sum_squares(const std::vector<GradSpan>& spans) override {
+    double s = 0.0;
+    for (const GradSpan& g : spans)
+      s += res_.parallel_sum(g.n, [&](int64_t b, int64_t e) {
+        return cpu::sum_squares(res_.isa(),
+                                static_cast<const char*>(g.data) + size_t(b) * dtype_size(g.dtype),
+                                g.dtype, e - b);
+      });
+    // A square of an inf or NaN makes the sum inf or NaN: no separate flag pass on the CPU.
+    return {s, !std::isfinite(s)};
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void download(void* host, const void* dev, size_t bytes) override { copy(host, dev, bytes); }
+  void synchronize() override {}
+  void attach(Communicator&) override {}
+  void before_collective() override {}
+  void* stream() const override { return nullptr; }
+  void set_stream(void* stream) override {
+    if (stream)
+      ZS_THROW(invalid_argument,
+               "set_stream(): the engine runs on the CPU (Config::device = "
+               "cpu); streams belong to the cuda device");
+  }
+
+ private:
+  Resources& res_;
+};
+
+}  // namespace
+
+std::unique_ptr<Compute> make_cpu_compute(Resources& res) {
+  return std::make_unique<CpuCompute>(res);
+}
+
+std::unique_ptr<Compute> make_compute(const Config& cfg, Resources& res) {
+  if (cfg.device == Device::cpu) return make_cpu_compute(res);
+#ifdef ZEROSHARD_HAVE_CUDA
+  if (cfg.device_index >= 0) return make_cuda_compute(cfg.device_index, -1);
+  // The launcher's local rank: Open MPI, Slurm, then torchrun's variable; else 0.
+  int local = 0;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"})
+    if (const char* s = std::getenv(var)) {
+      local = std::max(0, std::atoi(s));
+      break;
+    }
+  return make_cuda_compute(-1, local);
+#else
+  ZS_THROW(invalid_config,
+           "zeroshard.device = cuda, but this zeroshard was built without CUDA "
+           "(ZEROSHARD_WITH_CUDA=OFF); use device cpu or rebuild with CUDA");
+#endif
+}
+
+}  // namespace zeroshard

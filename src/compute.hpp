@@ -1,0 +1,110 @@
+#pragma once
+// Where the engine's element-wise work runs and where its device tier lives: the CPU (the worker
+// arena of Resources; ordinary host memory plays the device, DESIGN.md "tiers") or one CUDA GPU
+// (kernels of kernels/cuda on a compute stream, device memory). The engine is written once
+// against this interface; the CPU implementation is the first-class CPU backend, not a mock.
+//
+// Ordering: work is issued in program order. On the CPU it is done when the call returns; on
+// a GPU it is enqueued on the compute stream and done in that order, so a caller that reads
+// device memory on the host (or reuses host memory a copy reads) calls synchronize() first.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "layout.hpp"
+#include "ledger.hpp"
+#include "zeroshard/types.hpp"
+
+namespace zeroshard {
+
+class Communicator;
+class Resources;
+struct Config;
+
+/// One unit's optimizer update: `args` points at element 0 of the state's extent (args.n
+/// elements; grad and out index alike) and `runs` are the group runs inside it.
+struct UnitUpdate {
+  const std::vector<GroupRun>* runs = nullptr;
+  cpu::UpdateArgs args;
+};
+
+/// A stretch of gradient whose squares the step's norm sums.
+struct GradSpan {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  int64_t n = 0;
+};
+
+class Compute {
+ public:
+  virtual ~Compute() = default;
+
+  virtual Device device() const = 0;
+  virtual int device_index() const = 0;  ///< 0 on the CPU
+  /// Memory of Tier::device buffers; null: the host heap.
+  virtual Allocator* device_memory() = 0;
+  /// Page-locked host memory the device reaches by DMA, for pinned Tier::host buffers; null:
+  /// Buffer's own mlock'ed heap memory.
+  virtual Allocator* pinned_memory() = 0;
+
+  /// bytes of zeros at p (device memory).
+  virtual void zero(void* p, size_t bytes) = 0;
+  /// dst[i] = convert(src[i]), any dtypes (cpu::convert's rounding), device memory.
+  virtual void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) = 0;
+  /// acc[i] += float(g[i]), device memory.
+  virtual void accumulate(float* acc, const void* g, DType g_dtype, int64_t n) = 0;
+  /// The fused optimizer update of each unit (cpu::optimizer_update per element, bitwise the
+  /// same on both backends), with hyper[run.group] for each run.
+  virtual void update(const std::vector<cpu::UpdateHyper>& hyper,
+                      const std::vector<UnitUpdate>& units) = 0;
+  /// {Σ float(x)² in double over the spans (device memory), whether any element is inf or
+  /// NaN}. Waits for the result. The CPU sums fixed chunks in index order; the GPU in its own
+  /// fixed order (kernels/cuda/cuda_kernels.hpp): each is reproducible run to run.
+  virtual std::pair<double, bool> sum_squares(const std::vector<GradSpan>& spans) = 0;
+  /// bytes from src to dst, either in host or device memory, in issue order. Host memory it
+  /// reads or writes must stay untouched until synchronize().
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  /// Copies device memory that no issued work writes any more (a finished collective's output)
+  /// to host memory, without waiting for the rest of the issued work; returns when it landed.
+  virtual void download(void* host, const void* dev, size_t bytes) = 0;
+  /// Blocks until every issued piece of work is done.
+  virtual void synchronize() = 0;
+
+  /// Collectives of `comm` on device memory will follow the issued work: a GPU communicator
+  /// that orders itself on streams (NCCL) is told the compute stream; for any other, the
+  /// engine calls before_collective() before each collective on device memory.
+  virtual void attach(Communicator& comm) = 0;
+  virtual void before_collective() = 0;
+
+  /// The compute stream as an opaque handle (a cudaStream_t), null on the CPU.
+  virtual void* stream() const = 0;
+  /// Issue work on the trainer's stream from now on (null: the engine's own). Waits for the
+  /// work issued so far first.
+  virtual void set_stream(void* stream) = 0;
+};
+
+/// The CPU update of one unit as tasks of at most Resources::kChunk elements per run, so small
+/// units and big ones share the arena evenly (the engine's nvme tier runs the same tasks).
+struct UpdateTask {
+  const cpu::UpdateHyper* h;
+  cpu::UpdateArgs a;
+};
+void append_update_tasks(const std::vector<cpu::UpdateHyper>& hyper, const UnitUpdate& unit,
+                         std::vector<UpdateTask>& tasks);
+
+/// The CPU backend, on `res`'s arena.
+std::unique_ptr<Compute> make_cpu_compute(Resources& res);
+/// The backend Config::device names. For cuda, device_index −1 picks the local rank (from the
+/// launcher's environment) modulo the number of GPUs. Throws Error(invalid_config) for cuda in a
+/// build without CUDA, Error(cuda_error) when no GPU can be used, with the runtime's reason.
+std::unique_ptr<Compute> make_compute(const Config& cfg, Resources& res);
+#ifdef ZEROSHARD_HAVE_CUDA
+/// GPU `device`, or (device < 0) GPU local_rank modulo the number of GPUs.
+std::unique_ptr<Compute> make_cuda_compute(int device, int local_rank);
+#endif
+
+}  // namespace zeroshard

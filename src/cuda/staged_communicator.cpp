@@ -1,0 +1,313 @@
+// Device buffers through a host communicator (the contract is in staged_communicator.hpp): every
+// call is forwarded; CUDA device buffers are swapped for pinned staging blocks around it, with a
+// synchronous copy in before the call and a synchronous copy back once the call has completed.
+
+#include "cuda/staged_communicator.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <new>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "check.hpp"
+#include "cuda/caching_allocator.hpp"
+#include "cuda/cuda_resources.hpp"
+
+namespace zeroshard {
+namespace {
+
+using Block = cuda::CachingAllocator::Block;
+using Clock = std::chrono::steady_clock;
+
+// Throws Error(cuda_error) "<ctx>: <expr> failed: cudaErrorX: <description>" and clears the
+// error, so a non-sticky failure here does not resurface in an unrelated later check.
+void check_cuda(cudaError_t e, const std::string& ctx, const char* expr) {
+  if (e == cudaSuccess) return;
+  (void)cudaGetLastError();
+  ZS_THROW(cuda_error, ctx << ": " << expr << " failed: " << cudaGetErrorName(e) << ": "
+                           << cudaGetErrorString(e));
+}
+
+// Errors thrown by the CUDA RAII layer (DeviceGuard, the allocator) do not know which collective
+// they served: add it, keeping the code (cuda_error, or no_space for the staging allocator).
+// Errors that already name it (check_cuda's) go on as they are.
+[[noreturn]] void rethrow_naming(const Error& e, const std::string& ctx, const char* step) {
+  if (std::string_view(e.what()).starts_with(ctx)) throw e;
+  throw Error(e.code(), ctx + ": " + step + ": " + e.what());
+}
+
+// n × a × b bytes, or false if that overflows size_t (the host communicator then rejects the
+// call itself, with its own error).
+bool product(int64_t n, size_t a, size_t b, size_t* out) {
+  if (n < 0) return false;
+  size_t ab = 0, r = 0;
+  if (__builtin_mul_overflow(a, b, &ab) || __builtin_mul_overflow(size_t(n), ab, &r)) return false;
+  *out = r;
+  return true;
+}
+
+// A staged device buffer's result, copied back when the collective completes.
+struct CopyBack {
+  void* device_ptr;
+  const void* staging;
+  size_t bytes;
+  int device;
+};
+
+// The Work of a collective with staged buffers. It owns the staging blocks until the host
+// collective has settled and performs the copy back exactly once (under mu_), in the first
+// thread that observes completion.
+class StagedWork final : public Work {
+ public:
+  StagedWork(std::string ctx, std::vector<Block> blocks, std::vector<CopyBack> back)
+      : ctx_(std::move(ctx)), blocks_(std::move(blocks)), back_(std::move(back)) {}
+
+  // Set once, right after the host collective was started (before the Work is shared).
+  void set_inner(std::shared_ptr<Work> inner) { inner_ = std::move(inner); }
+
+  ~StagedWork() override {
+    // A host collective that timed out may still complete when a late peer arrives and write
+    // into the staging: leak the blocks then (and the allocator they keep alive) rather than
+    // hand them to another call. Destructors never throw; wait_settled never does.
+    // (If even that allocation fails, the blocks go back to the cache: nothing better is left.)
+    if (inner_ && !blocks_.empty() && !inner_->wait_settled(0))
+      (void)new (std::nothrow) std::vector<Block>(std::move(blocks_));
+  }
+
+  void wait() override {
+    inner_->wait();  // the host collective's errors propagate unchanged
+    std::lock_guard<std::timed_mutex> lock(mu_);
+    finish_locked();
+    if (copy_error_) std::rethrow_exception(copy_error_);
+  }
+
+  bool done() override {
+    if (!inner_->done()) return false;
+    std::lock_guard<std::timed_mutex> lock(mu_);
+    finish_locked();
+    return true;
+  }
+
+  bool wait_settled(double max_seconds) override {
+    // Clamped so that "forever" (1e300) does not overflow the clock's representation.
+    const double s = max_seconds > 0 ? std::min(max_seconds, 1e7) : 0.0;
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(s));
+    if (!inner_->wait_settled(s)) return false;
+    // Settled but not complete is a backend oddity; the copy back might still be due, so the
+    // device buffer is not safe to free yet.
+    if (!inner_->done()) return false;
+    std::unique_lock<std::timed_mutex> lock(mu_, std::defer_lock);
+    if (!lock.try_lock_until(deadline)) return false;  // another thread is copying back
+    finish_locked();
+    return true;
+  }
+
+  double started_at() override { return inner_->started_at(); }
+  double finished_at() override { return inner_->finished_at(); }
+
+ private:
+  // The host collective has completed or failed: copy the results back (if it completed) and
+  // return the staging once the host communicator is done with it. Never throws: a failed
+  // copy back is kept for wait(). Caller holds mu_.
+  void finish_locked() noexcept {
+    if (finished_) return;
+    finished_ = true;
+    bool ok = true;
+    try {
+      inner_->wait();  // done() was true: returns or throws at once
+    } catch (...) {
+      ok = false;  // failed: nothing is copied back; the device buffers keep their contents
+    }
+    if (ok) {
+      try {
+        copy_back();
+      } catch (...) {
+        copy_error_ = std::current_exception();
+      }
+    }
+    if (inner_->wait_settled(0)) blocks_.clear();
+  }
+
+  void copy_back() {
+    for (const CopyBack& c : back_) {
+      try {
+        cuda::DeviceGuard guard(c.device);
+        check_cuda(cudaMemcpy(c.device_ptr, c.staging, c.bytes, cudaMemcpyHostToDevice),
+                   ctx_ + ": copying the result back to device memory",
+                   "cudaMemcpy(device, pinned staging, bytes, cudaMemcpyHostToDevice)");
+      } catch (const Error& e) {
+        rethrow_naming(e, ctx_, "copying the result back to device memory");
+      }
+    }
+  }
+
+  const std::string ctx_;  // "rank 1: reduce_scatter of unit 'layer3'"
+  std::shared_ptr<Work> inner_;
+  std::timed_mutex mu_;  // guards everything below
+  bool finished_ = false;
+  std::exception_ptr copy_error_;
+  std::vector<Block> blocks_;
+  std::vector<CopyBack> back_;
+};
+
+class StagedCommunicator final : public Communicator {
+ public:
+  explicit StagedCommunicator(std::shared_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t recv_count,
+                                       DType dtype, std::string what) override {
+    size_t recv_bytes = 0, send_bytes = 0;
+    if (recv_count == 0 || !product(recv_count, dtype_size(dtype), 1, &recv_bytes) ||
+        !product(recv_count, dtype_size(dtype), size_t(size()), &send_bytes))
+      return inner_->reduce_scatter(send, recv, recv_count, dtype, std::move(what));
+    Staging st(*this, label("reduce_scatter of ", what));
+    const void* hsend = st.stage(send, send_bytes, 0, send_bytes, false);
+    void* hrecv = st.stage(recv, recv_bytes, 0, 0, true);
+    if (st.empty()) return inner_->reduce_scatter(send, recv, recv_count, dtype, std::move(what));
+    return st.run(
+        [&] { return inner_->reduce_scatter(hsend, hrecv, recv_count, dtype, std::move(what)); });
+  }
+
+  std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t send_count, DType dtype,
+                                   std::string what) override {
+    size_t send_bytes = 0, recv_bytes = 0, own = 0;
+    if (send_count == 0 || !product(send_count, dtype_size(dtype), 1, &send_bytes) ||
+        !product(send_count, dtype_size(dtype), size_t(size()), &recv_bytes) ||
+        !product(send_count, dtype_size(dtype), size_t(rank()), &own))
+      return inner_->all_gather(send, recv, send_count, dtype, std::move(what));
+    Staging st(*this, label("all_gather of ", what));
+    const void* hsend = nullptr;
+    void* hrecv = nullptr;
+    if (send == static_cast<const char*>(recv) + own) {
+      // In place: only this rank's block goes in; the host collective then sees its own
+      // in-place form (send is its block of recv) on the staging.
+      hrecv = st.stage(recv, recv_bytes, own, send_bytes, true);
+      hsend = static_cast<const char*>(hrecv) + own;
+    } else {
+      hsend = st.stage(send, send_bytes, 0, send_bytes, false);
+      hrecv = st.stage(recv, recv_bytes, 0, 0, true);
+    }
+    if (st.empty()) return inner_->all_gather(send, recv, send_count, dtype, std::move(what));
+    return st.run(
+        [&] { return inner_->all_gather(hsend, hrecv, send_count, dtype, std::move(what)); });
+  }
+
+  std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
+                                   std::string what) override {
+    return inner_->all_reduce(inout, count, op, std::move(what));
+  }
+
+  std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) override {
+    if (bytes <= 0) return inner_->broadcast(data, bytes, root, std::move(what));
+    const size_t n = size_t(bytes);
+    Staging st(*this, label("broadcast of ", what));
+    // The root's data goes in and is unchanged by a broadcast; the others' comes back.
+    const bool is_root = root == rank();
+    void* h = st.stage(data, n, 0, is_root ? n : 0, !is_root);
+    if (st.empty()) return inner_->broadcast(data, bytes, root, std::move(what));
+    return st.run([&] { return inner_->broadcast(h, bytes, root, std::move(what)); });
+  }
+
+  void barrier(std::string what) override { inner_->barrier(std::move(what)); }
+  void set_timeout(double seconds) override { inner_->set_timeout(seconds); }
+
+ private:
+  // The staging of one call: classifies its buffers, fills the staging blocks and, once the
+  // host collective has started, hands them to the call's Work.
+  class Staging {
+   public:
+    Staging(StagedCommunicator& comm, std::string ctx) : comm_(comm), ctx_(std::move(ctx)) {}
+
+    // Returns `p` itself unless it is device memory; then a pinned block of `bytes`, into which
+    // bytes [in_offset, in_offset + in_bytes) of p are copied now, and from which all of p is
+    // copied back at completion if `copy_back`.
+    void* stage(const void* p, size_t bytes, size_t in_offset, size_t in_bytes, bool copy_back) {
+      const int device = device_of(p);
+      if (device < 0) return const_cast<void*>(p);
+      try {
+        Block block = comm_.staging_allocator(device)->allocate(bytes);
+        if (in_bytes > 0) {
+          cuda::DeviceGuard guard(device);
+          check_cuda(
+              cudaMemcpy(block.as<char>() + in_offset, static_cast<const char*>(p) + in_offset,
+                         in_bytes, cudaMemcpyDeviceToHost),
+              ctx_ + ": copying the input to pinned staging",
+              "cudaMemcpy(pinned staging, device, bytes, cudaMemcpyDeviceToHost)");
+        }
+        void* host = block.data();
+        blocks_.push_back(std::move(block));
+        if (copy_back) back_.push_back({const_cast<void*>(p), host, bytes, device});
+        return host;
+      } catch (const Error& e) {
+        rethrow_naming(e, ctx_, "staging a device buffer");
+      }
+    }
+
+    bool empty() const { return blocks_.empty(); }
+
+    // Starts the host collective on the staging; its Work is wrapped in one that copies back.
+    // The wrapper exists before the collective starts, so no failure after the start can
+    // return the blocks to the cache while the host communicator still uses them.
+    template <class Start>
+    std::shared_ptr<Work> run(Start&& start) {
+      auto work = std::make_shared<StagedWork>(ctx_, std::move(blocks_), std::move(back_));
+      work->set_inner(start());
+      return work;
+    }
+
+   private:
+    // The device of `p` if it is device memory (cudaMemoryTypeDevice), else -1: host memory,
+    // pinned or not, and managed memory go to the host communicator as they are.
+    int device_of(const void* p) const {
+      if (p == nullptr) return -1;
+      cudaPointerAttributes attr{};
+      check_cuda(cudaPointerGetAttributes(&attr, p), ctx_ + ": classifying a buffer",
+                 "cudaPointerGetAttributes");
+      return attr.type == cudaMemoryTypeDevice ? attr.device : -1;
+    }
+
+    StagedCommunicator& comm_;
+    const std::string ctx_;
+    std::vector<Block> blocks_;
+    std::vector<CopyBack> back_;
+  };
+
+  std::string label(const char* kind, const std::string& what) const {
+    return "rank " + std::to_string(rank()) + ": " + kind + what;
+  }
+
+  // One pinned allocator for the communicator, made on first use (so a communicator that only
+  // ever sees host buffers allocates nothing). Its blocks are portable pinned memory, usable
+  // with every device; `device` is only made current while it allocates.
+  std::shared_ptr<cuda::CachingAllocator> staging_allocator(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!pinned_)
+      pinned_ = cuda::CachingAllocator::create(cuda::CachingAllocator::Kind::pinned_host, device);
+    return pinned_;
+  }
+
+  std::shared_ptr<Communicator> inner_;
+  std::mutex mu_;
+  std::shared_ptr<cuda::CachingAllocator> pinned_;  // guarded by mu_
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator> host_comm) {
+  ZS_CHECK(host_comm != nullptr);
+  return std::make_shared<StagedCommunicator>(std::move(host_comm));
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,67 @@
+#pragma once
+// Device buffers through a host communicator: a Communicator decorator that lets the MPI
+// communicator (which moves host memory only) carry buffers in CUDA device memory, by staging
+// them through pinned host memory. Its purpose is testing stages 1–3 with several ranks on one
+// GPU, which NCCL does not allow; it is not a fast path (two PCIe copies per buffer, and the
+// collective itself runs on the CPU). Internal header: built only with ZEROSHARD_WITH_CUDA.
+//
+// Which buffers are staged. For reduce_scatter, all_gather and broadcast, each buffer argument
+// is classified with cudaPointerGetAttributes: memory of type cudaMemoryTypeDevice (cudaMalloc,
+// any device) is staged; host memory, pinned or pageable, and managed memory (which the host can
+// address) go to the host communicator untouched. A call whose buffers are all host memory costs
+// one cudaPointerGetAttributes per buffer and nothing else. Empty collectives (0 elements or
+// bytes) are forwarded as they are. all_reduce takes host doubles and is forwarded unchanged, as
+// are barrier, set_timeout, rank and size.
+//
+// Staging. A staged buffer gets a block of pinned host memory from a caching allocator owned by
+// the decorator (so in steady state no call allocates pinned memory), sized like the argument:
+//   - reduce_scatter: send (size() × recv_count elements) is copied in; recv is copied back.
+//   - all_gather: send is copied in; recv (size() × send_count) is copied back. In place (send is
+//     this rank's block of recv, in device memory): only that block is copied in, the host
+//     collective runs in place on the staging block, and all of recv is copied back.
+//   - broadcast: the root copies its data in; every rank copies the result back.
+// One buffer may be staged and the other not (a host send with a device recv, for instance).
+//
+// Ordering contract.
+//   - Input: the call copies each staged input to its staging block with a synchronous
+//     cudaMemcpy from the calling thread, before handing the call to the host communicator. The
+//     copy runs on the legacy default stream, so it follows work on blocking streams; a producer
+//     on a non-blocking stream must be synchronised before the call (the engine synchronises its
+//     compute stream before starting a collective).
+//   - Output: the result is copied back with a synchronous cudaMemcpy (pinned → device) in the
+//     thread that first observes the host collective's completion, in wait(), done() or
+//     wait_settled(), with the destination buffer's device made current (DeviceGuard). Only then
+//     does done() return true or wait() return, so the result is visible to the host and to any
+//     stream afterwards. The copy back happens once, under the Work's mutex.
+//   - A Work dropped before any thread saw it complete copies nothing back (the caller gave up
+//     on the result; its buffer may already be freed).
+//   - started_at() / finished_at() are the host collective's (the copies are not included).
+//   - wait_settled(s) returns true only once the host communicator no longer touches the staging
+//     and the copy back is done (or will never happen: the collective failed); it performs the
+//     copy back itself if it is the first to see completion, and returns false if that cannot
+//     happen within `s` seconds (another thread is still copying).
+//
+// Errors. The host communicator's errors (timeout, comm_failure, invalid_argument) propagate
+// unchanged, and a failed collective copies nothing back (the device buffer keeps its old
+// contents). A CUDA failure throws Error(cuda_error) whose message names the collective
+// ("rank 1: reduce_scatter of unit 'layer3': ..."): from the call itself when classifying or
+// copying in fails (the collective is then not started on this rank, so its peers time out),
+// from wait() when the copy back fails (done() still returns true; every later wait() throws
+// the same error). Staging that runs out of pinned memory throws Error(no_space) from the call.
+//
+// Lifetime. The decorator holds `host_comm`. A Work keeps its staging blocks until the host
+// collective has settled; a Work dropped while its collective is still unsettled (after a
+// timeout) leaks its blocks on purpose, since a late peer may still write into them.
+
+#include <memory>
+
+#include "zeroshard/communicator.hpp"
+
+namespace zeroshard {
+
+/// A communicator that forwards every call to `host_comm`, staging CUDA device buffers through
+/// pinned host memory as described above. `host_comm` must be non-null; it is kept alive by the
+/// result. Device memory of any device may be passed; no device needs to be current.
+std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator> host_comm);
+
+}  // namespace zeroshard

@@ -1,0 +1,202 @@
+// The engine on a GPU against the engine on the CPU, under mpirun (every rank on GPU 0, so 2
+// ranks share one GPU through the MPI communicator's staging of device buffers; at one rank
+// also over NCCL). In a build without MPI it runs as one rank over the one-rank communicator. Both
+// engines train the same model on the same gradients, one after the other on the same communicator,
+// and every shard of every state must come out the same:
+// - bitwise without clipping: the CUDA update, cast and accumulate kernels are bitwise equal to
+//   the CPU kernels, and the reductions see the same bytes (MPI sums them on the host either
+//   way; NCCL at one rank does not add);
+// - within 1e-6 with clipping, whose factor comes from the gradient norm, which the GPU sums in
+//   another order (relative error below 1e-12, see kernels/cuda/cuda_kernels.hpp), so the
+//   factor and everything downstream may differ in the last bits.
+// Without a GPU every rank skips with the CUDA runtime's reason.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "tests/multirank/harness.hpp"
+#include "zeroshard/zeroshard.hpp"
+
+namespace zs_test {
+static std::shared_ptr<zeroshard::Communicator> g_world;
+std::shared_ptr<zeroshard::Communicator> world() {
+  return g_world;
+}
+}  // namespace zs_test
+
+namespace zeroshard {
+namespace {
+
+using zs_test::world;
+
+struct Case {
+  int stage;
+  DType dtype;
+  Tier optimizer_tier;
+  int micro;
+  double clip;
+  bool nccl;  // one rank over NCCL instead of MPI
+};
+
+std::string name(const Case& c) {
+  return "stage" + std::to_string(c.stage) + "_" + dtype_name(c.dtype) + "_" +
+         tier_name(c.optimizer_tier) + "_k" + std::to_string(c.micro) +
+         (c.clip > 0 ? "_clip" : "") + (c.nccl ? "_nccl" : "_mpi");
+}
+
+// Swap files go where TMPDIR points (a real disk, through io_uring), else /tmp.
+std::string swap_dir() {
+  const char* t = std::getenv("TMPDIR");
+  return t && *t ? t : "/tmp";
+}
+
+Config config(const Case& c, Device d) {
+  Config cfg;
+  cfg.stage = c.stage;
+  cfg.dtype = c.dtype;
+  cfg.device = d;
+  cfg.device_index = 0;
+  cfg.offload_optimizer.tier = c.optimizer_tier;
+  if (c.optimizer_tier == Tier::nvme) cfg.offload_optimizer.nvme_paths = {swap_dir()};
+  cfg.gradient_accumulation_steps = c.micro;
+  cfg.gradient_clipping = c.clip;
+  cfg.optimizer.lr = 1e-2f;
+  cfg.max_live_units = 2;
+  cfg.collective_timeout_s = 120;
+  return cfg;
+}
+
+void download(void* host, const void* dev, size_t bytes) {
+  ZS_CUDA_CHECK(cudaMemcpy(host, dev, bytes, cudaMemcpyDefault));
+}
+
+class GpuEngine : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GpuEngine, MatchesTheCpuEngine) {
+  ZS_REQUIRE_GPU();
+  const Case c = GetParam();
+  if (c.nccl && world()->size() > 1) GTEST_SKIP() << "NCCL allows one rank per GPU";
+  zs_test::TrainOptions opt;
+  opt.steps = 6;
+  opt.micro_batches = c.micro;
+  const auto model = zs_test::uneven_model();
+
+  std::unique_ptr<Engine> cpu_owner;
+  try {
+    cpu_owner = std::make_unique<Engine>(config(c, Device::cpu), world());
+  } catch (const Error& e) {
+    if (c.optimizer_tier == Tier::nvme && e.code() == ErrorCode::invalid_config)
+      GTEST_SKIP() << e.what();  // a build without io_uring (a bare GPU machine)
+    throw;
+  }
+  Engine& cpu_e = *cpu_owner;
+  zs_test::register_model(cpu_e, model);
+  const std::vector<StepResult> want = zs_test::train(cpu_e, opt);
+
+  std::shared_ptr<Communicator> comm =
+      c.nccl ? make_nccl_communicator(0, make_self_communicator()) : world();
+  Engine gpu_e(config(c, Device::cuda), comm);
+  zs_test::register_model(gpu_e, model);
+  ASSERT_NE(gpu_e.stream(), nullptr);
+  opt.download = download;
+  const std::vector<StepResult> got = zs_test::train(gpu_e, opt);
+
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t s = 0; s < got.size(); ++s) {
+    EXPECT_EQ(got[s].skipped, want[s].skipped) << "step " << s;
+    EXPECT_EQ(got[s].loss_scale, want[s].loss_scale) << "step " << s;
+    if (!want[s].skipped) {
+      EXPECT_NEAR(got[s].grad_norm, want[s].grad_norm, 1e-9 * want[s].grad_norm) << "step " << s;
+    }
+  }
+  const double bound = c.clip > 0 ? 1e-6 : 0.0;
+  for (int u = 0; u < cpu_e.num_units(); ++u) {
+    for (StateKind k :
+         {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
+      if (!cpu_e.has_state(k)) continue;
+      const std::vector<float> a = cpu_e.read_shard(u, k), b = gpu_e.read_shard(u, k);
+      ASSERT_EQ(a.size(), b.size());
+      double worst = 0;
+      for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, double(std::fabs(a[i] - b[i])));
+      if (bound == 0) {
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0)
+            << "unit " << u << " state " << int(k) << " differs (worst " << worst << ")";
+      } else {
+        EXPECT_LE(worst, bound) << "unit " << u << " state " << int(k);
+      }
+    }
+  }
+  // Same layout, same bytes: only the staging buffers differ between the two backends.
+  EXPECT_EQ(gpu_e.memory().model_state_bytes(), cpu_e.memory().model_state_bytes());
+  // Views of a GPU engine say where they live.
+  const std::vector<TensorView> v = gpu_e.gather(0);
+  EXPECT_EQ(v[0].device, Device::cuda);
+  gpu_e.release(0);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int stage : {0, 1, 2, 3})
+    for (DType dt : {DType::f32, DType::bf16})
+      for (Tier t : {Tier::device, Tier::host}) {
+        if (stage == 0 && t == Tier::host) continue;  // not offered on a GPU (Config::validate)
+        out.push_back({stage, dt, t, 1, 0.0, false});
+      }
+  for (int stage : {1, 3}) out.push_back({stage, DType::bf16, Tier::nvme, 1, 0.0, false});
+  out.push_back({2, DType::f32, Tier::nvme, 2, 0.0, false});
+  out.push_back({2, DType::bf16, Tier::device, 2, 0.0, false});
+  out.push_back({3, DType::bf16, Tier::host, 2, 0.0, false});
+  out.push_back({1, DType::f16, Tier::device, 1, 0.0, false});
+  out.push_back({2, DType::f32, Tier::device, 1, 0.5, false});
+  out.push_back({3, DType::bf16, Tier::host, 1, 0.5, false});
+  for (int stage : {0, 3}) out.push_back({stage, DType::bf16, Tier::device, 1, 0.0, true});
+  out.push_back({2, DType::bf16, Tier::host, 1, 0.0, true});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuEngine, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return name(i.param); });
+
+TEST(GpuEngineConfig, RejectsWhatTheGpuEngineDoesNotDo) {
+  Config c;
+  c.device = Device::cuda;
+  c.stage = 3;
+  c.offload_param.tier = Tier::host;
+  EXPECT_ZS_ERROR(c.validate(), invalid_config, "zeroshard.device = cuda takes");
+  c.offload_param = {};
+  c.stage = 0;
+  c.offload_optimizer.tier = Tier::host;
+  EXPECT_ZS_ERROR(c.validate(), invalid_config, "requires zero_optimization.stage >= 1");
+  c.offload_optimizer = {};
+  c.shard_alignment = 12;
+  EXPECT_ZS_ERROR(c.validate(), invalid_config, "multiple of 8");
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+#ifdef ZS_TEST_MPI
+  zs_test::g_world = zeroshard::make_mpi_communicator();
+#else
+  zs_test::g_world = zeroshard::make_self_communicator();
+#endif
+  const int rank = zs_test::g_world->rank();
+  if (rank != 0) {  // other ranks report failures only
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  int rc = RUN_ALL_TESTS();
+  double failed = rc != 0;  // every rank exits with the same code
+  zs_test::g_world->all_reduce(&failed, 1, zeroshard::ReduceOp::max, "test outcome")->wait();
+  zs_test::g_world.reset();
+  return failed > 0 ? 1 : 0;
+}
