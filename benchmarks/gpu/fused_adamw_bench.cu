@@ -5,6 +5,9 @@
 //      the reference copies half that many bytes (so it too reads and writes them). A ratio of
 //      1.0 means the update runs at copy bandwidth, the ceiling of a memory-bound kernel.
 //   2. pinned host↔device copies against pageable ones of the same bytes (what pinning buys).
+// Each update case also prints a machine-readable line, `data: {json}` (case key, elements,
+// median update and copy milliseconds, median per-round ratio), which run_all.sh joins with
+// torch_fused_adamw_bench.py's lines of the same keys to quote zeroshard / torch time.
 // Usage: fused_adamw_bench [--elements N] [--rounds R] [--out FILE]
 
 #include <cuda_runtime.h>
@@ -91,6 +94,7 @@ double time_ms(cudaStream_t s, F&& body) {
 
 struct UpdateCase {
   const char* name;
+  const char* key;  // the case's name in the data line (torch_fused_adamw_bench.py uses the same)
   zs::DType grad;
   bool has_out;
   zs::DType out;
@@ -141,8 +145,9 @@ int main(int argc, char** argv) {
     const zc::UpdateRun run{0, n, 0};
 
     const UpdateCase cases[] = {
-        {"AdamW, bf16 grad, bf16 param copy-out", zs::DType::bf16, true, zs::DType::bf16},
-        {"AdamW, f32 grad, no copy-out", zs::DType::f32, false, zs::DType::f32}};
+        {"AdamW, bf16 grad, bf16 param copy-out", "bf16_grad_bf16_out", zs::DType::bf16, true,
+         zs::DType::bf16},
+        {"AdamW, f32 grad, no copy-out", "f32_grad_no_out", zs::DType::f32, false, zs::DType::f32}};
     for (const UpdateCase& c : cases) {
       // Bytes the update moves per element: master, m, v read and written, grad read, copy written.
       const size_t gb = zs::dtype_size(c.grad), ob = c.has_out ? zs::dtype_size(c.out) : 0;
@@ -168,7 +173,7 @@ int main(int argc, char** argv) {
         (void)time_ms(s, update);
         (void)time_ms(s, copy);
       }
-      std::vector<double> ratio, upd_gbs, copy_gbs;
+      std::vector<double> ratio, upd_gbs, copy_gbs, upd_ms, copy_ms;
       for (int r = 0; r < o.rounds; ++r) {
         double tu, tc;
         if (r % 2 == 0) {
@@ -179,6 +184,8 @@ int main(int argc, char** argv) {
           tu = time_ms(s, update);
         }
         ratio.push_back(tc / tu);
+        upd_ms.push_back(tu);
+        copy_ms.push_back(tc);
         upd_gbs.push_back(double(bytes) / (tu * 1e6));
         copy_gbs.push_back(double(bytes) / (tc * 1e6));
       }
@@ -190,6 +197,15 @@ int main(int argc, char** argv) {
                     c.name, median(ratio), *std::min_element(ratio.begin(), ratio.end()),
                     *std::max_element(ratio.begin(), ratio.end()), median(upd_gbs),
                     median(copy_gbs), double(bytes) / double(n));
+      report << line;
+      // One event pair around one launch each: the times include the host's launch latency, a
+      // few microseconds from C++ (torch_fused_adamw_bench.py hides Python's longer one).
+      std::snprintf(line, sizeof line,
+                    "data: {\"bench\": \"zeroshard\", \"case\": \"%s\", \"elements\": %lld, "
+                    "\"bytes_per_element\": %.1f, \"update_ms\": %.6f, \"copy_ms\": %.6f, "
+                    "\"copy_over_update\": %.6f, \"rounds\": %d}\n",
+                    c.key, static_cast<long long>(n), double(bytes) / double(n), median(upd_ms),
+                    median(copy_ms), median(ratio), o.rounds);
       report << line;
     }
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds zeroshard with CUDA on a GPU machine, runs the GPU tests (ctest label "gpu") and the GPU
-# benchmark, and writes logs and figures to $OUT when set, else to benchmarks/gpu/results/.
+# benchmarks (fused_adamw_bench; torch_fused_adamw_bench.py where python3 has torch with CUDA,
+# joined with it into fused_adamw_vs_torch.txt; offload_step_bench), and writes logs and figures
+# to $OUT when set, else to benchmarks/gpu/results/.
 #
 #   bash benchmarks/gpu/run_all.sh pack   # on a development machine (Debian, after
 #                                         # scripts/setup.sh): gathers into .gpu-deps/ the build
@@ -182,6 +184,77 @@ if grep -q "no CUDA GPU on this machine" "$out/ctest-gpu.log" ||
    ! grep -q "100% tests passed" "$out/ctest-gpu.log"; then
   say "WARNING: some GPU tests failed or skipped; see $out/ctest-gpu.log"
 fi
-"$build/benchmarks/gpu/fused_adamw_bench" --out "$out/fused_adamw_bench.txt" || status=1
+# Fused AdamW on the GPU, then PyTorch's fused AdamW on the same element count, joined into
+# zeroshard / torch time ratios (fused_adamw_vs_torch.txt).
+adamw_elements=$((1 << 26))
+"$build/benchmarks/gpu/fused_adamw_bench" --elements "$adamw_elements" --out "$out/fused_adamw_bench.txt" || status=1
+torch_txt="$out/torch_fused_adamw_bench.txt"
+if ! command -v python3 >/dev/null; then
+  echo "torch_fused_adamw_bench: skipped: python3 not found" | tee "$torch_txt"
+elif torch_why="$(python3 -c 'import torch; assert torch.cuda.is_available(), "torch %s (CUDA %s) sees no CUDA GPU" % (torch.__version__, torch.version.cuda)' 2>&1)"; then
+  python3 benchmarks/gpu/torch_fused_adamw_bench.py --elements "$adamw_elements" --out "$torch_txt" \
+    >"$out/torch_fused_adamw_bench.log" 2>&1 || status=1
+  cat "$out/torch_fused_adamw_bench.log"
+else
+  echo "torch_fused_adamw_bench: skipped: python3 cannot use torch on a GPU: $(echo "$torch_why" | tail -1)" |
+    tee "$torch_txt"
+fi
+if command -v python3 >/dev/null; then
+  # Joins the `data: {json}` lines of the two benchmarks by case.
+  python3 - "$out/fused_adamw_bench.txt" "$torch_txt" >"$out/fused_adamw_vs_torch.txt" 2>&1 <<'PY' || status=1
+import json, sys
+
+def load(path):
+    cases = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("data: "):
+                    d = json.loads(line[len("data: "):])
+                    cases[d["case"]] = d
+    except OSError as e:
+        print(f"cannot read {path}: {e}")
+    return cases
+
+zs, th = load(sys.argv[1]), load(sys.argv[2])
+print("# zeroshard fused AdamW (fused_adamw_bench) / torch fused AdamW (torch_fused_adamw_bench.py),")
+print("# same element count, both from this run_all.sh invocation (two processes, one after the other).")
+print("# time ratio < 1: zeroshard is faster. 'medians': ratio of the two processes' median step times.")
+print("# 'copy-normalised': each side's step in units of its own same-bytes D2D copy, alternated round by")
+print("# round in its own process (median per-round ratio), rescaled by the bytes each copy stood for;")
+print("# it cancels drift between the two processes if copy bandwidth is the same for both sizes.")
+missing = 0
+for key in ("f32_grad_no_out", "bf16_grad_bf16_out"):
+    z, t = zs.get(key), th.get(key)
+    if not z or not t:
+        print(f"{key}: no ratio: zeroshard figure {'present' if z else 'missing'}, "
+              f"torch figure {'present' if t else 'missing'} (see the two benchmarks' files)")
+        missing += 1
+        continue
+    if z["elements"] != t["elements"]:
+        print(f"{key}: no ratio: element counts differ ({z['elements']} vs {t['elements']})")
+        missing += 1
+        continue
+    r = z["update_ms"] / t["update_ms"]
+    # t_step / t_copy per side, copies scaled to the bytes each stands for.
+    rn = (t["copy_over_update"] / z["copy_over_update"]) * (z["bytes_per_element"] / t["bytes_per_element"])
+    note = "" if t.get("launch_hidden") else " (torch's time includes Python's launch: no _sleep)"
+    print(f"{key}: zeroshard / torch time = {r:.3f} (medians), {rn:.3f} (copy-normalised); "
+          f"{z['elements']} elements; zeroshard {z['update_ms']:.3f} ms moving {z['bytes_per_element']:.0f} B/element, "
+          f"torch {t['update_ms']:.3f} ms moving {t['bytes_per_element']:.0f} B/element{note}; "
+          f"of their own copy bandwidth: zeroshard {z['copy_over_update']:.3f}, torch {t['copy_over_update']:.3f}")
+t = th.get("bf16_all")
+if t:
+    print(f"(reference, not the same math) torch bf16 param/grad/m/v: {t['update_ms']:.3f} ms at "
+          f"{t['bytes_per_element']:.0f} B/element, {t['copy_over_update']:.3f} of its copy bandwidth")
+# A missing side (torch skipped, a benchmark failed) is reported above and by its own step.
+sys.exit(0)
+PY
+  cat "$out/fused_adamw_vs_torch.txt"
+fi
+# A host-offloaded step of a 1B-parameter model against its PCIe and CPU-update floors.
+"$build/benchmarks/gpu/offload_step_bench" --out "$out/offload_step_bench.txt" >"$out/offload_step_bench.log" 2>&1 ||
+  { status=1; say "offload_step_bench failed; see $out/offload_step_bench.log"; }
+cat "$out/offload_step_bench.log"
 say "results in $out: $(cd "$out" && ls | tr '\n' ' ')"
 exit $status
