@@ -15,6 +15,9 @@
 #include "cli/demo_options.hpp"
 #include "data/corpus.hpp"
 #include "model/gpt.hpp"
+#ifdef ZSDEMO_HAVE_CUDA
+#include "model/ops_cuda.hpp"
+#endif
 #include "report/report.hpp"
 #include "train/trainer.hpp"
 #include "zeroshard/zeroshard.hpp"
@@ -41,6 +44,31 @@ int local_ranks() {
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"})
     if (const char* s = std::getenv(var)) return std::max(1, std::atoi(s));
   return 1;
+}
+
+// --device cuda: this rank's GPU (local rank modulo the GPUs, made current for the model) and
+// the engine's communicator: NCCL when every local rank has a GPU of its own, else the MPI one,
+// which stages GPU buffers through host memory so that ranks can share a GPU.
+std::shared_ptr<Communicator> gpu_setup(zeroshard::Config& c, std::shared_ptr<Communicator> mpi) {
+#ifdef ZSDEMO_HAVE_CUDA
+  int local_rank = 0;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
+    if (const char* s = std::getenv(var)) {
+      local_rank = std::max(0, std::atoi(s));
+      break;
+    }
+  std::string why;
+  const int gpus = gpu::device_count(&why);
+  if (gpus == 0) throw std::runtime_error("--device cuda: no usable GPU: " + why);
+  c.device_index = local_rank % gpus;
+  gpu::set_device(c.device_index);
+  if (gpus >= local_ranks()) return zeroshard::make_nccl_communicator(c.device_index, mpi);
+  return mpi;
+#else
+  (void)c;
+  (void)mpi;
+  throw std::runtime_error("--device cuda: this build has no CUDA (ZEROSHARD_WITH_CUDA=OFF)");
+#endif
 }
 
 std::string read_file(const std::string& path) {
@@ -95,9 +123,12 @@ int train_and_report(DemoOptions& o) {
   BatchSampler data(tok.encode(text), rank, world, o.seq, o.seed);
   if (o.warmup < 0) o.warmup = std::max<int64_t>(1, o.steps / 10);
 
-  zeroshard::Engine engine(o.config, comm);
+  const bool on_gpu = o.config.device == zeroshard::Device::cuda;
+  zeroshard::Engine engine(o.config, on_gpu ? gpu_setup(o.config, comm) : comm);
   register_gpt(engine, shape, o.seed, /*with_init=*/true);
-  Gpt model(shape, o.batch);
+  // On the GPU the model queues its work on the engine's compute stream.
+  Gpt model =
+      on_gpu ? Gpt(shape, o.batch, zeroshard::Device::cuda, engine.stream()) : Gpt(shape, o.batch);
 
   RunSummary s;
   s.options = &o;
@@ -194,6 +225,7 @@ int train_and_report(DemoOptions& o) {
     dp.stage = 0;
     dp.offload_optimizer.tier = zeroshard::Tier::device;
     dp.offload_param.tier = zeroshard::Tier::device;
+    dp.device = zeroshard::Device::cpu;  // the same ledger, without taking the GPU's memory
     zeroshard::Engine ref(dp, comm);
     register_gpt(ref, shape, o.seed, /*with_init=*/false);
     s.dp0 = ref.memory();

@@ -29,6 +29,10 @@ struct Flag {
 };
 constexpr Flag kFlags[] = {
     {"--stage", "0|1|2|3", "ZeRO stage (default 3; 0 is plain data parallel)", "ZeRO engine"},
+    {"--device", "cpu|cuda",
+     "where the model and engine run (default cpu; cuda: one GPU per rank over NCCL when there "
+     "are enough, else ranks share GPUs through MPI)",
+     "ZeRO engine"},
     {"--dtype", "f32|bf16|f16",
      "parameter and gradient type (default bf16; f16 uses dynamic loss scaling)", "ZeRO engine"},
     {"--optimizer", "adamw|adam|sgd|lion", "optimizer (default adamw)", "ZeRO engine"},
@@ -253,6 +257,10 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
       c.optimizer.weight_decay = 0.1f;
     }
     if (has("--stage")) c.stage = int(to_int("--stage", val("--stage"), 0, 3));
+    if (has("--device"))
+      c.device = one_of<zeroshard::Device>(
+          "--device", val("--device"),
+          {{"cpu", zeroshard::Device::cpu}, {"cuda", zeroshard::Device::cuda}});
     if (has("--dtype"))
       c.dtype = one_of<DType>("--dtype", val("--dtype"),
                               {{"f32", DType::f32}, {"bf16", DType::bf16}, {"f16", DType::f16}});

@@ -6,6 +6,7 @@
 
 #include "data/corpus.hpp"
 #include "model/ops.hpp"
+#include "model/ops_cuda.hpp"
 
 namespace zsdemo {
 
@@ -85,23 +86,143 @@ std::vector<std::vector<float>> gpt_init(const GptShape& s, const UnitSpec& unit
   return out;
 }
 
-Gpt::Gpt(GptShape shape, int64_t max_batch) : s_(shape), max_batch_(max_batch) {
+// ---- the model ------------------------------------------------------------------------------
+
+// A layer call on the model's device: ops::fn(args…) on the CPU, gpu::fn(context, args…) on the
+// GPU. Both take the same arguments (pointers into the activation arena, parameters, sizes).
+#ifdef ZSDEMO_HAVE_CUDA
+#define ZSDEMO_OP(cx, fn, ...) ((cx) ? gpu::fn(*(cx), __VA_ARGS__) : ops::fn(__VA_ARGS__))
+#else
+#define ZSDEMO_OP(cx, fn, ...) ((void)(cx), ops::fn(__VA_ARGS__))
+#endif
+
+// The GPU model's device state. Its int32 arrays hold the batch on the device: the tokens, the
+// targets (zeros for inference, which only needs the softmax) and the rows grouped by token
+// (CSR, for the embedding's deterministic backward).
+struct Gpt::GpuState {
+#ifdef ZSDEMO_HAVE_CUDA
+  explicit GpuState(void* stream) : ctx(stream) {}
+  gpu::Context ctx;
+  gpu::DeviceBuffer arena;   // every activation
+  gpu::DeviceBuffer ints;    // the int32 arrays below
+  gpu::DeviceBuffer losses;  // [0]: the training loss; [1]: the unused one of inference
+  std::vector<int32_t> tok_offsets_host, tok_rows_host, tok_fill;
+  std::vector<float> probs_row;  // probs()'s host copy
+#endif
+  int32_t *inputs = nullptr, *targets = nullptr, *tok_rows = nullptr, *tok_offsets = nullptr;
+  double* loss = nullptr;
+};
+
+namespace {
+// Every activation array starts on a 64-float (256-byte) boundary of the arena: cuBLAS and
+// coalescing like aligned rows; the CPU code does not care.
+constexpr int64_t kArenaAlign = 64;
+}  // namespace
+
+Gpt::Gpt(GptShape shape, int64_t max_batch) : Gpt(shape, max_batch, zeroshard::Device::cpu) {}
+
+Gpt::Gpt(GptShape shape, int64_t max_batch, zeroshard::Device device, void* stream)
+    : s_(shape), max_batch_(max_batch), device_(device) {
   if (s_.vocab < 1 || s_.seq < 1 || s_.dim < 1 || s_.layers < 0 || s_.heads < 1 ||
       s_.dim % s_.heads)
     throw std::invalid_argument("Gpt: bad shape (dim must be a multiple of heads)");
-  const size_t n = size_t(max_batch * s_.seq), c = size_t(s_.dim), t = size_t(s_.seq);
-  xs_.assign(size_t(s_.layers) + 1, std::vector<float>(n * c));
+  const bool on_gpu = device == zeroshard::Device::cuda;
+#ifndef ZSDEMO_HAVE_CUDA
+  (void)stream;
+  if (on_gpu)
+    throw std::invalid_argument(
+        "Gpt: this build has no CUDA (configure with -DZEROSHARD_WITH_CUDA=ON)");
+#endif
+  const int64_t n = max_batch * s_.seq, c = s_.dim, t = s_.seq;
+
+  // Plan one arena: each activation gets an aligned range, in this order.
+  xs_.assign(size_t(s_.layers) + 1, nullptr);
   cache_.resize(size_t(s_.layers));
+  std::vector<std::pair<float**, int64_t>> plan;
+  auto want = [&plan](float*& ptr, int64_t floats) { plan.emplace_back(&ptr, floats); };
+  for (float*& x : xs_) want(x, n * c);
   for (BlockCache& b : cache_) {
-    b.ln1.resize(n * c), b.mean1.resize(n), b.rstd1.resize(n), b.qkv.resize(n * 3 * c);
-    b.probs.resize(size_t(max_batch * s_.heads) * t * t), b.atty.resize(n * c),
-        b.xmid.resize(n * c);
-    b.ln2.resize(n * c), b.mean2.resize(n), b.rstd2.resize(n), b.fcpre.resize(n * 4 * c);
-    b.fcact.resize(n * 4 * c);
+    want(b.ln1, n * c), want(b.mean1, n), want(b.rstd1, n), want(b.qkv, n * 3 * c);
+    want(b.probs, max_batch * s_.heads * t * t), want(b.atty, n * c), want(b.xmid, n * c);
+    want(b.ln2, n * c), want(b.mean2, n), want(b.rstd2, n), want(b.fcpre, n * 4 * c);
+    want(b.fcact, n * 4 * c);
   }
-  lnf_.resize(n * c), meanf_.resize(n), rstdf_.resize(n), logits_.resize(n * size_t(s_.vocab));
-  dres_.resize(n * c), dbig1_.resize(n * 4 * c), dbig2_.resize(n * 4 * c), dsmall_.resize(n * c);
-  dqkv_.resize(n * 3 * c), att_scratch_.resize(t * t);
+  want(lnf_, n * c), want(meanf_, n), want(rstdf_, n), want(logits_, n * s_.vocab);
+  want(dres_, n * c), want(dbig1_, n * 4 * c), want(dbig2_, n * 4 * c), want(dsmall_, n * c);
+  // The CPU attention backward reuses one T×T block; the GPU one takes every head's at once.
+  want(dqkv_, n * 3 * c), want(att_scratch_, on_gpu ? max_batch * s_.heads * t * t : t * t);
+  int64_t total = 0;
+  for (auto& [ptr, floats] : plan) total += (floats + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+
+  float* base = nullptr;
+#ifdef ZSDEMO_HAVE_CUDA
+  if (on_gpu) {
+    gpu_ = std::make_unique<GpuState>(stream);
+    GpuState& g = *gpu_;
+    g.arena = gpu::DeviceBuffer(size_t(total) * sizeof(float));
+    // Zeroed like the CPU arena, so nothing ever reads undefined values.
+    gpu::fill_zero(g.ctx, g.arena.data(), g.arena.bytes());
+    base = g.arena.as<float>();
+    g.ints = gpu::DeviceBuffer(size_t(3 * n + s_.vocab + 1) * sizeof(int32_t));
+    g.inputs = g.ints.as<int32_t>();
+    g.targets = g.inputs + n;
+    g.tok_rows = g.targets + n;
+    g.tok_offsets = g.tok_rows + n;
+    g.losses = gpu::DeviceBuffer(2 * sizeof(double));
+    g.loss = g.losses.as<double>();
+    g.ctx.synchronize();  // the zeroing is done before anyone else's stream can touch the arena
+  }
+#endif
+  if (!on_gpu) {
+    host_.assign(size_t(total), 0.0f);
+    base = host_.data();
+  }
+  int64_t off = 0;
+  for (auto& [ptr, floats] : plan) {
+    *ptr = base + off;
+    off += (floats + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+  }
+}
+
+Gpt::~Gpt() = default;
+Gpt::Gpt(Gpt&&) noexcept = default;
+Gpt& Gpt::operator=(Gpt&&) noexcept = default;
+
+bool Gpt::cuda_available(std::string* why) {
+#ifdef ZSDEMO_HAVE_CUDA
+  return gpu::device_count(why) > 0;
+#else
+  if (why) *why = "this build has no CUDA (configure with -DZEROSHARD_WITH_CUDA=ON)";
+  return false;
+#endif
+}
+
+gpu::Context* Gpt::ctx() const {
+#ifdef ZSDEMO_HAVE_CUDA
+  if (gpu_) return &gpu_->ctx;
+#endif
+  return nullptr;
+}
+
+void* Gpt::stream() const {
+#ifdef ZSDEMO_HAVE_CUDA
+  if (gpu_) return gpu_->ctx.stream();
+#endif
+  return nullptr;
+}
+
+void Gpt::set_stream(void* stream) {
+#ifdef ZSDEMO_HAVE_CUDA
+  if (gpu_) return gpu_->ctx.set_stream(stream);
+#endif
+  (void)stream;
+  throw std::logic_error("Gpt::set_stream on a CPU model");
+}
+
+void Gpt::synchronize() const {
+#ifdef ZSDEMO_HAVE_CUDA
+  if (gpu_) gpu_->ctx.synchronize();
+#endif
 }
 
 void Gpt::set_batch(const std::vector<int32_t>& inputs, const std::vector<int32_t>& targets,
@@ -111,21 +232,70 @@ void Gpt::set_batch(const std::vector<int32_t>& inputs, const std::vector<int32_
     throw std::invalid_argument("Gpt::set_batch: batch does not match the model's shape");
   for (int32_t id : inputs)
     if (id < 0 || id >= s_.vocab) throw std::invalid_argument("Gpt::set_batch: token out of range");
+  for (int32_t id : targets)
+    if (id < 0 || id >= s_.vocab)
+      throw std::invalid_argument("Gpt::set_batch: target out of range");
   inputs_ = inputs;
   targets_ = targets;
   batch_ = batch;
   have_targets_ = !targets.empty();
+#ifdef ZSDEMO_HAVE_CUDA
+  if (gpu_) {
+    GpuState& g = *gpu_;
+    const int64_t n = batch * s_.seq;
+    const size_t bytes = size_t(n) * sizeof(int32_t);
+    gpu::copy_to_device(g.ctx, g.inputs, inputs_.data(), bytes);
+    if (have_targets_)
+      gpu::copy_to_device(g.ctx, g.targets, targets_.data(), bytes);
+    else
+      gpu::fill_zero(g.ctx, g.targets, bytes);
+    // Rows grouped by token, ascending within a token (a counting sort).
+    g.tok_offsets_host.assign(size_t(s_.vocab) + 1, 0);
+    for (int32_t id : inputs_) ++g.tok_offsets_host[size_t(id) + 1];
+    for (size_t v = 1; v < g.tok_offsets_host.size(); ++v)
+      g.tok_offsets_host[v] += g.tok_offsets_host[v - 1];
+    g.tok_fill.assign(g.tok_offsets_host.begin(), g.tok_offsets_host.end() - 1);
+    g.tok_rows_host.resize(size_t(n));
+    for (int64_t i = 0; i < n; ++i)
+      g.tok_rows_host[size_t(g.tok_fill[size_t(inputs_[size_t(i)])]++)] = int32_t(i);
+    gpu::copy_to_device(g.ctx, g.tok_rows, g.tok_rows_host.data(), bytes);
+    gpu::copy_to_device(g.ctx, g.tok_offsets, g.tok_offsets_host.data(),
+                        g.tok_offsets_host.size() * sizeof(int32_t));
+  }
+#endif
+}
+
+double Gpt::loss() const {
+#ifdef ZSDEMO_HAVE_CUDA
+  if (loss_on_device_) {
+    gpu::copy_to_host(gpu_->ctx, &loss_, gpu_->loss, sizeof loss_);
+    loss_on_device_ = false;
+  }
+#endif
+  return loss_;
 }
 
 const float* Gpt::probs(int64_t row) const {
-  return logits_.data() + row * s_.vocab;
+#ifdef ZSDEMO_HAVE_CUDA
+  if (gpu_) {
+    std::vector<float>& h = gpu_->probs_row;
+    h.resize(size_t(s_.vocab));
+    gpu::copy_to_host(gpu_->ctx, h.data(), logits_ + row * s_.vocab, h.size() * sizeof(float));
+    return h.data();
+  }
+#endif
+  return logits_ + row * s_.vocab;
 }
 
 void Gpt::forward_unit(int u, const std::vector<const float*>& p) {
   const int64_t n = batch_ * s_.seq, c = s_.dim;
+  gpu::Context* cx = ctx();
   if (u == 0) {
+#ifdef ZSDEMO_HAVE_CUDA
+    if (cx) return gpu::embedding_forward(*cx, gpu_->inputs, p[0], p[1], xs_[0], n, s_.seq, c);
+#endif
     // x[n] = wte[token] + wpe[position]
-    float* x = xs_[0].data();
+    float* x = xs_[0];
     for (int64_t i = 0; i < n; ++i) {
       const float* te = p[0] + int64_t(inputs_[size_t(i)]) * c;
       const float* pe = p[1] + (i % s_.seq) * c;
@@ -134,59 +304,78 @@ void Gpt::forward_unit(int u, const std::vector<const float*>& p) {
   } else if (u <= s_.layers) {
     block_forward(u - 1, p);
   } else {
-    ops::layernorm_forward(xs_[size_t(s_.layers)].data(), p[0], p[1], lnf_.data(), meanf_.data(),
-                           rstdf_.data(), n, c);
-    ops::linear_forward(lnf_.data(), p[2], nullptr, logits_.data(), n, c, s_.vocab);
+    ZSDEMO_OP(cx, layernorm_forward, xs_[size_t(s_.layers)], p[0], p[1], lnf_, meanf_, rstdf_, n,
+              c);
+    ZSDEMO_OP(cx, linear_forward, lnf_, p[2], nullptr, logits_, n, c, s_.vocab);
+#ifdef ZSDEMO_HAVE_CUDA
+    if (cx) {
+      // The loss stays on the device until loss() asks; inference (zero targets) only needs the
+      // softmax and writes its meaningless loss elsewhere.
+      gpu::softmax_cross_entropy_async(*cx, logits_, gpu_->targets, n, s_.vocab,
+                                       gpu_->loss + (have_targets_ ? 0 : 1));
+      if (have_targets_) loss_on_device_ = true;
+      return;
+    }
+#endif
     if (have_targets_) {
-      loss_ = ops::softmax_cross_entropy(logits_.data(), targets_.data(), n, s_.vocab);
+      loss_ = ops::softmax_cross_entropy(logits_, targets_.data(), n, s_.vocab);
     } else {
       // Inference: softmax without a loss (probs() reads it).
       std::vector<int32_t> zeros(size_t(n), 0);
-      ops::softmax_cross_entropy(logits_.data(), zeros.data(), n, s_.vocab);
+      ops::softmax_cross_entropy(logits_, zeros.data(), n, s_.vocab);
     }
   }
 }
 
 void Gpt::block_forward(int64_t l, const std::vector<const float*>& p) {
   const int64_t n = batch_ * s_.seq, c = s_.dim;
+  gpu::Context* cx = ctx();
   BlockCache& k = cache_[size_t(l)];
-  const float* x = xs_[size_t(l)].data();
-  float* out = xs_[size_t(l) + 1].data();
+  const float* x = xs_[size_t(l)];
+  float* out = xs_[size_t(l) + 1];
   // Attention sub-block: xmid = x + proj(attention(ln1(x))).
-  ops::layernorm_forward(x, p[kLn1G], p[kLn1B], k.ln1.data(), k.mean1.data(), k.rstd1.data(), n, c);
-  ops::linear_forward(k.ln1.data(), p[kAttnW], p[kAttnB], k.qkv.data(), n, c, 3 * c);
-  ops::attention_forward(k.qkv.data(), k.atty.data(), k.probs.data(), batch_, s_.seq, c, s_.heads);
-  ops::linear_forward(k.atty.data(), p[kProjW], p[kProjB], k.xmid.data(), n, c, c);
-  for (int64_t i = 0; i < n * c; ++i) k.xmid[size_t(i)] += x[i];
+  ZSDEMO_OP(cx, layernorm_forward, x, p[kLn1G], p[kLn1B], k.ln1, k.mean1, k.rstd1, n, c);
+  ZSDEMO_OP(cx, linear_forward, k.ln1, p[kAttnW], p[kAttnB], k.qkv, n, c, 3 * c);
+  ZSDEMO_OP(cx, attention_forward, k.qkv, k.atty, k.probs, batch_, s_.seq, c, s_.heads);
+  ZSDEMO_OP(cx, linear_forward, k.atty, p[kProjW], p[kProjB], k.xmid, n, c, c);
+  ZSDEMO_OP(cx, add_inplace, k.xmid, x, n * c);
   // MLP sub-block: out = xmid + fc2(gelu(fc(ln2(xmid)))).
-  ops::layernorm_forward(k.xmid.data(), p[kLn2G], p[kLn2B], k.ln2.data(), k.mean2.data(),
-                         k.rstd2.data(), n, c);
-  ops::linear_forward(k.ln2.data(), p[kFcW], p[kFcB], k.fcpre.data(), n, c, 4 * c);
-  ops::gelu_forward(k.fcpre.data(), k.fcact.data(), n * 4 * c);
-  ops::linear_forward(k.fcact.data(), p[kFc2W], p[kFc2B], out, n, 4 * c, c);
-  for (int64_t i = 0; i < n * c; ++i) out[i] += k.xmid[size_t(i)];
+  ZSDEMO_OP(cx, layernorm_forward, k.xmid, p[kLn2G], p[kLn2B], k.ln2, k.mean2, k.rstd2, n, c);
+  ZSDEMO_OP(cx, linear_forward, k.ln2, p[kFcW], p[kFcB], k.fcpre, n, c, 4 * c);
+  ZSDEMO_OP(cx, gelu_forward, k.fcpre, k.fcact, n * 4 * c);
+  ZSDEMO_OP(cx, linear_forward, k.fcact, p[kFc2W], p[kFc2B], out, n, 4 * c, c);
+  ZSDEMO_OP(cx, add_inplace, out, k.xmid, n * c);
 }
 
 void Gpt::backward_unit(int u, const std::vector<const float*>& p, const std::vector<float*>& g,
                         float loss_scale) {
   if (!have_targets_) throw std::logic_error("Gpt::backward_unit without targets");
   const int64_t n = batch_ * s_.seq, c = s_.dim;
+  gpu::Context* cx = ctx();
   if (u == s_.layers + 1) {
     // Head: the loss scale enters here, so every gradient below is scaled (f16 loss scaling).
-    ops::softmax_cross_entropy_backward(logits_.data(), targets_.data(), n, s_.vocab, loss_scale);
-    ops::linear_backward(lnf_.data(), p[2], logits_.data(), dsmall_.data(), g[2], nullptr, n, c,
-                         s_.vocab);
-    std::fill(dres_.begin(), dres_.begin() + n * c, 0.0f);
-    ops::layernorm_backward(xs_[size_t(s_.layers)].data(), p[0], meanf_.data(), rstdf_.data(),
-                            dsmall_.data(), dres_.data(), g[0], g[1], n, c);
+    const int32_t* targets = cx ? gpu_->targets : targets_.data();
+    ZSDEMO_OP(cx, softmax_cross_entropy_backward, logits_, targets, n, s_.vocab, loss_scale);
+    ZSDEMO_OP(cx, linear_backward, lnf_, p[2], logits_, dsmall_, g[2], nullptr, n, c, s_.vocab);
+#ifdef ZSDEMO_HAVE_CUDA
+    if (cx) gpu::fill_zero(*cx, dres_, size_t(n * c) * sizeof(float));
+#endif
+    if (!cx) std::fill(dres_, dres_ + n * c, 0.0f);
+    ZSDEMO_OP(cx, layernorm_backward, xs_[size_t(s_.layers)], p[0], meanf_, rstdf_, dsmall_, dres_,
+              g[0], g[1], n, c);
   } else if (u >= 1) {
     block_backward(u - 1, p, g);
   } else {
+#ifdef ZSDEMO_HAVE_CUDA
+    if (cx)
+      return gpu::embedding_backward(*cx, gpu_->tok_offsets, gpu_->tok_rows, dres_, g[0], g[1], n,
+                                     s_.seq, c, s_.vocab);
+#endif
     // Embedding: scatter-add the residual gradient into the used rows.
     for (int64_t i = 0; i < n; ++i) {
       float* te = g[0] + int64_t(inputs_[size_t(i)]) * c;
       float* pe = g[1] + (i % s_.seq) * c;
-      const float* d = dres_.data() + i * c;
+      const float* d = dres_ + i * c;
       for (int64_t j = 0; j < c; ++j) {
         te[j] += d[j];
         pe[j] += d[j];
@@ -198,26 +387,24 @@ void Gpt::backward_unit(int u, const std::vector<const float*>& p, const std::ve
 void Gpt::block_backward(int64_t l, const std::vector<const float*>& p,
                          const std::vector<float*>& g) {
   const int64_t n = batch_ * s_.seq, c = s_.dim;
+  gpu::Context* cx = ctx();
   BlockCache& k = cache_[size_t(l)];
-  const float* x = xs_[size_t(l)].data();
-  float* dres = dres_.data();  // ∂L/∂out on entry; ∂L/∂x on return
+  const float* x = xs_[size_t(l)];
+  float* dres = dres_;  // ∂L/∂out on entry; ∂L/∂x on return
   // MLP: out = xmid + fc2(gelu(fc(ln2(xmid)))); the residual passes dres through unchanged.
-  ops::linear_backward(k.fcact.data(), p[kFc2W], dres, dbig1_.data(), g[kFc2W], g[kFc2B], n, 4 * c,
-                       c);
-  ops::gelu_backward(k.fcpre.data(), dbig1_.data(), dbig2_.data(), n * 4 * c);
-  ops::linear_backward(k.ln2.data(), p[kFcW], dbig2_.data(), dsmall_.data(), g[kFcW], g[kFcB], n, c,
-                       4 * c);
-  ops::layernorm_backward(k.xmid.data(), p[kLn2G], k.mean2.data(), k.rstd2.data(), dsmall_.data(),
-                          dres, g[kLn2G], g[kLn2B], n, c);
+  ZSDEMO_OP(cx, linear_backward, k.fcact, p[kFc2W], dres, dbig1_, g[kFc2W], g[kFc2B], n, 4 * c, c);
+  ZSDEMO_OP(cx, gelu_backward, k.fcpre, dbig1_, dbig2_, n * 4 * c);
+  ZSDEMO_OP(cx, linear_backward, k.ln2, p[kFcW], dbig2_, dsmall_, g[kFcW], g[kFcB], n, c, 4 * c);
+  ZSDEMO_OP(cx, layernorm_backward, k.xmid, p[kLn2G], k.mean2, k.rstd2, dsmall_, dres, g[kLn2G],
+            g[kLn2B], n, c);
   // Attention: xmid = x + proj(attention(ln1(x))).
-  ops::linear_backward(k.atty.data(), p[kProjW], dres, dsmall_.data(), g[kProjW], g[kProjB], n, c,
-                       c);
-  ops::attention_backward(k.qkv.data(), k.probs.data(), dsmall_.data(), dqkv_.data(),
-                          att_scratch_.data(), batch_, s_.seq, c, s_.heads);
-  ops::linear_backward(k.ln1.data(), p[kAttnW], dqkv_.data(), dsmall_.data(), g[kAttnW], g[kAttnB],
-                       n, c, 3 * c);
-  ops::layernorm_backward(x, p[kLn1G], k.mean1.data(), k.rstd1.data(), dsmall_.data(), dres,
-                          g[kLn1G], g[kLn1B], n, c);
+  ZSDEMO_OP(cx, linear_backward, k.atty, p[kProjW], dres, dsmall_, g[kProjW], g[kProjB], n, c, c);
+  ZSDEMO_OP(cx, attention_backward, k.qkv, k.probs, dsmall_, dqkv_, att_scratch_, batch_, s_.seq, c,
+            s_.heads);
+  ZSDEMO_OP(cx, linear_backward, k.ln1, p[kAttnW], dqkv_, dsmall_, g[kAttnW], g[kAttnB], n, c,
+            3 * c);
+  ZSDEMO_OP(cx, layernorm_backward, x, p[kLn1G], k.mean1, k.rstd1, dsmall_, dres, g[kLn1G],
+            g[kLn1B], n, c);
 }
 
 }  // namespace zsdemo

@@ -7,12 +7,22 @@
 // as f32 pointers (one per parameter, in the unit's registration order), so the same code runs
 // on the engine's gathered buffers, on converted copies of bf16/f16 ones, or on plain vectors
 // in the gradient check.
+//
+// It runs on the CPU (ops.hpp, OpenBLAS) or, in a build with CUDA (ZSDEMO_HAVE_CUDA), on a GPU
+// (ops_cuda.hpp, cuBLAS): one implementation of the layer sequence, two sets of layer kernels.
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "zeroshard/types.hpp"
+
 namespace zsdemo {
+
+namespace gpu {
+class Context;  // ops_cuda.hpp
+}
 
 struct GptShape {
   int64_t vocab = 0;   ///< tokens in the vocabulary
@@ -41,25 +51,66 @@ int64_t gpt_param_count(const GptShape& s);
 /// the names, so every rank computes the same values.
 std::vector<std::vector<float>> gpt_init(const GptShape& s, const UnitSpec& unit, uint64_t seed);
 
+/// The GPT's forward and backward, unit by unit.
+///
+/// CPU model (`Gpt(shape, max_batch)`): activations in host memory; every pointer passed in is
+/// host memory; every call computes synchronously.
+///
+/// GPU model (`Gpt(shape, max_batch, zeroshard::Device::cuda, stream)`), in a build with CUDA:
+///  - activations live in device memory of the CUDA device current at construction (allocated
+///    once there, freed with the model); that device must be current whenever the model is used;
+///  - the `params` and `grads` pointers of forward_unit/backward_unit are DEVICE pointers with
+///    the same layout as on the CPU (f32, one per parameter in registration order), e.g. the
+///    engine's device-tier views of an f32 unit (`TensorView::as<float>()`);
+///  - forward_unit/backward_unit only ENQUEUE their work on `stream` (a cudaStream_t; nullptr =
+///    the legacy default stream) and return. The caller orders on that stream whatever produces
+///    the parameters (a gather) before the call, and whatever consumes the gradients (a
+///    reduction) after it: the gradients are complete when the stream reaches that point. Passing
+///    the engine's compute stream does both;
+///  - set_batch copies the tokens to the device on the stream (no wait);
+///  - loss() and probs() return host values: they wait for the stream (loss() once per forward;
+///    calling it after backward_unit lets the backward be enqueued before the wait).
+/// Without CUDA, the GPU constructor throws std::invalid_argument; cuda_available() says false.
 class Gpt {
  public:
-  /// Activations are sized for up to `max_batch` sequences of shape.seq tokens.
+  /// A CPU model: activations sized for up to `max_batch` sequences of shape.seq tokens.
   Gpt(GptShape shape, int64_t max_batch);
+  /// A model on `device` (Device::cpu is the constructor above). Device::cuda: see the class
+  /// comment; `stream` is a cudaStream_t the caller owns and keeps alive (ignored for cpu).
+  Gpt(GptShape shape, int64_t max_batch, zeroshard::Device device, void* stream = nullptr);
+  ~Gpt();
+  Gpt(Gpt&&) noexcept;
+  Gpt& operator=(Gpt&&) noexcept;
+  Gpt(const Gpt&) = delete;
+  Gpt& operator=(const Gpt&) = delete;
+
+  /// True when this build has CUDA and a GPU is usable; else false with the reason in *why.
+  static bool cuda_available(std::string* why = nullptr);
 
   const GptShape& shape() const { return s_; }
   int num_units() const { return int(s_.layers) + 2; }
+  zeroshard::Device device() const { return device_; }
+  /// GPU model: the stream the model enqueues on (nullptr on the CPU).
+  void* stream() const;
+  /// GPU model: enqueue later work on `stream`; waits for the work on the old one first.
+  void set_stream(void* stream);
+  /// GPU model: blocks until the model's enqueued work is done (no-op on the CPU).
+  void synchronize() const;
 
   /// Sets the batch for the next forward: `batch` ≤ max_batch rows of seq tokens, and targets
-  /// (same shape; may be empty for inference).
+  /// (same shape; may be empty for inference). Host vectors on both devices.
   void set_batch(const std::vector<int32_t>& inputs, const std::vector<int32_t>& targets,
                  int64_t batch);
 
   /// Runs unit `u`'s forward on the previous unit's output. The head computes the logits and,
   /// with targets, the loss.
   void forward_unit(int u, const std::vector<const float*>& params);
-  /// Mean cross-entropy of the last forward (after the head ran with targets).
-  double loss() const { return loss_; }
-  /// Next-token probabilities at row `row` (after the head ran): vocab floats.
+  /// Mean cross-entropy of the last forward (after the head ran with targets). GPU model: waits
+  /// for the stream to reach the end of that forward.
+  double loss() const;
+  /// Next-token probabilities at row `row` (after the head ran): vocab floats in host memory.
+  /// GPU model: waits for the stream and copies the row into a host buffer of the model, valid
+  /// until the next call of probs().
   const float* probs(int64_t row) const;
 
   /// Backward of unit `u`, last unit first, after a full forward with targets. Adds the
@@ -68,20 +119,29 @@ class Gpt {
                      const std::vector<float*>& grads, float loss_scale);
 
  private:
+  // Pointers into one activation arena (host_ on the CPU, device memory on the GPU).
   struct BlockCache {
-    std::vector<float> ln1, mean1, rstd1, qkv, probs, atty, xmid, ln2, mean2, rstd2, fcpre, fcact;
+    float *ln1, *mean1, *rstd1, *qkv, *probs, *atty, *xmid, *ln2, *mean2, *rstd2, *fcpre, *fcact;
   };
+  struct GpuState;            // CUDA context, device arena and the batch on the device (gpt.cpp)
+  gpu::Context* ctx() const;  // the GPU model's context; nullptr on the CPU
   void block_forward(int64_t l, const std::vector<const float*>& p);
   void block_backward(int64_t l, const std::vector<const float*>& p, const std::vector<float*>& g);
 
   GptShape s_;
   int64_t max_batch_, batch_ = 0;
+  zeroshard::Device device_ = zeroshard::Device::cpu;
   std::vector<int32_t> inputs_, targets_;
-  std::vector<std::vector<float>> xs_;  // residual stream before block l (xs_[layers]: after all)
+  std::vector<float> host_;        // CPU: every activation below, zero-initialised
+  std::unique_ptr<GpuState> gpu_;  // GPU only
+  std::vector<float*> xs_;         // residual stream before block l (xs_[layers]: after all)
   std::vector<BlockCache> cache_;
-  std::vector<float> lnf_, meanf_, rstdf_, logits_;
-  std::vector<float> dres_, dbig1_, dbig2_, dsmall_, dqkv_, att_scratch_;  // backward scratch
-  double loss_ = 0;
+  float *lnf_ = nullptr, *meanf_ = nullptr, *rstdf_ = nullptr, *logits_ = nullptr;
+  // Backward scratch.
+  float *dres_ = nullptr, *dbig1_ = nullptr, *dbig2_ = nullptr, *dsmall_ = nullptr,
+        *dqkv_ = nullptr, *att_scratch_ = nullptr;
+  mutable double loss_ = 0;
+  mutable bool loss_on_device_ = false;  // GPU: the last loss is still in device memory
   bool have_targets_ = false;
 };
 

@@ -228,4 +228,8 @@ void softmax_cross_entropy_backward(float* probs_to_dlogits, const int32_t* targ
   }
 }
 
+void add_inplace(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
 }  // namespace zsdemo::ops

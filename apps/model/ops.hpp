@@ -46,4 +46,7 @@ double softmax_cross_entropy(float* logits, const int32_t* targets, int64_t n, i
 void softmax_cross_entropy_backward(float* probs_to_dlogits, const int32_t* targets, int64_t n,
                                     int64_t v, float scale);
 
+/// y[i] += x[i] for n values (the residual connections).
+void add_inplace(float* y, const float* x, int64_t n);
+
 }  // namespace zsdemo::ops

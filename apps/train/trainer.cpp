@@ -3,8 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <stdexcept>
 
 #include "model/precision.hpp"
+#ifdef ZSDEMO_HAVE_CUDA
+#include "kernels/cuda/cuda_kernels.hpp"
+#include "model/ops_cuda.hpp"
+#endif
 
 namespace zsdemo {
 
@@ -50,14 +55,38 @@ void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool wit
   engine.finalize();
 }
 
+// f32 copies of one unit in GPU memory, and the stream the engine and the model share.
+struct UnitRunner::Device {
+#ifdef ZSDEMO_HAVE_CUDA
+  gpu::Context ctx;
+  gpu::DeviceBuffer pbuf, gbuf;
+  Device(void* stream, int64_t largest)
+      : ctx(stream), pbuf(size_t(largest) * 4), gbuf(size_t(largest) * 4) {}
+#endif
+};
+
 UnitRunner::UnitRunner(Engine& engine, Gpt& model)
     : e_(engine), m_(model), dt_(engine.config().dtype) {
-  if (dt_ != DType::f32) {
-    int64_t largest = 0;
-    for (int u = 0; u < e_.num_units(); ++u) largest = std::max(largest, e_.shard_info(u).numel);
-    pbuf_.resize(size_t(largest));
-    gbuf_.resize(size_t(largest));
+  if (model.device() != engine.config().device)
+    throw std::invalid_argument("the demo model and the engine must be on the same device");
+  if (dt_ == DType::f32) return;
+  int64_t largest = 0;
+  for (int u = 0; u < e_.num_units(); ++u) largest = std::max(largest, e_.shard_info(u).numel);
+  if (model.device() == zeroshard::Device::cuda) {
+#ifdef ZSDEMO_HAVE_CUDA
+    gpu_ = std::make_shared<Device>(engine.stream(), largest);
+#endif
+    return;
   }
+  pbuf_.resize(size_t(largest));
+  gbuf_.resize(size_t(largest));
+}
+
+void UnitRunner::widen(const void* src, DType dt, float* dst, int64_t n) {
+#ifdef ZSDEMO_HAVE_CUDA
+  if (gpu_) return zeroshard::cuda::convert(src, dt, dst, DType::f32, n, e_.stream());
+#endif
+  to_f32(src, dt, dst, n);
 }
 
 std::vector<const float*> UnitRunner::params_f32(int, const std::vector<TensorView>& v) {
@@ -68,10 +97,14 @@ std::vector<const float*> UnitRunner::params_f32(int, const std::vector<TensorVi
     return p;
   }
   // A unit's parameters lie back to back; convert them into the same layout in f32.
+  float* base = pbuf_.data();
+#ifdef ZSDEMO_HAVE_CUDA
+  if (gpu_) base = gpu_->pbuf.as<float>();
+#endif
   size_t off = 0;
   for (const TensorView& t : v) {
-    to_f32(t.data, t.dtype, pbuf_.data() + off, t.numel);
-    p.push_back(pbuf_.data() + off);
+    widen(t.data, t.dtype, base + off, t.numel);
+    p.push_back(base + off);
     off += size_t(t.numel);
   }
   return p;
@@ -106,11 +139,26 @@ void UnitRunner::backward(float loss_scale) {
         m_.backward_unit(u, p, gp, loss_scale);
       } else {
         // Compute in f32, then round once into the engine's bf16/f16 buffer.
+        float* base = gbuf_.data();
+#ifdef ZSDEMO_HAVE_CUDA
+        if (gpu_) base = gpu_->gbuf.as<float>();
+#endif
         size_t off = 0;
-        for (const TensorView& t2 : g) gp.push_back(gbuf_.data() + off), off += size_t(t2.numel);
-        std::fill(gbuf_.begin(), gbuf_.begin() + long(off), 0.0f);
-        m_.backward_unit(u, p, gp, loss_scale);
-        for (size_t i = 0; i < g.size(); ++i) from_f32(gp[i], g[i].data, g[i].dtype, g[i].numel);
+        for (const TensorView& t2 : g) gp.push_back(base + off), off += size_t(t2.numel);
+#ifdef ZSDEMO_HAVE_CUDA
+        if (gpu_) {
+          gpu::fill_zero(gpu_->ctx, base, off * 4);
+          m_.backward_unit(u, p, gp, loss_scale);
+          for (size_t i = 0; i < g.size(); ++i)
+            zeroshard::cuda::convert(gp[i], DType::f32, g[i].data, g[i].dtype, g[i].numel,
+                                     e_.stream());
+        } else
+#endif
+        {
+          std::fill(base, base + off, 0.0f);
+          m_.backward_unit(u, p, gp, loss_scale);
+          for (size_t i = 0; i < g.size(); ++i) from_f32(gp[i], g[i].data, g[i].dtype, g[i].numel);
+        }
       }
     }
     // Starts this unit's reduce-scatter on the communication thread; the loop goes on to the

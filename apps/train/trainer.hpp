@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,9 @@ struct StepLog {
 };
 
 /// Binds the model to an engine: hands the model f32 views of each unit's parameters (converted
-/// from bf16/f16 when needed) and writes its gradients back in the engine's dtype.
+/// from bf16/f16 when needed) and writes its gradients back in the engine's dtype. On a GPU
+/// (engine and model both on Device::cuda) the conversions run on the engine's compute stream,
+/// where the model's work is queued too.
 class UnitRunner {
  public:
   UnitRunner(zeroshard::Engine& engine, Gpt& model);
@@ -44,10 +47,14 @@ class UnitRunner {
 
  private:
   std::vector<const float*> params_f32(int u, const std::vector<zeroshard::TensorView>& v);
+  /// dst (f32) = src (dtype), on the CPU or on the engine's stream.
+  void widen(const void* src, zeroshard::DType dt, float* dst, int64_t n);
   zeroshard::Engine& e_;
   Gpt& m_;
   zeroshard::DType dt_;
   std::vector<float> pbuf_, gbuf_;  // f32 copies of one unit (low-precision engines only)
+  struct Device;                    // the same on the GPU
+  std::shared_ptr<Device> gpu_;
   std::vector<zeroshard::TensorView> head_;
   double compute_s_ = 0;
 };
