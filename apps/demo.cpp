@@ -2,7 +2,9 @@
 // lines → validation, sample → each rank's ledger and timings gathered to rank 0 → report.
 #include "demo.hpp"
 
+#ifdef ZSDEMO_HAVE_BLAS
 #include <cblas.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -40,7 +42,7 @@ int launcher_rank() {
   return 0;
 }
 
-int local_ranks() {
+[[maybe_unused]] int local_ranks() {
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"})
     if (const char* s = std::getenv(var)) return std::max(1, std::atoi(s));
   return 1;
@@ -106,14 +108,23 @@ MemCells unflatten(const double* v) {
 }
 
 int train_and_report(DemoOptions& o) {
+#ifdef ZSDEMO_HAVE_MPI
   std::shared_ptr<Communicator> comm = zeroshard::make_mpi_communicator();
+#else
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"})
+    if (const char* n = std::getenv(var); n && std::atoi(n) > 1)
+      throw std::runtime_error("this build has no MPI (ZEROSHARD_WITH_MPI=OFF): run one rank");
+  std::shared_ptr<Communicator> comm = zeroshard::make_self_communicator();
+#endif
   const int rank = comm->rank(), world = comm->size();
   const bool talk = rank == 0;
 
+#ifdef ZSDEMO_HAVE_BLAS
   // Ranks share the machine's cores: one BLAS thread per core per rank unless told otherwise.
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
   openblas_set_num_threads(o.blas_threads > 0 ? o.blas_threads
                                               : std::max(1, cores / local_ranks()));
+#endif
 
   // Every rank builds the same text and vocabulary, then samples only its own slice.
   const std::string text =
@@ -220,7 +231,7 @@ int train_and_report(DemoOptions& o) {
 
   // Plain data parallel for the same model, measured: a stage-0 engine (everything whole, on the
   // device tier), finalized but never trained, and its ledger read.
-  {
+  if (o.dp_reference) {
     zeroshard::Config dp = o.config;
     dp.stage = 0;
     dp.offload_optimizer.tier = zeroshard::Tier::device;

@@ -1,6 +1,8 @@
 // The `zeroshard` command-line tool: one executable, one subcommand per job. Each subcommand
 // parses its own flags; this file only dispatches.
+#ifdef ZSDEMO_HAVE_BLAS
 #include <cblas.h>
+#endif
 #include <strings.h>
 #include <unistd.h>
 
@@ -22,6 +24,10 @@ namespace {
 // CPU has the instructions but OpenBLAS chose an older core, set it and re-execute once. A user's
 // own OPENBLAS_CORETYPE always wins; if exec fails the program simply goes on.
 void pick_openblas_core(char** argv) {
+#ifndef ZSDEMO_HAVE_BLAS
+  (void)argv;
+  return;
+#else
   if (std::getenv("OPENBLAS_CORETYPE")) return;
   const char* core = openblas_get_corename();
   auto is = [&](std::initializer_list<const char*> names) {
@@ -39,6 +45,7 @@ void pick_openblas_core(char** argv) {
   if (!want) return;
   setenv("OPENBLAS_CORETYPE", want, 1);
   execv("/proc/self/exe", argv);
+#endif
 }
 
 struct Command {

@@ -72,6 +72,10 @@ constexpr Flag kFlags[] = {
     {"--log-every", "N", "print a progress line every N steps (default: about 30 lines per run)",
      "output"},
     {"--quiet", "", "no progress lines, only the summary", "output"},
+    {"--no-dp-reference", "",
+     "skip the plain data-parallel column of the memory table (it allocates a stage-0 engine, "
+     "the whole model's state, in host memory: too much for capacity runs)",
+     "output"},
     {"--report-json", "FILE",
      "write a machine-readable summary (losses, ledger per rank, timings) to FILE", "output"},
     {"--sample", "N",
@@ -314,6 +318,7 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
     if (has("--blas-threads"))
       o.blas_threads = int(to_int("--blas-threads", val("--blas-threads"), 1, 1024));
     o.quiet = has("--quiet");
+    o.dp_reference = !has("--no-dp-reference");
     if (has("--report-json")) o.report_json = val("--report-json");
 
     if (o.dim % o.heads != 0)

@@ -24,6 +24,7 @@ struct DemoOptions {
   // Output.
   int log_every = 0;  ///< 0: about 30 progress lines per run
   bool quiet = false;
+  bool dp_reference = true;  ///< measure a stage-0 engine on the same model for the memory table
   std::string report_json;
   int64_t sample_chars = 160;
   int blas_threads = 0;  ///< 0: cores / ranks on this machine

@@ -1,6 +1,8 @@
 #include "model/ops.hpp"
 
+#ifdef ZSDEMO_HAVE_BLAS
 #include <cblas.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -13,9 +15,24 @@ namespace {
 // lets attention address one head's columns inside the fused qkv matrix without copies.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+#ifdef ZSDEMO_HAVE_BLAS
   cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
               static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a,
               static_cast<int>(lda), b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+#else
+  // BLAS semantics: beta = 0 never reads C.
+  for (int64_t i = 0; i < m; ++i) {
+    float* ci = c + i * ldc;
+    for (int64_t j = 0; j < n; ++j) ci[j] = beta == 0 ? 0.0f : beta * ci[j];
+    for (int64_t p = 0; p < k; ++p) {
+      const float av = alpha * (ta ? a[p * lda + i] : a[i * lda + p]);
+      if (tb)
+        for (int64_t j = 0; j < n; ++j) ci[j] += av * b[j * ldb + p];
+      else
+        for (int64_t j = 0; j < n; ++j) ci[j] += av * b[p * ldb + j];
+    }
+  }
+#endif
 }
 
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)

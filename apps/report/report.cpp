@@ -106,6 +106,14 @@ void print_final(const RunSummary& s) {
   std::printf("  %-20s", "tier / kind");
   for (int r = 0; r < n; ++r) std::printf(" %9s", ("rank " + std::to_string(r)).c_str());
   std::printf(" %14s\n", "data parallel");
+  const bool dp = s.options->dp_reference;
+  // One cell of the data-parallel column: "-" when it was not measured.
+  auto dp_cell = [&](int64_t bytes) {
+    if (dp)
+      std::printf(" %14.2f\n", mib(bytes));
+    else
+      std::printf(" %14s\n", "-");
+  };
   for (int t = 0; t < zeroshard::kNumTiers; ++t) {
     for (int k = 0; k < zeroshard::kNumMemKinds; ++k) {
       bool any = s.dp_bytes[size_t(t)][size_t(k)] != 0;
@@ -116,21 +124,21 @@ void print_final(const RunSummary& s) {
       std::printf("  %-20s", label.c_str());
       for (int r = 0; r < n; ++r)
         std::printf(" %9.2f", mib(s.rank_bytes[size_t(r)][size_t(t)][size_t(k)]));
-      std::printf(" %14.2f\n", mib(s.dp_bytes[size_t(t)][size_t(k)]));
+      dp_cell(s.dp_bytes[size_t(t)][size_t(k)]);
     }
   }
   std::printf("  %-20s", "model states");
   for (int r = 0; r < n; ++r) std::printf(" %9.2f", mib(model_states(s.rank_bytes[size_t(r)])));
-  std::printf(" %14.2f\n", mib(model_states(s.dp_bytes)));
+  dp_cell(model_states(s.dp_bytes));
   std::printf("  %-20s", "total");
   for (int r = 0; r < n; ++r) std::printf(" %9.2f", mib(total(s.rank_bytes[size_t(r)])));
-  std::printf(" %14.2f\n", mib(total(s.dp_bytes)));
+  dp_cell(total(s.dp_bytes));
   std::printf("  buffers on rank 0:");
   for (const auto& b : s.rank0.buffers)
     if (b.bytes) std::printf(" %s %.2f", b.name.c_str(), mib(b.bytes));
   std::printf("\n");
   const int64_t ms = model_states(s.rank_bytes[0]), dms = model_states(s.dp_bytes);
-  if (ms > 0)
+  if (ms > 0 && dp)
     std::printf(
         "  plain data parallel holds %.2fx the model states of rank 0 (%.2f vs %.2f MiB), "
         "%.2fx counting working buffers\n",
@@ -239,8 +247,10 @@ void write_json(const RunSummary& s, const std::string& path) {
   for (const MemCells& m : s.rank_bytes) j["memory"]["ranks"].push_back(cells(m));
   for (const MemCells& m : s.rank_peak) j["memory"]["peak_ranks"].push_back(cells(m));
   j["memory"]["rank0_buffers"] = buffers(s.rank0);
-  j["memory"]["data_parallel"] = cells(s.dp_bytes);
-  j["memory"]["data_parallel_rank0_buffers"] = buffers(s.dp0);
+  if (s.options->dp_reference) {
+    j["memory"]["data_parallel"] = cells(s.dp_bytes);
+    j["memory"]["data_parallel_rank0_buffers"] = buffers(s.dp0);
+  }
   j["time"] = json::array();
   for (const RankTimes& t : s.times)
     j["time"].push_back(

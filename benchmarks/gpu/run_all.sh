@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Builds zeroshard with CUDA on a GPU machine, runs the GPU tests (ctest label "gpu") and the GPU
 # benchmarks (fused_adamw_bench; torch_fused_adamw_bench.py where python3 has torch with CUDA,
-# joined with it into fused_adamw_vs_torch.txt; offload_step_bench), and writes logs and figures
-# to $OUT when set, else to benchmarks/gpu/results/.
+# joined with it into fused_adamw_vs_torch.txt; offload_step_bench; demo_capacity.sh), and writes
+# logs and figures to $OUT when set, else to benchmarks/gpu/results/. A part name (build, test,
+# bench, capacity) runs the build and that part only: each then fits a 10-minute command.
 #
 #   bash benchmarks/gpu/run_all.sh pack   # on a development machine (Debian, after
 #                                         # scripts/setup.sh): gathers into .gpu-deps/ the build
 #                                         # dependencies a bare GPU machine lacks
 #   bash benchmarks/gpu/run_all.sh        # on the GPU machine, with .gpu-deps/ beside the sources
+#   bash benchmarks/gpu/run_all.sh test   # the build (incremental) and the GPU tests only
 #
 # What the GPU machine must have: nvcc (CUDA >= 12) with a C++20 host compiler it supports
 # (g++ 11-14), CMake >= 3.22, ninja or make, NCCL (the toolkit's, or the pip wheel
@@ -61,7 +63,14 @@ if [[ "${1:-}" == "pack" ]]; then
   pack
   exit 0
 fi
-(($# == 0)) || die "usage: $0 [pack]"
+# What to run after the (incremental) build: every part, or the one named, so that each part
+# fits a time-limited command on a lent GPU machine.
+parts="${1:-test bench capacity}"
+case "$parts" in
+  build | test | bench | capacity | "test bench capacity") ;;
+  *) die "usage: $0 [pack|build|test|bench|capacity]" ;;
+esac
+want() { [[ " $parts " == *" $1 "* ]]; }
 
 out="${OUT:-$root/benchmarks/gpu/results}"
 mkdir -p "$out"
@@ -96,7 +105,7 @@ cat "$out/env.txt"
 # Warnings stay warnings here: the GPU machine's compiler may be newer than CI's and warn about
 # more, which must not keep the GPU from being measured (CI keeps -Werror).
 args=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" -DZEROSHARD_WITH_CUDA=ON -DZEROSHARD_WERROR=OFF
-      -DZEROSHARD_BUILD_APPS=OFF -DZEROSHARD_BUILD_PYTHON=OFF -DZEROSHARD_BUILD_BENCHMARKS=OFF
+      -DZEROSHARD_BUILD_APPS=ON -DZEROSHARD_BUILD_PYTHON=OFF -DZEROSHARD_BUILD_BENCHMARKS=OFF
       -DZEROSHARD_BUILD_GPU_BENCHMARKS=ON)
 if [[ -n "${ZEROSHARD_CUDA_ARCHS:-}" ]]; then args+=("-DCMAKE_CUDA_ARCHITECTURES=$ZEROSHARD_CUDA_ARCHS"); fi
 missing=()
@@ -176,6 +185,7 @@ say "built in $((SECONDS - start)) s"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 status=0
+if want test; then
 # Verbose, so the log shows every test's output, skips included.
 ctest --test-dir "$build" -L gpu -V -j 1 >"$out/ctest-gpu.log" 2>&1 || status=1
 tail -25 "$out/ctest-gpu.log"
@@ -184,6 +194,8 @@ if grep -q "no CUDA GPU on this machine" "$out/ctest-gpu.log" ||
    ! grep -q "100% tests passed" "$out/ctest-gpu.log"; then
   say "WARNING: some GPU tests failed or skipped; see $out/ctest-gpu.log"
 fi
+fi
+if want bench; then
 # Fused AdamW on the GPU, then PyTorch's fused AdamW on the same element count, joined into
 # zeroshard / torch time ratios (fused_adamw_vs_torch.txt).
 adamw_elements=$((1 << 26))
@@ -256,5 +268,14 @@ fi
 "$build/benchmarks/gpu/offload_step_bench" --out "$out/offload_step_bench.txt" >"$out/offload_step_bench.log" 2>&1 ||
   { status=1; say "offload_step_bench failed; see $out/offload_step_bench.log"; }
 cat "$out/offload_step_bench.log"
+fi
+if want capacity; then
+# The largest model the demo trains on this GPU with host and with nvme offload (the demo builds
+# without OpenBLAS or MPI: its model runs on the GPU, one rank).
+bash "$root/benchmarks/gpu/demo_capacity.sh" "$build/apps/zeroshard" --out "$out/demo_capacity.txt" \
+  --timeout "${ZEROSHARD_CAPACITY_TIMEOUT:-300}" >"$out/demo_capacity.log" 2>&1 ||
+  { status=1; say "demo_capacity failed; see $out/demo_capacity.log"; }
+cat "$out/demo_capacity.txt" 2>/dev/null || true
+fi
 say "results in $out: $(cd "$out" && ls | tr '\n' ' ')"
 exit $status

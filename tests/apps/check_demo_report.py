@@ -22,6 +22,7 @@ def parse(argv):
     p.add_argument("--np", type=int, required=True)
     # The demo's documented defaults (zeroshard demo --help); the run's flags override them.
     p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--accum", type=int, default=1)
@@ -68,6 +69,11 @@ def expected_cells(a, sizes, stage, world, topt, tpar_flag):
     if not (a.dtype == "f32" and topt == tpar):
         cells[topt]["master"] += ext * 4
     cells[topt]["optim_state"] += states * ext * 4
+    # A GPU with the optimizer on the CPU: reduce-scatter outputs land in GPU slots first, and
+    # each unit's updated shard waits in pinned memory for its upload.
+    if a.device == "cuda" and topt != "device":
+        cells["device"]["buffer"] += grad_buffers * (largest // world) * p
+        cells["host"]["buffer"] += shard * p
     # Cross-check against the ZeRO paper's closed forms for mixed-precision Adam on one tier.
     if a.dtype != "f32" and states == 2 and topt == tpar == "device" and a.accum == 1:
         model = sum(cells["device"][k] for k in ("param", "grad", "master", "optim_state"))
