@@ -135,7 +135,9 @@ int train_and_report(DemoOptions& o) {
   if (o.warmup < 0) o.warmup = std::max<int64_t>(1, o.steps / 10);
 
   const bool on_gpu = o.config.device == zeroshard::Device::cuda;
-  zeroshard::Engine engine(o.config, on_gpu ? gpu_setup(o.config, comm) : comm);
+  // First: it picks the GPU (Config::device_index) the engine is then built for.
+  std::shared_ptr<Communicator> engine_comm = on_gpu ? gpu_setup(o.config, comm) : comm;
+  zeroshard::Engine engine(o.config, engine_comm);
   register_gpt(engine, shape, o.seed, /*with_init=*/true);
   // On the GPU the model queues its work on the engine's compute stream.
   Gpt model =

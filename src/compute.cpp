@@ -46,6 +46,7 @@ class CpuCompute final : public Compute {
     if (bytes) std::memset(p, 0, bytes);
   }
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
+    if (src == dst && sd == dd) return;  // f32 master weights that are the parameters
     const size_t ss = dtype_size(sd), ds = dtype_size(dd);
     res_.parallel_chunks(n, [&](int64_t b, int64_t e) {
       cpu::convert(res_.isa(), static_cast<const char*>(src) + size_t(b) * ss, sd,
@@ -82,7 +83,7 @@ class CpuCompute final : public Compute {
   }
   void download(void* host, const void* dev, size_t bytes) override { copy(host, dev, bytes); }
   void synchronize() override {}
-  void attach(Communicator&) override {}
+  std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override { return comm; }
   void before_collective() override {}
   void* stream() const override { return nullptr; }
   void set_stream(void* stream) override {

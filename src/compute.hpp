@@ -74,10 +74,12 @@ class Compute {
   /// Blocks until every issued piece of work is done.
   virtual void synchronize() = 0;
 
-  /// Collectives of `comm` on device memory will follow the issued work: a GPU communicator
-  /// that orders itself on streams (NCCL) is told the compute stream; for any other, the
-  /// engine calls before_collective() before each collective on device memory.
-  virtual void attach(Communicator& comm) = 0;
+  /// The communicator the engine uses with this backend: `comm` itself, or on a GPU, `comm`
+  /// made to take device memory (stage_device_buffers) unless it is NCCL's.
+  virtual std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) = 0;
+  /// Called before every collective on device memory, so that it follows the issued work: NCCL
+  /// is told to wait for the compute stream on the device; for any other communicator the
+  /// stream is synchronised (the staging copies run on the host's behalf).
   virtual void before_collective() = 0;
 
   /// The compute stream as an opaque handle (a cudaStream_t), null on the CPU.

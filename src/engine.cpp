@@ -38,7 +38,7 @@ Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm)
   world = comm->size();
   dev = make_compute(cfg, res);
   host = make_cpu_compute(res);
-  dev->attach(*comm);
+  comm = dev->adapt(std::move(comm));
   comm->set_timeout(cfg.collective_timeout_s);
   groups.push_back(cfg.optimizer);
   pdt = cfg.dtype;
@@ -100,6 +100,11 @@ Engine::~Engine() {
   for (Unit& u : impl_->units)
     for (auto* w : {&u.reduction, &u.gather_work})
       if (*w) (*w)->wait_settled(impl_->cfg.collective_timeout_s);
+  // So does the device's queued work (updates, uploads). A failure here has nobody to tell.
+  try {
+    impl_->dev->synchronize();
+  } catch (const Error&) {
+  }
 }
 
 int Engine::add_group(const OptimizerOptions& o) {
@@ -597,8 +602,14 @@ void Engine::grads_ready(UnitId id) {
     dst = m.shard_pool.buffers[size_t(slot)].data();
   }
   m.dev->before_collective();
-  u.reduction = m.track(m.comm->reduce_scatter(src, dst, u.layout.shard_numel, m.pdt,
-                                               "unit '" + u.layout.name + "'"));
+  try {
+    u.reduction = m.track(m.comm->reduce_scatter(src, dst, u.layout.shard_numel, m.pdt,
+                                                 "unit '" + u.layout.name + "'"));
+  } catch (...) {
+    if (u.shard_slot >= 0) m.shard_pool.release(u.shard_slot);
+    u.shard_slot = -1;
+    throw;
+  }
   u.grads_out = false;
   if (!m.cfg.overlap_comm) m.finish_reduction(id);
 }

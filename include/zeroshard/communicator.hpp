@@ -66,23 +66,26 @@ class Communicator {
 /// has not, and then finalises it when the last such communicator is destroyed.
 /// Throws Error(comm_failure) if the MPI library cannot provide MPI_THREAD_MULTIPLE.
 ///
-/// Buffers are host memory. In a build with CUDA (ZEROSHARD_WITH_CUDA=ON) on a machine where a
-/// CUDA GPU is present when this is called, reduce_scatter, all_gather (in place too) and
-/// broadcast also accept CUDA device memory (from cudaMalloc and the like, of any device; managed
-/// memory counts as host memory), staged through pinned host memory, so that several ranks can
-/// share one GPU (which NCCL does not allow): a path for testing, not for speed. A device input
-/// is copied out synchronously in the call, on the legacy default stream: write it from a
-/// blocking stream, or synchronise a non-blocking producer first. The result is copied back
-/// synchronously by the thread that first sees the collective complete (in wait(), done() or
-/// wait_settled()), before that call returns; a failed collective copies nothing back, and
-/// neither does a Work dropped before anyone saw it complete. A failed copy throws
-/// Error(cuda_error) naming the collective. all_reduce takes host doubles only. Without a GPU
-/// the communicator is the plain host one, and no collective calls the CUDA runtime.
+/// Buffers are host memory; stage_device_buffers() makes it take CUDA device memory too.
 std::shared_ptr<Communicator> make_mpi_communicator();
 
-/// A communicator of one rank (no MPI): collectives are copies. As make_mpi_communicator(), it
-/// takes CUDA device buffers where a GPU is present (staged through pinned host memory).
+/// A communicator of one rank (no MPI): collectives are copies.
 std::shared_ptr<Communicator> make_self_communicator();
+
+/// `host_comm` (MPI or one-rank) made to accept CUDA device memory as well: reduce_scatter,
+/// all_gather (in place too) and broadcast buffers that are device memory (cudaMalloc and the
+/// like, of any device; managed memory counts as host memory) are staged through pinned host
+/// memory, so that several ranks can share one GPU (which NCCL does not allow): a path for
+/// testing, not for speed. An engine on a GPU (Config::device cuda) given a communicator other
+/// than NCCL's wraps it so itself. A device input is copied out synchronously in the call, on the
+/// legacy default stream: write it from a blocking stream, or synchronise a non-blocking producer
+/// first. The result is copied back synchronously by the thread that first sees the collective
+/// complete (in wait(), done() or wait_settled()), before that call returns; a failed collective
+/// copies nothing back, and neither does a Work dropped before anyone saw it complete. A failed
+/// copy throws Error(cuda_error) naming the collective. all_reduce takes host doubles only.
+/// Host buffers cost one cudaPointerGetAttributes each. Throws Error(comm_failure) naming the
+/// build option when zeroshard was built without CUDA.
+std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator> host_comm);
 
 /// A communicator over NCCL for buffers in the memory of CUDA device `device` (an index as
 /// cudaSetDevice takes it; NCCL allows one rank per GPU, so ranks on one machine pass different

@@ -260,7 +260,13 @@ void bind_engine(nb::module_& m) {
           [](PyEngine* self, nb::handle config, std::shared_ptr<Communicator> comm) {
             if (!comm)
               throw Error(ErrorCode::invalid_argument, "Engine(): the communicator is None");
-            new (self) PyEngine(coerce_config(config), std::move(comm));
+            Config c = coerce_config(config);
+            // The bridge exports views as CPU arrays: GPU memory would be read as host memory.
+            if (c.device != Device::cpu)
+              throw Error(ErrorCode::invalid_config,
+                          "Engine(): zeroshard.device = cuda is not available from Python yet "
+                          "(the bindings exchange CPU tensors only); use device cpu");
+            new (self) PyEngine(std::move(c), std::move(comm));
           },
           nb::arg("config"), nb::arg("comm"),
           "config: a Config, a dict of zeroshard/DeepSpeed keys, or a JSON file path.")

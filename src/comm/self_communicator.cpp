@@ -4,10 +4,6 @@
 
 #include "comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
-#if defined(ZEROSHARD_HAVE_CUDA)
-#include "cuda/cuda_resources.hpp"
-#include "cuda/staged_communicator.hpp"
-#endif
 
 namespace zeroshard {
 namespace {
@@ -45,12 +41,7 @@ class SelfCommunicator final : public Communicator {
 }  // namespace
 
 std::shared_ptr<Communicator> make_self_communicator() {
-  std::shared_ptr<Communicator> comm = std::make_shared<SelfCommunicator>();
-#if defined(ZEROSHARD_HAVE_CUDA)
-  // As make_mpi_communicator(): device buffers are staged where a GPU is present.
-  if (cuda::device_count() > 0) comm = stage_device_buffers(std::move(comm));
-#endif
-  return comm;
+  return std::make_shared<SelfCommunicator>();
 }
 
 }  // namespace zeroshard

@@ -41,7 +41,10 @@ class DeviceMemory final : public Allocator {
     }
     ZS_CUDA_CHECK_CTX(e, "GPU " << device_ << ": allocating " << name);
     // Buffers start zeroed on every tier; allocation happens at finalize(), off the step path.
+    // The zeroing must be done before any stream writes there: non-blocking streams do not
+    // wait for the legacy stream it runs on.
     ZS_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    ZS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
     return p;
   }
   void deallocate(void* p) noexcept override {
@@ -86,8 +89,9 @@ class CudaCompute final : public Compute {
     stream_ = own_.get();
   }
   ~CudaCompute() override {
-    // Buffers owned elsewhere are freed after this: let the queued work finish first.
-    (void)cudaStreamSynchronize(stream_);
+    // The engine synchronised its stream before freeing its buffers (Engine::~Engine); the
+    // communicator outlives this, so it must not keep waiting on a stream about to go.
+    if (nccl_) nccl_->set_input_stream(nullptr);
   }
 
   Device device() const override { return Device::cuda; }
@@ -101,7 +105,7 @@ class CudaCompute final : public Compute {
   }
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
     cuda::DeviceGuard g(device_);
-    if (n > 0) cuda::convert(src, sd, dst, dd, n, stream_);
+    if (n > 0 && !(src == dst && sd == dd)) cuda::convert(src, sd, dst, dd, n, stream_);
   }
   void accumulate(float* acc, const void* g, DType gd, int64_t n) override {
     cuda::DeviceGuard guard(device_);
@@ -149,26 +153,29 @@ class CudaCompute final : public Compute {
     ZS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
-  void attach(Communicator& comm) override {
-    nccl_ = dynamic_cast<NcclCommunicator*>(&comm);
-    if (!nccl_) return;
+  std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override {
+    nccl_ = dynamic_cast<NcclCommunicator*>(comm.get());
+    if (!nccl_) return stage_device_buffers(std::move(comm));
     if (nccl_->device() != device_)
       ZS_THROW(invalid_argument, "Engine: the NCCL communicator is on GPU "
                                      << nccl_->device() << " but the engine on GPU " << device_
                                      << " (zeroshard.device_index)");
-    nccl_->set_input_stream(stream_);
+    return comm;
   }
   void before_collective() override {
-    // NCCL waits for the compute stream on the device; any other backend reads device memory
-    // from the host (staged copies), so the work that wrote it must be done.
-    if (!nccl_) synchronize();
+    // NCCL waits for the compute stream on the device (set per call: engines may share the
+    // communicator); any other backend reads device memory from the host (staged copies), so
+    // the work that wrote it must be done.
+    if (nccl_)
+      nccl_->set_input_stream(stream_);
+    else
+      synchronize();
   }
 
   void* stream() const override { return static_cast<void*>(stream_); }
   void set_stream(void* s) override {
     synchronize();
     stream_ = s ? static_cast<cudaStream_t>(s) : own_.get();
-    if (nccl_) nccl_->set_input_stream(stream_);
   }
 
  private:

@@ -59,9 +59,9 @@
 
 namespace zeroshard {
 
-/// A communicator that forwards every call to `host_comm`, staging CUDA device buffers through
-/// pinned host memory as described above. `host_comm` must be non-null; it is kept alive by the
-/// result. Device memory of any device may be passed; no device needs to be current.
-std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator> host_comm);
+// stage_device_buffers(host_comm) (declared in include/zeroshard/communicator.hpp) forwards every
+// call to `host_comm`, staging CUDA device buffers through pinned host memory as described
+// above. `host_comm` must be non-null; it is kept alive by the result. Device memory of any
+// device may be passed; no device needs to be current.
 
 }  // namespace zeroshard

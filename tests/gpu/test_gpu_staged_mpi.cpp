@@ -1,6 +1,6 @@
 // The MPI communicator with device buffers, under mpirun with every rank on device 0 (several
-// ranks sharing one GPU, which NCCL refuses): make_mpi_communicator() stages CUDA device memory
-// through pinned host memory when a GPU is present. Results are compared exactly: the inputs
+// ranks sharing one GPU, which NCCL refuses): stage_device_buffers(make_mpi_communicator())
+// stages CUDA device memory through pinned host memory. Results are compared exactly: the inputs
 // are small integers, exact in f32 and bf16 and in every sum. Device buffers are poisoned
 // before each call, so a collective that did not copy its result back fails.
 // Without a GPU every rank skips (the ranks agree on it first, so none waits in a collective
@@ -179,6 +179,8 @@ int main(int argc, char** argv) {
     g_skip = "no CUDA GPU on this machine: " + why;
   } else if (ok == 0.0) {
     g_skip = "another rank has no CUDA GPU";
+  } else {
+    g_mpi = stage_device_buffers(g_mpi);
   }
   if (g_mpi->rank() != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();

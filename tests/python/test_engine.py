@@ -107,6 +107,9 @@ def test_cpp_errors_become_python_exceptions_with_the_same_message():
         e.write_shard(u, zs.StateKind.master, torch.zeros(3))
     with pytest.raises(zs.ConfigError, match="nvme"):
         zs.Engine(zs.Config(offload_optimizer={"device": "nvme"}), zs.make_self_communicator())
+    # GPU engines are C++-only for now: their views would reach Python as CPU arrays.
+    with pytest.raises(zs.ConfigError, match="not available from Python"):
+        zs.Engine({"zeroshard": {"device": "cuda"}}, zs.make_self_communicator())
 
 
 def test_memory_report():

@@ -18,10 +18,6 @@
 #include "comm/work_state.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "zeroshard/communicator.hpp"
-#if defined(ZEROSHARD_HAVE_CUDA)
-#include "cuda/cuda_resources.hpp"
-#include "cuda/staged_communicator.hpp"
-#endif
 
 namespace zeroshard {
 namespace {
@@ -409,14 +405,7 @@ class MpiCommunicator final : public Communicator {
 }  // namespace
 
 std::shared_ptr<Communicator> make_mpi_communicator() {
-  std::shared_ptr<Communicator> comm = std::make_shared<MpiCommunicator>();
-#if defined(ZEROSHARD_HAVE_CUDA)
-  // Where a GPU is present, device buffers are accepted too, staged through pinned host memory
-  // (several ranks can then share one GPU, which NCCL refuses). Without one, no pointer can be
-  // device memory: the plain communicator is returned and no collective calls the CUDA runtime.
-  if (cuda::device_count() > 0) comm = stage_device_buffers(std::move(comm));
-#endif
-  return comm;
+  return std::make_shared<MpiCommunicator>();
 }
 
 }  // namespace zeroshard

@@ -1,4 +1,5 @@
-// Built when ZEROSHARD_WITH_CUDA is OFF: asking for NCCL is an error that says how to get it.
+// Built when ZEROSHARD_WITH_CUDA is OFF: asking for NCCL, or for device buffers, is an error
+// that says how to get it.
 #include "check.hpp"
 #include "zeroshard/communicator.hpp"
 
@@ -15,6 +16,12 @@ std::shared_ptr<Communicator> make_nccl_communicator(int device) {
 
 std::shared_ptr<Communicator> make_nccl_communicator(int device, std::shared_ptr<Communicator>) {
   return make_nccl_communicator(device);
+}
+
+std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator>) {
+  ZS_THROW(comm_failure,
+           "stage_device_buffers(): zeroshard was built without CUDA (ZEROSHARD_WITH_CUDA=OFF), "
+           "so no buffer can be GPU memory; pass the communicator itself");
 }
 
 }  // namespace zeroshard
