@@ -73,6 +73,9 @@ class Compute {
   virtual void download(void* host, const void* dev, size_t bytes) = 0;
   /// Blocks until every issued piece of work is done.
   virtual void synchronize() = 0;
+  /// Makes host memory the device copies to and from by DMA (page-locked for the device) for as
+  /// long as the returned handle lives; the memory must outlive the handle. Null on the CPU.
+  virtual std::shared_ptr<void> register_host(void* p, size_t bytes) = 0;
 
   /// The communicator the engine uses with this backend: `comm` itself, or on a GPU, `comm`
   /// made to take device memory (stage_device_buffers) unless it is NCCL's.

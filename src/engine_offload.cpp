@@ -126,6 +126,9 @@ void Engine::Impl::nvme_setup() {
     n.grad_pool =
         offload::PinnedPool(&ledger, "grad_cache", cfg.grad_buffers + 1,
                             n.grad_acc_off + (k > 1 ? a4k(size_t(max_shard) * 4) : 0), pin);
+    for (int i = 0; i < n.grad_pool.count(); ++i)  // reduced shards land here from the GPU
+      if (auto h = dev->register_host(n.grad_pool.data(i), n.grad_pool.bytes()))
+        n.dma.push_back(std::move(h));
     n.read_ahead = cfg.swap_read_ahead > 0 ? cfg.swap_read_ahead : std::max(1, count - 2);
     n.read_ahead = std::min(n.read_ahead, count - 1);
     // The ledger's nvme column: one slot of each state (what the tier holds), and the rest of

@@ -97,6 +97,9 @@ struct NvmeState {
   std::deque<std::pair<std::shared_ptr<offload::IoBatch>, std::pair<offload::PinnedPool*, int>>>
       init_writes;
   std::vector<std::unique_ptr<DiskCharge>> charges;
+  // On a GPU: the gradient cache registered with CUDA, so shards come down by DMA. After the
+  // pools, so the registrations end before the memory goes.
+  std::vector<std::shared_ptr<void>> dma;
   std::unique_ptr<offload::IoQueue> io;  // declared last: stopped before the memory goes
 };
 

@@ -152,6 +152,11 @@ class CudaCompute final : public Compute {
     cuda::DeviceGuard g(device_);
     ZS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
+  std::shared_ptr<void> register_host(void* p, size_t bytes) override {
+    ZS_CUDA_CHECK_CTX(cudaHostRegister(p, bytes, cudaHostRegisterPortable),
+                      "registering " << mib(bytes) << " of staging memory with CUDA");
+    return std::shared_ptr<void>(p, [](void* q) { (void)cudaHostUnregister(q); });
+  }
 
   std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override {
     nccl_ = dynamic_cast<NcclCommunicator*>(comm.get());
