@@ -165,6 +165,46 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(All, GpuEngine, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return name(i.param); });
 
+// The trainer's own stream (set_stream) and gradients written straight into the engine's device
+// buffers on it, the path a real GPU trainer takes: the same results as the CPU engine.
+TEST(GpuEngineStreams, TrainerStreamAndDeviceGradients) {
+  ZS_REQUIRE_GPU();
+  for (int stage : {0, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const Case c{stage, DType::bf16, Tier::device, 1, 0.0, false};
+    zs_test::TrainOptions opt;
+    opt.steps = 4;
+    const auto model = zs_test::uneven_model();
+    Engine cpu_e(config(c, Device::cpu), world());
+    zs_test::register_model(cpu_e, model);
+    zs_test::train(cpu_e, opt);
+
+    Engine gpu_e(config(c, Device::cuda), world());
+    zs_test::register_model(gpu_e, model);
+    cudaStream_t mine = nullptr;
+    ZS_CUDA_CHECK(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking));
+    gpu_e.set_stream(mine);
+    ASSERT_EQ(gpu_e.stream(), static_cast<void*>(mine));
+    // Host memory the uploads read stays alive until the stream has passed them.
+    opt.upload = [mine](void* dev, const void* host, size_t bytes) {
+      ZS_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyDefault, mine));
+      ZS_CUDA_CHECK(cudaStreamSynchronize(mine));
+    };
+    opt.download = [mine](void* host, const void* dev, size_t bytes) {
+      ZS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDefault, mine));
+      ZS_CUDA_CHECK(cudaStreamSynchronize(mine));
+    };
+    zs_test::train(gpu_e, opt);
+    for (int u = 0; u < cpu_e.num_units(); ++u)
+      for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0}) {
+        const std::vector<float> a = cpu_e.read_shard(u, k), b = gpu_e.read_shard(u, k);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "unit " << u;
+      }
+    gpu_e.set_stream(nullptr);  // before the stream goes
+    ZS_CUDA_CHECK(cudaStreamDestroy(mine));
+  }
+}
+
 TEST(GpuEngineConfig, RejectsWhatTheGpuEngineDoesNotDo) {
   Config c;
   c.device = Device::cuda;

@@ -114,10 +114,16 @@ std::vector<StepResult> train(Engine& e, const TrainOptions& opt) {
           }
         }
         if (opt.tamper) opt.tamper(e, u, micro, step, g);
-        if (opt.download)
-          e.grads_ready(u, g);
-        else
+        if (opt.upload) {
+          std::vector<TensorView> dev_g = e.grads(u);
+          for (size_t t = 0; t < g.size(); ++t)
+            if (g[t].numel) opt.upload(dev_g[t].data, g[t].data, g[t].bytes());
           e.grads_ready(u);
+        } else if (opt.download) {
+          e.grads_ready(u, g);
+        } else {
+          e.grads_ready(u);
+        }
         e.release(u);
       }
     }

@@ -61,6 +61,9 @@ struct TrainOptions {
   /// to the host. Parameters are then read through it, and gradients are written on the host
   /// and handed over with the copying grads_ready(unit, views).
   std::function<void(void* host, const void* device, size_t bytes)> download;
+  /// With `download`: gradients go into the engine's own device buffers (grads() views) through
+  /// this copy instead of the copying grads_ready().
+  std::function<void(void* device, const void* host, size_t bytes)> upload;
 };
 
 /// Runs opt.steps steps: per micro-step, per unit, gather → gradient → grads_ready → release.
