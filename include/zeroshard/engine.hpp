@@ -152,6 +152,9 @@ class Engine {
   void* stream() const;
   /// Config::device cuda: run the engine's work on the trainer's stream (a cudaStream_t, e.g.
   /// torch.cuda.current_stream().cuda_stream) from now on; null returns to the engine's own.
+  /// The legacy default stream, null as a cudaStream_t, is therefore passed as cudaStreamLegacy
+  /// (torch's default stream reports cuda_stream 0: pass 1, as DLPack does); the engine's own
+  /// stream is non-blocking and not ordered with it.
   /// Waits for the work already issued on the old stream. Throws on the CPU device.
   void set_stream(void* stream);
   /// The unit's parameters as registered (without their initial values).

@@ -35,6 +35,10 @@ struct TensorRequest {
   bool has_dtype = false;  ///< `dtype` must match exactly
   DType dtype = DType::f32;
   int64_t numel = -1;  ///< >= 0: the element count must match
+  /// Also take a CUDA tensor (DLPack kDLCUDA), imported as TensorView{..., Device::cuda, its
+  /// device index}; only where the C++ call reads device memory (grads_ready() of a GPU engine).
+  /// Otherwise a CUDA tensor is refused like any non-CPU one: never copied to the host here.
+  bool allow_cuda = false;
 };
 
 /// A tensor imported without copying, and the view of it that C++ reads or writes. Holding the
@@ -47,13 +51,16 @@ struct Imported {
 };
 
 /// Imports `obj` (anything with __dlpack__ or the buffer protocol: torch tensors, NumPy arrays)
-/// without copying. Throws Error(invalid_argument) naming `req.what` if it is not a CPU tensor,
-/// is not C-contiguous, has an unsupported or different dtype, or the wrong element count; it
-/// never falls back to a converted copy.
+/// without copying. Throws Error(invalid_argument) naming `req.what` if it is not a CPU tensor
+/// (or, with `req.allow_cuda`, a CUDA tensor), is not C-contiguous, has an unsupported or
+/// different dtype, or the wrong element count; it never falls back to a converted copy.
 Imported import_tensor(nb::handle obj, const TensorRequest& req, bool writable);
 
-/// A view of engine-owned memory, exported without copying; `owner` (the Python object that
-/// owns the memory) stays alive as long as the returned array or any tensor made from it does.
+/// A view of engine-owned memory, exported without copying, on the view's own device (a
+/// TensorView on cuda becomes a DLPack kDLCUDA array of its device index, which
+/// torch.from_dlpack() turns into a CUDA tensor over the same memory); `owner` (the Python
+/// object that owns the memory) stays alive as long as the returned array or any tensor made
+/// from it does.
 nb::object export_view(const TensorView& v, const std::vector<int64_t>& shape, nb::handle owner);
 /// A 1-D float32 array that owns `values` (moved in).
 nb::object export_owned(std::vector<float>&& values);
@@ -61,6 +68,9 @@ nb::object export_owned(std::vector<float>&& values);
 DType parse_dtype(nb::handle h);  // DType, or "f32"/"float32"/"bf16"/"fp16"/torch.float16...
 Tier parse_tier(nb::handle h);    // Tier, or "device"/"none", "host"/"cpu", "nvme"
 OptimizerKind parse_optimizer(nb::handle h);  // OptimizerKind, or "adam"/"adamw"/"sgd"/"lion"
+/// Device, or "cpu"/"cuda", or "cuda:N" / torch.device("cuda", N): then *index is set to N (and
+/// left alone otherwise; `index` may be null to refuse an index).
+Device parse_device(nb::handle h, int* index);
 
 /// A Config from a Config (copied), a dict of zeroshard/DeepSpeed keys, or a JSON file path.
 Config coerce_config(nb::handle h);

@@ -195,6 +195,11 @@ const std::vector<FieldSetter<Config>>& config_fields() {
   using C = Config;
   static const std::vector<FieldSetter<C>> t = {
       {"stage", [](C& c, nb::handle v, const std::string& p) { c.stage = as_int32(v, p); }},
+      // "cuda:N" (a torch.device's spelling) also sets device_index.
+      {"device",
+       [](C& c, nb::handle v, const std::string&) { c.device = parse_device(v, &c.device_index); }},
+      {"device_index",
+       [](C& c, nb::handle v, const std::string& p) { c.device_index = as_int32(v, p); }},
       {"dtype", [](C& c, nb::handle v, const std::string&) { c.dtype = parse_dtype(v); }},
       {"loss_scale",
        [](C& c, nb::handle v, const std::string& p) {
@@ -286,6 +291,11 @@ void bind_config(nb::module_& m) {
       .value("f32", DType::f32)
       .value("bf16", DType::bf16)
       .value("f16", DType::f16);
+  nb::enum_<Device>(m, "Device",
+                    "The compute device (Config.device): parameters, gradients and the device "
+                    "tier live in its memory. cuda needs a build with ZEROSHARD_WITH_CUDA=ON.")
+      .value("cpu", Device::cpu)
+      .value("cuda", Device::cuda);
   nb::enum_<Tier>(m, "Tier", "Where a shard lives: device memory, pinned host memory, NVMe files.")
       .value("device", Tier::device)
       .value("host", Tier::host)
@@ -360,6 +370,8 @@ void bind_config(nb::module_& m) {
   bind_fields(cfg, config_fields(), "Config",
               [](const Config& c, const std::string& n) -> nb::object {
                 if (n == "stage") return nb::cast(c.stage);
+                if (n == "device") return nb::cast(c.device);
+                if (n == "device_index") return nb::cast(c.device_index);
                 if (n == "dtype") return nb::cast(c.dtype);
                 if (n == "gradient_clipping") return nb::cast(c.gradient_clipping);
                 if (n == "gradient_accumulation_steps")
@@ -441,7 +453,10 @@ void bind_config(nb::module_& m) {
           << optimizer_name(c.optimizer.kind) << "', lr=" << c.optimizer.lr
           << ", offload_optimizer='" << tier_name(c.offload_optimizer.tier) << "', offload_param='"
           << tier_name(c.offload_param.tier) << "', gradient_clipping=" << c.gradient_clipping
-          << ", gradient_accumulation_steps=" << c.gradient_accumulation_steps << ")";
+          << ", gradient_accumulation_steps=" << c.gradient_accumulation_steps;
+        // The CPU, the default, is left out (as it always was).
+        if (c.device == Device::cuda) s << ", device='cuda', device_index=" << c.device_index;
+        s << ")";
         return s.str();
       });
 }

@@ -25,7 +25,8 @@ struct PyParam {
   std::string name;
   std::vector<int64_t> shape;
   int group = 0;
-  nb::object init;  // None or a CPU tensor / array of shape_numel(shape) elements
+  nb::object init;  // None or a CPU tensor / array of shape_numel(shape) elements (CPU on every
+                    // device: finalize() reads it on the host)
 };
 
 struct PyEngine {
@@ -254,18 +255,17 @@ void bind_engine(nb::module_& m) {
       "One model's units, shards, optimizer and communication on this rank (see "
       "include/zeroshard/engine.hpp for the contract of each call). Views it returns (params, "
       "gather, grads) are DLPack/buffer-protocol arrays over engine memory, valid as the C++ "
-      "contract says; torch.from_dlpack() / numpy.from_dlpack() wrap them without copying.")
+      "contract says; torch.from_dlpack() / numpy.from_dlpack() wrap them without copying. With "
+      "Config.device cuda they are CUDA arrays (torch.from_dlpack() gives CUDA tensors over the "
+      "engine's GPU memory) and the engine's work runs on its stream (stream(), set_stream()).")
       .def(
           "__init__",
           [](PyEngine* self, nb::handle config, std::shared_ptr<Communicator> comm) {
             if (!comm)
               throw Error(ErrorCode::invalid_argument, "Engine(): the communicator is None");
             Config c = coerce_config(config);
-            // The bridge exports views as CPU arrays: GPU memory would be read as host memory.
-            if (c.device != Device::cpu)
-              throw Error(ErrorCode::invalid_config,
-                          "Engine(): zeroshard.device = cuda is not available from Python yet "
-                          "(the bindings exchange CPU tensors only); use device cpu");
+            // device cuda: the C++ constructor says if this build has no CUDA (ConfigError) or
+            // no GPU can be used (CudaError); views then leave as CUDA arrays (export_view).
             new (self) PyEngine(std::move(c), std::move(comm));
           },
           nb::arg("config"), nb::arg("comm"),
@@ -369,6 +369,9 @@ void bind_engine(nb::module_& m) {
                                 e.engine.unit_name(u) + "')"};
               req.has_dtype = true;
               req.dtype = e.engine.config().dtype;
+              // A GPU engine copies from device memory too; the C++ call checks that it is its
+              // own GPU (a copy from another one would need peer access).
+              req.allow_cuda = e.engine.config().device == Device::cuda;
               req.numel = shape_numel(shapes[i]);
               keep.push_back(import_tensor(g, req, false));
               views.push_back(keep.back().view);
@@ -378,8 +381,9 @@ void bind_engine(nb::module_& m) {
           },
           nb::arg("unit"), nb::arg("grads") = nb::none(),
           "Marks the unit's gradients of this micro-step complete and starts their reduction. "
-          "With grads (one contiguous CPU tensor per parameter, of Config.dtype), copies them in "
-          "first; they may be reused on return. Collective.")
+          "With grads (one contiguous tensor per parameter, of Config.dtype, on the CPU or, for "
+          "device cuda, on the engine's GPU), copies them in first; they may be reused on return "
+          "(CUDA ones by work queued on the engine's stream after this call). Collective.")
       .def(
           "step", [](PyEngine& e) { return locked(e, [&] { return e.engine.step(); }); },
           "Finishes reductions; updates every shard (or skips on overflow). Collective.")
@@ -422,6 +426,24 @@ void bind_engine(nb::module_& m) {
           nb::arg("unit"))
       .def(
           "config", [](PyEngine& e) { return e.engine.config(); }, "A copy of the engine's Config.")
+      .def(
+          "stream",
+          [](PyEngine& e) {
+            return reinterpret_cast<uintptr_t>(locked(e, [&] { return e.engine.stream(); }));
+          },
+          "Config.device cuda: the cudaStream_t the engine's work runs on, as an int (what "
+          "torch.cuda.ExternalStream takes); 0 on the CPU.")
+      .def(
+          "set_stream",
+          [](PyEngine& e, uintptr_t stream) {
+            locked(e, [&] { e.engine.set_stream(reinterpret_cast<void*>(stream)); });
+          },
+          nb::arg("stream"),
+          "Config.device cuda: run the engine's work on this cudaStream_t (an int, e.g. "
+          "torch.cuda.current_stream().cuda_stream) from now on; waits for the work already "
+          "issued. 0 returns to the engine's own stream, so torch's default stream, whose "
+          "cuda_stream is 0, is passed as 1 (cudaStreamLegacy, as DLPack spells it). Raises "
+          "InvalidArgumentError on the CPU unless 0.")
       .def(
           "read_shard",
           [](PyEngine& e, UnitId u, StateKind k) {

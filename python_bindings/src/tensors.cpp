@@ -1,7 +1,8 @@
 // The tensor bridge. Tensors cross in both directions by DLPack (or the buffer protocol on the
-// way in) and are never copied here: a tensor C++ cannot use as it is (on a GPU, strided, of
-// another dtype) is rejected with an error that says what to do, because a silent copy would
-// turn the caller's in-place writes into writes to a temporary, and hide a hot-path cost.
+// way in) and are never copied here: a tensor C++ cannot use as it is (on a device the call does
+// not read, strided, of another dtype) is rejected with an error that says what to do, because a
+// silent copy would turn the caller's in-place writes into writes to a temporary, and hide a
+// hot-path cost. Engine views keep their device: a GPU engine's views leave as CUDA arrays.
 #include <cctype>
 #include <cstring>
 #include <sstream>
@@ -95,21 +96,29 @@ Imported import_tensor(nb::handle obj, const TensorRequest& req, bool writable) 
       hint = " (it requires grad: pass tensor.detach(), which shares its memory)";
     else if (writable)
       hint = " (it must also be writable)";
-    fail(req.what +
-         ": expected a CPU tensor or array supporting DLPack or the buffer protocol, got " + type +
-         hint);
+    fail(req.what + ": expected a CPU tensor or array supporting DLPack or the buffer protocol" +
+         (req.allow_cuda ? " (or a CUDA tensor)" : "") + ", got " + type + hint);
   }
   const size_t ndim = writable ? out.array.ndim() : out.array_ro.ndim();
   const int device = writable ? out.array.device_type() : out.array_ro.device_type();
+  const int device_id = writable ? out.array.device_id() : out.array_ro.device_id();
   const nb::dlpack::dtype dt = writable ? out.array.dtype() : out.array_ro.dtype();
   const int64_t* shape = writable ? out.array.shape_ptr() : out.array_ro.shape_ptr();
   const int64_t* strides = writable ? out.array.stride_ptr() : out.array_ro.stride_ptr();
   void* data = writable ? static_cast<void*>(out.array.data())
                         : const_cast<void*>(static_cast<const void*>(out.array_ro.data()));
 
-  if (device != nb::device::cpu::value)
-    fail(req.what + ": the tensor is on DLPack device type " + std::to_string(device) +
-         "; zeroshard's Python bindings take CPU tensors");
+  Device zdev = Device::cpu;
+  if (device == nb::device::cuda::value && req.allow_cuda) {
+    zdev = Device::cuda;
+  } else if (device != nb::device::cpu::value) {
+    // No copy to the host here: the caller moves the tensor (tensor.cpu()) if that is meant.
+    const std::string where =
+        device == nb::device::cuda::value ? " (cuda:" + std::to_string(device_id) + ")" : "";
+    fail(req.what + ": the tensor is on DLPack device type " + std::to_string(device) + where +
+         "; zeroshard's Python bindings take CPU tensors" +
+         (req.allow_cuda ? " or CUDA tensors" : " here (pass tensor.cpu() if a copy is meant)"));
+  }
 
   int64_t numel = 1;
   for (size_t i = 0; i < ndim; ++i) numel *= shape[i];
@@ -147,7 +156,7 @@ Imported import_tensor(nb::handle obj, const TensorRequest& req, bool writable) 
     fail(req.what + ": the tensor has " + std::to_string(numel) + " elements (shape " +
          shape_text(ndim, shape) + "), expected " + std::to_string(req.numel));
 
-  out.view = TensorView{data, numel, zdt, Device::cpu, 0};
+  out.view = TensorView{data, numel, zdt, zdev, zdev == Device::cuda ? device_id : 0};
   out.nbytes = numel * int64_t((dt.bits * dt.lanes + 7) / 8);
   return out;
 }
@@ -158,9 +167,13 @@ nb::object export_view(const TensorView& v, const std::vector<int64_t>& shape, n
                                          std::to_string(shape_numel(shape)) + " elements, view " +
                                          std::to_string(v.numel));
   std::vector<size_t> ext(shape.begin(), shape.end());
+  // The view's own device: exporting GPU memory as a CPU array would let the consumer read
+  // device pointers as host memory. DLPack's stream handshake needs nothing from this side: the
+  // engine's work is ordered on its stream, which the trainer shares (Engine.set_stream()).
+  const bool cuda = v.device == Device::cuda;
   // Zero-element views may carry a null pointer; DLPack consumers accept that.
   Array a(v.data, ext.size(), ext.data(), owner, nullptr, to_dlpack(v.dtype),
-          nb::device::cpu::value, 0, 'C');
+          cuda ? nb::device::cuda::value : nb::device::cpu::value, cuda ? v.device_index : 0, 'C');
   return nb::cast(a, nb::rv_policy::reference);
 }
 
@@ -212,6 +225,21 @@ Tier parse_tier(nb::handle h) {
   if (s == "nvme") return Tier::nvme;
   bad_value("offload device", h,
             "\"none\", \"cpu\", \"nvme\" (or Tier.device, Tier.host, Tier.nvme)");
+}
+
+Device parse_device(nb::handle h, int* index) {
+  Device d;
+  if (nb::try_cast<Device>(h, d, false)) return d;
+  // torch.device("cuda", 1) prints as "cuda:1", torch.device("cuda") as "cuda".
+  const std::string s = spelled(h);
+  if (s == "cpu") return Device::cpu;
+  if (s == "cuda") return Device::cuda;
+  if (index && s.rfind("cuda:", 0) == 0 && s.size() > 5 && s.size() <= 9 &&
+      s.find_first_not_of("0123456789", 5) == std::string::npos) {
+    *index = std::stoi(s.substr(5));
+    return Device::cuda;
+  }
+  bad_value("device", h, "\"cpu\", \"cuda\", \"cuda:N\" (or Device.cpu, Device.cuda)");
 }
 
 OptimizerKind parse_optimizer(nb::handle h) {

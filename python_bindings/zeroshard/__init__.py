@@ -6,9 +6,10 @@ exception class per zeroshard::ErrorCode, all derived from zeroshard.Error. PyTo
 zeroshard.torch.ZeroOptimizer.
 
 Tensors cross by DLPack (or the buffer protocol) without copies: the views Engine returns wrap
-engine memory (torch.from_dlpack / numpy.from_dlpack), and tensors passed in must be contiguous
-CPU tensors of the right dtype -- anything else raises InvalidArgumentError instead of being
-copied. Blocking and computing calls release the GIL.
+engine memory (torch.from_dlpack / numpy.from_dlpack; CUDA arrays when Config.device is cuda),
+and tensors passed in must be contiguous CPU tensors of the right dtype (gradients may also be
+CUDA tensors on a GPU engine's device) -- anything else raises InvalidArgumentError instead of
+being copied. Blocking and computing calls release the GIL.
 """
 
 from . import _core
@@ -21,6 +22,7 @@ from ._core import (  # noqa: F401  (re-exported API)
     ConfigError,
     CorruptedDataError,
     CudaError,
+    Device,
     DType,
     Engine,
     Error,
@@ -60,6 +62,7 @@ __all__ = [
     "CorruptedDataError",
     "CudaError",
     "DType",
+    "Device",
     "Engine",
     "Error",
     "InternalError",

@@ -9,6 +9,17 @@
 
 Launch with `mpirun -np N python train.py` (or plain `python train.py` for one rank).
 
+Devices. The model's trainable parameters are all on the CPU, or all on one CUDA device (which
+needs zeroshard built with ZEROSHARD_WITH_CUDA=ON). On a GPU the engine runs with Config.device
+cuda and device_index = the parameters' device, its parameter and gradient buffers are GPU
+memory, and it issues its work on torch's current stream of that device at construction (the
+default stream unless the caller set another; Engine.set_stream()): run the model's forward and
+backward on that stream, as torch does by default, so that the engine's kernels and copies are
+ordered after the ones that write gradients and before the ones that read parameters. Initial
+values are copied to the host once for finalize(); frozen parameters and buffers are the
+model's own. Collectives between ranks then go through host memory (the MPI communicator, with
+the engine staging device buffers), a path that works on any machine but is not fast.
+
 How it maps onto the engine
 ---------------------------
 Units. One unit per top-level child module of the model (its parameters, recursively); a child
@@ -83,6 +94,17 @@ _GROUP_KEYS = {
 }
 
 _STATE_FORMAT = "zeroshard.sharded/1"
+
+# cudaStreamLegacy, the legacy default stream as a handle (DLPack spells it 1 too).
+_CUDA_STREAM_LEGACY = 1
+
+
+def _stream_handle(stream):
+    """A torch.cuda.Stream as the int Engine.set_stream() takes. torch reports its default
+    stream as 0, which set_stream() reads as "the engine's own stream" (a non-blocking one that
+    would not be ordered with torch's work), so the default stream is passed as
+    cudaStreamLegacy."""
+    return stream.cuda_stream or _CUDA_STREAM_LEGACY
 
 
 def _resize_storage(t, numel):
@@ -190,7 +212,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Args:
         model: the nn.Module to train. Its trainable parameters must share one dtype (float32,
-            bfloat16 or float16), which becomes the engine's Config.dtype.
+            bfloat16 or float16), which becomes the engine's Config.dtype, and one device: the
+            CPU, or one CUDA device, which becomes Config.device cuda with its device_index
+            (see "Devices" in the module doc: the model runs on torch's current stream at
+            construction, the default stream unless changed).
         stage: ZeRO stage 0-3.
         optimizer: "adamw" (default), "adam", "sgd" or "lion".
         lr, betas, eps, weight_decay, momentum, nesterov: hyperparameters of every group not
@@ -226,11 +251,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise _core.InvalidArgumentError("ZeroOptimizer: the model has no trainable parameters")
-        for n, p in model.named_parameters():
-            if p.requires_grad and p.device.type != "cpu":
-                raise _core.InvalidArgumentError(
-                    f"ZeroOptimizer: parameter '{n}' is on {p.device}; this build of the "
-                    "Python bindings trains CPU models")
+        self._device = self._model_device(model)
         dtypes = {p.dtype for p in trainable}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _TORCH_DTYPES:
             raise _core.InvalidArgumentError(
@@ -263,6 +284,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             cfg.max_live_units = max(cfg.max_live_units, self._nesting(model, unit_list) + 2)
 
         self.engine = _core.Engine(cfg, self.comm)
+        if self._device.type == "cuda":
+            # The engine's kernels and copies run on torch's stream, in order with the model's:
+            # no event or synchronisation is needed between them (see the module doc).
+            self.engine.set_stream(_stream_handle(torch.cuda.current_stream(self._device)))
         for g in self.param_groups[1:]:
             self.engine.add_group(self._options(g))
 
@@ -275,6 +300,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             zparams = []
             for (pname, p) in named:
                 init = p.detach()
+                if init.device.type != "cpu":
+                    # The engine reads initial values on the host (Param.init is a CPU tensor
+                    # on every device); one copy, dropped after finalize().
+                    init = init.cpu()
                 if not init.is_contiguous():
                     init = init.contiguous()  # initial values only; read once in finalize()
                 zparams.append(_core.Param(pname, list(p.shape), group_of[id(p)], init))
@@ -290,13 +319,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage < 3:
             for u in self._units:
                 for p, v in zip(u.params, self.engine.params(u.index)):
-                    p.data = _dlpack.from_dlpack(v)  # zero-copy view of engine memory
+                    # Zero-copy view of engine memory (a CUDA tensor on a GPU engine).
+                    p.data = _dlpack.from_dlpack(v)
                 self._register_grad_hooks(u)
         else:
             for u in self._units:
                 self._setup_stage3(u)
 
     # ---- construction helpers ------------------------------------------------------------------
+
+    @staticmethod
+    def _model_device(model):
+        """The one device of the trainable parameters: the CPU or one CUDA device."""
+        first = {}
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                first.setdefault(p.device, n)
+        if len(first) > 1:
+            where = ", ".join(f"'{n}' on {d}" for d, n in first.items())
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: the trainable parameters are on several devices ({where}); "
+                "they must all be on the CPU or all on one CUDA device (model.to(device))")
+        (device, n), = first.items()
+        if device.type not in ("cpu", "cuda"):
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: parameter '{n}' is on {device}; zeroshard trains models on "
+                "the CPU or on one CUDA device")
+        return device
 
     def _build_config(self, config, stage, optimizer, lr, betas, eps, weight_decay, momentum,
                       nesterov, offload_optimizer, offload_param, nvme_path, gradient_clipping,
@@ -346,8 +395,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise _core.ConfigError(
                     f"config: unknown keyword argument '{key}' for ZeroOptimizer{why}{hint}")
             setattr(cfg, key, value)
+        self._place_config(cfg, config, config_fields)
         cfg.validate()
         return cfg
+
+    def _place_config(self, cfg, config, config_fields):
+        # The engine runs where the model is, as its dtype is the model's. A device the user
+        # asked for (device= / device_index=, or a dict's "zeroshard" section) must agree;
+        # Config's default, cpu with index -1, follows the model. (A Config object or a JSON
+        # file that says cpu cannot be told from the default and follows the model too.)
+        section = config.get("zeroshard") if isinstance(config, dict) else None
+        asked = (isinstance(section, dict) and "device" in section) or "device" in config_fields
+        dev = self._device
+        if dev.type == "cpu":
+            if cfg.device != _core.Device.cpu:
+                raise _core.ConfigError(
+                    "config: device is cuda but the model's trainable parameters are on the CPU; "
+                    "move the model first (model.cuda()) -- zeroshard does not move it")
+            return
+        if asked and cfg.device != _core.Device.cuda:
+            raise _core.ConfigError(
+                f"config: device is {cfg.device.name} but the model's trainable parameters are "
+                f"on {dev}; leave device out (it follows the model) or move the model")
+        if cfg.device_index not in (-1, dev.index):
+            raise _core.ConfigError(
+                f"config: device_index is {cfg.device_index} but the model's trainable "
+                f"parameters are on {dev}; leave device_index out (it follows the model) or "
+                f"move the model (model.to('cuda:{cfg.device_index}'))")
+        cfg.device = _core.Device.cuda
+        cfg.device_index = dev.index
 
     def _group_defaults(self, o):
         d = {"lr": o.lr, "weight_decay": o.weight_decay}
@@ -423,7 +499,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     continue
                 if not t.is_contiguous():
                     t.data = t.data.contiguous()
-                self.comm.broadcast(t.detach(), 0, "initial parameters from rank 0")
+                if t.device.type == "cpu":
+                    self.comm.broadcast(t.detach(), 0, "initial parameters from rank 0")
+                else:  # the communicator takes host memory: through a host copy
+                    host = t.detach().cpu()
+                    self.comm.broadcast(host, 0, "initial parameters from rank 0")
+                    t.copy_(host)
 
     @staticmethod
     def _ancestors(model):
@@ -489,10 +570,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return hook
 
     def _setup_stage3(self, u):
-        dtype = self._torch_dtype
-        u.placeholder = torch.empty(0, dtype=dtype)
+        dtype, device = self._torch_dtype, self._device
+        u.placeholder = torch.empty(0, dtype=dtype, device=device)
         for p, shape in zip(u.params, u.shapes):
-            full = torch.empty(shape, dtype=dtype)
+            full = torch.empty(shape, dtype=dtype, device=device)
             u.full.append(full)
             # AccumulateGrad records the parameter's shape when it is created: create it (and
             # hook it) while .data has the full shape and storage, then release.
@@ -563,7 +644,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p, shape in zip(u.params, u.shapes):
             g = p.grad
             if g is None:  # unused in this backward: contributes zero
-                g = torch.zeros(shape, dtype=self._torch_dtype)
+                g = torch.zeros(shape, dtype=self._torch_dtype, device=self._device)
             elif not g.is_contiguous():
                 # AccumulateGrad lays .grad out like the parameter (contiguous here); this is
                 # only reached if a user hook replaced it with a strided tensor.
@@ -649,10 +730,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def model_state_dict(self):
-        """model.state_dict() with every managed parameter whole, as copies: in stage 3 each
-        unit's parameter shards are all-gathered (collective: call it on every rank), so this is
-        how to export or evaluate stage-3 weights outside forward. Other entries are
-        model.state_dict()'s."""
+        """model.state_dict() with every managed parameter whole, as copies on the model's device:
+        in stage 3 each unit's parameter shards are all-gathered (collective: call it on every
+        rank), so this is how to export or evaluate stage-3 weights outside forward. Other
+        entries are model.state_dict()'s."""
         whole = {}
         for u in self._units:
             if self.stage == 3:
@@ -666,7 +747,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 offset = 0
                 for p, shape, n in zip(u.params, u.shapes, u.numels):
                     # Exact: f32 holds every bf16/f16 value, so this is the parameter itself.
-                    whole[id(p)] = flat[offset:offset + n].view(shape).to(self._torch_dtype)
+                    whole[id(p)] = flat[offset:offset + n].view(shape).to(
+                        self._device, self._torch_dtype)
                     offset += n
             else:
                 for p in u.params:
@@ -688,8 +770,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine.load(str(path))
 
     def state_dict(self):
-        """This rank's shard of the optimizer: f32 master weights and optimizer state per unit,
-        step count, loss scale, and the param groups' hyperparameters (params as indices)."""
+        """This rank's shard of the optimizer: f32 master weights and optimizer state per unit
+        (CPU tensors, on a GPU too), step count, loss scale, and the param groups'
+        hyperparameters (params as indices)."""
         state_names = _STATE_NAMES[self._kind]
         units = []
         for u in self._units:

@@ -92,3 +92,47 @@ def test_copy_is_independent():
     b = a.copy()
     b.stage = 2
     assert a.stage == 1 and b.stage == 2
+
+
+def test_device_keywords_round_trip():
+    # Parsing only: no engine is made, so this holds on a build without CUDA too.
+    c = zs.Config(device="cuda")
+    assert c.device == zs.Device.cuda and c.device_index == -1  # -1: the local rank's GPU
+    assert "device='cuda', device_index=-1" in repr(c)
+    c = zs.Config(device=zs.Device.cuda, device_index=1)
+    assert c.device == zs.Device.cuda and c.device_index == 1
+    assert zs.Config().device == zs.Device.cpu and "device_index" not in repr(zs.Config())
+    # A torch.device's spelling names the index too.
+    c = zs.Config(device="cuda:2")
+    assert c.device == zs.Device.cuda and c.device_index == 2
+    c.device = "cpu"
+    assert c.device == zs.Device.cpu
+    c.device_index = 0
+    assert c.device_index == 0
+    # The JSON/DeepSpeed reader's keys give the same Config.
+    d = zs.Config.from_dict({"zeroshard": {"device": "cuda", "device_index": 1}})
+    assert d.device == zs.Device.cuda and d.device_index == 1
+    assert d.copy().device == zs.Device.cuda
+
+
+def test_torch_device_spelling():
+    torch = pytest.importorskip("torch")
+    c = zs.Config(device=torch.device("cuda", 3))
+    assert c.device == zs.Device.cuda and c.device_index == 3
+    assert zs.Config(device=torch.device("cpu")).device == zs.Device.cpu
+
+
+def test_bad_device_values():
+    for bad in ("gpu", "cuda:x", "cuda:", "", 1):
+        with pytest.raises(zs.ConfigError,
+                           match=r"config: device = .* is not one of \"cpu\", \"cuda\""):
+            zs.Config(device=bad)
+    with pytest.raises(zs.ConfigError, match=r"Config\.device_index must be an integer, got str"):
+        zs.Config(device_index="0")
+    with pytest.raises(zs.ConfigError, match=r"Config\.device_index must be an integer, got bool"):
+        zs.Config(device_index=True)
+    # The C++ rule: -1 or a GPU index.
+    with pytest.raises(zs.ConfigError, match=r"zeroshard\.device_index = -2"):
+        zs.Config(device="cuda", device_index=-2)
+    with pytest.raises(zs.ConfigError, match=r"\"zeroshard\.device\" = \"tpu\" is not one of"):
+        zs.Config.from_dict({"zeroshard": {"device": "tpu"}})

@@ -107,9 +107,40 @@ def test_cpp_errors_become_python_exceptions_with_the_same_message():
         e.write_shard(u, zs.StateKind.master, torch.zeros(3))
     with pytest.raises(zs.ConfigError, match="nvme"):
         zs.Engine(zs.Config(offload_optimizer={"device": "nvme"}), zs.make_self_communicator())
-    # GPU engines are C++-only for now: their views would reach Python as CPU arrays.
-    with pytest.raises(zs.ConfigError, match="not available from Python"):
-        zs.Engine({"zeroshard": {"device": "cuda"}}, zs.make_self_communicator())
+
+
+def test_device_cuda_without_a_usable_gpu_is_a_clear_error():
+    # A CPU-only build refuses device cuda with ConfigError ("built without CUDA"); a CUDA build
+    # on a machine without a GPU with CudaError ("no GPU can be used"). Either way the message
+    # says what was asked for. On a CUDA build with a GPU it is a real engine (tests in
+    # test_gpu_torch.py), which this checks too rather than skipping.
+    try:
+        e = zs.Engine({"zeroshard": {"device": "cuda"}}, zs.make_self_communicator())
+    except zs.Error as err:
+        msg = str(err)
+        assert "cuda" in msg
+        assert isinstance(err, (zs.ConfigError, zs.CudaError)), type(err)
+        if isinstance(err, zs.ConfigError):
+            assert "built without CUDA" in msg
+        else:
+            assert "no GPU can be used" in msg
+    else:
+        assert e.config().device == zs.Device.cuda and e.stream() != 0
+
+
+def test_stream_on_the_cpu():
+    # Streams belong to the cuda device: a CPU engine has none, and refuses one.
+    e, u, _ = make_engine(stage=1)
+    assert e.stream() == 0
+    e.set_stream(0)  # "the engine's own stream": nothing to do on the CPU
+    with pytest.raises(zs.InvalidArgumentError,
+                       match=r"set_stream\(\): the engine runs on the CPU"):
+        e.set_stream(0x1234)
+    with pytest.raises(TypeError):
+        e.set_stream(-1)  # not a handle
+    # The views of a CPU engine are CPU arrays (DLPack device type 1, kDLCPU).
+    for v in e.params(u) + e.grads(u):
+        assert torch.from_dlpack(v).device == torch.device("cpu")
 
 
 def test_memory_report():

@@ -184,6 +184,34 @@ def test_config_errors_surface_as_python_exceptions():
                          comm=zs.make_self_communicator())
 
 
+def test_model_device_decides_the_engine_device():
+    # A CPU model gets a CPU engine whatever device_index says; asking for cuda is an error
+    # (zeroshard never moves the model), on any build.
+    m = make_model()
+    opt = zt.ZeroOptimizer(m, comm=zs.make_self_communicator(), device_index=0)
+    assert opt.engine.config().device == zs.Device.cpu and opt.engine.stream() == 0
+    for kw in ({"device": "cuda"}, {"config": {"zeroshard": {"device": "cuda"}}},
+               {"config": zs.Config(device="cuda")}):
+        with pytest.raises(zs.ConfigError, match=r"device is cuda but the model's trainable "
+                                                 r"parameters are on the CPU.*model\.cuda\(\)"):
+            zt.ZeroOptimizer(make_model(), comm=zs.make_self_communicator(), **kw)
+
+
+def test_parameters_on_several_or_unsupported_devices_are_refused():
+    # "meta" tensors stand in for a second device on a machine without a GPU.
+    m = make_model()
+    m.extra = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(zs.InvalidArgumentError, match=r"on several devices \('embed\.weight' on "
+                                                     r"cpu, 'extra\.weight' on meta\)"):
+        zt.ZeroOptimizer(m, comm=zs.make_self_communicator())
+    m.extra.requires_grad_(False)  # frozen parameters stay the model's, on any device
+    zt.ZeroOptimizer(m, comm=zs.make_self_communicator())
+    meta = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(zs.InvalidArgumentError, match=r"parameter 'weight' is on meta; zeroshard "
+                                                     r"trains models on the CPU or on one CUDA"):
+        zt.ZeroOptimizer(meta, comm=zs.make_self_communicator())
+
+
 def test_deepspeed_config_drives_the_optimizer():
     m = make_model()
     opt = zt.ZeroOptimizer(m, comm=zs.make_self_communicator(), config={
