@@ -3,7 +3,7 @@
 # benchmarks (fused_adamw_bench; torch_fused_adamw_bench.py where python3 has torch with CUDA,
 # joined with it into fused_adamw_vs_torch.txt; offload_step_bench; demo_capacity.sh), and writes
 # logs and figures to $OUT when set, else to benchmarks/gpu/results/. A part name (build, test,
-# bench, capacity) runs the build and that part only: each then fits a 10-minute command.
+# python, bench, capacity) runs the build and that part only: each then fits a 10-minute command.
 #
 #   bash benchmarks/gpu/run_all.sh pack   # on a development machine (Debian, after
 #                                         # scripts/setup.sh): gathers into .gpu-deps/ the build
@@ -65,10 +65,10 @@ if [[ "${1:-}" == "pack" ]]; then
 fi
 # What to run after the (incremental) build: every part, or the one named, so that each part
 # fits a time-limited command on a lent GPU machine.
-parts="${1:-test bench capacity}"
+parts="${1:-test python bench capacity}"
 case "$parts" in
-  build | test | bench | capacity | "test bench capacity") ;;
-  *) die "usage: $0 [pack|build|test|bench|capacity]" ;;
+  build | test | python | bench | capacity | "test python bench capacity") ;;
+  *) die "usage: $0 [pack|build|test|python|bench|capacity]" ;;
 esac
 want() { [[ " $parts " == *" $1 "* ]]; }
 
@@ -193,6 +193,31 @@ tail -25 "$out/ctest-gpu.log"
 if grep -q "no CUDA GPU on this machine" "$out/ctest-gpu.log" ||
    ! grep -q "100% tests passed" "$out/ctest-gpu.log"; then
   say "WARNING: some GPU tests failed or skipped; see $out/ctest-gpu.log"
+fi
+fi
+if want python; then
+# The Python bindings on the GPU (tests/python/test_gpu_torch.py): the extension module built by
+# CMake (no pip: the machine has no network) and put into a copy of the package.
+if python3 -c 'import torch, nanobind, pytest; assert torch.cuda.is_available()' 2>"$out/python-check.log"; then
+  pybuild="$build-python"
+  pyargs=("${args[@]}" -DZEROSHARD_BUILD_PYTHON=ON -DZEROSHARD_BUILD_TESTS=OFF -DZEROSHARD_BUILD_APPS=OFF
+          -DZEROSHARD_BUILD_GPU_BENCHMARKS=OFF "-DPython_EXECUTABLE=$(command -v python3)")
+  if [[ ! -f "$pybuild/CMakeCache.txt" ]]; then pyargs+=("${generator[@]}"); fi
+  if cmake -S . -B "$pybuild" "${pyargs[@]}" >"$out/python-build.log" 2>&1 &&
+     cmake --build "$pybuild" --target _core -j "$jobs" >>"$out/python-build.log" 2>&1; then
+    pkg="$pybuild/package"
+    rm -rf "$pkg" && mkdir -p "$pkg"
+    cp -r python_bindings/zeroshard "$pkg/"
+    cp "$pybuild"/python_bindings/_core*.so "$pkg/zeroshard/"
+    PYTHONPATH="$pkg" python3 -m pytest -q tests/python/test_gpu_torch.py >"$out/pytest-gpu.log" 2>&1 || status=1
+    tail -15 "$out/pytest-gpu.log"
+  else
+    status=1
+    tail -20 "$out/python-build.log"
+    say "building the Python module failed; see $out/python-build.log"
+  fi
+else
+  say "Python GPU tests skipped: $(tail -1 "$out/python-check.log")" | tee "$out/pytest-gpu.log"
 fi
 fi
 if want bench; then
