@@ -293,8 +293,6 @@ void Engine::Impl::allocate() {
   if (topt == Tier::nvme || tpar == Tier::nvme) nvme_setup();
 }
 
-// Initial values go through f32 once; the low-precision copy is rounded from the master, so every
-// stage starts from bitwise the same state.
 void Engine::Impl::write_params(void* dst, const float* values, int64_t n) {
   if (dev->device() == Device::cpu) {
     host->convert(values, DType::f32, dst, pdt, n);
@@ -306,6 +304,8 @@ void Engine::Impl::write_params(void* dst, const float* values, int64_t n) {
   dev->synchronize();
 }
 
+// Initial values go through f32 once; the low-precision copy is rounded from the master, so every
+// stage starts from bitwise the same state.
 void Engine::Impl::load_initial_values() {
   std::vector<float> whole;
   for (Unit& u : units) {
