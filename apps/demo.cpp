@@ -18,6 +18,7 @@
 #include "data/corpus.hpp"
 #include "model/gpt.hpp"
 #ifdef ZSDEMO_HAVE_CUDA
+#include "cuda/cuda_resources.hpp"
 #include "model/ops_cuda.hpp"
 #endif
 #include "report/report.hpp"
@@ -60,7 +61,7 @@ std::shared_ptr<Communicator> gpu_setup(zeroshard::Config& c, std::shared_ptr<Co
       break;
     }
   std::string why;
-  const int gpus = gpu::device_count(&why);
+  const int gpus = zeroshard::cuda::device_count(&why);
   if (gpus == 0) throw std::runtime_error("--device cuda: no usable GPU: " + why);
   c.device_index = local_rank % gpus;
   gpu::set_device(c.device_index);

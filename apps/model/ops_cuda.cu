@@ -82,18 +82,6 @@ struct Context::Impl {
   }
 };
 
-int device_count(std::string* why) noexcept {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();  // clear it: it says nothing about later calls
-    if (why) *why = std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
-    return 0;
-  }
-  if (n == 0 && why) *why = "no CUDA device";
-  return n;
-}
-
 void set_device(int device) {
   ZSDEMO_CUDA(cudaSetDevice(device));
 }
@@ -131,30 +119,6 @@ void Context::synchronize() const {
 
 int Context::device() const {
   return impl_->device;
-}
-
-DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
-  if (bytes) ZSDEMO_CUDA(cudaMalloc(&ptr_, bytes));
-}
-
-DeviceBuffer::~DeviceBuffer() {
-  if (ptr_) (void)cudaFree(ptr_);
-}
-
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
-  o.ptr_ = nullptr;
-  o.bytes_ = 0;
-}
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  if (this != &o) {
-    if (ptr_) (void)cudaFree(ptr_);
-    ptr_ = o.ptr_;
-    bytes_ = o.bytes_;
-    o.ptr_ = nullptr;
-    o.bytes_ = 0;
-  }
-  return *this;
 }
 
 void copy_to_device(Context& ctx, void* dst, const void* src, size_t bytes) {

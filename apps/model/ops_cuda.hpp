@@ -27,9 +27,9 @@
 
 namespace zsdemo::gpu {
 
-/// Number of usable CUDA devices; 0 when there is none or the runtime cannot start, with the
-/// runtime's reason in *why (if given). Never throws.
-int device_count(std::string* why = nullptr) noexcept;
+// Device memory and the GPU count come from the library (zeroshard::cuda::DeviceBuffer and
+// device_count in src/cuda/cuda_resources.hpp).
+
 /// Makes `device` current on the calling thread (contexts and buffers are created there).
 void set_device(int device);
 
@@ -60,30 +60,6 @@ class Context {
 
  private:
   std::unique_ptr<Impl> impl_;
-};
-
-/// cudaMalloc'ed bytes on the current device, freed (after a device-wide wait, as cudaFree does)
-/// on destruction. Move-only.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes);
-  ~DeviceBuffer();
-  DeviceBuffer(DeviceBuffer&& o) noexcept;
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  void* data() const { return ptr_; }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
 };
 
 /// Enqueues a host → device copy. `src` may be pageable: the runtime stages it before returning,

@@ -7,6 +7,7 @@
 
 #include "model/precision.hpp"
 #ifdef ZSDEMO_HAVE_CUDA
+#include "cuda/cuda_resources.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "model/ops_cuda.hpp"
 #endif
@@ -59,9 +60,11 @@ void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool wit
 struct UnitRunner::Device {
 #ifdef ZSDEMO_HAVE_CUDA
   gpu::Context ctx;
-  gpu::DeviceBuffer pbuf, gbuf;
+  zeroshard::cuda::DeviceBuffer pbuf, gbuf;
   Device(void* stream, int64_t largest)
-      : ctx(stream), pbuf(size_t(largest) * 4), gbuf(size_t(largest) * 4) {}
+      : ctx(stream),
+        pbuf(ctx.device(), size_t(largest) * 4),
+        gbuf(ctx.device(), size_t(largest) * 4) {}
 #endif
 };
 
