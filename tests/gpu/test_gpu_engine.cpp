@@ -24,13 +24,6 @@
 #include "tests/multirank/harness.hpp"
 #include "zeroshard/zeroshard.hpp"
 
-namespace zs_test {
-static std::shared_ptr<zeroshard::Communicator> g_world;
-std::shared_ptr<zeroshard::Communicator> world() {
-  return g_world;
-}
-}  // namespace zs_test
-
 namespace zeroshard {
 namespace {
 
@@ -222,22 +215,3 @@ TEST(GpuEngineConfig, RejectsWhatTheGpuEngineDoesNotDo) {
 
 }  // namespace
 }  // namespace zeroshard
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-#ifdef ZS_TEST_MPI
-  zs_test::g_world = zeroshard::make_mpi_communicator();
-#else
-  zs_test::g_world = zeroshard::make_self_communicator();
-#endif
-  const int rank = zs_test::g_world->rank();
-  if (rank != 0) {  // other ranks report failures only
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  int rc = RUN_ALL_TESTS();
-  double failed = rc != 0;  // every rank exits with the same code
-  zs_test::g_world->all_reduce(&failed, 1, zeroshard::ReduceOp::max, "test outcome")->wait();
-  zs_test::g_world.reset();
-  return failed > 0 ? 1 : 0;
-}

@@ -13,6 +13,7 @@
 
 #include "gpu_test_util.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "tests/multirank/run_ranks.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/error.hpp"
 
@@ -126,13 +127,7 @@ int main(int argc, char** argv) {
              std::to_string(local_size) + " local ranks (or another machine has too few)";
   }
   g_device = gpus > 0 ? local_rank % gpus : 0;
-  if (g_mpi->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
-  double failed = rc != 0;
-  g_mpi->all_reduce(&failed, 1, ReduceOp::max, "test outcome")->wait();
+  const int rc = zs_test::run_on_all_ranks(*g_mpi);
   g_mpi.reset();
-  return failed > 0 ? 1 : 0;
+  return rc;
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "harness.hpp"
+#include "run_ranks.hpp"
 
 namespace zs_test {
 static std::shared_ptr<zeroshard::Communicator> g_world;
@@ -13,24 +14,12 @@ std::shared_ptr<zeroshard::Communicator> world() {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+#ifdef ZS_TEST_ONE_RANK  // a build without MPI: the same tests on one rank
+  zs_test::g_world = zeroshard::make_self_communicator();
+#else
   zs_test::g_world = zeroshard::make_mpi_communicator();
-  if (zs_test::g_world->rank() != 0) {
-    // Other ranks report failures only, so the log stays readable.
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    struct FailurePrinter : ::testing::EmptyTestEventListener {
-      void OnTestPartResult(const ::testing::TestPartResult& r) override {
-        if (r.failed())
-          fprintf(stderr, "[rank %d] %s:%d: %s\n", zs_test::g_world->rank(),
-                  r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
-      }
-    };
-    listeners.Append(new FailurePrinter);
-  }
-  int rc = RUN_ALL_TESTS();
-  // Agree on the outcome so that every rank exits with the same code.
-  double failed = rc != 0;
-  zs_test::g_world->all_reduce(&failed, 1, zeroshard::ReduceOp::max, "test outcome")->wait();
+#endif
+  const int rc = zs_test::run_on_all_ranks(*zs_test::g_world);
   zs_test::g_world.reset();
-  return failed > 0 ? 1 : 0;
+  return rc;
 }
