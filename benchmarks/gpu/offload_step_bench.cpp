@@ -44,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "benchmarks/io/parse_size.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zs = zeroshard;
@@ -82,28 +83,9 @@ double now_s() {
 
 // "1e9", "1000000000", "64Mi", "2Gi", "512Ki": a positive element count.
 int64_t parse_count(const std::string& flag, const std::string& s) {
-  double mult = 1;
-  std::string num = s;
-  for (const auto& [suffix, m] : {std::pair<const char*, double>{"Ki", 1024.0},
-                                  {"Mi", 1024.0 * 1024},
-                                  {"Gi", 1024.0 * 1024 * 1024}}) {
-    const size_t n = std::strlen(suffix);
-    if (num.size() > n && num.compare(num.size() - n, n, suffix) == 0) {
-      num.resize(num.size() - n);
-      mult = m;
-      break;
-    }
-  }
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(num, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != num.size() || !(v > 0) || !std::isfinite(v * mult) || v * mult > 9e15)
-    usage(flag + " takes a positive count such as 1e9 or 64Mi, not '" + s + "'");
-  return std::llround(v * mult);
+  const int64_t n = zeroshard::bench::parse_size(s);
+  if (n <= 0) usage(flag + " takes a positive count such as 1e9 or 64Mi, not '" + s + "'");
+  return n;
 }
 
 struct Options {
