@@ -1,6 +1,6 @@
 // The demo's driver: flags → corpus and tokenizer → engine and model → training with progress
 // lines → validation, sample → each rank's ledger and timings gathered to rank 0 → report.
-#include "demo.hpp"
+#include "apps/demo.hpp"
 
 #ifdef ZSDEMO_HAVE_BLAS
 #include <cblas.h>
@@ -14,15 +14,15 @@
 #include <sstream>
 #include <thread>
 
-#include "cli/demo_options.hpp"
-#include "data/corpus.hpp"
-#include "model/gpt.hpp"
+#include "apps/cli/demo_options.hpp"
+#include "apps/data/corpus.hpp"
+#include "apps/model/gpt.hpp"
 #ifdef ZSDEMO_HAVE_CUDA
-#include "cuda/cuda_resources.hpp"
-#include "model/ops_cuda.hpp"
+#include "src/cuda/cuda_resources.hpp"
+#include "apps/model/ops_cuda.hpp"
 #endif
-#include "report/report.hpp"
-#include "train/trainer.hpp"
+#include "apps/report/report.hpp"
+#include "apps/train/trainer.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zsdemo {

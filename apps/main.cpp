@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "demo.hpp"
+#include "apps/demo.hpp"
 #include "zeroshard/version.hpp"
 
 namespace {

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "check.hpp"
+#include "src/base/check.hpp"
 #include "offload/checksum.hpp"
 
 namespace zeroshard::offload {

@@ -1,6 +1,6 @@
 #include "offload/pinned_pool.hpp"
 
-#include "check.hpp"
+#include "src/base/check.hpp"
 
 namespace zeroshard::offload {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "ledger.hpp"
+#include "src/base/ledger.hpp"
 
 namespace zeroshard::offload {
 

@@ -12,7 +12,7 @@
 #include <cstring>
 #include <ctime>
 
-#include "check.hpp"
+#include "src/base/check.hpp"
 
 namespace zeroshard::offload {
 namespace fs = std::filesystem;

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <deque>
 
-#include "check.hpp"
+#include "src/base/check.hpp"
 
 namespace zeroshard::offload {
 

@@ -6,7 +6,7 @@
 
 #include <cstdio>
 
-#include "check.hpp"
+#include "src/base/check.hpp"
 
 namespace zeroshard::offload {
 

@@ -4,7 +4,7 @@
 #include <mutex>
 #include <thread>
 
-#include "check.hpp"
+#include "src/base/check.hpp"
 #include "offload/io_backend.hpp"
 
 #ifdef ZEROSHARD_HAVE_URING

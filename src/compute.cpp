@@ -1,13 +1,13 @@
 // The CPU backend of Compute, and the choice of backend.
-#include "compute.hpp"
+#include "src/compute.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 
-#include "check.hpp"
-#include "resources.hpp"
+#include "src/base/check.hpp"
+#include "src/resources.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
 

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "layout.hpp"
-#include "ledger.hpp"
+#include "src/base/layout.hpp"
+#include "src/base/ledger.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {

@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "edit_distance.hpp"
+#include "src/base/edit_distance.hpp"
 #include "zeroshard/error.hpp"
 
 namespace zeroshard {

@@ -7,9 +7,9 @@
 #include <set>
 #include <sstream>
 
-#include "check.hpp"
-#include "engine_impl.hpp"
-#include "engine_offload.hpp"
+#include "src/base/check.hpp"
+#include "src/engine_impl.hpp"
+#include "src/engine_offload.hpp"
 
 namespace zeroshard {
 

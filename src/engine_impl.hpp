@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "compute.hpp"
-#include "layout.hpp"
-#include "ledger.hpp"
-#include "precision/loss_scaler.hpp"
-#include "resources.hpp"
+#include "src/compute.hpp"
+#include "src/base/layout.hpp"
+#include "src/base/ledger.hpp"
+#include "src/precision/loss_scaler.hpp"
+#include "src/resources.hpp"
 #include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
 

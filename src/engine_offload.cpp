@@ -2,7 +2,7 @@
 // cache, the swap-pipelined optimizer step with its all-or-nothing commit, stage-3 parameter
 // swap-in for gather(), and state access (read_shard/write_shard/commit_shards) from disk.
 // See engine_offload.hpp for what lives where.
-#include "engine_offload.hpp"
+#include "src/engine_offload.hpp"
 
 #include <tbb/task_arena.h>
 
@@ -10,8 +10,8 @@
 #include <cstring>
 #include <map>
 
-#include "check.hpp"
-#include "engine_impl.hpp"
+#include "src/base/check.hpp"
+#include "src/engine_impl.hpp"
 #include "offload/io_backend.hpp"
 #include "offload/swap_pipeline.hpp"
 

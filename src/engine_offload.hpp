@@ -25,7 +25,7 @@
 #include <utility>
 #include <vector>
 
-#include "ledger.hpp"
+#include "src/base/ledger.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <limits>
 
-#include "check.hpp"
-#include "engine_impl.hpp"
+#include "src/base/check.hpp"
+#include "src/engine_impl.hpp"
 
 namespace zeroshard {
 

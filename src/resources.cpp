@@ -1,4 +1,4 @@
-#include "resources.hpp"
+#include "src/resources.hpp"
 
 #include <tbb/parallel_for.h>
 

@@ -1,4 +1,4 @@
-#include "cli/demo_options.hpp"
+#include "apps/cli/demo_options.hpp"
 
 #include <cerrno>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "data/corpus.hpp"
+#include "apps/data/corpus.hpp"
 
 #include <algorithm>
 #include <cmath>

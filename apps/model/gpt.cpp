@@ -1,14 +1,14 @@
-#include "model/gpt.hpp"
+#include "apps/model/gpt.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
-#include "data/corpus.hpp"
-#include "model/ops.hpp"
-#include "model/ops_cuda.hpp"
+#include "apps/data/corpus.hpp"
+#include "apps/model/ops.hpp"
+#include "apps/model/ops_cuda.hpp"
 #ifdef ZSDEMO_HAVE_CUDA
-#include "cuda/cuda_resources.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #endif
 
 namespace zsdemo {

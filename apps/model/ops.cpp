@@ -1,4 +1,4 @@
-#include "model/ops.hpp"
+#include "apps/model/ops.hpp"
 
 #ifdef ZSDEMO_HAVE_BLAS
 #include <cblas.h>

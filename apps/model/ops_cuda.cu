@@ -14,7 +14,7 @@
 #include <cmath>
 #include <string>
 
-#include "model/ops_cuda.hpp"
+#include "apps/model/ops_cuda.hpp"
 #include "zeroshard/error.hpp"
 
 namespace zsdemo::gpu {

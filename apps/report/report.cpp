@@ -1,4 +1,4 @@
-#include "report/report.hpp"
+#include "apps/report/report.hpp"
 
 #include <algorithm>
 #include <cmath>

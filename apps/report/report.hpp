@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "cli/demo_options.hpp"
-#include "model/gpt.hpp"
-#include "train/trainer.hpp"
+#include "apps/cli/demo_options.hpp"
+#include "apps/model/gpt.hpp"
+#include "apps/train/trainer.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zsdemo {

@@ -1,15 +1,15 @@
-#include "train/trainer.hpp"
+#include "apps/train/trainer.hpp"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <stdexcept>
 
-#include "model/precision.hpp"
+#include "apps/model/precision.hpp"
 #ifdef ZSDEMO_HAVE_CUDA
-#include "cuda/cuda_resources.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
-#include "model/ops_cuda.hpp"
+#include "apps/model/ops_cuda.hpp"
 #endif
 
 namespace zsdemo {

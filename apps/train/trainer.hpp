@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "data/corpus.hpp"
-#include "model/gpt.hpp"
+#include "apps/data/corpus.hpp"
+#include "apps/model/gpt.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zsdemo {

@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/cuda_resources.hpp"
+#include "src/base/cuda_check.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 
 namespace zs = zeroshard;

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "parse_size.hpp"
+#include "benchmarks/io/parse_size.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 using namespace zeroshard;

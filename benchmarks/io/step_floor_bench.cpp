@@ -23,7 +23,7 @@
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
 #include "offload/swap_store.hpp"
-#include "parse_size.hpp"
+#include "benchmarks/io/parse_size.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 using namespace zeroshard;

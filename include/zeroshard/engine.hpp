@@ -13,22 +13,12 @@
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/memory.hpp"
+#include "zeroshard/param.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {
 
 using UnitId = int32_t;
-
-/// One parameter of a unit. The engine owns the parameter and gradient memory; the trainer
-/// reads and writes it through the views that params(), gather() and grads() return.
-struct Param {
-  std::string name;
-  std::vector<int64_t> shape;
-  int group = 0;  ///< parameter group: 0 is Config::optimizer, others come from add_group()
-  /// Optional initial values, shape_numel(shape) elements of any dtype on the CPU, read during
-  /// finalize() (keep them alive until then). Without them the parameter starts at zero.
-  TensorView init{};
-};
 
 /// What step() did.
 struct StepResult {

@@ -7,5 +7,6 @@
 #include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/memory.hpp"
+#include "zeroshard/param.hpp"
 #include "zeroshard/types.hpp"
 #include "zeroshard/version.hpp"

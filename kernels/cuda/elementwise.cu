@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/cuda_check.hpp"
+#include "src/base/cuda_check.hpp"
 #include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"

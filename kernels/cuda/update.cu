@@ -11,7 +11,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/cuda_check.hpp"
+#include "src/base/cuda_check.hpp"
 #include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"

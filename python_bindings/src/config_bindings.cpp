@@ -14,8 +14,8 @@
 #include <limits>
 #include <sstream>
 
-#include "bindings.hpp"
-#include "edit_distance.hpp"
+#include "python_bindings/src/bindings.hpp"
+#include "src/base/edit_distance.hpp"
 
 namespace zeroshard::py {
 

@@ -14,7 +14,7 @@
 #include <mutex>
 #include <sstream>
 
-#include "bindings.hpp"
+#include "python_bindings/src/bindings.hpp"
 
 namespace zeroshard::py {
 

@@ -1,6 +1,6 @@
 // zeroshard._core: the extension module. Its Python face is the `zeroshard` package
 // (python_bindings/zeroshard/), which re-exports these names and adds zeroshard.torch.
-#include "bindings.hpp"
+#include "python_bindings/src/bindings.hpp"
 
 namespace zeroshard::py {
 

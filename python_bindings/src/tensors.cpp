@@ -7,7 +7,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "bindings.hpp"
+#include "python_bindings/src/bindings.hpp"
 
 namespace zeroshard::py {
 

@@ -10,7 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "check.hpp"
+#include "src/base/check.hpp"
 #include "zeroshard/engine.hpp"
 
 namespace zeroshard {

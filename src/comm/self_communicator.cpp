@@ -2,7 +2,7 @@
 #include <cstring>
 #include <memory>
 
-#include "comm/work_state.hpp"
+#include "src/comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
 
 namespace zeroshard {

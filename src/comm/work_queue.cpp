@@ -1,7 +1,7 @@
 #include <chrono>
 #include <thread>
 
-#include "comm/work_state.hpp"
+#include "src/comm/work_state.hpp"
 
 namespace zeroshard {
 

@@ -1,12 +1,12 @@
-#include "cuda/caching_allocator.hpp"
+#include "src/cuda/caching_allocator.hpp"
 
 #include <algorithm>
 #include <bit>
 #include <sstream>
 #include <utility>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/cuda_resources.hpp"
+#include "src/base/cuda_check.hpp"
+#include "src/cuda/cuda_resources.hpp"
 
 namespace zeroshard::cuda {
 namespace {

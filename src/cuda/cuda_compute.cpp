@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "comm/nccl/nccl_communicator.hpp"
-#include "compute.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/cuda_resources.hpp"
+#include "src/comm/nccl/nccl_communicator.hpp"
+#include "src/compute.hpp"
+#include "src/base/cuda_check.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 
 namespace zeroshard {

@@ -1,8 +1,8 @@
-#include "cuda/cuda_resources.hpp"
+#include "src/cuda/cuda_resources.hpp"
 
 #include <utility>
 
-#include "cuda/cuda_check.hpp"
+#include "src/base/cuda_check.hpp"
 
 namespace zeroshard::cuda {
 

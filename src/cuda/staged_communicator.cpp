@@ -2,7 +2,7 @@
 // call is forwarded; CUDA device buffers are swapped for pinned staging blocks around it, with a
 // synchronous copy in before the call and a synchronous copy back once the call has completed.
 
-#include "cuda/staged_communicator.hpp"
+#include "src/cuda/staged_communicator.hpp"
 
 #include <cuda_runtime_api.h>
 
@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "check.hpp"
-#include "cuda/caching_allocator.hpp"
-#include "cuda/cuda_resources.hpp"
+#include "src/base/check.hpp"
+#include "src/cuda/caching_allocator.hpp"
+#include "src/cuda/cuda_resources.hpp"
 
 namespace zeroshard {
 namespace {

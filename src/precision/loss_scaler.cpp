@@ -1,4 +1,4 @@
-#include "precision/loss_scaler.hpp"
+#include "src/precision/loss_scaler.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -9,12 +9,12 @@
 
 #include <cmath>
 
-#include "cli/demo_options.hpp"
-#include "data/corpus.hpp"
-#include "model/gpt.hpp"
-#include "model/ops.hpp"
-#include "model/precision.hpp"
-#include "train/trainer.hpp"
+#include "apps/cli/demo_options.hpp"
+#include "apps/data/corpus.hpp"
+#include "apps/model/gpt.hpp"
+#include "apps/model/ops.hpp"
+#include "apps/model/precision.hpp"
+#include "apps/train/trainer.hpp"
 
 using namespace zsdemo;
 

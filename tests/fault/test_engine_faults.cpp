@@ -17,8 +17,8 @@
 #include <functional>
 #include <optional>
 
-#include "fault_backend.hpp"
-#include "multirank/harness.hpp"
+#include "tests/fault/fault_backend.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using ::testing::HasSubstr;

@@ -13,8 +13,8 @@
 #include <fstream>
 #include <memory>
 
-#include "fault_backend.hpp"
-#include "multirank/harness.hpp"
+#include "tests/fault/fault_backend.hpp"
+#include "tests/multirank/harness.hpp"
 #include "offload/checksum.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"

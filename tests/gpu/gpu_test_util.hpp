@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/cuda_resources.hpp"
+#include "src/base/cuda_check.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zs_gpu_test {

@@ -32,10 +32,10 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.hpp"
-#include "model/gpt.hpp"
-#include "model/ops.hpp"
-#include "model/ops_cuda.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
+#include "apps/model/gpt.hpp"
+#include "apps/model/ops.hpp"
+#include "apps/model/ops_cuda.hpp"
 
 namespace {
 

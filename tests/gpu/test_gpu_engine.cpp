@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "tests/multirank/harness.hpp"
 #include "zeroshard/zeroshard.hpp"
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "zeroshard/error.hpp"

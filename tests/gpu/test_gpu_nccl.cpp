@@ -14,8 +14,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm/nccl/nccl_communicator.hpp"
-#include "gpu_test_util.hpp"
+#include "src/comm/nccl/nccl_communicator.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/error.hpp"

@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/caching_allocator.hpp"
-#include "gpu_test_util.hpp"
+#include "src/cuda/caching_allocator.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "zeroshard/error.hpp"
 
 namespace zeroshard::cuda {

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "gpu_test_util.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "tests/multirank/run_ranks.hpp"
 #include "zeroshard/communicator.hpp"

@@ -1,4 +1,4 @@
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 #include <cmath>
 #include <cstring>

@@ -2,8 +2,8 @@
 // per-test lines, but any rank's failure fails the process (and so mpirun and ctest).
 #include <gtest/gtest.h>
 
-#include "harness.hpp"
-#include "run_ranks.hpp"
+#include "tests/multirank/harness.hpp"
+#include "tests/multirank/run_ranks.hpp"
 
 namespace zs_test {
 static std::shared_ptr<zeroshard::Communicator> g_world;

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using zs_test::world;

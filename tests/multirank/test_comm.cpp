@@ -6,7 +6,7 @@
 #include <cmath>
 #include <thread>
 
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using zs_test::world;

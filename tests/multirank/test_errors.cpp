@@ -5,7 +5,7 @@
 #include <chrono>
 #include <thread>
 
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using ::testing::HasSubstr;

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using zs_test::world;

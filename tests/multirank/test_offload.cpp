@@ -13,7 +13,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using zs_test::world;

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using zs_test::world;

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <limits>
 
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using zs_test::world;

@@ -10,7 +10,7 @@
 
 #include <cmath>
 
-#include "harness.hpp"
+#include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using zs_test::world;

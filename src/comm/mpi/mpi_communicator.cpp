@@ -14,8 +14,8 @@
 #include <thread>
 #include <vector>
 
-#include "check.hpp"
-#include "comm/work_state.hpp"
+#include "src/base/check.hpp"
+#include "src/comm/work_state.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "zeroshard/communicator.hpp"
 

@@ -6,7 +6,7 @@
 // collective past its deadline gets ncclCommAbort (NCCL's way to stop kernels waiting on a peer)
 // and an Error(timeout) naming it, as the MPI communicator does.
 
-#include "comm/nccl/nccl_communicator.hpp"
+#include "src/comm/nccl/nccl_communicator.hpp"
 
 #include <nccl.h>
 
@@ -22,11 +22,11 @@
 #include <thread>
 #include <vector>
 
-#include "check.hpp"
-#include "comm/work_state.hpp"
-#include "cuda/caching_allocator.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/cuda_resources.hpp"
+#include "src/base/check.hpp"
+#include "src/comm/work_state.hpp"
+#include "src/cuda/caching_allocator.hpp"
+#include "src/base/cuda_check.hpp"
+#include "src/cuda/cuda_resources.hpp"
 
 namespace zeroshard {
 namespace {

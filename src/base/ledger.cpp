@@ -5,8 +5,8 @@
 #include <iomanip>
 #include <sstream>
 
-#include "check.hpp"
-#include "ledger.hpp"
+#include "src/base/check.hpp"
+#include "src/base/ledger.hpp"
 
 namespace zeroshard {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "zeroshard/engine.hpp"
+#include "zeroshard/param.hpp"
 
 namespace zeroshard {
 

@@ -1,4 +1,4 @@
-#include "layout.hpp"
+#include "src/base/layout.hpp"
 
 #include <algorithm>
 
