@@ -6,8 +6,8 @@
 #include <cstring>
 #include <sstream>
 
-#include "src/base/check.hpp"
 #include "offload/checksum.hpp"
+#include "src/base/check.hpp"
 
 namespace zeroshard::offload {
 namespace {
@@ -179,39 +179,7 @@ void IoQueue::run() {
     for (;;) {
       fresh.clear();
       bool more_waiting = false;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(
-            lock, [&] { return stop_ || in_flight_ > 0 || !queue_.empty() || !verify_.empty(); });
-        if (stop_) {
-          // The owner settled what it needed; anything still queued is dropped, not submitted.
-          for (auto& b : queue_) {
-            fail(*b, ErrorCode::internal,
-                 "the I/O queue stopped before this transfer was submitted");
-            finish_if_done(*b);
-          }
-          queue_.clear();
-          if (in_flight_ == 0 && verify_.empty() && resubmit_.empty()) break;
-        }
-        // Keep the queue full: take pieces in batch order while requests are free.
-        while (!free_tags_.empty() && !queue_.empty()) {
-          std::shared_ptr<IoBatch> b = queue_.front();
-          if (b->failed_ || b->next_ >= b->pieces_.size()) {
-            queue_.pop_front();
-            finish_if_done(*b);
-            continue;
-          }
-          int tag = free_tags_.back();
-          free_tags_.pop_back();
-          slots_[size_t(tag)] = Slot{b.get(), b, b->next_++, 0, 0};
-          ++b->in_flight_;
-          ++in_flight_;
-          ++counters_.requests;
-          fresh.push_back(tag);
-          if (b->next_ >= b->pieces_.size()) queue_.pop_front();  // all of it is in flight now
-        }
-        more_waiting = !queue_.empty() && !free_tags_.empty();
-      }
+      if (!take(fresh, more_waiting)) break;
       ops.clear();
       for (int tag : resubmit_) ops.push_back(op_for(slots_[size_t(tag)], tag));
       for (int tag : fresh) ops.push_back(op_for(slots_[size_t(tag)], tag));
@@ -247,22 +215,62 @@ void IoQueue::run() {
       for (int i = 0; i < n; ++i) complete(int(cqes[size_t(i)].tag), cqes[size_t(i)].res);
     }
   } catch (const std::exception& e) {
-    // The ring itself failed: nothing in flight can be completed any more. Fail every batch so
-    // no caller waits forever.
-    std::lock_guard<std::mutex> lock(mu_);
-    std::string msg = std::string("the io_uring failed: ") + e.what();
-    auto fail_all = [&](IoBatch& b) {
-      fail(b, ErrorCode::io_error, msg);
-      b.in_flight_ = 0;
-      finish_if_done(b);
-    };
-    for (Slot& s : slots_)
-      if (s.batch) fail_all(*s.batch);
-    for (Verify& v : verify_) fail_all(*v.batch);
-    for (auto& b : queue_) fail_all(*b);
-    queue_.clear();
-    stop_ = true;
+    fail_everything(e);
   }
+}
+
+// Under the lock: waits for work, drops what a stop left queued, and keeps the ring full by
+// taking pieces in batch order while requests are free (their tags into `fresh`). Returns false
+// when the loop is to end (stopped, nothing in flight).
+bool IoQueue::take(std::vector<int>& fresh, bool& more_waiting) {
+  std::unique_lock<std::mutex> lock(mu_);
+  work_cv_.wait(lock,
+                [&] { return stop_ || in_flight_ > 0 || !queue_.empty() || !verify_.empty(); });
+  if (stop_) {
+    // The owner settled what it needed; anything still queued is dropped, not submitted.
+    for (auto& b : queue_) {
+      fail(*b, ErrorCode::internal, "the I/O queue stopped before this transfer was submitted");
+      finish_if_done(*b);
+    }
+    queue_.clear();
+    if (in_flight_ == 0 && verify_.empty() && resubmit_.empty()) return false;
+  }
+  while (!free_tags_.empty() && !queue_.empty()) {
+    std::shared_ptr<IoBatch> b = queue_.front();
+    if (b->failed_ || b->next_ >= b->pieces_.size()) {
+      queue_.pop_front();
+      finish_if_done(*b);
+      continue;
+    }
+    int tag = free_tags_.back();
+    free_tags_.pop_back();
+    slots_[size_t(tag)] = Slot{b.get(), b, b->next_++, 0, 0};
+    ++b->in_flight_;
+    ++in_flight_;
+    ++counters_.requests;
+    fresh.push_back(tag);
+    if (b->next_ >= b->pieces_.size()) queue_.pop_front();  // all of it is in flight now
+  }
+  more_waiting = !queue_.empty() && !free_tags_.empty();
+  return true;
+}
+
+// The ring itself failed: nothing in flight can be completed any more. Fail every batch so no
+// caller waits forever.
+void IoQueue::fail_everything(const std::exception& e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string msg = std::string("the io_uring failed: ") + e.what();
+  auto fail_all = [&](IoBatch& b) {
+    fail(b, ErrorCode::io_error, msg);
+    b.in_flight_ = 0;
+    finish_if_done(b);
+  };
+  for (Slot& s : slots_)
+    if (s.batch) fail_all(*s.batch);
+  for (Verify& v : verify_) fail_all(*v.batch);
+  for (auto& b : queue_) fail_all(*b);
+  queue_.clear();
+  stop_ = true;
 }
 
 void IoQueue::complete(int tag, int res) {

@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -106,6 +107,8 @@ class IoQueue {
     size_t piece;
   };
   void run();
+  bool take(std::vector<int>& fresh, bool& more_waiting);
+  void fail_everything(const std::exception& e);
   IoOp op_for(const Slot& s, int tag) const;
   void complete(int tag, int res);
   void verify(Verify& v);

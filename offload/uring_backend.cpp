@@ -4,8 +4,8 @@
 #include <mutex>
 #include <thread>
 
-#include "src/base/check.hpp"
 #include "offload/io_backend.hpp"
+#include "src/base/check.hpp"
 
 #ifdef ZEROSHARD_HAVE_URING
 #include <liburing.h>

@@ -7,35 +7,16 @@
 #include <cstring>
 
 #include "src/base/check.hpp"
-#include "src/resources.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
 
 namespace zeroshard {
 
-void append_update_tasks(const std::vector<cpu::UpdateHyper>& hyper, const UnitUpdate& unit,
-                         std::vector<UpdateTask>& tasks) {
-  const cpu::UpdateArgs& w = unit.args;
-  const size_t gsize = dtype_size(w.grad_dtype), osize = dtype_size(w.out_dtype);
-  for (const GroupRun& run : *unit.runs) {
-    for (int64_t b = run.begin; b < run.end; b += Resources::kChunk) {
-      cpu::UpdateArgs a = w;
-      a.master = w.master + b;
-      a.state0 = w.state0 ? w.state0 + b : nullptr;
-      a.state1 = w.state1 ? w.state1 + b : nullptr;
-      a.grad = static_cast<const char*>(w.grad) + size_t(b) * gsize;
-      a.out = w.out ? static_cast<char*>(w.out) + size_t(b) * osize : nullptr;
-      a.n = std::min(run.end, b + Resources::kChunk) - b;
-      tasks.push_back({&hyper[size_t(run.group)], a});
-    }
-  }
-}
-
 namespace {
 
 class CpuCompute final : public Compute {
  public:
-  explicit CpuCompute(Resources& res) : res_(res) {}
+  explicit CpuCompute(cpu::Arena& arena) : arena_(arena) {}
 
   Device device() const override { return Device::cpu; }
   int device_index() const override { return 0; }
@@ -48,30 +29,29 @@ class CpuCompute final : public Compute {
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
     if (src == dst && sd == dd) return;  // f32 master weights that are the parameters
     const size_t ss = dtype_size(sd), ds = dtype_size(dd);
-    res_.parallel_chunks(n, [&](int64_t b, int64_t e) {
-      cpu::convert(res_.isa(), static_cast<const char*>(src) + size_t(b) * ss, sd,
+    arena_.parallel_chunks(n, [&](int64_t b, int64_t e) {
+      cpu::convert(arena_.isa(), static_cast<const char*>(src) + size_t(b) * ss, sd,
                    static_cast<char*>(dst) + size_t(b) * ds, dd, e - b);
     });
   }
   void accumulate(float* acc, const void* g, DType gd, int64_t n) override {
     const size_t gs = dtype_size(gd);
-    res_.parallel_chunks(n, [&](int64_t b, int64_t e) {
-      cpu::accumulate(res_.isa(), acc + b, static_cast<const char*>(g) + size_t(b) * gs, gd, e - b);
+    arena_.parallel_chunks(n, [&](int64_t b, int64_t e) {
+      cpu::accumulate(arena_.isa(), acc + b, static_cast<const char*>(g) + size_t(b) * gs, gd,
+                      e - b);
     });
   }
   void update(const std::vector<cpu::UpdateHyper>& hyper,
               const std::vector<UnitUpdate>& units) override {
-    std::vector<UpdateTask> tasks;
-    for (const UnitUpdate& u : units) append_update_tasks(hyper, u, tasks);
-    res_.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
-      cpu::optimizer_update(res_.isa(), *tasks[size_t(t)].h, tasks[size_t(t)].a);
-    });
+    std::vector<cpu::UpdateTask> tasks;
+    for (const UnitUpdate& u : units) cpu::append_update_tasks(hyper, u, tasks);
+    cpu::run_update_tasks(arena_, tasks);
   }
   std::pair<double, bool> sum_squares(const std::vector<GradSpan>& spans) override {
     double s = 0.0;
     for (const GradSpan& g : spans)
-      s += res_.parallel_sum(g.n, [&](int64_t b, int64_t e) {
-        return cpu::sum_squares(res_.isa(),
+      s += arena_.parallel_sum(g.n, [&](int64_t b, int64_t e) {
+        return cpu::sum_squares(arena_.isa(),
                                 static_cast<const char*>(g.data) + size_t(b) * dtype_size(g.dtype),
                                 g.dtype, e - b);
       });
@@ -95,17 +75,17 @@ class CpuCompute final : public Compute {
   }
 
  private:
-  Resources& res_;
+  cpu::Arena& arena_;
 };
 
 }  // namespace
 
-std::unique_ptr<Compute> make_cpu_compute(Resources& res) {
-  return std::make_unique<CpuCompute>(res);
+std::unique_ptr<Compute> make_cpu_compute(cpu::Arena& arena) {
+  return std::make_unique<CpuCompute>(arena);
 }
 
-std::unique_ptr<Compute> make_compute(const Config& cfg, Resources& res) {
-  if (cfg.device == Device::cpu) return make_cpu_compute(res);
+std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena) {
+  if (cfg.device == Device::cpu) return make_cpu_compute(arena);
 #ifdef ZEROSHARD_HAVE_CUDA
   if (cfg.device_index >= 0) return make_cuda_compute(cfg.device_index, -1);
   // The launcher's local rank: Open MPI, Slurm, then torchrun's variable; else 0.

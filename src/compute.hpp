@@ -1,7 +1,7 @@
 #pragma once
 // Where the engine's element-wise work runs and where its device tier lives: the CPU (the worker
-// arena of Resources; ordinary host memory plays the device, DESIGN.md "tiers") or one CUDA GPU
-// (kernels of kernels/cuda on a compute stream, device memory). The engine is written once
+// arena (kernels/cpu/arena.hpp); ordinary host memory plays the device, DESIGN.md "tiers") or one
+// CUDA GPU (kernels of kernels/cuda on a compute stream, device memory). The engine is written once
 // against this interface; the CPU implementation is the first-class CPU backend, not a mock.
 //
 // Ordering: work is issued in program order. On the CPU it is done when the call returns; on
@@ -14,23 +14,19 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/update_tasks.hpp"
 #include "src/base/layout.hpp"
 #include "src/base/ledger.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {
 
-class Communicator;
-class Resources;
-struct Config;
+using cpu::UnitUpdate;
 
-/// One unit's optimizer update: `args` points at element 0 of the state's extent (args.n
-/// elements; grad and out index alike) and `runs` are the group runs inside it.
-struct UnitUpdate {
-  const std::vector<GroupRun>* runs = nullptr;
-  cpu::UpdateArgs args;
-};
+class Communicator;
+struct Config;
 
 /// A stretch of gradient whose squares the step's norm sums.
 struct GradSpan {
@@ -92,21 +88,12 @@ class Compute {
   virtual void set_stream(void* stream) = 0;
 };
 
-/// The CPU update of one unit as tasks of at most Resources::kChunk elements per run, so small
-/// units and big ones share the arena evenly (the engine's nvme tier runs the same tasks).
-struct UpdateTask {
-  const cpu::UpdateHyper* h;
-  cpu::UpdateArgs a;
-};
-void append_update_tasks(const std::vector<cpu::UpdateHyper>& hyper, const UnitUpdate& unit,
-                         std::vector<UpdateTask>& tasks);
-
-/// The CPU backend, on `res`'s arena.
-std::unique_ptr<Compute> make_cpu_compute(Resources& res);
+/// The CPU backend, on `arena`.
+std::unique_ptr<Compute> make_cpu_compute(cpu::Arena& arena);
 /// The backend Config::device names. For cuda, device_index −1 picks the local rank (from the
 /// launcher's environment) modulo the number of GPUs. Throws Error(invalid_config) for cuda in a
 /// build without CUDA, Error(cuda_error) when no GPU can be used, with the runtime's reason.
-std::unique_ptr<Compute> make_compute(const Config& cfg, Resources& res);
+std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena);
 #ifdef ZEROSHARD_HAVE_CUDA
 /// GPU `device`, or (device < 0) GPU local_rank modulo the number of GPUs.
 std::unique_ptr<Compute> make_cuda_compute(int device, int local_rank);

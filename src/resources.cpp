@@ -1,59 +1,28 @@
 #include "src/resources.hpp"
 
-#include <tbb/parallel_for.h>
-
-#include <algorithm>
-#include <cstdlib>
-#include <thread>
-#include <vector>
+#include "zeroshard/config.hpp"
 
 namespace zeroshard {
-namespace {
 
-// Ranks sharing a machine share its cores: by default each takes cores / local ranks, read from
-// the launcher's environment (Open MPI, then Slurm). ZEROSHARD_CPU_THREADS overrides.
-int default_threads() {
-  if (const char* s = std::getenv("ZEROSHARD_CPU_THREADS")) {
-    int n = std::atoi(s);
-    if (n > 0) return n;
+void BufferPool::fill(int count, const std::function<Buffer()>& make) {
+  for (int i = 0; i < count; ++i) {
+    buffers.push_back(make());
+    owner.push_back(-1);
   }
-  int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  int local = 1;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
-    if (const char* s = std::getenv(var)) {
-      local = std::max(1, std::atoi(s));
-      break;
+}
+
+int BufferPool::acquire(int unit) {
+  for (size_t i = 0; i < owner.size(); ++i)
+    if (owner[i] < 0) {
+      owner[i] = unit;
+      return int(i);
     }
-  }
-  return std::max(1, cores / local);
+  return -1;
 }
 
-}  // namespace
+Resources::Resources(const Config& cfg)
+    : dev(make_compute(cfg, arena)), host(make_cpu_compute(arena)) {}
 
-Resources::Resources() : threads_(default_threads()), isa_(cpu::best_isa()), arena_(threads_) {}
-
-void Resources::parallel_chunks(int64_t n, const std::function<void(int64_t, int64_t)>& body) {
-  if (n <= 0) return;
-  parallel_for((n + kChunk - 1) / kChunk,
-               [&](int64_t c) { body(c * kChunk, std::min(n, (c + 1) * kChunk)); });
-}
-
-void Resources::parallel_for(int64_t count, const std::function<void(int64_t)>& body) {
-  if (count <= 1 || threads_ == 1) {
-    for (int64_t i = 0; i < count; ++i) body(i);
-    return;
-  }
-  arena_.execute([&] { tbb::parallel_for(int64_t(0), count, [&](int64_t i) { body(i); }); });
-}
-
-double Resources::parallel_sum(int64_t n, const std::function<double(int64_t, int64_t)>& f) {
-  if (n <= 0) return 0.0;
-  int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> part(size_t(chunks), 0.0);
-  parallel_chunks(n, [&](int64_t b, int64_t e) { part[size_t(b / kChunk)] = f(b, e); });
-  double s = 0.0;
-  for (double p : part) s += p;
-  return s;
-}
+Resources::~Resources() = default;
 
 }  // namespace zeroshard

@@ -1,36 +1,46 @@
 #pragma once
-// Resources the engine owns (DESIGN.md rule 4): the CPU worker arena and the kernel ISA.
-// No globals: each engine has its own.
+// Resources one engine owns (DESIGN.md rule 4), in the order they must outlive each other: the
+// CPU arena, the device's and the CPU's compute backends (a GPU backend owns its streams), the
+// ledger every buffer reports to, the nvme tier's run directories and ring, and the pools of
+// staging buffers the stage logic cycles. No globals: each engine has its own.
 
-#include <tbb/task_arena.h>
-
-#include <cstdint>
 #include <functional>
+#include <memory>
+#include <vector>
 
-#include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/arena.hpp"
+#include "offload/swap_space.hpp"
+#include "src/base/ledger.hpp"
+#include "src/compute.hpp"
 
 namespace zeroshard {
 
-class Resources {
- public:
-  Resources();
-  int threads() const { return threads_; }
-  cpu::Isa isa() const { return isa_; }
+struct Config;
 
-  /// Runs body(begin, end) over [0, n) split into chunks of kChunk elements, in parallel on the
-  /// arena. Chunk boundaries depend only on n, so per-chunk results are reproducible.
-  void parallel_chunks(int64_t n, const std::function<void(int64_t, int64_t)>& body);
-  /// Runs body(i) for i in [0, count) in parallel on the arena.
-  void parallel_for(int64_t count, const std::function<void(int64_t)>& body);
-  /// Σ over chunks of f(begin, end), chunks summed in index order: deterministic in double.
-  double parallel_sum(int64_t n, const std::function<double(int64_t, int64_t)>& f);
+/// A fixed pool of equal buffers (gradient staging, stage-3 gather): memory stays bounded by
+/// count × the largest unit, whatever the model.
+struct BufferPool {
+  std::vector<Buffer> buffers;
+  std::vector<int> owner;  // unit holding each buffer, -1 when free
+  void fill(int count, const std::function<Buffer()>& make);
+  int acquire(int unit);  // a free slot or -1
+  void release(int slot) { owner[size_t(slot)] = -1; }
+  void* data(int slot) const { return buffers[size_t(slot)].data(); }
+};
 
-  static constexpr int64_t kChunk = 1 << 16;
+struct Resources {
+  /// The backends Config::device names (see make_compute()).
+  explicit Resources(const Config& cfg);
+  ~Resources();
 
- private:
-  int threads_;
-  cpu::Isa isa_;
-  tbb::task_arena arena_;
+  cpu::Arena arena;
+  // Buffers return their memory to the backends' allocators and unregister from the ledger when
+  // they die: both are declared before anything that holds a Buffer.
+  std::unique_ptr<Compute> dev, host;
+  Ledger ledger;
+  std::unique_ptr<offload::SwapSpace> swap;  // the nvme tier's; null without one
+  BufferPool grad_staging;  // stages 2–3: the trainer's whole gradient until it is reduced
+  BufferPool gather;        // stage 3: gathered units (in use or prefetched)
 };
 
 }  // namespace zeroshard

@@ -8,10 +8,6 @@
 
 namespace zeroshard {
 
-size_t dtype_size(DType t) {
-  return t == DType::f32 ? 4 : 2;
-}
-
 const char* dtype_name(DType t) {
   switch (t) {
     case DType::f32:

@@ -56,9 +56,6 @@ struct SwapStats {
   double wait_s = 0;          ///< seconds the engine's threads blocked waiting for swap I/O
 };
 
-/// Which state read_shard() returns.
-enum class StateKind : uint8_t { param, master, state0, state1 };
-
 /// On a GPU (Config::device cuda) the views that params(), gather() and grads() return are
 /// device memory (TensorView::device cuda), and the engine's kernels and copies run in order on
 /// its compute stream (stream()). The trainer's own kernels that write gradients must be queued

@@ -13,8 +13,8 @@ namespace zeroshard {
 /// f16 is IEEE binary16. All conversions to bf16/f16 round to nearest, ties to even.
 enum class DType : uint8_t { f32, bf16, f16 };
 
-/// Bytes per element of `t` (4 or 2).
-size_t dtype_size(DType t);
+/// Bytes per element of `t` (4 or 2). Inline: the kernels use it without the library.
+inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 /// "f32", "bf16" or "f16".
 const char* dtype_name(DType t);
 
@@ -25,6 +25,10 @@ enum class Device : uint8_t { cpu, cuda };
 /// host memory on a CPU-only build), `host` is pinned host memory, `nvme` is swap files.
 enum class Tier : uint8_t { device, host, nvme };
 const char* tier_name(Tier t);
+
+/// One of the states a unit has, as Engine::read_shard() returns it: the low-precision
+/// parameters, the f32 master weights, and the optimizer's moments.
+enum class StateKind : uint8_t { param, master, state0, state1 };
 
 /// A non-owning view of `numel` contiguous elements. The caller keeps `data` alive for as long
 /// as the callee documents; the view never frees it.

@@ -1,6 +1,7 @@
 #include "src/base/layout.hpp"
 
 #include <algorithm>
+#include <cstring>
 
 namespace zeroshard {
 
@@ -35,6 +36,16 @@ std::vector<GroupRun> UnitLayout::runs(int64_t begin, int64_t end) const {
       out.push_back({b - begin, e - begin, p.group});
   }
   return out;
+}
+
+void zero_padding(const UnitShape& unit, char* shard, size_t esize) {
+  int64_t at = 0;
+  for (const GroupRun& r : unit.shard_runs) {
+    if (r.begin > at) std::memset(shard + size_t(at) * esize, 0, size_t(r.begin - at) * esize);
+    at = std::max(at, r.end);
+  }
+  if (unit.layout.shard_numel > at)
+    std::memset(shard + size_t(at) * esize, 0, size_t(unit.layout.shard_numel - at) * esize);
 }
 
 }  // namespace zeroshard

@@ -38,7 +38,20 @@ struct UnitLayout {
   std::vector<GroupRun> runs(int64_t begin, int64_t end) const;
 };
 
+/// A unit as one rank sees it: its layout and the group runs of its whole and of this rank's
+/// shard. Fixed once the engine is finalized; every tier reads it.
+struct UnitShape {
+  UnitLayout layout;
+  std::vector<GroupRun> shard_runs;  // this rank's shard, relative to the shard start
+  std::vector<GroupRun> whole_runs;  // the whole unit (stage 0 updates it all)
+};
+
 int64_t round_up(int64_t n, int64_t multiple);
+
+/// Zeroes the padding of this rank's shard of `unit` at `shard` (elements of `esize` bytes):
+/// updates write only the elements of parameters, and a reused staging slot would otherwise hold
+/// what an earlier unit left there. Padding is zero everywhere (gather buffers, checkpoints).
+void zero_padding(const UnitShape& unit, char* shard, size_t esize);
 
 /// Packs `params` back to back and pads for `world_size` shards of `alignment`-element grain.
 UnitLayout plan_unit(std::string name, const std::vector<Param>& params, int world_size,

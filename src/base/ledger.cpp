@@ -1,3 +1,5 @@
+#include "src/base/ledger.hpp"
+
 #include <sys/mman.h>
 
 #include <cstdlib>
@@ -6,7 +8,6 @@
 #include <sstream>
 
 #include "src/base/check.hpp"
-#include "src/base/ledger.hpp"
 
 namespace zeroshard {
 

@@ -79,4 +79,23 @@ class Buffer {
   std::string name_;
 };
 
+/// Bytes held outside memory (swap files), charged to the ledger's nvme column for the lifetime
+/// of the charge.
+class DiskCharge {
+ public:
+  DiskCharge(Ledger* l, MemKind k, std::string name, int64_t bytes)
+      : l_(l), k_(k), name_(std::move(name)), n_(bytes) {
+    l_->add(Tier::nvme, k_, name_, n_);
+  }
+  ~DiskCharge() { l_->sub(Tier::nvme, k_, name_, n_); }
+  DiskCharge(const DiskCharge&) = delete;
+  DiskCharge& operator=(const DiskCharge&) = delete;
+
+ private:
+  Ledger* l_;
+  MemKind k_;
+  std::string name_;
+  int64_t n_;
+};
+
 }  // namespace zeroshard

@@ -1,0 +1,32 @@
+#pragma once
+// One unit's optimizer update as the tiers describe it, and its split into CPU tasks.
+
+#include <vector>
+
+#include "kernels/cpu/arena.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "src/base/layout.hpp"
+
+namespace zeroshard::cpu {
+
+/// One unit's optimizer update: `args` points at element 0 of the state's extent (args.n
+/// elements; grad and out index alike) and `runs` are the group runs inside it.
+struct UnitUpdate {
+  const std::vector<GroupRun>* runs = nullptr;
+  UpdateArgs args;
+};
+
+/// One CPU task: at most Arena::kChunk elements of one run, with its group's hyperparameters.
+struct UpdateTask {
+  const UpdateHyper* h;
+  UpdateArgs a;
+};
+
+/// Appends `unit`'s tasks, so small units and big ones share the arena evenly.
+void append_update_tasks(const std::vector<UpdateHyper>& hyper, const UnitUpdate& unit,
+                         std::vector<UpdateTask>& tasks);
+
+/// Runs the tasks on the arena.
+void run_update_tasks(Arena& arena, const std::vector<UpdateTask>& tasks);
+
+}  // namespace zeroshard::cpu

@@ -1,0 +1,72 @@
+#pragma once
+// Stage 3's parameter shards on nvme (offload_param = nvme, a CPU engine): each unit's
+// low-precision shard has two slots in the parameter swap file. gather() reads the committed
+// slot into a pinned staging slot (ahead, in the recorded gather order) and all-gathers from
+// there; a step writes the new shard to the other slot and flips the slot once every rank wrote
+// every shard, so a failed step leaves the last committed parameters on disk.
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/arena.hpp"
+#include "offload/pinned_pool.hpp"
+#include "offload/swap_space.hpp"
+#include "offload/swap_store.hpp"
+#include "offload/tier.hpp"
+#include "src/base/ledger.hpp"
+
+namespace zeroshard::offload {
+
+class NvmeParamTier final : public ParamTier {
+ public:
+  /// `two_phase`: the optimizer state is in memory, so a step stores the new shards
+  /// (store_update) before the state changes. Registers its file and pool with `space`.
+  NvmeParamTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space, bool two_phase);
+
+  void load_initial(int u, const float* whole) override;
+  void finish_load() override;
+  void* whole(int) override { return nullptr; }
+  void* own(int) override { return nullptr; }
+  const void* gather_source(int u) override;
+  void gathered(int u) override;
+  void released(int u) override { units_[size_t(u)].held = false; }
+  void read_ahead(const std::vector<int>& order, size_t pos) override;
+  void drop_reads() override;
+  bool two_phase() const override { return two_phase_; }
+  void store_update(int64_t step, const std::function<void(int u, void* out)>& compute) override;
+  void commit_update() override;
+  std::vector<float> read(int u) const override;
+  void restore(int u, const float* master) override;
+
+  /// The nvme state tier writes the new shards with its records: starts writing unit u's new
+  /// shard at `data` (inside a slot of `pool`) to the uncommitted slot.
+  std::shared_ptr<IoBatch> write_next(int u, char* data, const PinnedPool* pool, int64_t step);
+
+ private:
+  struct Unit {
+    int slot[2] = {-1, -1};  // extents of the two slots
+    int cur = 0;             // committed slot
+    int pslot = -1;          // param_pool slot with this unit's shard (read or being read)
+    std::shared_ptr<IoBatch> pread;
+    bool held = false;  // the engine holds a gather buffer of this unit (gathered or prefetched)
+  };
+  std::shared_ptr<IoBatch> read_into(int u, int slot, const std::string& why);
+  std::string who() const;  // "rank 1: nvme swap "
+
+  TierContext ctx_;
+  cpu::Arena& arena_;
+  SwapSpace& space_;
+  bool two_phase_;
+  mutable SwapStore store_;  // mutable: reads in const methods take its pieces too
+  PinnedPool pool_;          // shards on their way to an all-gather or to disk
+  std::vector<Unit> units_;
+  std::deque<std::pair<std::shared_ptr<IoBatch>, int>> init_writes_;  // batch, pool slot
+  std::optional<Error> deferred_;  // a failed initial write, reported by finish_load()
+  std::vector<std::unique_ptr<DiskCharge>> charges_;
+};
+
+}  // namespace zeroshard::offload

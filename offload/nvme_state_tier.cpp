@@ -1,0 +1,439 @@
+// The optimizer state on nvme (see nvme_state_tier.hpp): set-up, initial values, the gradient
+// cache, the swap-pipelined update with its all-or-nothing commit, and state access from disk.
+#include "offload/nvme_state_tier.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/cpu/update_tasks.hpp"
+#include "offload/io_backend.hpp"
+#include "offload/swap_pipeline.hpp"
+#include "src/base/agree.hpp"
+#include "src/base/check.hpp"
+
+namespace zeroshard::offload {
+namespace {
+
+size_t a4k(size_t n) {
+  return (n + 4095) / 4096 * 4096;
+}
+
+void erase_id(std::deque<int>& d, int id) {
+  auto it = std::find(d.begin(), d.end(), id);
+  if (it != d.end()) d.erase(it);
+}
+
+}  // namespace
+
+NvmeStateTier::Record NvmeStateTier::record(int u) const {
+  Record r;
+  const size_t S = size_t(ctx_.shard(u));
+  r.sec = a4k(S * 4);
+  r.record = r.sec * size_t(1 + ctx_.num_states);
+  r.grad_off = r.record;
+  r.grad_sec = a4k(S * (ctx_.accumulation() > 1 ? 4 : ctx_.pbytes));
+  r.lowp_off = r.grad_off + r.grad_sec;
+  r.lowp_sec = params_ ? a4k(S * ctx_.pbytes) : 0;
+  r.total = r.lowp_off + r.lowp_sec;
+  return r;
+}
+
+std::string NvmeStateTier::who() const {
+  return "rank " + std::to_string(ctx_.rank) + ": nvme swap ";
+}
+
+NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space,
+                             NvmeParamTier* params)
+    : ctx_(ctx), arena_(arena), space_(space), params_(params), units_(ctx.units->size()) {
+  const Config& cfg = *ctx.cfg;
+  const size_t gbytes = ctx.accumulation() > 1 ? 4 : ctx.pbytes;
+  store_ = SwapStore("optimizer state", "optim.swap", space.dirs(cfg.offload_optimizer.nvme_paths),
+                     cfg.aio.block_size);
+  int64_t max_shard = 0, sum_shard = 0;
+  size_t max_slot = 0;
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Record L = record(int(i));
+    const int64_t S = ctx.shard(int(i));
+    units_[i].rec[0] = store_.add_extent(L.record);
+    units_[i].rec[1] = store_.add_extent(L.record);
+    units_[i].grad = store_.add_extent(size_t(S) * gbytes);
+    max_shard = std::max(max_shard, S);
+    max_slot = std::max(max_slot, L.total);
+    sum_shard += S;
+  }
+  store_.open(testing::hooks().preallocate);
+  const int count = cfg.offload_optimizer.buffer_count;
+  const bool pin = cfg.offload_optimizer.pin_memory;
+  swap_pool_ = PinnedPool(ctx.ledger, "swap_staging", count, max_slot, pin);
+  // Gradient cache: reduce-scatter output, then (accumulation) the f32 sum.
+  grad_acc_off_ = a4k(size_t(max_shard) * ctx.pbytes);
+  grad_cache_ =
+      PinnedPool(ctx.ledger, "grad_cache", cfg.grad_buffers + 1,
+                 grad_acc_off_ + (ctx.accumulation() > 1 ? a4k(size_t(max_shard) * 4) : 0), pin);
+  read_ahead_ = cfg.swap_read_ahead > 0 ? cfg.swap_read_ahead : std::max(1, count - 2);
+  read_ahead_ = std::min(read_ahead_, count - 1);
+  // The ledger's nvme column: one slot of each state (what the tier holds), and the rest of the
+  // file (the second record slots and alignment) as "swap_reserve".
+  int64_t logical = 0;
+  auto charge = [&](MemKind kind, const char* name, int64_t bytes) {
+    if (bytes <= 0) return;
+    charges_.push_back(std::make_unique<DiskCharge>(ctx.ledger, kind, name, bytes));
+    logical += bytes;
+  };
+  charge(MemKind::master, "master", sum_shard * 4);
+  charge(MemKind::optim_state, "optim_state", int64_t(ctx.num_states) * sum_shard * 4);
+  charge(MemKind::grad, "grad", sum_shard * int64_t(gbytes));
+  charge(MemKind::buffer, "swap_reserve", int64_t(store_.file_bytes()) - logical);
+  space.add(&store_);
+  space.add(&swap_pool_);
+  space.add(&grad_cache_);
+}
+
+std::vector<std::pair<void*, size_t>> NvmeStateTier::dma_regions() const {
+  std::vector<std::pair<void*, size_t>> out;  // reduced shards land here from the GPU
+  for (int i = 0; i < grad_cache_.count(); ++i)
+    out.push_back({grad_cache_.data(i), grad_cache_.bytes()});
+  return out;
+}
+
+// Initial values go through f32 once, as in memory: the record's master is the shard of
+// `whole`, its optimizer state zero. Writes overlap (one per free staging slot).
+void NvmeStateTier::load_initial(int u, const float* whole) {
+  int s = swap_pool_.try_acquire();
+  while (s < 0) {  // the oldest write frees its slot
+    ZS_CHECK(!init_writes_.empty());
+    auto [batch, slot] = init_writes_.front();
+    init_writes_.pop_front();
+    space_.io().settle(*batch);
+    if (!deferred_) deferred_ = batch->error();
+    swap_pool_.release(slot);
+    s = swap_pool_.try_acquire();
+  }
+  const int64_t S = ctx_.shard(u);
+  char* b = swap_pool_.data(s);
+  std::memset(b, 0, record(u).record);
+  if (whole) std::memcpy(b, whole + ctx_.rank * S, size_t(S) * 4);
+  std::vector<Piece> ps;
+  store_.pieces(units_[size_t(u)].rec[0], b, &swap_pool_, true, ps);
+  const std::string what = "rank " + std::to_string(ctx_.rank) +
+                           ": nvme swap: writing the initial optimizer state of unit '" +
+                           ctx_.unit(u).layout.name + "'";
+  init_writes_.push_back({space_.io().submit(std::move(ps), what), s});
+  units_[size_t(u)].cur = 0;
+}
+
+void NvmeStateTier::finish_load() {
+  for (auto& [batch, slot] : init_writes_) {
+    space_.io().settle(*batch);
+    if (!deferred_) deferred_ = batch->error();
+    swap_pool_.release(slot);
+  }
+  init_writes_.clear();
+  if (deferred_) {
+    Error e = *deferred_;
+    deferred_.reset();
+    throw e;
+  }
+}
+
+// ---- the gradient cache ----------------------------------------------------------------------
+
+void NvmeStateTier::reap(bool block) {
+  while (!evicting_.empty()) {
+    Unit& v = units_[size_t(evicting_.front())];
+    if (!block && !v.grad_write->done()) return;
+    space_.io().settle(*v.grad_write);
+    if (!deferred_) deferred_ = v.grad_write->error();
+    v.grad_write.reset();
+    grad_cache_.release(v.wslot);
+    v.wslot = -1;
+    evicting_.pop_front();
+    block = false;
+  }
+}
+
+bool NvmeStateTier::evict(int keep) {
+  for (int v : grad_fifo_) {
+    if (v == keep) continue;
+    ctx_.finish_reduction(v);  // its reduction must have landed (it usually has, long ago)
+    Unit& w = units_[size_t(v)];
+    char* slot = grad_cache_.data(w.gslot);
+    char* data = ctx_.accumulation() > 1 ? slot + grad_acc_off_ : slot;
+    std::vector<Piece> ps;
+    store_.pieces(w.grad, data, &grad_cache_, true, ps);
+    w.grad_write = space_.io().submit(
+        std::move(ps), who() + "write of the gradient of unit '" + ctx_.unit(v).layout.name + "'");
+    w.wslot = w.gslot;
+    w.gslot = -1;
+    w.grad_on_disk = true;
+    erase_id(grad_fifo_, v);
+    evicting_.push_back(v);
+    return true;
+  }
+  return false;
+}
+
+// The unit's reduce-scatter lands in its cache slot. Under accumulation a unit keeps its slot
+// across micro-steps (the sum lives there) unless it was evicted meanwhile.
+void* NvmeStateTier::grad_target(int u) {
+  Unit& w = units_[size_t(u)];
+  if (w.gslot < 0) {
+    reap(false);
+    for (;;) {
+      w.gslot = grad_cache_.try_acquire();
+      if (w.gslot >= 0) break;
+      if (!evicting_.empty())
+        reap(true);
+      else
+        ZS_CHECK(evict(u));
+    }
+    grad_fifo_.push_back(u);
+  }
+  void* target = grad_cache_.data(w.gslot);
+  // Keep a slot free for the next unit: its eviction then overlaps this unit's reduction.
+  if (grad_cache_.free_count() == 0 && evicting_.empty()) evict(u);
+  return target;
+}
+
+void NvmeStateTier::read_back(int u, float* acc) {
+  Unit& w = units_[size_t(u)];
+  if (w.grad_write) {  // still being written: wait for it first
+    space_.io().settle(*w.grad_write);
+    if (!deferred_) deferred_ = w.grad_write->error();
+    w.grad_write.reset();
+    grad_cache_.release(w.wslot);
+    w.wslot = -1;
+    erase_id(evicting_, u);
+  }
+  std::vector<Piece> ps;
+  store_.pieces(w.grad, reinterpret_cast<char*>(acc), &grad_cache_, false, ps);
+  auto rd = space_.io().submit(std::move(ps), who() + "read of the accumulated gradient of unit '" +
+                                                  ctx_.unit(u).layout.name + "'");
+  space_.io().settle(*rd);
+  if (!deferred_) deferred_ = rd->error();  // reported at step(), on every rank
+  w.grad_on_disk = false;
+}
+
+// The reduce-scatter output is in the unit's slot. Accumulate it (reading an evicted partial sum
+// back first) and, once final, take its sum of squares for the norm.
+void NvmeStateTier::grad_reduced(int u, int micro, const void*) {
+  Unit& w = units_[size_t(u)];
+  const int64_t S = ctx_.shard(u);
+  const size_t pb = ctx_.pbytes;
+  const DType pdt = ctx_.pdt;
+  const cpu::Isa isa = arena_.isa();
+  ZS_CHECK(w.gslot >= 0);
+  char* slot = grad_cache_.data(w.gslot);
+  if (ctx_.accumulation() == 1) {
+    w.sumsq = arena_.parallel_sum(S, [&](int64_t b, int64_t e) {
+      return cpu::sum_squares(isa, slot + size_t(b) * pb, pdt, e - b);
+    });
+    return;
+  }
+  float* acc = reinterpret_cast<float*>(slot + grad_acc_off_);
+  if (micro == 0) {
+    arena_.parallel_chunks(S, [&](int64_t b, int64_t e) {
+      cpu::convert(isa, slot + size_t(b) * pb, pdt, acc + b, DType::f32, e - b);
+    });
+  } else {
+    if (w.grad_on_disk) read_back(u, acc);
+    arena_.parallel_chunks(S, [&](int64_t b, int64_t e) {
+      cpu::accumulate(isa, acc + b, slot + size_t(b) * pb, pdt, e - b);
+    });
+  }
+  if (micro + 1 == ctx_.accumulation())
+    w.sumsq = arena_.parallel_sum(
+        S, [&](int64_t b, int64_t e) { return cpu::sum_squares(isa, acc + b, DType::f32, e - b); });
+}
+
+std::optional<Error> NvmeStateTier::settle_grads() {
+  for (int v : evicting_) {
+    Unit& w = units_[size_t(v)];
+    space_.io().settle(*w.grad_write);
+    if (!deferred_) deferred_ = w.grad_write->error();
+    w.grad_write.reset();
+    grad_cache_.release(w.wslot);
+    w.wslot = -1;
+  }
+  evicting_.clear();
+  std::optional<Error> e = std::move(deferred_);
+  deferred_.reset();
+  return e;
+}
+
+void NvmeStateTier::forget_grads() {
+  settle_grads();
+  for (Unit& w : units_) {
+    if (w.gslot >= 0) grad_cache_.release(w.gslot);
+    w.gslot = -1;
+    w.grad_on_disk = false;
+    w.sumsq = 0;
+  }
+  grad_fifo_.clear();
+}
+
+double NvmeStateTier::sum_squares() {
+  double s = 0.0;
+  for (const Unit& w : units_) s += w.sumsq;  // unit order, as the in-memory path sums
+  return s;
+}
+
+// ---- the optimizer step ------------------------------------------------------------------------
+
+// Reads unit k+1 … k+read_ahead while unit k is updated in its slot and unit k−1 is written back
+// to the other record slot. Commits (flips every unit's slot) only when every rank wrote every
+// unit; otherwise restores the low-precision parameters it changed in memory and throws.
+void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                           ParamSink& sink) {
+  const DType gdt = ctx_.accumulation() > 1 ? DType::f32 : ctx_.pdt;
+  const std::string in_step = " in step " + std::to_string(step);
+  std::vector<cpu::UpdateTask> tasks;
+  PipelineHooks h;
+  h.read = [&](int i, int slot) {
+    Unit& w = units_[size_t(i)];
+    char* base = swap_pool_.data(slot);
+    std::vector<Piece> ps;
+    store_.pieces(w.rec[w.cur], base, &swap_pool_, false, ps);
+    if (w.gslot < 0) {
+      ZS_CHECK(w.grad_on_disk);
+      store_.pieces(w.grad, base + record(i).grad_off, &swap_pool_, false, ps);
+    }
+    return std::vector<std::shared_ptr<IoBatch>>{
+        space_.io().submit(std::move(ps), who() + "read of unit '" + ctx_.unit(i).layout.name +
+                                              "' (optimizer state, slot " + std::to_string(w.cur) +
+                                              ", and gradient)" + in_step)};
+  };
+  h.update = [&](int i, int slot) {
+    Unit& w = units_[size_t(i)];
+    const Record L = record(i);
+    char* base = swap_pool_.data(slot);
+    cpu::UnitUpdate uu;
+    uu.runs = &ctx_.unit(i).shard_runs;
+    uu.args.master = reinterpret_cast<float*>(base);
+    uu.args.state0 = ctx_.num_states >= 1 ? reinterpret_cast<float*>(base + L.sec) : nullptr;
+    uu.args.state1 = ctx_.num_states >= 2 ? reinterpret_cast<float*>(base + 2 * L.sec) : nullptr;
+    uu.args.grad = w.gslot >= 0
+                       ? grad_cache_.data(w.gslot) + (ctx_.accumulation() > 1 ? grad_acc_off_ : 0)
+                       : base + L.grad_off;
+    uu.args.grad_dtype = gdt;
+    void* out = params_ ? base + L.lowp_off : sink.target(i);
+    if (params_) zero_padding(ctx_.unit(i), base + L.lowp_off, ctx_.pbytes);
+    if (out) {
+      uu.args.out = out;
+      uu.args.out_dtype = ctx_.pdt;
+    }
+    uu.args.n = ctx_.shard(i);
+    tasks.clear();
+    cpu::append_update_tasks(hyper, uu, tasks);
+    cpu::run_update_tasks(arena_, tasks);
+    if (!params_) sink.done(i);
+    if (w.gslot >= 0) {  // the cached gradient is spent
+      grad_cache_.release(w.gslot);
+      w.gslot = -1;
+      erase_id(grad_fifo_, i);
+    }
+  };
+  h.write = [&](int i, int slot) {
+    Unit& w = units_[size_t(i)];
+    char* base = swap_pool_.data(slot);
+    std::vector<Piece> ps;
+    store_.pieces(w.rec[1 - w.cur], base, &swap_pool_, true, ps);
+    std::vector<std::shared_ptr<IoBatch>> out{
+        space_.io().submit(std::move(ps), who() + "write of unit '" + ctx_.unit(i).layout.name +
+                                              "' (optimizer state, slot " +
+                                              std::to_string(1 - w.cur) + ")" + in_step)};
+    if (params_)
+      out.push_back(params_->write_next(i, base + record(i).lowp_off, &swap_pool_, step));
+    return out;
+  };
+  const PipelineResult pr =
+      run_pipeline(space_.io(), swap_pool_, int(units_.size()), read_ahead_, h);
+  std::optional<Error> failed =
+      agree(*ctx_.comm, pr.error, "step " + std::to_string(step) + " (nvme swap)");
+  forget_grads();
+  if (!failed) {
+    for (Unit& w : units_) w.cur = 1 - w.cur;
+    if (params_) params_->commit_update();
+    return;
+  }
+  std::string restore_error;
+  if (!params_) restore_params(pr.updated, sink, restore_error);
+  throw Error(failed->code(), std::string(failed->what()) + not_applied(step) + restore_error);
+}
+
+// Parameters kept in memory were overwritten for the units already updated: rebuild them from
+// the master weights of the committed slot, which this step never wrote.
+void NvmeStateTier::restore_params(int updated, ParamSink& sink, std::string& errors) {
+  for (int i = 0; i < updated; ++i) {
+    try {
+      sink.restore(i, read(i, StateKind::master).data());
+    } catch (const Error& e) {
+      errors += std::string("; restoring the parameters of unit '") + ctx_.unit(i).layout.name +
+                "' from their last committed master weights failed too, so they are wrong in "
+                "memory (the optimizer state on disk is intact): " +
+                e.what();
+    }
+  }
+}
+
+void NvmeStateTier::preview(const std::vector<cpu::UpdateHyper>&, int, void*) {
+  // The parameters' two-phase store is for state in memory; on nvme the new shards are written
+  // with the records (see update()).
+  ZS_THROW(internal, "preview() of the nvme state tier");
+}
+
+// ---- state access ------------------------------------------------------------------------------
+
+std::vector<float> NvmeStateTier::read(int u, StateKind kind) const {
+  const Unit& w = units_[size_t(u)];
+  const int64_t S = ctx_.shard(u);
+  const int section = kind == StateKind::master ? 0 : kind == StateKind::state0 ? 1 : 2;
+  if (kind == StateKind::param || section > ctx_.num_states)
+    ZS_THROW(invalid_argument, "read_shard(): " << ctx_.where(u) << ": optimizer "
+                                                << optimizer_name(ctx_.cfg->optimizer.kind)
+                                                << " keeps no such state");
+  const Record L = record(u);
+  // A transient buffer, but a byte held all the same.
+  Buffer tmp(ctx_.ledger, Tier::host, MemKind::buffer, "swap_readback", L.record);
+  std::vector<Piece> ps;
+  store_.pieces(w.rec[w.cur], tmp.as<char>(), nullptr, false, ps);
+  auto b = space_.io().submit(std::move(ps), who() + "read of unit '" + ctx_.unit(u).layout.name +
+                                                 "' (optimizer state, slot " +
+                                                 std::to_string(w.cur) + ")");
+  space_.io().wait(*b);
+  std::vector<float> out(static_cast<size_t>(S));
+  std::memcpy(out.data(), tmp.as<char>() + size_t(section) * L.sec, size_t(S) * 4);
+  return out;
+}
+
+// Restoring one state of one unit: the record is rewritten whole into the other slot and that
+// unit's slot flipped, so a failure leaves the unit as it was.
+void NvmeStateTier::write(int u, StateKind kind, const std::vector<float>& v) {
+  Unit& w = units_[size_t(u)];
+  const int section = kind == StateKind::master ? 0 : kind == StateKind::state0 ? 1 : 2;
+  if (kind == StateKind::param || section > ctx_.num_states)
+    ZS_THROW(invalid_argument, "write_shard(): " << ctx_.where(u) << ": no such writable state");
+  const Record L = record(u);
+  Buffer tmp(ctx_.ledger, Tier::host, MemKind::buffer, "swap_readback", L.record);
+  const std::string name = ctx_.unit(u).layout.name;
+  std::vector<Piece> ps;
+  store_.pieces(w.rec[w.cur], tmp.as<char>(), nullptr, false, ps);
+  auto rd = space_.io().submit(
+      std::move(ps), who() + "read of unit '" + name + "' (optimizer state) for write_shard()");
+  space_.io().wait(*rd);
+  std::memcpy(tmp.as<char>() + size_t(section) * L.sec, v.data(), v.size() * 4);
+  ps.clear();
+  store_.pieces(w.rec[1 - w.cur], tmp.as<char>(), nullptr, true, ps);
+  auto wr = space_.io().submit(
+      std::move(ps), who() + "write of unit '" + name + "' (optimizer state) for write_shard()");
+  space_.io().wait(*wr);
+  w.cur = 1 - w.cur;
+}
+
+// The low-precision parameters rebuilt from the master weights on disk.
+void NvmeStateTier::commit(Communicator&, ParamSink& sink) {
+  for (size_t i = 0; i < units_.size(); ++i)
+    sink.restore(int(i), read(int(i), StateKind::master).data());
+}
+
+}  // namespace zeroshard::offload

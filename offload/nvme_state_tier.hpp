@@ -1,0 +1,99 @@
+#pragma once
+// The optimizer state on nvme (offload_optimizer = nvme).
+//
+// - fp32 master weights and optimizer state: on disk, one *record* per unit (master | state0 |
+//   state1, each section 4096-aligned), in two slots. A step reads slot cur, writes slot 1−cur,
+//   and flips every unit's cur only after every write of the step (on every rank) succeeded:
+//   a failed step leaves the last committed step intact on disk (2× disk space for this).
+// - gradient shards follow the optimizer to nvme, through a write-back cache: the reduce-scatter
+//   lands in one of grad_buffers + 1 pinned slots; when the slots run out the oldest unit's
+//   gradient (or its f32 accumulation) is written to its grad extent and read back at step()
+//   (or, under accumulation, at its next micro-step). The last units of the backward pass stay
+//   in memory and are never written. Keeping every gradient in pinned memory instead would cap
+//   the model at memory / 2 bytes per parameter, defeating the tier. The norm's sum of squares
+//   is taken when a unit's gradient is final, in the same chunks as in memory (bitwise parity).
+// - With the parameters on nvme too (stage 3), the update writes each unit's new
+//   low-precision shard into its record's slot, and it is written with the record.
+
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/arena.hpp"
+#include "offload/nvme_param_tier.hpp"
+#include "offload/pinned_pool.hpp"
+#include "offload/swap_space.hpp"
+#include "offload/swap_store.hpp"
+#include "offload/tier.hpp"
+#include "src/base/ledger.hpp"
+
+namespace zeroshard::offload {
+
+class NvmeStateTier final : public StateTier {
+ public:
+  /// `params`: the nvme parameter tier, when the parameters are on nvme too (else null).
+  /// Registers its file and pools with `space`.
+  NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space, NvmeParamTier* params);
+
+  void load_initial(int u, const float* whole) override;
+  void finish_load() override;
+  void* grad_target(int u) override;
+  void grad_reduced(int u, int micro, const void* whole) override;
+  std::optional<Error> settle_grads() override;
+  double sum_squares() override;
+  void forget_grads() override;
+  void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
+  void preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) override;
+  std::vector<float> read(int u, StateKind kind) const override;
+  void write(int u, StateKind kind, const std::vector<float>& shard) override;
+  void commit(Communicator& comm, ParamSink& sink) override;
+  std::vector<std::pair<void*, size_t>> dma_regions() const override;
+
+ private:
+  /// Byte layout of one unit in a swap pipeline slot; the record part matches the record extent.
+  struct Record {
+    size_t sec = 0;       // one f32 section: shard_numel × 4, rounded up to 4096
+    size_t record = 0;    // master + states
+    size_t grad_off = 0;  // gradient shard (pdt, or f32 under accumulation)
+    size_t grad_sec = 0;
+    size_t lowp_off = 0;  // low-precision parameter shard (parameters on nvme)
+    size_t lowp_sec = 0;
+    size_t total = 0;
+  };
+  struct Unit {
+    int rec[2] = {-1, -1};                // record extents (two slots)
+    int grad = -1;                        // gradient extent
+    int cur = 0;                          // committed record slot
+    int gslot = -1;                       // grad_cache slot holding this unit's gradient, or -1
+    bool grad_on_disk = false;            // the grad extent holds the gradient (or its partial sum)
+    std::shared_ptr<IoBatch> grad_write;  // eviction in flight from wslot
+    int wslot = -1;
+    double sumsq = 0;  // Σ g² of the final gradient shard, for the norm
+  };
+  Record record(int u) const;
+  std::string who() const;            // "rank 1: nvme swap "
+  void reap(bool block);              // evictions that finished give their slots back
+  bool evict(int keep);               // writes the oldest cached gradient other than `keep`
+  void read_back(int u, float* acc);  // an evicted partial sum comes back
+  void restore_params(int updated, ParamSink& sink, std::string& errors);
+
+  TierContext ctx_;
+  cpu::Arena& arena_;
+  SwapSpace& space_;
+  NvmeParamTier* params_;
+  mutable SwapStore store_;  // mutable: reads in const methods take its pieces too
+  PinnedPool swap_pool_;     // optimizer pipeline slots
+  PinnedPool grad_cache_;    // gradient cache slots: [reduce-scatter output | f32 sum]
+  size_t grad_acc_off_ = 0;  // f32 sum section of a grad_cache_ slot
+  int read_ahead_ = 1;
+  std::vector<Unit> units_;
+  std::deque<int> grad_fifo_;      // units holding cache slots, oldest first
+  std::deque<int> evicting_;       // units whose gradient is being written, oldest first
+  std::optional<Error> deferred_;  // a failed gradient write or read, reported at step()
+  std::deque<std::pair<std::shared_ptr<IoBatch>, int>> init_writes_;  // batch, pool slot
+  std::vector<std::unique_ptr<DiskCharge>> charges_;
+};
+
+}  // namespace zeroshard::offload

@@ -1,0 +1,188 @@
+#pragma once
+// What a tier is (DESIGN.md "tiers"): the interfaces the engine's stage logic talks to, so that
+// it never asks where a unit's state lives.
+//
+// - StateTier holds the optimizer side of every unit: the f32 master weights, the optimizer
+//   moments, and the reduced gradient shard on its way to them. Implementations: memory reached
+//   through a Compute backend (device or host, src/tiers/memory_state_tier.cpp), the same fed
+//   from a GPU through pinned staging (src/tiers/staged_state_tier.cpp), and swap files
+//   (offload/nvme_state_tier.cpp).
+// - ParamTier holds the low-precision parameters the trainer computes with: whole in stages
+//   0–2, this rank's shard in stage 3 (src/tiers/memory_param_tier.cpp,
+//   offload/nvme_param_tier.cpp).
+// - ParamSink is how a StateTier's update hands each unit's new low-precision shard to where the
+//   parameters live; the engine implements it over its ParamTier.
+//
+// A new tier (compressed, remote) is a new implementation of one of these; the stage logic in
+// src/engine_*.cpp does not change. Units are numbered as registered; every call runs on the
+// trainer's thread. Positions are elements; "extent" is the state's range: the whole padded unit
+// in stage 0, this rank's shard otherwise.
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "src/base/layout.hpp"
+#include "zeroshard/config.hpp"
+#include "zeroshard/error.hpp"
+#include "zeroshard/memory.hpp"
+
+namespace zeroshard {
+
+class Buffer;
+class Communicator;
+class Ledger;
+
+/// What every tier is told about the engine it serves. The pointers outlive the tier.
+struct TierContext {
+  const Config* cfg = nullptr;
+  const std::vector<UnitShape>* units = nullptr;
+  int rank = 0, world = 1;
+  DType pdt = DType::f32;  ///< parameter and gradient dtype
+  size_t pbytes = 4;
+  int num_states = 0;  ///< optimizer moments per element: 0, 1 or 2
+  Ledger* ledger = nullptr;
+  /// The engine's communicator (for failures all ranks must share, see src/base/agree.hpp).
+  Communicator* comm = nullptr;
+  /// A ledger-counted buffer of `bytes` on `tier`: device memory of the engine's device, or
+  /// host memory (page-locked when `pin`, through the GPU's allocator when there is one).
+  std::function<Buffer(Tier, MemKind, const char* name, size_t bytes, bool pin)> buffer;
+  /// Waits for unit u's reduction in flight (if any) and hands it to StateTier::grad_reduced():
+  /// for a tier that must reuse the memory it lands in.
+  std::function<void(int u)> finish_reduction;
+
+  const UnitShape& unit(int u) const { return (*units)[size_t(u)]; }
+  int64_t shard(int u) const { return unit(u).layout.shard_numel; }
+  /// Elements of the f32 state of unit u (the whole padded unit in stage 0, else the shard).
+  int64_t extent(int u) const {
+    return cfg->stage == 0 ? unit(u).layout.padded_numel : unit(u).layout.shard_numel;
+  }
+  /// The group runs of the state's extent.
+  const std::vector<GroupRun>& runs(int u) const {
+    return cfg->stage == 0 ? unit(u).whole_runs : unit(u).shard_runs;
+  }
+  int accumulation() const { return cfg->gradient_accumulation_steps; }
+  /// "rank 1, unit 'layer3'"
+  std::string where(int u) const {
+    return "rank " + std::to_string(rank) + ", unit '" + unit(u).layout.name + "'";
+  }
+};
+
+/// Where an update's low-precision shards go (implemented by the engine).
+class ParamSink {
+ public:
+  virtual ~ParamSink() = default;
+  /// Memory (host memory for a CPU update) the update writes unit u's new low-precision
+  /// values to, indexed like the state's extent; null: none wanted (f32 parameters that are the
+  /// master weights themselves).
+  virtual void* target(int u) = 0;
+  /// The values at target(u) are final (called once per unit, in unit order).
+  virtual void done(int u) = 0;
+  /// Whether done() starts work (an upload to a GPU) that should overlap the next unit's
+  /// update: then the update runs unit by unit instead of all units at once.
+  virtual bool per_unit() const { return false; }
+  /// Rebuilds unit u's low-precision values from `master` (extent elements of f32, host memory),
+  /// off the step path: a restore after a failed step, or after write_shard().
+  virtual void restore(int u, const float* master) = 0;
+};
+
+/// The optimizer side of every unit. See the file comment.
+class StateTier {
+ public:
+  virtual ~StateTier() = default;
+
+  /// finalize(): the master weights of unit u from `whole` (the padded unit in f32; null:
+  /// zeros), optimizer state zero. Units come in order; finish_load() follows the last one.
+  virtual void load_initial(int u, const float* whole) = 0;
+  virtual void finish_load() {}
+
+  /// grads_ready(): where unit u's reduce-scatter writes its reduced shard (pdt elements).
+  virtual void* grad_target(int u) = 0;
+  /// The reduce-scatter into grad_target(u) finished (a collective already waited for).
+  /// `micro` counts the micro-steps of u reduced before this one. The tier folds the shard into
+  /// its accumulation and, once final, may take its share of the norm. `whole` is stage 0's
+  /// all-reduced whole gradient (the trainer's buffer), else null.
+  virtual void grad_reduced(int u, int micro, const void* whole) = 0;
+  /// step(): every gradient is where update() reads it; returns a failure to keep one (the
+  /// engine agrees on it across ranks and applies no update).
+  virtual std::optional<Error> settle_grads() { return std::nullopt; }
+  /// Σ g² over this rank's gradients of every unit, summed in unit order; +inf when any element
+  /// is inf or NaN.
+  virtual double sum_squares() = 0;
+  /// Drops this step's gradients (zero_grad(), a skipped or failed step).
+  virtual void forget_grads() {}
+
+  /// The update of every unit with hyper[group] per run, each unit's new low-precision values
+  /// written to sink.target(u). All or nothing across ranks: on failure it throws, every rank
+  /// keeps the state of the last step, and the parameters are restored through the sink.
+  virtual void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                      ParamSink& sink) = 0;
+  /// Unit u's new low-precision values written to `out` (host memory) without changing any
+  /// state: the update() that follows computes bitwise the same values. For parameter tiers
+  /// that must hold the new parameters before the state may change (ParamTier::two_phase()).
+  virtual void preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) = 0;
+
+  /// This rank's shard of one state of unit u (f32, shard_numel values); throws
+  /// Error(invalid_argument) for a moment the optimizer does not keep.
+  virtual std::vector<float> read(int u, StateKind kind) const = 0;
+  /// Replaces this rank's shard of one state of unit u (restore). Stage 0's whole state is
+  /// completed by commit().
+  virtual void write(int u, StateKind kind, const std::vector<float>& shard) = 0;
+  /// After write()s: makes the restored state whole where it is kept whole (collective), then
+  /// rebuilds every unit's low-precision values from the master through the sink.
+  virtual void commit(Communicator& comm, ParamSink& sink) = 0;
+
+  /// Host memory the tier receives reduced gradients in, for a GPU to copy into by DMA.
+  virtual std::vector<std::pair<void*, size_t>> dma_regions() const { return {}; }
+};
+
+/// The low-precision parameters. See the file comment.
+class ParamTier {
+ public:
+  virtual ~ParamTier() = default;
+
+  /// finalize(): unit u's parameters rounded from `whole` (the padded unit in f32), or zeros.
+  virtual void load_initial(int u, const float* whole) = 0;
+  virtual void finish_load() {}
+
+  /// The parameters the trainer reads: the whole unit (stages 0–2), in the engine's device
+  /// memory. Null in stage 3.
+  virtual void* whole(int u) = 0;
+  /// Where this rank's updated shard goes, in memory the engine's device reaches: its block of
+  /// the whole parameters (stages 1–2), the whole unit (stage 0), the shard (stage 3). Null
+  /// when the tier keeps it elsewhere (on disk).
+  virtual void* own(int u) = 0;
+
+  /// Stage 3 gather(): this rank's shard of unit u to all-gather from. May read it (collective:
+  /// every rank fails together). Returns null when no staging memory is free: the engine then
+  /// ends a prefetched gather (calling gathered()) and asks again.
+  virtual const void* gather_source(int u) { return own(u); }
+  /// The all-gather of unit u finished: the source may be reused.
+  virtual void gathered(int) {}
+  /// The engine gave unit u's gather buffer back (release(), or a dropped prefetch).
+  virtual void released(int) {}
+  /// Stage 3: the trainer gathers order[pos], order[pos + 1], … next: read ahead. No collective.
+  virtual void read_ahead(const std::vector<int>& /*order*/, size_t /*pos*/) {}
+  /// Before an update changes the parameters: forget what was read ahead.
+  virtual void drop_reads() {}
+
+  /// Whether the new low-precision shards must be stored before the optimizer state may change
+  /// (the parameters are on disk and the state in memory): then the engine calls
+  /// store_update() with StateTier::preview() before StateTier::update().
+  virtual bool two_phase() const { return false; }
+  /// Computes (through `compute(u, out)`) and stores every unit's new shard without making it
+  /// current; throws, on every rank, when one could not be stored. Then commit_update().
+  virtual void store_update(int64_t, const std::function<void(int u, void* out)>&) {}
+  virtual void commit_update() {}
+
+  /// This rank's shard of unit u in f32.
+  virtual std::vector<float> read(int u) const = 0;
+  /// Stage 3 restore: unit u's shard rounded from `master` (shard_numel f32 values).
+  virtual void restore(int u, const float* master) = 0;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,226 @@
+// Engine: finalize(). The cross-rank model check, the tiers that will hold every unit, and the
+// initial values.
+#include <algorithm>
+#include <chrono>
+#include <new>
+#include <sstream>
+
+#include "offload/nvme_param_tier.hpp"
+#include "offload/nvme_state_tier.hpp"
+#include "src/base/agree.hpp"
+#include "src/base/check.hpp"
+#include "src/engine_impl.hpp"
+#include "src/tiers/memory_param_tier.hpp"
+#include "src/tiers/memory_state_tier.hpp"
+#include "src/tiers/staged_state_tier.hpp"
+
+namespace zeroshard {
+
+// Every rank renders its model and configuration as lines; rank 0's lines are broadcast and
+// each rank compares. The lowest rank that differs then broadcasts its finding, so all ranks
+// throw the same message. Every rank runs the same collectives whatever it registered: no hang.
+void Engine::Impl::check_same_model() {
+  std::ostringstream os;
+  os << "config stage=" << cfg.stage << " dtype=" << dtype_name(cfg.dtype)
+     << " optimizer=" << optimizer_name(cfg.optimizer.kind)
+     << " accumulation=" << cfg.gradient_accumulation_steps << " alignment=" << cfg.shard_alignment
+     << " clipping=" << cfg.gradient_clipping
+     << " offload_optimizer=" << tier_name(cfg.offload_optimizer.tier)
+     << " offload_param=" << tier_name(cfg.offload_param.tier) << "\n";
+  for (size_t g = 0; g < groups.size(); ++g)
+    os << "group " << g << " lr=" << groups[g].lr << " wd=" << groups[g].weight_decay << "\n";
+  for (const UnitShape& s : shapes) {
+    os << "unit '" << s.layout.name << "'\n";
+    for (const ParamSlot& p : s.layout.params)
+      os << "  param '" << p.name << "' shape " << shape_string(p.shape) << " dtype "
+         << dtype_name(pdt) << " group " << p.group << "\n";
+  }
+  os << "end\n";
+  std::string mine = os.str();
+  if (world == 1) return;
+
+  double len = double(mine.size());
+  comm->all_reduce(&len, 1, ReduceOp::max, "model check (length)")->wait();
+  std::string theirs(size_t(len), '\0');
+  if (rank == 0) std::copy(mine.begin(), mine.end(), theirs.begin());
+  comm->broadcast(theirs.data(), int64_t(theirs.size()), 0, "model check (rank 0's model)")->wait();
+  theirs.resize(theirs.find("end\n") == std::string::npos ? theirs.size()
+                                                          : theirs.find("end\n") + 4);
+
+  std::string diff;
+  if (mine != theirs) {
+    std::istringstream a(theirs), b(mine);
+    std::string la, lb, context = "the configuration";
+    int line = 1;
+    while (true) {
+      bool ga = bool(std::getline(a, la)), gb = bool(std::getline(b, lb));
+      if (!ga && !gb) break;
+      if (!ga) la = "(nothing)";
+      if (!gb) lb = "(nothing)";
+      if (la != lb) break;
+      if (la.rfind("unit ", 0) == 0) context = la;
+      ++line;
+    }
+    diff = "rank " + std::to_string(rank) +
+           " registered a different model than rank 0: first difference in " + context +
+           ": rank 0 has \"" + la + "\", rank " + std::to_string(rank) + " has \"" + lb + "\"";
+  }
+  double first = diff.empty() ? double(world) : double(rank);
+  comm->all_reduce(&first, 1, ReduceOp::min, "model check (first differing rank)")->wait();
+  if (first >= world) return;
+  double dlen = double(diff.size());
+  comm->all_reduce(&dlen, 1, ReduceOp::max, "model check (message length)")->wait();
+  std::string msg(size_t(dlen), ' ');
+  if (rank == int(first)) std::copy(diff.begin(), diff.end(), msg.begin());
+  comm->broadcast(msg.data(), int64_t(msg.size()), int(first), "model check (message)")->wait();
+  while (!msg.empty() && msg.back() == ' ') msg.pop_back();
+  ZS_THROW(model_mismatch, "finalize() on rank " << rank << ": " << msg);
+}
+
+// The stage logic's own buffers, then one parameter tier and one state tier, chosen here and
+// nowhere else.
+void Engine::Impl::make_tiers() {
+  const int st = cfg.stage;
+  const Tier topt = cfg.offload_optimizer.tier;
+  const Tier tpar = st == 3 ? cfg.offload_param.tier : Tier::device;
+  TierContext& c = tier_ctx;
+  c.cfg = &cfg;
+  c.units = &shapes;
+  c.rank = rank;
+  c.world = world;
+  c.pdt = pdt;
+  c.pbytes = pbytes;
+  c.num_states = num_states();
+  c.ledger = &res.ledger;
+  c.comm = comm.get();
+  // Device-tier memory comes from the device's backend; pinned host-tier memory from CUDA when
+  // the device is a GPU (so copies are DMA), else from the heap, mlock'ed.
+  c.buffer = [this](Tier t, MemKind kind, const char* name, size_t bytes, bool pin) {
+    if (t == Tier::device)
+      return Buffer(&res.ledger, t, kind, name, bytes, res.dev->device_memory());
+    if (pin && res.dev->pinned_memory())
+      return Buffer(&res.ledger, t, kind, name, bytes, res.dev->pinned_memory());
+    return Buffer(&res.ledger, t, kind, name, bytes, pin);
+  };
+  c.finish_reduction = [this](int u) { finish_reduction(u); };
+
+  int64_t largest = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const UnitLayout& L = layout(int(i));
+    largest = std::max(largest, L.padded_numel);
+    if (st < 2)
+      units[i].grad_buf =
+          c.buffer(Tier::device, MemKind::grad, "grad", size_t(L.padded_numel) * pbytes, false);
+  }
+  auto staging = [&](const char* name) {
+    return [&, name] {
+      return c.buffer(Tier::device, MemKind::buffer, name, size_t(largest) * pbytes, false);
+    };
+  };
+  if (st >= 2) res.grad_staging.fill(cfg.grad_buffers, staging("grad_staging"));
+  if (st == 3) res.gather.fill(cfg.max_live_units, staging("gather"));
+
+  if (topt == Tier::nvme || tpar == Tier::nvme)
+    res.swap = std::make_unique<offload::SwapSpace>(rank);
+  offload::NvmeParamTier* nvme_params = nullptr;
+  if (tpar == Tier::nvme) {
+    auto p = std::make_unique<offload::NvmeParamTier>(c, res.arena, *res.swap, topt != Tier::nvme);
+    nvme_params = p.get();
+    params = std::move(p);
+  } else {
+    params = std::make_unique<MemoryParamTier>(c, tpar, *res.dev, *res.host);
+  }
+  // An f32 model's master weights are its parameters when both live in the same memory.
+  std::vector<float*> alias(units.size(), nullptr);
+  master_is_param.assign(units.size(), false);
+  for (size_t i = 0; i < units.size() && pdt == DType::f32 && topt == tpar && topt != Tier::nvme;
+       ++i) {
+    alias[i] = static_cast<float*>(params->own(int(i)));
+    master_is_param[i] = true;
+  }
+  if (topt == Tier::nvme) {
+    state = std::make_unique<offload::NvmeStateTier>(c, res.arena, *res.swap, nvme_params);
+  } else {
+    Compute& work = topt == Tier::device ? *res.dev : *res.host;
+    state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->two_phase());
+  }
+  // A GPU with the optimizer on the CPU: gradients come down, parameters go up.
+  if (res.dev->device() != Device::cpu && topt != Tier::device)
+    state = std::make_unique<StagedStateTier>(c, std::move(state), *res.dev);
+  if (res.swap) res.swap->start(cfg.aio);
+  for (auto [p, n] : state->dma_regions())
+    if (auto h = res.dev->register_host(p, n)) dma.push_back(std::move(h));
+}
+
+// Initial values go through f32 once; the low-precision copy is rounded from the master, so every
+// stage starts from bitwise the same state.
+void Engine::Impl::load_initial_values() {
+  std::vector<float> whole;
+  for (size_t i = 0; i < units.size(); ++i) {
+    Unit& u = units[i];
+    const UnitLayout& L = layout(int(i));
+    bool any = false;
+    for (const Param& p : u.init_params) any |= p.init.data != nullptr;
+    if (any) {
+      whole.assign(size_t(L.padded_numel), 0.0f);
+      for (size_t j = 0; j < u.init_params.size(); ++j) {
+        const TensorView& v = u.init_params[j].init;
+        if (v.data)
+          cpu::convert(res.arena.isa(), v.data, v.dtype, whole.data() + L.params[j].offset,
+                       DType::f32, v.numel);
+      }
+    }
+    state->load_initial(int(i), any ? whole.data() : nullptr);
+    params->load_initial(int(i), any ? whole.data() : nullptr);
+    u.init_params.clear();
+    u.init_params.shrink_to_fit();
+  }
+  state->finish_load();
+  params->finish_load();
+}
+
+void Engine::Impl::drop_tiers() noexcept {
+  if (res.swap) res.swap->stop();
+  dma.clear();
+  state.reset();
+  params.reset();
+  res.swap.reset();  // removes the swap directory
+}
+
+void Engine::finalize() {
+  Impl& m = *impl_;
+  if (m.finalized) ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() called twice");
+  if (m.units.empty())
+    ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() with no units registered");
+  m.check_same_model();
+  if (m.cfg.offload_optimizer.tier == Tier::nvme ||
+      (m.cfg.stage == 3 && m.cfg.offload_param.tier == Tier::nvme)) {
+    // Swap files can fail on one rank only (a full or read-only path): every rank must then
+    // fail here, naming the rank and path, instead of hanging in its first collective.
+    std::optional<Error> mine;
+    try {
+      m.make_tiers();
+      m.load_initial_values();
+    } catch (const Error& e) {
+      mine = e;
+    } catch (const std::bad_alloc&) {
+      mine = Error(ErrorCode::no_space,
+                   "rank " + std::to_string(m.rank) + ": finalize(): out of host memory");
+    } catch (const std::exception& e) {
+      mine = Error(ErrorCode::internal,
+                   "rank " + std::to_string(m.rank) + ": finalize(): " + e.what());
+    }
+    if (std::optional<Error> e = agree(*m.comm, mine, "finalize()")) {
+      m.drop_tiers();  // a failed finalize() leaves nothing behind
+      throw *e;
+    }
+  } else {
+    m.make_tiers();
+    m.load_initial_values();
+  }
+  m.finalized = true;
+  m.interval_start =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace zeroshard

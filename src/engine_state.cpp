@@ -1,0 +1,53 @@
+// Engine: state access for checkpoints. Shards are read and written where their tier keeps them;
+// commit_shards() then rebuilds the low-precision parameters from the restored master weights.
+#include "src/base/check.hpp"
+#include "src/engine_impl.hpp"
+
+namespace zeroshard {
+
+std::vector<float> Engine::read_shard(UnitId id, StateKind kind) const {
+  const Impl& m = *impl_;
+  m.unit(id, "read_shard");
+  return kind == StateKind::param ? m.params->read(id) : m.state->read(id, kind);
+}
+
+void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v) {
+  Impl& m = *impl_;
+  m.unit(id, "write_shard");
+  const int64_t n = m.layout(id).shard_numel;
+  if (int64_t(v.size()) != n)
+    ZS_THROW(invalid_argument, "write_shard(): " << m.where(id) << ": got " << v.size()
+                                                 << " values for a shard of " << n);
+  // Parameters are not state: commit_shards() rounds them from the master weights.
+  if (kind == StateKind::param)
+    ZS_THROW(invalid_argument, "write_shard(): " << m.where(id) << ": no such writable state");
+  m.state->write(id, kind, v);
+}
+
+void Engine::commit_shards() {
+  Impl& m = *impl_;
+  if (!m.finalized)
+    ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
+  m.state->commit(*m.comm, m);
+  if (m.cfg.stage != 1 && m.cfg.stage != 2) return;
+  // Stages 1–2 keep whole parameters: each rank contributes its restored shard.
+  std::vector<std::shared_ptr<Work>> works;
+  m.res.dev->before_collective();
+  for (size_t i = 0; i < m.units.size(); ++i)
+    works.push_back(m.comm->all_gather(
+        m.params->own(int(i)), m.params->whole(int(i)), m.layout(int(i)).shard_numel, m.pdt,
+        "unit '" + m.layout(int(i)).name + "' (restored parameters)"));
+  for (auto& w : works) w->wait();
+}
+
+void Engine::set_step_count(int64_t steps) {
+  if (steps < 0) ZS_THROW(invalid_argument, "set_step_count(): " << steps << " < 0");
+  impl_->steps = steps;
+}
+
+void Engine::set_loss_scale(float scale) {
+  if (!(scale > 0)) ZS_THROW(invalid_argument, "set_loss_scale(): " << scale << " must be > 0");
+  impl_->scaler.set_scale(scale);
+}
+
+}  // namespace zeroshard

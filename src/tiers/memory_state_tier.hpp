@@ -1,0 +1,55 @@
+#pragma once
+// The optimizer state in memory: on the device tier (the engine's device: GPU memory, or host
+// memory on a CPU-only engine) or on the host tier (pinned host memory, updated by the CPU), with
+// the work done by the Compute backend that reaches it.
+
+#include <memory>
+#include <vector>
+
+#include "kernels/cpu/arena.hpp"
+#include "offload/tier.hpp"
+#include "src/base/ledger.hpp"
+#include "src/compute.hpp"
+
+namespace zeroshard {
+
+class MemoryStateTier final : public StateTier {
+ public:
+  /// State on `tier` (device or host), worked on by `compute` (the device's backend for the
+  /// device tier, the CPU's for the host tier). master_alias[u], when not null, is unit u's f32
+  /// parameters in the same memory: they are the master weights, and no copy-out is made.
+  /// `previews`: allocate the per-thread scratch preview() needs (CPU only, on `arena`).
+  MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute, cpu::Arena& arena,
+                  const std::vector<float*>& master_alias, bool previews);
+
+  void load_initial(int u, const float* whole) override;
+  void* grad_target(int u) override { return units_[size_t(u)].grad_shard.data(); }
+  void grad_reduced(int u, int micro, const void* whole) override;
+  double sum_squares() override;
+  void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
+  void preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) override;
+  std::vector<float> read(int u, StateKind kind) const override;
+  void write(int u, StateKind kind, const std::vector<float>& shard) override;
+  void commit(Communicator& comm, ParamSink& sink) override;
+
+ private:
+  struct Unit {
+    Buffer grad_shard, accum, master_buf, state0_buf, state1_buf;
+    float* master = nullptr;  // master_buf, or the f32 parameters
+    float* state0 = nullptr;
+    float* state1 = nullptr;
+    const void* whole_grad = nullptr;  // stage 0: the all-reduced whole gradient
+  };
+  /// The gradient the update reads, from element 0 of the extent, and its dtype.
+  std::pair<const void*, DType> grad(int u) const;
+  float* state(int u, StateKind kind) const;
+  cpu::UnitUpdate unit_update(int u, float* master, float* s0, float* s1, void* out) const;
+
+  TierContext ctx_;
+  Compute& compute_;
+  cpu::Arena& arena_;
+  std::vector<Unit> units_;
+  Buffer scratch_;  // preview(): per-thread copies of one chunk of master and moments
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,58 @@
+#pragma once
+// GPU parameters with a CPU optimizer: the host or nvme tier under an engine on a GPU. The
+// reduce-scatter fills a GPU staging slot; the reduced shard comes down to the inner tier's
+// host memory once it is final (during backward, as the slots cycle); the CPU updates; and each
+// unit's new low-precision shard goes up while the next unit updates.
+
+#include <memory>
+#include <vector>
+
+#include "offload/tier.hpp"
+#include "src/base/ledger.hpp"
+#include "src/compute.hpp"
+#include "src/resources.hpp"
+
+namespace zeroshard {
+
+class StagedStateTier final : public StateTier {
+ public:
+  /// `inner` keeps the state in host memory (or on disk through it); `dev` is the GPU's
+  /// backend; the grad_buffers staging slots of the largest shard come from `ctx.buffer`.
+  StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTier> inner, Compute& dev);
+
+  void load_initial(int u, const float* whole) override { inner_->load_initial(u, whole); }
+  void finish_load() override { inner_->finish_load(); }
+  void* grad_target(int u) override;
+  void grad_reduced(int u, int micro, const void* whole) override;
+  std::optional<Error> settle_grads() override { return inner_->settle_grads(); }
+  double sum_squares() override { return inner_->sum_squares(); }
+  void forget_grads() override;
+  void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
+  void preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) override {
+    inner_->preview(hyper, u, out);
+  }
+  std::vector<float> read(int u, StateKind kind) const override { return inner_->read(u, kind); }
+  void write(int u, StateKind kind, const std::vector<float>& shard) override {
+    inner_->write(u, kind, shard);
+  }
+  void commit(Communicator& comm, ParamSink& sink) override;
+  std::vector<std::pair<void*, size_t>> dma_regions() const override {
+    return inner_->dma_regions();
+  }
+
+ private:
+  class Uploads;  // the ParamSink the inner tier updates through
+  /// The last step's uploads must land before the update rewrites their buffers.
+  void wait_uploads();
+
+  TierContext ctx_;
+  std::unique_ptr<StateTier> inner_;
+  Compute& dev_;
+  BufferPool slots_;                // reduce-scatter outputs on the GPU
+  std::vector<int> slot_of_;        // unit → slot in use, or -1
+  std::vector<void*> host_target_;  // unit → the inner tier's grad_target()
+  std::vector<Buffer> upload_;      // unit → its new low-precision shard on its way up
+  bool uploads_pending_ = false;
+};
+
+}  // namespace zeroshard
