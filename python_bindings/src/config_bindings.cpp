@@ -245,24 +245,7 @@ std::string f2s(double v) {
   return s.str();
 }
 
-}  // namespace
-
-Config coerce_config(nb::handle h) {
-  Config c;
-  if (nb::try_cast<Config>(h, c, false)) return c;
-  if (PyDict_Check(h.ptr())) return nb::cast<Config>(nb::type<Config>().attr("from_dict")(h));
-  if (PyUnicode_Check(h.ptr()) || nb::hasattr(h, "__fspath__"))
-    return Config::from_json_file(
-        nb::cast<std::string>(nb::module_::import_("os").attr("fspath")(h)));
-  config_fail("expected a Config, a dict of zeroshard/DeepSpeed keys or a JSON file path, got " +
-              describe(h));
-}
-
-OptimizerOptions coerce_optimizer(nb::handle h) {
-  return as_options<OptimizerOptions>(h, "optimizer");
-}
-
-void bind_config(nb::module_& m) {
+void bind_enums(nb::module_& m) {
   nb::enum_<DType>(m, "DType", "Element type of parameters and gradients.")
       .value("f32", DType::f32)
       .value("bf16", DType::bf16)
@@ -281,6 +264,27 @@ void bind_config(nb::module_& m) {
       .value("adamw", OptimizerKind::adamw)
       .value("sgd", OptimizerKind::sgd)
       .value("lion", OptimizerKind::lion);
+}
+
+}  // namespace
+
+Config coerce_config(nb::handle h) {
+  Config c;
+  if (nb::try_cast<Config>(h, c, false)) return c;
+  if (PyDict_Check(h.ptr())) return nb::cast<Config>(nb::type<Config>().attr("from_dict")(h));
+  if (PyUnicode_Check(h.ptr()) || nb::hasattr(h, "__fspath__"))
+    return Config::from_json_file(
+        nb::cast<std::string>(nb::module_::import_("os").attr("fspath")(h)));
+  config_fail("expected a Config, a dict of zeroshard/DeepSpeed keys or a JSON file path, got " +
+              describe(h));
+}
+
+OptimizerOptions coerce_optimizer(nb::handle h) {
+  return as_options<OptimizerOptions>(h, "optimizer");
+}
+
+void bind_config(nb::module_& m) {
+  bind_enums(m);
   m.def("dtype_size", &dtype_size, "Bytes per element of a DType.");
 
   auto opt = bind_options<OptimizerOptions>(

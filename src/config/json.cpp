@@ -243,66 +243,101 @@ void set_adam_w_mode(const JsonField& f, Ctx& x) {
   }
 }
 
+// zero_optimization: DeepSpeed's ZeRO knobs; most of them have no bucket to size here.
+Node zero_optimization_layout() {
+  return Node(
+      "zero_optimization",
+      {
+          Node::fields(),  // stage, overlap_comm, reduce/allgather_bucket_size
+          {"contiguous_gradients", accept_bool},  // [true] grads always land contiguous
+          // [true] DeepSpeed's false means "all-reduce instead"; zeroshard has no such path.
+          {"reduce_scatter",
+           [](const JsonField& f, Ctx&) {
+             if (!f.boolean()) {
+               f.bad(
+                   "= false is not supported: zeroshard always reduce-scatters gradients "
+                   "in stages 1-3; remove the key or set it to true");
+             }
+           }},
+          // [true] Not in PEERS.md's key list, but in Hugging Face's stock ZeRO-2 file;
+          // false (broadcast instead of all-gather) has no equivalent here.
+          {"allgather_partitions",
+           [](const JsonField& f, Ctx&) {
+             if (!f.boolean()) {
+               f.bad("= false is not supported: zeroshard always all-gathers parameters");
+             }
+           }},
+          {"sub_group_size", accept_count},                      // [1e9] unit is the grain
+          {"stage3_prefetch_bucket_size", accept_count},         // [5e7] see zeroshard.prefetch
+          {"stage3_param_persistence_threshold", accept_count},  // [1e5]
+          {"stage3_max_live_parameters", accept_count},  // [1e9] see zeroshard.max_live_units
+          {"stage3_max_reuse_distance", accept_count},   // [1e9]
+          {"stage3_gather_16bit_weights_on_model_save", accept_bool},  // [false]
+          {"offload_optimizer",
+           {
+               Node::fields(),  // device, nvme_path, buffer_count, pin_memory
+               // The nvme tier always overlaps read, update and write (DESIGN.md), and lays
+               // out its own swap files, so these three only need to be well-typed.
+               {"pipeline_read", accept_bool},
+               {"pipeline_write", accept_bool},
+               {"fast_init", accept_bool},
+               // [1.0] Fraction of the step run on the CPU (DeepSpeed "twin-flow").
+               {"ratio",
+                [](const JsonField& f, Ctx&) {
+                  const double r = f.number();
+                  if (r != 1.0) {
+                    f.bad("= " + show(r) +
+                          " is not supported: partial offload is not implemented; the whole "
+                          "optimizer step runs on the tier that holds the state (use 1.0 or "
+                          "remove the key)");
+                  }
+                }},
+           }},
+          {"offload_param",
+           {
+               Node::fields(),
+               {"buffer_size", accept_count},  // [1e8] sized by the unit
+               {"max_in_cpu", accept_count},   // [1e9]
+           }},
+      });
+}
+
+// optimizer: DeepSpeed's type names and its params, some of which apply to one family only.
+Node optimizer_layout() {
+  return Node("optimizer",
+              {
+                  // "type" comes before "params", so it is applied first whatever the file's order.
+                  {"type", set_optimizer_type, /*required=*/true},
+                  {"params",
+                   {
+                       Node::fields(),  // lr, eps, weight_decay, momentum, nesterov
+                       {"betas",
+                        [](const JsonField& f, Ctx& x) {
+                          only_for(f, x,
+                                   adam_family(x.c.optimizer.kind) ||
+                                       x.c.optimizer.kind == OptimizerKind::lion,
+                                   "adam, adamw and lion");
+                          const std::vector<float> b = f.numbers(2);
+                          x.c.optimizer.beta1 = b[0];
+                          x.c.optimizer.beta2 = b[1];
+                        }},
+                       {"adam_w_mode", set_adam_w_mode},
+                       {"torch_adam",  // which Adam implementation DeepSpeed picks: moot here
+                        [](const JsonField& f, Ctx& x) {
+                          adam_only(f, x);
+                          f.boolean();
+                        }},
+                   }},
+              });
+}
+
 // The layout. DeepSpeed defaults are in brackets; "no effect" keys are accepted so that real
 // DeepSpeed files load, because the unit (not a bucket) is zeroshard's grain for all of them.
 Node layout() {
   return Node(
       "",
       {
-          {"zero_optimization",
-           {
-               Node::fields(),  // stage, overlap_comm, reduce/allgather_bucket_size
-               {"contiguous_gradients", accept_bool},  // [true] grads always land contiguous
-               // [true] DeepSpeed's false means "all-reduce instead"; zeroshard has no such path.
-               {"reduce_scatter",
-                [](const JsonField& f, Ctx&) {
-                  if (!f.boolean()) {
-                    f.bad(
-                        "= false is not supported: zeroshard always reduce-scatters gradients "
-                        "in stages 1-3; remove the key or set it to true");
-                  }
-                }},
-               // [true] Not in PEERS.md's key list, but in Hugging Face's stock ZeRO-2 file;
-               // false (broadcast instead of all-gather) has no equivalent here.
-               {"allgather_partitions",
-                [](const JsonField& f, Ctx&) {
-                  if (!f.boolean()) {
-                    f.bad("= false is not supported: zeroshard always all-gathers parameters");
-                  }
-                }},
-               {"sub_group_size", accept_count},               // [1e9] unit is the grain
-               {"stage3_prefetch_bucket_size", accept_count},  // [5e7] see zeroshard.prefetch
-               {"stage3_param_persistence_threshold", accept_count},  // [1e5]
-               {"stage3_max_live_parameters", accept_count},  // [1e9] see zeroshard.max_live_units
-               {"stage3_max_reuse_distance", accept_count},   // [1e9]
-               {"stage3_gather_16bit_weights_on_model_save", accept_bool},  // [false]
-               {"offload_optimizer",
-                {
-                    Node::fields(),  // device, nvme_path, buffer_count, pin_memory
-                    // The nvme tier always overlaps read, update and write (DESIGN.md), and lays
-                    // out its own swap files, so these three only need to be well-typed.
-                    {"pipeline_read", accept_bool},
-                    {"pipeline_write", accept_bool},
-                    {"fast_init", accept_bool},
-                    // [1.0] Fraction of the step run on the CPU (DeepSpeed "twin-flow").
-                    {"ratio",
-                     [](const JsonField& f, Ctx&) {
-                       const double r = f.number();
-                       if (r != 1.0) {
-                         f.bad("= " + show(r) +
-                               " is not supported: partial offload is not implemented; the whole "
-                               "optimizer step runs on the tier that holds the state (use 1.0 or "
-                               "remove the key)");
-                       }
-                     }},
-                }},
-               {"offload_param",
-                {
-                    Node::fields(),
-                    {"buffer_size", accept_count},  // [1e8] sized by the unit
-                    {"max_in_cpu", accept_count},   // [1e9]
-                }},
-           }},
+          zero_optimization_layout(),
           // Enabling a precision sets Config::dtype once both sections are read (from_json).
           {"fp16",
            {
@@ -317,35 +352,12 @@ Node layout() {
           {"train_batch_size", accept_count},
           {"steps_per_print", accept_count},
           {"wall_clock_breakdown", accept_bool},
-          {"optimizer",
-           {
-               // "type" comes before "params", so it is applied first whatever the file's order.
-               {"type", set_optimizer_type, /*required=*/true},
-               {"params",
-                {
-                    Node::fields(),  // lr, eps, weight_decay, momentum, nesterov
-                    {"betas",
-                     [](const JsonField& f, Ctx& x) {
-                       only_for(f, x,
-                                adam_family(x.c.optimizer.kind) ||
-                                    x.c.optimizer.kind == OptimizerKind::lion,
-                                "adam, adamw and lion");
-                       const std::vector<float> b = f.numbers(2);
-                       x.c.optimizer.beta1 = b[0];
-                       x.c.optimizer.beta2 = b[1];
-                     }},
-                    {"adam_w_mode", set_adam_w_mode},
-                    {"torch_adam",  // which Adam implementation DeepSpeed picks: moot here
-                     [](const JsonField& f, Ctx& x) {
-                       adam_only(f, x);
-                       f.boolean();
-                     }},
-                }},
-           }},
+          optimizer_layout(),
           {"aio",
            {
-               Node::fields(),  // block_size [1 MiB], queue_depth [8]
-                                // libaio threading knobs; io_uring needs none of them.
+               // The table's block_size [1 MiB] and queue_depth [8], then libaio threading knobs:
+               // io_uring needs none of them.
+               Node::fields(),
                {"intra_op_parallelism", accept_count},
                {"single_submit", accept_bool},
                {"overlap_events", accept_bool},
