@@ -3,9 +3,10 @@
 //
 // Adding a field: declare it in config.hpp and add its row below, with its JSON key, its
 // single-field rules and whether ranks must agree on it. The JSON reader, validate(), the
-// Python bindings and the fingerprint then know it; tests/unit/test_config_fields.cpp round-trips it
-// through JSON. Only a rule across fields (validate.cpp) or a DeepSpeed key that is not one
-// field (json.cpp) needs code.
+// Python bindings and the fingerprint then know it, and tests/unit/test_config_fields.cpp
+// round-trips it through JSON (its count of rows guards against a member without one). Only a
+// rule across fields (validate.cpp) or a DeepSpeed key that is not one field (json.cpp) needs
+// code.
 
 #include <algorithm>
 #include <cmath>
