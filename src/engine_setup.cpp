@@ -21,12 +21,7 @@ namespace zeroshard {
 // throw the same message. Every rank runs the same collectives whatever it registered: no hang.
 void Engine::Impl::check_same_model() {
   std::ostringstream os;
-  os << "config stage=" << cfg.stage << " dtype=" << dtype_name(cfg.dtype)
-     << " optimizer=" << optimizer_name(cfg.optimizer.kind)
-     << " accumulation=" << cfg.gradient_accumulation_steps << " alignment=" << cfg.shard_alignment
-     << " clipping=" << cfg.gradient_clipping
-     << " offload_optimizer=" << tier_name(cfg.offload_optimizer.tier)
-     << " offload_param=" << tier_name(cfg.offload_param.tier) << "\n";
+  os << cfg.fingerprint();  // one "config <setting>=<value>" line per setting ranks must share
   for (size_t g = 0; g < groups.size(); ++g)
     os << "group " << g << " lr=" << groups[g].lr << " wd=" << groups[g].weight_decay << "\n";
   for (const UnitShape& s : shapes) {

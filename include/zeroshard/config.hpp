@@ -115,6 +115,13 @@ struct Config {
   /// Throws Error(invalid_config) naming the first field with a bad value.
   void validate() const;
 
+  /// Every setting that every rank must agree on, because it changes the sequence of
+  /// collectives or the numbers: one line per setting, "config <field path>=<value>\n" (e.g.
+  /// "config prefetch=true", "config optimizer.lr=0.001"), in the order of the field table
+  /// (config_fields.hpp, whose rows say which fields are left out and why). Engine::finalize()
+  /// compares it across ranks, so a rank that disagrees fails there with the setting named.
+  std::string fingerprint() const;
+
   /// Parses a JSON object. Accepts zeroshard's own keys and DeepSpeed's ("zero_optimization",
   /// "fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps", "optimizer", "aio", ...).
   /// An unknown key or a value of the wrong type throws Error(invalid_config) naming the key path,

@@ -4,6 +4,7 @@
 
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/config.hpp"
+#include "zeroshard/config_fields.hpp"
 #include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/memory.hpp"

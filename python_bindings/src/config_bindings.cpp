@@ -4,18 +4,20 @@
 // The dict/JSON forms go through the C++ reader (zeroshard's own keys plus DeepSpeed's), so a
 // bad key gets the same message in Python as in C++. Keyword arguments are the struct's field
 // names; an unknown one, or a value of the wrong type, is a ConfigError that names it.
+// Properties and keyword arguments are made from the field table (zeroshard/config_fields.hpp):
+// a new Config field needs no code here unless it has a new C++ type.
 #include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <string_view>
+#include <type_traits>
+#include <variant>
 
 #include "python_bindings/src/bindings.hpp"
-#include "src/base/edit_distance.hpp"
 
 namespace zeroshard::py {
 
@@ -73,194 +75,168 @@ std::vector<std::string> as_paths(nb::handle v, const std::string& path) {
   return out;
 }
 
-// One settable field of a struct: its name and how a Python value is stored into it. The same
-// table serves attribute assignment and keyword construction, so both accept the same values.
-template <class T>
-struct FieldSetter {
-  const char* name;
-  void (*set)(T&, nb::handle, const std::string& path);
+template <class S>
+constexpr const char* struct_name() {
+  if constexpr (std::is_same_v<S, Config>) return "Config";
+  if constexpr (std::is_same_v<S, OptimizerOptions>) return "OptimizerOptions";
+  if constexpr (std::is_same_v<S, OffloadOptions>) return "OffloadOptions";
+  if constexpr (std::is_same_v<S, LossScaleOptions>) return "LossScaleOptions";
+  if constexpr (std::is_same_v<S, AioOptions>) return "AioOptions";
+}
+
+template <class P>
+struct member_type;
+template <class S, class T>
+struct member_type<T S::*> {
+  using type = T;
 };
 
 template <class T>
-void set_field(const std::vector<FieldSetter<T>>& table, const char* type, T& t,
-               const std::string& key, nb::handle value) {
-  for (const FieldSetter<T>& f : table) {
-    if (key == f.name) {
-      f.set(t, value, std::string(type) + "." + key);
-      return;
+constexpr bool is_options =
+    std::is_same_v<T, OptimizerOptions> || std::is_same_v<T, OffloadOptions> ||
+    std::is_same_v<T, LossScaleOptions> || std::is_same_v<T, AioOptions>;
+
+template <class T>
+T as_options(nb::handle v, const std::string& path);
+
+// Stores a Python value into `field`, a member of `s`, by the field's C++ type. The same code
+// serves attribute assignment and keyword construction, so both accept the same values.
+template <class S, class T>
+void store(S& s, T& field, nb::handle v, const std::string& path) {
+  if constexpr (std::is_same_v<T, bool>) {
+    field = as_bool(v, path);
+  } else if constexpr (std::is_same_v<T, int>) {
+    field = as_int32(v, path);
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    field = as_int(v, path);
+  } else if constexpr (std::is_same_v<T, float>) {
+    field = as_float(v, path);
+  } else if constexpr (std::is_same_v<T, double>) {
+    field = as_double(v, path);
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    field = as_paths(v, path);
+  } else if constexpr (std::is_same_v<T, DType>) {
+    field = parse_dtype(v);
+  } else if constexpr (std::is_same_v<T, Tier>) {
+    field = parse_tier(v);
+  } else if constexpr (std::is_same_v<T, OptimizerKind>) {
+    field = parse_optimizer(v);
+  } else if constexpr (std::is_same_v<T, Device>) {
+    // "cuda:N" (a torch.device's spelling) also sets Config::device_index.
+    if constexpr (std::is_same_v<S, Config>) {
+      field = parse_device(v, &s.device_index);
+    } else {
+      field = parse_device(v, nullptr);
     }
+  } else {
+    static_assert(is_options<T>, "a Config field type without a Python conversion");
+    field = as_options<T>(v, path);
   }
-  std::string msg = std::string("unknown keyword argument '") + key + "' for " + type;
-  const FieldSetter<T>* best = nullptr;
-  size_t best_d = std::max<size_t>(2, key.size() / 3) + 1;
-  for (const FieldSetter<T>& f : table) {
-    const size_t d = edit_distance(key, f.name);
-    if (d < best_d) best = &f, best_d = d;
+}
+
+// The row of S named `key` (its name or its alias), or null.
+template <class S>
+const FieldInfo<S>* find_field(std::string_view key) {
+  for (const FieldInfo<S>& row : config_fields<S>()) {
+    if (key == row.name || (row.alias && key == row.alias)) return &row;
   }
-  if (best) msg += std::string("; did you mean '") + best->name + "'?";
+  return nullptr;
+}
+
+template <class S>
+void set_field(S& s, const FieldInfo<S>& row, nb::handle v, const std::string& key) {
+  std::visit(
+      [&](auto member) { store(s, s.*member, v, std::string(struct_name<S>()) + "." + key); },
+      row.member);
+}
+
+template <class S>
+void set_field(S& s, const std::string& key, nb::handle value) {
+  if (const FieldInfo<S>* row = find_field<S>(key)) return set_field(s, *row, value, key);
+  std::vector<std::string_view> names;
+  for (const FieldInfo<S>& row : config_fields<S>()) {
+    names.push_back(row.name);
+    if (row.alias) names.push_back(row.alias);
+  }
+  std::string msg = "unknown keyword argument '" + key + "' for " + struct_name<S>();
+  const std::string_view best = closest_name(key, names);
+  if (!best.empty()) msg += "; did you mean '" + std::string(best) + "'?";
   msg += " (fields:";
-  for (const FieldSetter<T>& f : table) msg += std::string(" ") + f.name;
+  for (std::string_view n : names) msg += " " + std::string(n);
   config_fail(msg + ")");
 }
 
-template <class T>
-void apply_kwargs(const std::vector<FieldSetter<T>>& table, const char* type, T& t,
-                  const nb::kwargs& kw) {
-  for (auto [k, v] : kw) set_field(table, type, t, nb::cast<std::string>(k), v);
+template <class S>
+void apply_kwargs(S& s, const nb::kwargs& kw) {
+  for (auto [k, v] : kw) set_field(s, nb::cast<std::string>(k), v);
 }
 
-// A nested option struct may be given as the struct itself or as a dict of its fields.
+// A nested option struct may be given as the struct itself or as a dict of its fields; an
+// offload tier also as just the device string: offload_optimizer="cpu".
 template <class T>
-T as_struct(const std::vector<FieldSetter<T>>& table, const char* type, nb::handle v,
-            const std::string& path) {
+T as_options(nb::handle v, const std::string& path) {
   T out;
   if (nb::try_cast<T>(v, out, false)) return out;
+  if constexpr (std::is_same_v<T, OffloadOptions>) {
+    if (PyUnicode_Check(v.ptr()) || v.is_none() || nb::isinstance<Tier>(v)) {
+      out.tier = parse_tier(v);
+      return out;
+    }
+  }
   if (!PyDict_Check(v.ptr()))
-    config_fail(path + " must be a " + type + " or a dict of its fields, got " + describe(v));
-  for (auto [k, val] : nb::borrow<nb::dict>(v))
-    set_field(table, type, out, nb::cast<std::string>(k), val);
+    config_fail(path + " must be a " + struct_name<T>() + " or a dict of its fields, got " +
+                describe(v));
+  for (auto [k, val] : nb::borrow<nb::dict>(v)) set_field(out, nb::cast<std::string>(k), val);
   return out;
 }
 
-const std::vector<FieldSetter<OptimizerOptions>>& optimizer_fields() {
-  using O = OptimizerOptions;
-  static const std::vector<FieldSetter<O>> t = {
-      {"kind", [](O& o, nb::handle v, const std::string&) { o.kind = parse_optimizer(v); }},
-      {"lr", [](O& o, nb::handle v, const std::string& p) { o.lr = as_float(v, p); }},
-      {"beta1", [](O& o, nb::handle v, const std::string& p) { o.beta1 = as_float(v, p); }},
-      {"beta2", [](O& o, nb::handle v, const std::string& p) { o.beta2 = as_float(v, p); }},
-      {"eps", [](O& o, nb::handle v, const std::string& p) { o.eps = as_float(v, p); }},
-      {"weight_decay",
-       [](O& o, nb::handle v, const std::string& p) { o.weight_decay = as_float(v, p); }},
-      {"momentum", [](O& o, nb::handle v, const std::string& p) { o.momentum = as_float(v, p); }},
-      {"nesterov", [](O& o, nb::handle v, const std::string& p) { o.nesterov = as_bool(v, p); }},
-  };
-  return t;
-}
-
-const std::vector<FieldSetter<OffloadOptions>>& offload_fields() {
-  using O = OffloadOptions;
-  static const std::vector<FieldSetter<O>> t = {
-      {"tier", [](O& o, nb::handle v, const std::string&) { o.tier = parse_tier(v); }},
-      // DeepSpeed's name for the same thing.
-      {"device", [](O& o, nb::handle v, const std::string&) { o.tier = parse_tier(v); }},
-      {"nvme_paths",
-       [](O& o, nb::handle v, const std::string& p) { o.nvme_paths = as_paths(v, p); }},
-      {"nvme_path",
-       [](O& o, nb::handle v, const std::string& p) { o.nvme_paths = as_paths(v, p); }},
-      {"buffer_count",
-       [](O& o, nb::handle v, const std::string& p) { o.buffer_count = as_int32(v, p); }},
-      {"pin_memory",
-       [](O& o, nb::handle v, const std::string& p) { o.pin_memory = as_bool(v, p); }},
-  };
-  return t;
-}
-
-const std::vector<FieldSetter<LossScaleOptions>>& loss_scale_fields() {
-  using O = LossScaleOptions;
-  static const std::vector<FieldSetter<O>> t = {
-      {"static_scale",
-       [](O& o, nb::handle v, const std::string& p) { o.static_scale = as_float(v, p); }},
-      {"initial_scale_power",
-       [](O& o, nb::handle v, const std::string& p) { o.initial_scale_power = as_int32(v, p); }},
-      {"window", [](O& o, nb::handle v, const std::string& p) { o.window = as_int32(v, p); }},
-      {"hysteresis",
-       [](O& o, nb::handle v, const std::string& p) { o.hysteresis = as_int32(v, p); }},
-      {"min_scale", [](O& o, nb::handle v, const std::string& p) { o.min_scale = as_float(v, p); }},
-  };
-  return t;
-}
-
-const std::vector<FieldSetter<AioOptions>>& aio_fields() {
-  using O = AioOptions;
-  static const std::vector<FieldSetter<O>> t = {
-      {"block_size", [](O& o, nb::handle v, const std::string& p) { o.block_size = as_int(v, p); }},
-      {"queue_depth",
-       [](O& o, nb::handle v, const std::string& p) { o.queue_depth = as_int32(v, p); }},
-  };
-  return t;
-}
-
-// An offload tier may also be given as just the device string: offload_optimizer="cpu".
-OffloadOptions as_offload(nb::handle v, const std::string& path) {
-  OffloadOptions o;
-  if (PyUnicode_Check(v.ptr()) || v.is_none() || nb::isinstance<Tier>(v)) {
-    o.tier = parse_tier(v);
-    return o;
+// Binds every row of S's table (and its alias) as a read/write property. A plain field's getter
+// returns its value; a nested option struct's returns a reference into S, so that
+// cfg.optimizer.lr = 0.1 changes cfg (its setter still takes dicts and objects).
+template <class S, class Cls>
+void bind_fields(Cls& cls) {
+  for (const FieldInfo<S>& row : config_fields<S>()) {
+    for (const char* name : {row.name, row.alias}) {
+      if (!name) continue;
+      const std::string key = name;
+      std::visit(
+          [&](auto member) {
+            using M = typename member_type<decltype(member)>::type;
+            auto set = [member, key](S& s, nb::handle v) {
+              store(s, s.*member, v, std::string(struct_name<S>()) + "." + key);
+            };
+            if constexpr (is_options<M>) {
+              cls.def_prop_rw(
+                  name, [member](S& s) -> M& { return s.*member; }, set,
+                  nb::rv_policy::reference_internal);
+            } else {
+              cls.def_prop_rw(
+                  name, [member](const S& s) { return s.*member; }, set);
+            }
+          },
+          row.member);
+    }
   }
-  return as_struct(offload_fields(), "OffloadOptions", v, path);
+  cls.def_static(
+      "fields",
+      [] {
+        std::vector<std::string> names;
+        for (const FieldInfo<S>& row : config_fields<S>()) names.push_back(row.name);
+        return names;
+      },
+      "The keyword arguments the constructor takes (the C++ struct's field names).");
 }
 
-const std::vector<FieldSetter<Config>>& config_fields() {
-  using C = Config;
-  static const std::vector<FieldSetter<C>> t = {
-      {"stage", [](C& c, nb::handle v, const std::string& p) { c.stage = as_int32(v, p); }},
-      // "cuda:N" (a torch.device's spelling) also sets device_index.
-      {"device",
-       [](C& c, nb::handle v, const std::string&) { c.device = parse_device(v, &c.device_index); }},
-      {"device_index",
-       [](C& c, nb::handle v, const std::string& p) { c.device_index = as_int32(v, p); }},
-      {"dtype", [](C& c, nb::handle v, const std::string&) { c.dtype = parse_dtype(v); }},
-      {"loss_scale",
-       [](C& c, nb::handle v, const std::string& p) {
-         c.loss_scale = as_struct(loss_scale_fields(), "LossScaleOptions", v, p);
-       }},
-      {"gradient_clipping",
-       [](C& c, nb::handle v, const std::string& p) { c.gradient_clipping = as_double(v, p); }},
-      {"gradient_accumulation_steps",
-       [](C& c, nb::handle v, const std::string& p) {
-         c.gradient_accumulation_steps = as_int32(v, p);
-       }},
-      {"optimizer",
-       [](C& c, nb::handle v, const std::string& p) {
-         c.optimizer = as_struct(optimizer_fields(), "OptimizerOptions", v, p);
-       }},
-      {"offload_optimizer",
-       [](C& c, nb::handle v, const std::string& p) { c.offload_optimizer = as_offload(v, p); }},
-      {"offload_param",
-       [](C& c, nb::handle v, const std::string& p) { c.offload_param = as_offload(v, p); }},
-      {"aio", [](C& c, nb::handle v,
-                 const std::string& p) { c.aio = as_struct(aio_fields(), "AioOptions", v, p); }},
-      {"shard_alignment",
-       [](C& c, nb::handle v, const std::string& p) { c.shard_alignment = as_int(v, p); }},
-      {"grad_buffers",
-       [](C& c, nb::handle v, const std::string& p) { c.grad_buffers = as_int32(v, p); }},
-      {"max_live_units",
-       [](C& c, nb::handle v, const std::string& p) { c.max_live_units = as_int32(v, p); }},
-      {"prefetch", [](C& c, nb::handle v, const std::string& p) { c.prefetch = as_bool(v, p); }},
-      {"overlap_comm",
-       [](C& c, nb::handle v, const std::string& p) { c.overlap_comm = as_bool(v, p); }},
-      {"collective_timeout_s",
-       [](C& c, nb::handle v, const std::string& p) { c.collective_timeout_s = as_double(v, p); }},
-      {"reduce_bucket_size",
-       [](C& c, nb::handle v, const std::string& p) { c.reduce_bucket_size = as_int(v, p); }},
-      {"allgather_bucket_size",
-       [](C& c, nb::handle v, const std::string& p) { c.allgather_bucket_size = as_int(v, p); }},
-  };
-  return t;
-}
-
-// Binds every table entry as a read/write property (the getter returns the plain value) and a
-// keyword constructor. Nested structs are rebound below with reference getters.
-// `nested` names fields bound separately (with reference getters); `with_init` = false leaves the
-// constructor to the caller.
-template <class T, class Cls, class Get>
-void bind_fields(Cls& cls, const std::vector<FieldSetter<T>>& table, const char* type, Get get,
-                 bool with_init = true, std::vector<std::string> nested = {}) {
-  for (const FieldSetter<T>& f : table) {
-    if (std::find(nested.begin(), nested.end(), f.name) != nested.end()) continue;
-    auto setter = f.set;
-    const std::string path = std::string(type) + "." + f.name;
-    const std::string name = f.name;
-    cls.def_prop_rw(
-        f.name, [get, name](const T& t) { return get(t, name); },
-        [setter, path](T& t, nb::handle v) { setter(t, v, path); });
-  }
-  if (!with_init) return;
-  cls.def("__init__", [&table, type](T* self, const nb::kwargs& kw) {
-    new (self) T();
-    apply_kwargs(table, type, *self, kw);
+// Option structs: keyword construction sets fields and validates nothing (Config does).
+template <class S>
+nb::class_<S> bind_options(nb::module_& m, const char* doc) {
+  auto cls = nb::class_<S>(m, struct_name<S>(), doc);
+  bind_fields<S>(cls);
+  cls.def("__init__", [](S* self, const nb::kwargs& kw) {
+    new (self) S();
+    apply_kwargs(*self, kw);
   });
+  return cls;
 }
 
 std::string f2s(double v) {
@@ -269,24 +245,7 @@ std::string f2s(double v) {
   return s.str();
 }
 
-}  // namespace
-
-Config coerce_config(nb::handle h) {
-  Config c;
-  if (nb::try_cast<Config>(h, c, false)) return c;
-  if (PyDict_Check(h.ptr())) return nb::cast<Config>(nb::type<Config>().attr("from_dict")(h));
-  if (PyUnicode_Check(h.ptr()) || nb::hasattr(h, "__fspath__"))
-    return Config::from_json_file(
-        nb::cast<std::string>(nb::module_::import_("os").attr("fspath")(h)));
-  config_fail("expected a Config, a dict of zeroshard/DeepSpeed keys or a JSON file path, got " +
-              describe(h));
-}
-
-OptimizerOptions coerce_optimizer(nb::handle h) {
-  return as_struct(optimizer_fields(), "OptimizerOptions", h, "optimizer");
-}
-
-void bind_config(nb::module_& m) {
+void bind_enums(nb::module_& m) {
   nb::enum_<DType>(m, "DType", "Element type of parameters and gradients.")
       .value("f32", DType::f32)
       .value("bf16", DType::bf16)
@@ -305,114 +264,62 @@ void bind_config(nb::module_& m) {
       .value("adamw", OptimizerKind::adamw)
       .value("sgd", OptimizerKind::sgd)
       .value("lion", OptimizerKind::lion);
+}
+
+}  // namespace
+
+Config coerce_config(nb::handle h) {
+  Config c;
+  if (nb::try_cast<Config>(h, c, false)) return c;
+  if (PyDict_Check(h.ptr())) return nb::cast<Config>(nb::type<Config>().attr("from_dict")(h));
+  if (PyUnicode_Check(h.ptr()) || nb::hasattr(h, "__fspath__"))
+    return Config::from_json_file(
+        nb::cast<std::string>(nb::module_::import_("os").attr("fspath")(h)));
+  config_fail("expected a Config, a dict of zeroshard/DeepSpeed keys or a JSON file path, got " +
+              describe(h));
+}
+
+OptimizerOptions coerce_optimizer(nb::handle h) {
+  return as_options<OptimizerOptions>(h, "optimizer");
+}
+
+void bind_config(nb::module_& m) {
+  bind_enums(m);
   m.def("dtype_size", &dtype_size, "Bytes per element of a DType.");
 
-  auto opt = nb::class_<OptimizerOptions>(
-      m, "OptimizerOptions",
+  auto opt = bind_options<OptimizerOptions>(
+      m,
       "Hyperparameters of one parameter group (see include/zeroshard/config.hpp for each "
       "optimizer's use of them). OptimizerOptions(kind='adamw', lr=1e-3, ...).");
-  bind_fields(opt, optimizer_fields(), "OptimizerOptions",
-              [](const OptimizerOptions& o, const std::string& n) -> nb::object {
-                if (n == "kind") return nb::cast(o.kind);
-                if (n == "lr") return nb::cast(o.lr);
-                if (n == "beta1") return nb::cast(o.beta1);
-                if (n == "beta2") return nb::cast(o.beta2);
-                if (n == "eps") return nb::cast(o.eps);
-                if (n == "weight_decay") return nb::cast(o.weight_decay);
-                if (n == "momentum") return nb::cast(o.momentum);
-                return nb::cast(o.nesterov);
-              });
   opt.def("__repr__", [](const OptimizerOptions& o) {
     return std::string("OptimizerOptions(kind='") + optimizer_name(o.kind) + "', lr=" + f2s(o.lr) +
            ", beta1=" + f2s(o.beta1) + ", beta2=" + f2s(o.beta2) + ", eps=" + f2s(o.eps) +
            ", weight_decay=" + f2s(o.weight_decay) + ", momentum=" + f2s(o.momentum) +
            ", nesterov=" + (o.nesterov ? "True" : "False") + ")";
   });
-
-  auto off = nb::class_<OffloadOptions>(
-      m, "OffloadOptions",
-      "Where one kind of state lives: OffloadOptions(tier='cpu') or DeepSpeed's device='cpu'.");
-  bind_fields(off, offload_fields(), "OffloadOptions",
-              [](const OffloadOptions& o, const std::string& n) -> nb::object {
-                if (n == "tier" || n == "device") return nb::cast(o.tier);
-                if (n == "nvme_paths" || n == "nvme_path") return nb::cast(o.nvme_paths);
-                if (n == "buffer_count") return nb::cast(o.buffer_count);
-                return nb::cast(o.pin_memory);
-              });
+  auto off = bind_options<OffloadOptions>(
+      m, "Where one kind of state lives: OffloadOptions(tier='cpu') or DeepSpeed's device='cpu'.");
   off.def("__repr__", [](const OffloadOptions& o) {
     return std::string("OffloadOptions(tier='") + tier_name(o.tier) +
            "', nvme_paths=" + std::to_string(o.nvme_paths.size()) +
            " path(s), buffer_count=" + std::to_string(o.buffer_count) + ")";
   });
-
-  auto ls = nb::class_<LossScaleOptions>(m, "LossScaleOptions", "Dynamic loss scaling for f16.");
-  bind_fields(ls, loss_scale_fields(), "LossScaleOptions",
-              [](const LossScaleOptions& o, const std::string& n) -> nb::object {
-                if (n == "static_scale") return nb::cast(o.static_scale);
-                if (n == "initial_scale_power") return nb::cast(o.initial_scale_power);
-                if (n == "window") return nb::cast(o.window);
-                if (n == "hysteresis") return nb::cast(o.hysteresis);
-                return nb::cast(o.min_scale);
-              });
-
-  auto aio = nb::class_<AioOptions>(m, "AioOptions", "io_uring swapper settings.");
-  bind_fields(aio, aio_fields(), "AioOptions",
-              [](const AioOptions& o, const std::string& n) -> nb::object {
-                if (n == "block_size") return nb::cast(o.block_size);
-                return nb::cast(o.queue_depth);
-              });
+  bind_options<LossScaleOptions>(m, "Dynamic loss scaling for f16.");
+  bind_options<AioOptions>(m, "io_uring swapper settings.");
 
   auto cfg = nb::class_<Config>(
       m, "Config",
       "Engine configuration. Config(**fields) with the C++ struct's field names (nested options "
       "as dicts or option objects), or Config.from_dict / from_json / from_json_file with "
       "zeroshard's or DeepSpeed's JSON keys. Keyword construction validates at once.");
-  bind_fields(cfg, config_fields(), "Config",
-              [](const Config& c, const std::string& n) -> nb::object {
-                if (n == "stage") return nb::cast(c.stage);
-                if (n == "device") return nb::cast(c.device);
-                if (n == "device_index") return nb::cast(c.device_index);
-                if (n == "dtype") return nb::cast(c.dtype);
-                if (n == "gradient_clipping") return nb::cast(c.gradient_clipping);
-                if (n == "gradient_accumulation_steps")
-                  return nb::cast(c.gradient_accumulation_steps);
-                if (n == "shard_alignment") return nb::cast(c.shard_alignment);
-                if (n == "grad_buffers") return nb::cast(c.grad_buffers);
-                if (n == "max_live_units") return nb::cast(c.max_live_units);
-                if (n == "prefetch") return nb::cast(c.prefetch);
-                if (n == "overlap_comm") return nb::cast(c.overlap_comm);
-                if (n == "collective_timeout_s") return nb::cast(c.collective_timeout_s);
-                if (n == "reduce_bucket_size") return nb::cast(c.reduce_bucket_size);
-                return nb::cast(c.allgather_bucket_size);
-              },
-              /*with_init=*/false,
-              {"optimizer", "offload_optimizer", "offload_param", "loss_scale", "aio"});
+  bind_fields<Config>(cfg);
   // Keyword construction validates at once; a Config built up by attribute assignment is
   // validated by validate() or when an Engine is made from it.
   cfg.def("__init__", [](Config* self, const nb::kwargs& kw) {
     new (self) Config();
-    apply_kwargs(config_fields(), "Config", *self, kw);
+    apply_kwargs(*self, kw);
     self->validate();
   });
-  // Nested option structs: the getter returns a reference into the Config, so that
-  // cfg.optimizer.lr = 0.1 changes cfg (the setters above still take dicts and objects).
-#define ZS_NESTED(field, T, conv)                                           \
-  cfg.def_prop_rw(                                                          \
-      #field, [](Config& c) -> T& { return c.field; },                      \
-      [](Config& c, nb::handle v) { c.field = conv(v, "Config." #field); }, \
-      nb::rv_policy::reference_internal)
-  ZS_NESTED(optimizer, OptimizerOptions, ([](nb::handle x, const std::string& p) {
-              return as_struct(optimizer_fields(), "OptimizerOptions", x, p);
-            }));
-  ZS_NESTED(offload_optimizer, OffloadOptions, as_offload);
-  ZS_NESTED(offload_param, OffloadOptions, as_offload);
-  ZS_NESTED(loss_scale, LossScaleOptions, ([](nb::handle x, const std::string& p) {
-              return as_struct(loss_scale_fields(), "LossScaleOptions", x, p);
-            }));
-  ZS_NESTED(aio, AioOptions, ([](nb::handle x, const std::string& p) {
-              return as_struct(aio_fields(), "AioOptions", x, p);
-            }));
-#undef ZS_NESTED
 
   cfg.def("validate", &Config::validate,
           "Raises ConfigError naming the first field with a bad value.")
@@ -436,14 +343,6 @@ void bind_config(nb::module_& m) {
             return Config::from_json(text);
           },
           nb::arg("d"), "The same keys as from_json(), given as a Python dict.")
-      .def_static(
-          "fields",
-          [] {
-            std::vector<std::string> names;
-            for (const auto& f : config_fields()) names.push_back(f.name);
-            return names;
-          },
-          "The keyword arguments Config() takes (the C++ struct's field names).")
       .def("copy", [](const Config& c) { return c; })
       .def("__copy__", [](const Config& c) { return c; })
       .def("__deepcopy__", [](const Config& c, nb::handle) { return c; })

@@ -1,6 +1,7 @@
 #pragma once
-// Case-insensitive edit distance, for the "did you mean" hints on mistyped keys (the JSON
-// config reader and the Python keyword arguments share it).
+// Case-insensitive edit distance, for the "did you mean" hints on mistyped keys. Its one user is
+// closest_name() (src/config/fields.cpp), which the JSON config reader and, through the public
+// zeroshard/config_fields.hpp, the Python keyword arguments share.
 
 #include <algorithm>
 #include <cctype>

@@ -69,6 +69,42 @@ TEST(ModelCheck, DifferentDtypeFails) {
   EXPECT_ZS_ERROR(e.finalize(), model_mismatch, "dtype=bf16");
 }
 
+// Settings that change the sequence of collectives are part of the model check too: a rank that
+// prefetches (stage 3: the next unit's all-gather is issued early) and one that does not would
+// pass finalize() and then issue their all-gathers out of step. Every rank fails instead, and
+// the message names the setting with both values.
+TEST(ModelCheck, DifferentPrefetchFailsOnEveryRankNamingIt) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  Config cfg;
+  cfg.stage = 3;
+  cfg.prefetch = world()->rank() != world()->size() - 1;
+  Engine e(cfg, world());
+  e.add_unit("a", {Param{"w", {3}}});
+  e.add_unit("b", {Param{"w", {5}}});
+  const std::string last = std::to_string(world()->size() - 1);
+  EXPECT_ZS_ERROR(e.finalize(), model_mismatch,
+                  "rank " + last +
+                      " registered a different model than rank 0: first difference in the "
+                      "configuration: rank 0 has \"config prefetch=true\", rank " +
+                      last + " has \"config prefetch=false\"");
+}
+
+// The same for two more settings the old check left out, each in turn.
+TEST(ModelCheck, DifferentMaxLiveUnitsOrOverlapCommFails) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  for (const char* setting : {"max_live_units", "overlap_comm"}) {
+    Config cfg;
+    cfg.stage = 3;
+    if (world()->rank() == 1) {
+      if (std::string(setting) == "max_live_units") cfg.max_live_units = 4;
+      if (std::string(setting) == "overlap_comm") cfg.overlap_comm = false;
+    }
+    Engine e(cfg, world());
+    e.add_unit("a", {Param{"w", {3}}});
+    EXPECT_ZS_ERROR(e.finalize(), model_mismatch, std::string("config ") + setting + "=");
+  }
+}
+
 // A collective that a peer never joins in time fails with an error naming it and the unit.
 // The late rank arrives after the timeout, completing the abandoned collective, so the process
 // still ends cleanly.

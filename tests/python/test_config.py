@@ -136,3 +136,53 @@ def test_bad_device_values():
         zs.Config(device="cuda", device_index=-2)
     with pytest.raises(zs.ConfigError, match=r"\"zeroshard\.device\" = \"tpu\" is not one of"):
         zs.Config.from_dict({"zeroshard": {"device": "tpu"}})
+
+
+def _other_value(v):
+    """A value of the same type as v that differs from it."""
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int) and not hasattr(v, "name"):
+        return v + 1
+    if isinstance(v, float):
+        return 0.5 if v == 0 else v / 2
+    if isinstance(v, list):
+        return ["/tmp/zs_a", "/tmp/zs_b"]
+    members = list(type(v))  # an enum: another of its members
+    return next(m for m in members if m != v)
+
+
+_OPTION_CLASSES = (zs.OptimizerOptions, zs.OffloadOptions, zs.LossScaleOptions, zs.AioOptions)
+
+
+@pytest.mark.parametrize("cls", (zs.Config,) + _OPTION_CLASSES, ids=lambda c: c.__name__)
+def test_every_table_field_round_trips_through_attributes_and_keywords(cls):
+    # The properties are made from the C++ field table, so this covers every field it lists.
+    names = cls.fields()
+    assert names and len(set(names)) == len(names)
+    for name in names:
+        obj = cls()
+        value = getattr(obj, name)
+        if isinstance(value, _OPTION_CLASSES):
+            # Nested options: a reference into the Config; assigning a copy back keeps it.
+            setattr(obj, name, type(value)())
+            assert isinstance(getattr(obj, name), type(value))
+            continue
+        new = _other_value(value)
+        setattr(obj, name, new)
+        got = getattr(obj, name)
+        assert (got == pytest.approx(new) if isinstance(new, float) else got == new), name
+        if cls is not zs.Config:  # Config's keywords validate: covered by the tests above
+            assert getattr(cls(**{name: new}), name) == getattr(obj, name), name
+
+
+def test_config_fields_include_the_ones_the_model_check_needs():
+    names = zs.Config.fields()
+    for name in ("stage", "dtype", "prefetch", "max_live_units", "overlap_comm",
+                 "swap_read_ahead", "optimizer", "offload_optimizer", "offload_param"):
+        assert name in names
+    # DeepSpeed's names for an offload tier's fields are accepted too.
+    off = zs.OffloadOptions(device="cpu", nvme_path="/tmp/zs_a")
+    assert off.tier == zs.Tier.host and off.nvme_paths == ["/tmp/zs_a"] and off.device == off.tier
+    with pytest.raises(zs.ConfigError, match=r"did you mean 'buffer_count'"):
+        zs.OffloadOptions(bufer_count=2)

@@ -1,0 +1,135 @@
+// Config::validate(): first every field's own rules from the table (fields.cpp), in table order,
+// then the rules that relate fields to each other, written out below. Fields are named by their
+// JSON path because that is what users edit; the conditions are written so that NaN fails them.
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "src/config/internal.hpp"
+
+namespace zeroshard {
+namespace {
+
+using config_detail::fail;
+using config_detail::show;
+
+template <class T>
+void require(bool ok, const std::string& field, T value, const std::string& rule) {
+  if (!ok) fail(field + " = " + show(value) + " " + rule);
+}
+
+// The table's single-field rules.
+void check_field_rules(const Config& c) {
+  config_detail::for_each_field<Config>(
+      c, "", "",
+      [](const auto& row, const auto& value, const std::string&, const std::string& json) {
+        using T = std::decay_t<decltype(value)>;
+        if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+          for (const FieldRule& r : row.rules) {
+            if (!r.ok) break;
+            require(r.ok(static_cast<double>(value)), json, value, r.text);
+          }
+        }
+      });
+}
+
+void check_nvme_paths(const OffloadOptions& o, const std::string& key) {
+  // The nvme tier stripes over these directories; without one there is nowhere to swap to.
+  if (o.tier == Tier::nvme && o.nvme_paths.empty()) {
+    fail(key + ".device = nvme requires " + key + ".nvme_path (one or more directories)");
+  }
+  for (size_t i = 0; i < o.nvme_paths.size(); ++i) {
+    if (o.nvme_paths[i].empty()) fail(key + ".nvme_path[" + show(i) + "] is an empty path");
+    // Each path holds one stripe file per tier; the same path twice would be the same file.
+    for (size_t j = 0; j < i; ++j) {
+      if (o.nvme_paths[j] == o.nvme_paths[i]) {
+        fail(key + ".nvme_path[" + show(i) + "] = \"" + o.nvme_paths[i] + "\" repeats nvme_path[" +
+             show(j) + "]");
+      }
+    }
+  }
+}
+
+void check_loss_scale_and_optimizer(const Config& c) {
+  const LossScaleOptions& ls = c.loss_scale;
+  // A floor above the starting point would make the first overflow raise the scale.
+  if (ls.static_scale == 0) {
+    require(std::ldexp(1.0, ls.initial_scale_power) >= ls.min_scale, "fp16.min_loss_scale",
+            ls.min_scale,
+            "is above the initial scale 2^" + show(ls.initial_scale_power) +
+                " (fp16.initial_scale_power)");
+  }
+  const OptimizerOptions& o = c.optimizer;
+  const bool sgd = o.kind == OptimizerKind::sgd;
+  // Only SGD reads momentum; silently ignoring it elsewhere would hide a misconfiguration.
+  require(o.momentum == 0 || sgd, "optimizer.params.momentum", o.momentum,
+          std::string("applies only to sgd (optimizer is ") + optimizer_name(o.kind) + ")");
+  if (o.nesterov && (!sgd || o.momentum <= 0)) {
+    fail(std::string("optimizer.params.nesterov = true requires optimizer sgd with momentum > 0 "
+                     "(optimizer is ") +
+         optimizer_name(o.kind) + ", momentum = " + show(o.momentum) + ")");
+  }
+}
+
+void check_tiers(const Config& c) {
+  const OffloadOptions& opt = c.offload_optimizer;
+  const OffloadOptions& par = c.offload_param;
+  check_nvme_paths(opt, "zero_optimization.offload_optimizer");
+  check_nvme_paths(par, "zero_optimization.offload_param");
+  // Parameters are sharded only in stage 3; below it every rank holds them whole on the device.
+  if (par.tier != Tier::device && c.stage != 3) {
+    fail(std::string("zero_optimization.offload_param.device = ") +
+         config_detail::deepspeed_tier_name(par.tier) +
+         " requires zero_optimization.stage = 3 (stage is " + show(c.stage) +
+         "): parameters are sharded, and so offloadable, only in stage 3");
+  }
+  // Stage 0 keeps the whole optimizer state on every rank: swapping it would only be slower.
+  if (opt.tier == Tier::nvme && c.stage < 1) {
+    fail(
+        "zero_optimization.offload_optimizer.device = nvme requires zero_optimization.stage >= 1 "
+        "(stage is 0: the optimizer state is not sharded)");
+  }
+  // The pipeline needs a slot to update in and one to read (or write) with.
+  if (opt.tier == Tier::nvme) {
+    require(opt.buffer_count >= 2, "zero_optimization.offload_optimizer.buffer_count",
+            opt.buffer_count, "must be >= 2 for device nvme");
+  }
+  if (par.tier == Tier::nvme) {
+    require(par.buffer_count >= 2, "zero_optimization.offload_param.buffer_count", par.buffer_count,
+            "must be >= 2 for device nvme");
+  }
+  if (opt.tier == Tier::nvme && c.swap_read_ahead > 0) {
+    require(c.swap_read_ahead < opt.buffer_count, "zeroshard.swap_read_ahead", c.swap_read_ahead,
+            "must be below zero_optimization.offload_optimizer.buffer_count (" +
+                show(opt.buffer_count) + ")");
+  }
+}
+
+// What the GPU engine does not move yet: the nvme tier's swap pipeline works on host memory
+// only, and stage 3's parameter shard must be in GPU memory for the all-gather.
+void check_cuda(const Config& c) {
+  if (c.device != Device::cuda) return;
+  if (c.offload_param.tier != Tier::device)
+    fail(
+        "zeroshard.device = cuda takes offload_param.device none: stage 3's parameter shards "
+        "stay in GPU memory (parameter offload runs with zeroshard.device cpu)");
+  if (c.offload_optimizer.tier == Tier::host && c.stage == 0)
+    fail(
+        "zero_optimization.offload_optimizer.device = cpu with zeroshard.device = cuda "
+        "requires zero_optimization.stage >= 1 (stage 0 keeps whole gradients on the GPU)");
+  // The GPU update moves 8 elements per 16-byte access: every shard must start aligned.
+  require(c.shard_alignment % 8 == 0, "zeroshard.shard_alignment", c.shard_alignment,
+          "must be a multiple of 8 with zeroshard.device = cuda (vector accesses)");
+}
+
+}  // namespace
+
+void Config::validate() const {
+  check_field_rules(*this);
+  check_loss_scale_and_optimizer(*this);
+  check_tiers(*this);
+  check_cuda(*this);
+}
+
+}  // namespace zeroshard
