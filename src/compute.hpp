@@ -1,8 +1,9 @@
 #pragma once
 // Where the engine's element-wise work runs and where its device tier lives: the CPU (the worker
-// arena (kernels/cpu/arena.hpp); ordinary host memory plays the device, DESIGN.md "tiers") or one
-// CUDA GPU (kernels of kernels/cuda on a compute stream, device memory). The engine is written once
-// against this interface; the CPU implementation is the first-class CPU backend, not a mock.
+// arena of kernels/cpu/arena.hpp; ordinary host memory plays the device, DESIGN.md "tiers") or
+// one CUDA GPU (kernels of kernels/cuda on a compute stream, device memory). The memory tiers are
+// written once against this interface; the CPU implementation is the first-class CPU backend,
+// not a mock.
 //
 // Ordering: work is issued in program order. On the CPU it is done when the call returns; on
 // a GPU it is enqueued on the compute stream and done in that order, so a caller that reads
