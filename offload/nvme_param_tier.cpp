@@ -44,16 +44,7 @@ std::string NvmeParamTier::who() const {
 // Initial values: the shard rounded from the f32 master values, written to slot 0. Writes
 // overlap, one per free staging slot; finish_load() waits for them all.
 void NvmeParamTier::load_initial(int u, const float* whole) {
-  int s = pool_.try_acquire();
-  while (s < 0) {  // the oldest write frees its slot
-    ZS_CHECK(!init_writes_.empty());
-    auto [batch, slot] = init_writes_.front();
-    init_writes_.pop_front();
-    space_.io().settle(*batch);
-    if (!deferred_) deferred_ = batch->error();
-    pool_.release(slot);
-    s = pool_.try_acquire();
-  }
+  const int s = init_writes_.slot(space_.io());
   char* b = pool_.data(s);
   std::memset(b, 0, pool_.bytes());
   const int64_t n = ctx_.shard(u);
@@ -63,22 +54,12 @@ void NvmeParamTier::load_initial(int u, const float* whole) {
   const std::string what = "rank " + std::to_string(ctx_.rank) +
                            ": nvme swap: writing the initial parameters of unit '" +
                            ctx_.unit(u).layout.name + "'";
-  init_writes_.push_back({space_.io().submit(std::move(ps), what), s});
+  init_writes_.submit(space_.io(), std::move(ps), what, s);
   units_[size_t(u)].cur = 0;
 }
 
 void NvmeParamTier::finish_load() {
-  for (auto& [batch, slot] : init_writes_) {
-    space_.io().settle(*batch);
-    if (!deferred_) deferred_ = batch->error();
-    pool_.release(slot);
-  }
-  init_writes_.clear();
-  if (deferred_) {
-    Error e = *deferred_;
-    deferred_.reset();
-    throw e;
-  }
+  init_writes_.finish(space_.io());
 }
 
 std::shared_ptr<IoBatch> NvmeParamTier::read_into(int u, int slot, const std::string& why) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/cpu/arena.hpp"
+#include "offload/initial_writes.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/swap_space.hpp"
 #include "offload/swap_store.hpp"
@@ -64,8 +65,7 @@ class NvmeParamTier final : public ParamTier {
   mutable SwapStore store_;  // mutable: reads in const methods take its pieces too
   PinnedPool pool_;          // shards on their way to an all-gather or to disk
   std::vector<Unit> units_;
-  std::deque<std::pair<std::shared_ptr<IoBatch>, int>> init_writes_;  // batch, pool slot
-  std::optional<Error> deferred_;  // a failed initial write, reported by finish_load()
+  InitialWrites init_writes_{pool_};  // finalize()'s writes
   std::vector<std::unique_ptr<DiskCharge>> charges_;
 };
 

@@ -99,16 +99,7 @@ std::vector<std::pair<void*, size_t>> NvmeStateTier::dma_regions() const {
 // Initial values go through f32 once, as in memory: the record's master is the shard of
 // `whole`, its optimizer state zero. Writes overlap (one per free staging slot).
 void NvmeStateTier::load_initial(int u, const float* whole) {
-  int s = swap_pool_.try_acquire();
-  while (s < 0) {  // the oldest write frees its slot
-    ZS_CHECK(!init_writes_.empty());
-    auto [batch, slot] = init_writes_.front();
-    init_writes_.pop_front();
-    space_.io().settle(*batch);
-    if (!deferred_) deferred_ = batch->error();
-    swap_pool_.release(slot);
-    s = swap_pool_.try_acquire();
-  }
+  const int s = init_writes_.slot(space_.io());
   const int64_t S = ctx_.shard(u);
   char* b = swap_pool_.data(s);
   std::memset(b, 0, record(u).record);
@@ -118,22 +109,12 @@ void NvmeStateTier::load_initial(int u, const float* whole) {
   const std::string what = "rank " + std::to_string(ctx_.rank) +
                            ": nvme swap: writing the initial optimizer state of unit '" +
                            ctx_.unit(u).layout.name + "'";
-  init_writes_.push_back({space_.io().submit(std::move(ps), what), s});
+  init_writes_.submit(space_.io(), std::move(ps), what, s);
   units_[size_t(u)].cur = 0;
 }
 
 void NvmeStateTier::finish_load() {
-  for (auto& [batch, slot] : init_writes_) {
-    space_.io().settle(*batch);
-    if (!deferred_) deferred_ = batch->error();
-    swap_pool_.release(slot);
-  }
-  init_writes_.clear();
-  if (deferred_) {
-    Error e = *deferred_;
-    deferred_.reset();
-    throw e;
-  }
+  init_writes_.finish(space_.io());
 }
 
 // ---- the gradient cache ----------------------------------------------------------------------

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/cpu/arena.hpp"
+#include "offload/initial_writes.hpp"
 #include "offload/nvme_param_tier.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/swap_space.hpp"
@@ -89,10 +90,10 @@ class NvmeStateTier final : public StateTier {
   size_t grad_acc_off_ = 0;  // f32 sum section of a grad_cache_ slot
   int read_ahead_ = 1;
   std::vector<Unit> units_;
-  std::deque<int> grad_fifo_;      // units holding cache slots, oldest first
-  std::deque<int> evicting_;       // units whose gradient is being written, oldest first
-  std::optional<Error> deferred_;  // a failed gradient write or read, reported at step()
-  std::deque<std::pair<std::shared_ptr<IoBatch>, int>> init_writes_;  // batch, pool slot
+  std::deque<int> grad_fifo_;              // units holding cache slots, oldest first
+  std::deque<int> evicting_;               // units whose gradient is being written, oldest first
+  std::optional<Error> deferred_;          // a failed gradient write or read, reported at step()
+  InitialWrites init_writes_{swap_pool_};  // finalize()'s writes
   std::vector<std::unique_ptr<DiskCharge>> charges_;
 };
 
