@@ -12,6 +12,7 @@
 
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/config.hpp"
+#include "zeroshard/export.hpp"
 #include "zeroshard/memory.hpp"
 #include "zeroshard/param.hpp"
 #include "zeroshard/types.hpp"
@@ -66,7 +67,7 @@ enum class StateKind : uint8_t { param, master, state0, state1 };
 /// returns; or the trainer hands its stream to the engine with set_stream(). The engine never
 /// synchronises the whole device; it waits on its own stream where the host needs a result
 /// (the gradient norm, checkpoint reads).
-class Engine {
+class ZS_API Engine {
  public:
   /// Validates `config` (throws Error(invalid_config)). `comm` may be shared by several engines
   /// as long as all ranks drive them in the same order.
@@ -192,7 +193,7 @@ class Engine {
   std::vector<std::string> swap_files() const;
 
  private:
-  struct Impl;
+  struct ZS_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 

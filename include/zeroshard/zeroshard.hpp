@@ -4,8 +4,10 @@
 
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/config.hpp"
+#include "zeroshard/device.hpp"
 #include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
+#include "zeroshard/export.hpp"
 #include "zeroshard/memory.hpp"
 #include "zeroshard/param.hpp"
 #include "zeroshard/types.hpp"
