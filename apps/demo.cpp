@@ -18,11 +18,11 @@
 #include "apps/data/corpus.hpp"
 #include "apps/model/gpt.hpp"
 #ifdef ZSDEMO_HAVE_CUDA
-#include "src/cuda/cuda_resources.hpp"
 #include "apps/model/ops_cuda.hpp"
 #endif
 #include "apps/report/report.hpp"
 #include "apps/train/trainer.hpp"
+#include "zeroshard/device.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zsdemo {
@@ -61,7 +61,7 @@ std::shared_ptr<Communicator> gpu_setup(zeroshard::Config& c, std::shared_ptr<Co
       break;
     }
   std::string why;
-  const int gpus = zeroshard::cuda::device_count(&why);
+  const int gpus = zeroshard::cuda_device_count(&why);
   if (gpus == 0) throw std::runtime_error("--device cuda: no usable GPU: " + why);
   c.device_index = local_rank % gpus;
   gpu::set_device(c.device_index);

@@ -66,20 +66,15 @@ int RunDir::clean_stale(const fs::path& root, int rank) {
     if (!is_run_dir_name(dir.filename().string()) || !it->is_directory(ec)) continue;
     // A live run holds an exclusive flock on its lock file for its whole life; the kernel drops
     // it when the process dies, however it dies.
-    int fd = ::open((dir / "lock").c_str(), O_RDWR | O_CLOEXEC);
+    // The lock (if taken) is kept until the directory is gone, so no other scan races with us.
+    const UniqueFd fd(::open((dir / "lock").c_str(), O_RDWR | O_CLOEXEC));
     std::string owner;
-    if (fd >= 0) {
-      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-        ::close(fd);  // held: a live run
-        continue;
-      }
-      owner = read_small(fd);
+    if (fd) {
+      if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;  // held: a live run
+      owner = read_small(fd.get());
     }
     // No lock file, or one without its owner line yet: perhaps a run being created right now.
-    if (owner.empty() && age_seconds(dir) < kCreationGraceSeconds) {
-      if (fd >= 0) ::close(fd);
-      continue;
-    }
+    if (owner.empty() && age_seconds(dir) < kCreationGraceSeconds) continue;
     std::fprintf(stderr,
                  "zeroshard: rank %d: removing swap directory %s left by a run that did not exit "
                  "cleanly (%s)\n",
@@ -89,7 +84,6 @@ int RunDir::clean_stale(const fs::path& root, int rank) {
       std::fprintf(stderr, "zeroshard: rank %d: could not remove %s: %s\n", rank, dir.c_str(),
                    ec.message().c_str());
     ec.clear();
-    if (fd >= 0) ::close(fd);
     ++removed;
   }
   return removed;
@@ -130,8 +124,8 @@ RunDir::RunDir(const fs::path& root, int rank) : root_(root) {
   // The lock file is locked and filled under a temporary name, then renamed into place (the
   // flock stays with the file): another run's scan never sees it unlocked or empty.
   const fs::path lock = dir_ / "lock", tmp = dir_ / "lock.tmp";
-  lock_fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (lock_fd_ < 0) {
+  lock_fd_.reset(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!lock_fd_) {
     int e = errno;
     std::error_code ec;
     fs::remove_all(dir_, ec);
@@ -140,34 +134,33 @@ RunDir::RunDir(const fs::path& root, int rank) : root_(root) {
   }
   auto fail = [&](const char* what) {
     int e = errno;
-    ::close(lock_fd_);
-    lock_fd_ = -1;
+    lock_fd_.reset();
     std::error_code ec;
     fs::remove_all(dir_, ec);
     ZS_THROW(io_error,
              "rank " << rank << ": " << what << " " << lock.string() << ": " << std::strerror(e));
   };
-  if (::fchmod(lock_fd_, 0600) != 0) fail("chmod");
-  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) fail("locking");
+  if (::fchmod(lock_fd_.get(), 0600) != 0) fail("chmod");
+  if (::flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0) fail("locking");
   char host[128] = "?";
   ::gethostname(host, sizeof host - 1);
   const std::string owner = "pid " + std::to_string(::getpid()) + " on " + host + ", rank " +
                             std::to_string(rank) + ", started " +
                             std::to_string(long(std::time(nullptr))) + "\n";
-  if (::pwrite(lock_fd_, owner.data(), owner.size(), 0) != ssize_t(owner.size())) fail("writing");
+  if (::pwrite(lock_fd_.get(), owner.data(), owner.size(), 0) != ssize_t(owner.size()))
+    fail("writing");
   if (::rename(tmp.c_str(), lock.c_str()) != 0) fail("renaming");
 }
 
 RunDir::~RunDir() {
-  if (lock_fd_ < 0) return;
+  if (!lock_fd_) return;
   // Remove everything while still holding the lock, so no other run's scan races with us.
   std::error_code ec;
   fs::remove_all(dir_, ec);
   if (ec)
     std::fprintf(stderr, "zeroshard: could not remove swap directory %s: %s\n", dir_.c_str(),
                  ec.message().c_str());
-  ::close(lock_fd_);
-}
+}  // lock_fd_ closes last, releasing the lock
 
 void RunDir::swap(RunDir& o) noexcept {
   std::swap(root_, o.root_);

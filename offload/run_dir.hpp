@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <string>
 
+#include "src/base/unique_fd.hpp"
+
 namespace zeroshard::offload {
 
 class RunDir {
@@ -40,7 +42,7 @@ class RunDir {
  private:
   void swap(RunDir& o) noexcept;
   std::filesystem::path root_, dir_;
-  int lock_fd_ = -1;
+  UniqueFd lock_fd_;  // held (and flock-ed) for the run's life
 };
 
 }  // namespace zeroshard::offload

@@ -38,13 +38,8 @@ void SwapStore::swap(SwapStore& o) noexcept {
 }
 
 void SwapStore::close_all() noexcept {
-  for (size_t i = 0; i < files_.size(); ++i) {
-    if (files_[i].direct_fd >= 0) ::close(files_[i].direct_fd);
-    if (files_[i].buffered_fd >= 0 && files_[i].buffered_fd != files_[i].direct_fd)
-      ::close(files_[i].buffered_fd);
-    ::unlink(paths_[i].c_str());
-  }
-  files_.clear();
+  for (size_t i = 0; i < files_.size(); ++i) ::unlink(paths_[i].c_str());
+  files_.clear();  // closes every descriptor
 }
 
 int SwapStore::add_extent(uint64_t bytes) {
@@ -71,44 +66,43 @@ void SwapStore::open(bool preallocate) {
   files_.resize(paths_.size());
   for (size_t i = 0; i < P; ++i) {
     const char* path = paths_[i].c_str();
-    File& f = files_[i];
+    StripeFile& f = files_[i];
     auto fail = [&](ErrorCode code, const std::string& what, int e) {
       std::string msg = "nvme swap (" + label_ + "): " + what + " " + paths_[i].string() + ": " +
                         std::strerror(e);
       close_all();
       throw Error(code, msg);
     };
-    f.direct_fd = ::open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600);
-    if (f.direct_fd < 0 && errno == EINVAL) {
+    f.direct.reset(::open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600));
+    if (!f.direct && errno == EINVAL) {
       // The file system cannot do O_DIRECT (some FUSE and overlay mounts): correct but slower.
       std::fprintf(stderr,
                    "zeroshard: %s does not support O_DIRECT; swapping through the page cache\n",
                    path);
-      f.direct_fd = ::open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-      f.buffered_fd = f.direct_fd;
+      f.direct.reset(::open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+      if (!f.direct) fail(ErrorCode::io_error, "cannot create", errno);
+    } else {
+      if (!f.direct) fail(ErrorCode::io_error, "cannot create", errno);
+      f.buffered.reset(::open(path, O_RDWR | O_CLOEXEC));
+      if (!f.buffered) fail(ErrorCode::io_error, "cannot open", errno);
     }
-    if (f.direct_fd < 0) fail(ErrorCode::io_error, "cannot create", errno);
-    if (::fchmod(f.direct_fd, 0600) != 0) fail(ErrorCode::io_error, "cannot chmod", errno);
-    if (f.buffered_fd < 0) {
-      f.buffered_fd = ::open(path, O_RDWR | O_CLOEXEC);
-      if (f.buffered_fd < 0) fail(ErrorCode::io_error, "cannot open", errno);
-    }
+    if (::fchmod(f.direct.get(), 0600) != 0) fail(ErrorCode::io_error, "cannot chmod", errno);
     if (file_bytes_ == 0) continue;
     // Reserve the space now, so a full disk shows at finalize() and never in the middle of a step.
-    int r = preallocate ? ::fallocate(f.direct_fd, 0, 0, off_t(file_bytes_)) : -1;
+    int r = preallocate ? ::fallocate(f.direct.get(), 0, 0, off_t(file_bytes_)) : -1;
     int e = preallocate ? errno : EOPNOTSUPP;
     if (r != 0 && (e == ENOSPC || e == EDQUOT))
       fail(ErrorCode::no_space, "cannot reserve " + std::to_string(file_bytes_) + " bytes for", e);
     if (r != 0 && e != EOPNOTSUPP) fail(ErrorCode::io_error, "cannot reserve space for", e);
-    if (r != 0 && ::ftruncate(f.direct_fd, off_t(file_bytes_)) != 0)
+    if (r != 0 && ::ftruncate(f.direct.get(), off_t(file_bytes_)) != 0)
       fail(ErrorCode::io_error, "cannot size", errno);
   }
 }
 
 std::vector<int> SwapStore::fds() const {
   std::vector<int> v;
-  for (const File& f : files_) v.push_back(f.direct_fd);
-  for (const File& f : files_) v.push_back(f.buffered_fd);
+  for (const StripeFile& f : files_) v.push_back(f.direct.get());
+  for (const StripeFile& f : files_) v.push_back(f.buffered_fd());
   return v;
 }
 

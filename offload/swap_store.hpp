@@ -14,6 +14,7 @@
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
+#include "src/base/unique_fd.hpp"
 
 namespace zeroshard::offload {
 
@@ -42,7 +43,8 @@ class SwapStore {
   /// Error(no_space) or Error(io_error) naming the file; created files are removed again.
   void open(bool preallocate);
 
-  /// File descriptors to register with the I/O queue: the O_DIRECT ones, then the buffered ones.
+  /// File descriptors to register with the I/O queue: the O_DIRECT ones, then the buffered ones
+  /// (the same descriptor again where the file system cannot do O_DIRECT).
   std::vector<int> fds() const;
   std::vector<std::string> file_names() const;
   /// Where fds()[0] lands in the queue's file table.
@@ -63,15 +65,19 @@ class SwapStore {
     uint64_t offset = 0, bytes = 0;  // logical
     std::vector<uint64_t> sums;      // one per piece
   };
-  struct File {
-    int direct_fd = -1, buffered_fd = -1;
+  // The swap file on one nvme path (a 1/P share of the stripes), open twice: O_DIRECT for
+  // whole-block requests, through the page cache for the unaligned rest. Where the file system
+  // cannot do O_DIRECT, `direct` is a buffered descriptor and `buffered` stays empty.
+  struct StripeFile {
+    UniqueFd direct, buffered;
+    int buffered_fd() const { return buffered ? buffered.get() : direct.get(); }
   };
   void swap(SwapStore& o) noexcept;
   void close_all() noexcept;
 
   std::string label_, file_name_;
   std::vector<std::filesystem::path> paths_;
-  std::vector<File> files_;
+  std::vector<StripeFile> files_;
   std::vector<Extent> extents_;
   uint64_t block_ = 1 << 20;
   uint64_t end_ = 0;         // logical bytes allocated

@@ -4,29 +4,18 @@
 // ledger every buffer reports to, the nvme tier's run directories and ring, and the pools of
 // staging buffers the stage logic cycles. No globals: each engine has its own.
 
-#include <functional>
 #include <memory>
 #include <vector>
 
 #include "kernels/cpu/arena.hpp"
 #include "offload/swap_space.hpp"
+#include "src/base/buffer_pool.hpp"
 #include "src/base/ledger.hpp"
-#include "src/compute.hpp"
+#include "src/compute/compute.hpp"
 
 namespace zeroshard {
 
 struct Config;
-
-/// A fixed pool of equal buffers (gradient staging, stage-3 gather): memory stays bounded by
-/// count × the largest unit, whatever the model.
-struct BufferPool {
-  std::vector<Buffer> buffers;
-  std::vector<int> owner;  // unit holding each buffer, -1 when free
-  void fill(int count, const std::function<Buffer()>& make);
-  int acquire(int unit);  // a free slot or -1
-  void release(int slot) { owner[size_t(slot)] = -1; }
-  void* data(int slot) const { return buffers[size_t(slot)].data(); }
-};
 
 struct Resources {
   /// The backends Config::device names (see make_compute()).

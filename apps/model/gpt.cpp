@@ -7,9 +7,7 @@
 #include "apps/data/corpus.hpp"
 #include "apps/model/ops.hpp"
 #include "apps/model/ops_cuda.hpp"
-#ifdef ZSDEMO_HAVE_CUDA
-#include "src/cuda/cuda_resources.hpp"
-#endif
+#include "zeroshard/device.hpp"
 
 namespace zsdemo {
 
@@ -106,9 +104,9 @@ struct Gpt::GpuState {
 #ifdef ZSDEMO_HAVE_CUDA
   explicit GpuState(void* stream) : ctx(stream) {}
   gpu::Context ctx;
-  zeroshard::cuda::DeviceBuffer arena;   // every activation
-  zeroshard::cuda::DeviceBuffer ints;    // the int32 arrays below
-  zeroshard::cuda::DeviceBuffer losses;  // [0]: the training loss; [1]: the unused one of inference
+  zeroshard::DeviceBuffer arena;   // every activation
+  zeroshard::DeviceBuffer ints;    // the int32 arrays below
+  zeroshard::DeviceBuffer losses;  // [0]: the training loss; [1]: the unused one of inference
   std::vector<int32_t> tok_offsets_host, tok_rows_host, tok_fill;
   std::vector<float> probs_row;  // probs()'s host copy
 #endif
@@ -163,16 +161,16 @@ Gpt::Gpt(GptShape shape, int64_t max_batch, zeroshard::Device device, void* stre
     gpu_ = std::make_unique<GpuState>(stream);
     GpuState& g = *gpu_;
     const int dev = g.ctx.device();
-    g.arena = zeroshard::cuda::DeviceBuffer(dev, size_t(total) * sizeof(float));
+    g.arena = zeroshard::DeviceBuffer(dev, size_t(total) * sizeof(float));
     // Zeroed like the CPU arena, so nothing ever reads undefined values.
     gpu::fill_zero(g.ctx, g.arena.data(), g.arena.bytes());
     base = g.arena.as<float>();
-    g.ints = zeroshard::cuda::DeviceBuffer(dev, size_t(3 * n + s_.vocab + 1) * sizeof(int32_t));
+    g.ints = zeroshard::DeviceBuffer(dev, size_t(3 * n + s_.vocab + 1) * sizeof(int32_t));
     g.inputs = g.ints.as<int32_t>();
     g.targets = g.inputs + n;
     g.tok_rows = g.targets + n;
     g.tok_offsets = g.tok_rows + n;
-    g.losses = zeroshard::cuda::DeviceBuffer(dev, 2 * sizeof(double));
+    g.losses = zeroshard::DeviceBuffer(dev, 2 * sizeof(double));
     g.loss = g.losses.as<double>();
     g.ctx.synchronize();  // the zeroing is done before anyone else's stream can touch the arena
   }
@@ -194,7 +192,7 @@ Gpt& Gpt::operator=(Gpt&&) noexcept = default;
 
 bool Gpt::cuda_available(std::string* why) {
 #ifdef ZSDEMO_HAVE_CUDA
-  return zeroshard::cuda::device_count(why) > 0;
+  return zeroshard::cuda_device_count(why) > 0;
 #else
   if (why) *why = "this build has no CUDA (configure with -DZEROSHARD_WITH_CUDA=ON)";
   return false;

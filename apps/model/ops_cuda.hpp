@@ -27,8 +27,8 @@
 
 namespace zsdemo::gpu {
 
-// Device memory and the GPU count come from the library (zeroshard::cuda::DeviceBuffer and
-// device_count in src/cuda/cuda_resources.hpp).
+// Device memory and the GPU count come from the library's public API (zeroshard::DeviceBuffer
+// and cuda_device_count in zeroshard/device.hpp).
 
 /// Makes `device` current on the calling thread (contexts and buffers are created there).
 void set_device(int device);

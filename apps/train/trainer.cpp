@@ -6,9 +6,8 @@
 #include <stdexcept>
 
 #include "apps/model/precision.hpp"
+#include "zeroshard/device.hpp"
 #ifdef ZSDEMO_HAVE_CUDA
-#include "src/cuda/cuda_resources.hpp"
-#include "kernels/cuda/cuda_kernels.hpp"
 #include "apps/model/ops_cuda.hpp"
 #endif
 
@@ -30,6 +29,11 @@ struct Timed {
   double t0 = now_s();
   ~Timed() { total += now_s() - t0; }
 };
+
+// A view of n elements of type dt at p in the memory of CUDA device `device`.
+[[maybe_unused]] TensorView cuda_view(const void* p, DType dt, int64_t n, int device) {
+  return {const_cast<void*>(p), n, dt, zeroshard::Device::cuda, device};
+}
 
 }  // namespace
 
@@ -60,7 +64,7 @@ void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool wit
 struct UnitRunner::Device {
 #ifdef ZSDEMO_HAVE_CUDA
   gpu::Context ctx;
-  zeroshard::cuda::DeviceBuffer pbuf, gbuf;
+  zeroshard::DeviceBuffer pbuf, gbuf;
   Device(void* stream, int64_t largest)
       : ctx(stream),
         pbuf(ctx.device(), size_t(largest) * 4),
@@ -87,7 +91,11 @@ UnitRunner::UnitRunner(Engine& engine, Gpt& model)
 
 void UnitRunner::widen(const void* src, DType dt, float* dst, int64_t n) {
 #ifdef ZSDEMO_HAVE_CUDA
-  if (gpu_) return zeroshard::cuda::convert(src, dt, dst, DType::f32, n, e_.stream());
+  if (gpu_) {
+    const int dev = gpu_->ctx.device();
+    return zeroshard::convert(cuda_view(src, dt, n, dev), cuda_view(dst, DType::f32, n, dev),
+                              e_.stream());
+  }
 #endif
   to_f32(src, dt, dst, n);
 }
@@ -153,8 +161,8 @@ void UnitRunner::backward(float loss_scale) {
           gpu::fill_zero(gpu_->ctx, base, off * 4);
           m_.backward_unit(u, p, gp, loss_scale);
           for (size_t i = 0; i < g.size(); ++i)
-            zeroshard::cuda::convert(gp[i], DType::f32, g[i].data, g[i].dtype, g[i].numel,
-                                     e_.stream());
+            zeroshard::convert(cuda_view(gp[i], DType::f32, g[i].numel, g[i].device_index), g[i],
+                               e_.stream());
         } else
 #endif
         {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "zeroshard/export.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {
@@ -15,7 +16,7 @@ enum class ReduceOp : uint8_t { sum, max, min };
 
 /// Handle of a started collective. wait() blocks until it completes and throws Error
 /// (ErrorCode::timeout or comm_failure) naming the collective if it failed. Thread-safe.
-class Work {
+class ZS_API Work {
  public:
   virtual ~Work() = default;
   virtual void wait() = 0;
@@ -35,7 +36,7 @@ class Work {
 /// "reduce_scatter of unit 'layer3'". Implementations start collectives from one communication
 /// thread in submission order, so calls may come from any thread as long as every rank submits
 /// the same sequence.
-class Communicator {
+class ZS_API Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
@@ -67,10 +68,10 @@ class Communicator {
 /// Throws Error(comm_failure) if the MPI library cannot provide MPI_THREAD_MULTIPLE.
 ///
 /// Buffers are host memory; stage_device_buffers() makes it take CUDA device memory too.
-std::shared_ptr<Communicator> make_mpi_communicator();
+ZS_API std::shared_ptr<Communicator> make_mpi_communicator();
 
 /// A communicator of one rank (no MPI): collectives are copies.
-std::shared_ptr<Communicator> make_self_communicator();
+ZS_API std::shared_ptr<Communicator> make_self_communicator();
 
 /// `host_comm` (MPI or one-rank) made to accept CUDA device memory as well: reduce_scatter,
 /// all_gather (in place too) and broadcast buffers that are device memory (cudaMalloc and the
@@ -85,7 +86,7 @@ std::shared_ptr<Communicator> make_self_communicator();
 /// copy throws Error(cuda_error) naming the collective. all_reduce takes host doubles only.
 /// Host buffers cost one cudaPointerGetAttributes each. Throws Error(comm_failure) naming the
 /// build option when zeroshard was built without CUDA.
-std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator> host_comm);
+ZS_API std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator> host_comm);
 
 /// A communicator over NCCL for buffers in the memory of CUDA device `device` (an index as
 /// cudaSetDevice takes it; NCCL allows one rank per GPU, so ranks on one machine pass different
@@ -110,12 +111,12 @@ std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator>
 ///
 /// Throws Error(cuda_error) if the device or NCCL cannot be set up, and Error(comm_failure)
 /// naming the build option when zeroshard was built without CUDA (ZEROSHARD_WITH_CUDA=OFF).
-std::shared_ptr<Communicator> make_nccl_communicator(int device);
+ZS_API std::shared_ptr<Communicator> make_nccl_communicator(int device);
 
 /// As above, bootstrapped through `bootstrap` instead of MPI: its rank and size become the NCCL
 /// ranks, and its broadcast carries the unique id (e.g. make_self_communicator() for one rank).
 /// The NCCL communicator does not keep `bootstrap`.
-std::shared_ptr<Communicator> make_nccl_communicator(int device,
-                                                     std::shared_ptr<Communicator> bootstrap);
+ZS_API std::shared_ptr<Communicator> make_nccl_communicator(
+    int device, std::shared_ptr<Communicator> bootstrap);
 
 }  // namespace zeroshard

@@ -9,12 +9,13 @@
 #include <string_view>
 #include <vector>
 
+#include "zeroshard/export.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {
 
 enum class OptimizerKind : uint8_t { adam, adamw, sgd, lion };
-const char* optimizer_name(OptimizerKind k);
+ZS_API const char* optimizer_name(OptimizerKind k);
 
 /// Hyperparameters of one parameter group. Group 0 is Config::optimizer; more groups are added
 /// with Engine::add_group(). Meaning per optimizer:
@@ -69,7 +70,7 @@ struct LossScaleOptions {
   float min_scale = 1.0f;        ///< the scale never drops below this
 };
 
-struct Config {
+struct ZS_API Config {
   /// ZeRO stage 0 (plain data parallel), 1, 2 or 3; see DESIGN.md for what each shards.
   int stage = 0;
   /// The compute device ("zeroshard.device": "cpu" or "cuda"). Parameters, gradients and the

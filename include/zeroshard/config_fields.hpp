@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "zeroshard/config.hpp"
+#include "zeroshard/export.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {
@@ -69,22 +70,22 @@ struct FieldInfo {
 template <class S>
 std::span<const FieldInfo<S>> config_fields();
 template <>
-std::span<const FieldInfo<Config>> config_fields<Config>();
+ZS_API std::span<const FieldInfo<Config>> config_fields<Config>();
 template <>
-std::span<const FieldInfo<OptimizerOptions>> config_fields<OptimizerOptions>();
+ZS_API std::span<const FieldInfo<OptimizerOptions>> config_fields<OptimizerOptions>();
 template <>
-std::span<const FieldInfo<OffloadOptions>> config_fields<OffloadOptions>();
+ZS_API std::span<const FieldInfo<OffloadOptions>> config_fields<OffloadOptions>();
 template <>
-std::span<const FieldInfo<LossScaleOptions>> config_fields<LossScaleOptions>();
+ZS_API std::span<const FieldInfo<LossScaleOptions>> config_fields<LossScaleOptions>();
 template <>
-std::span<const FieldInfo<AioOptions>> config_fields<AioOptions>();
+ZS_API std::span<const FieldInfo<AioOptions>> config_fields<AioOptions>();
 
 /// The candidate closest to `key` by case-insensitive edit distance, if it is close enough to be
 /// a typo of it (distance at most max(2, key.size() / 3) and below the candidate's length;
 /// the first of equally close ones); an empty view otherwise. The returned view refers to the
 /// candidate's storage. This is the one "did you mean" rule of the JSON reader and of Python's
 /// keyword arguments.
-std::string_view closest_name(std::string_view key,
-                              const std::vector<std::string_view>& candidates);
+ZS_API std::string_view closest_name(std::string_view key,
+                                     const std::vector<std::string_view>& candidates);
 
 }  // namespace zeroshard

@@ -12,6 +12,7 @@
 
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/config.hpp"
+#include "zeroshard/export.hpp"
 #include "zeroshard/memory.hpp"
 #include "zeroshard/param.hpp"
 #include "zeroshard/types.hpp"
@@ -63,7 +64,7 @@ struct SwapStats {
 /// returns; or the trainer hands its stream to the engine with set_stream(). The engine never
 /// synchronises the whole device; it waits on its own stream where the host needs a result
 /// (the gradient norm, checkpoint reads).
-class Engine {
+class ZS_API Engine {
  public:
   /// Validates `config` (throws Error(invalid_config)). `comm` may be shared by several engines
   /// as long as all ranks drive them in the same order.
@@ -189,7 +190,7 @@ class Engine {
   std::vector<std::string> swap_files() const;
 
  private:
-  struct Impl;
+  struct ZS_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 

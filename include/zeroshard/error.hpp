@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "zeroshard/export.hpp"
+
 namespace zeroshard {
 
 /// What went wrong, coarsely; the message says exactly what.
@@ -20,11 +22,11 @@ enum class ErrorCode {
   cuda_error,        ///< a CUDA runtime or NCCL call failed
   internal,          ///< an invariant inside zeroshard broke; a bug, please report it
 };
-const char* error_code_name(ErrorCode c);
+ZS_API const char* error_code_name(ErrorCode c);
 
 /// Exception thrown by every public zeroshard call. what() names the rank, the unit and the call
 /// where they are known, e.g. "rank 1: reduce_scatter of unit 'layer3' timed out after 5 s".
-class Error : public std::runtime_error {
+class ZS_API Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   ErrorCode code() const noexcept { return code_; }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "zeroshard/export.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {
@@ -22,7 +23,7 @@ namespace zeroshard {
 enum class MemKind : uint8_t { param, grad, master, optim_state, buffer };
 inline constexpr int kNumMemKinds = 5;
 inline constexpr int kNumTiers = 3;
-const char* mem_kind_name(MemKind k);
+ZS_API const char* mem_kind_name(MemKind k);
 
 struct NamedBuffer {
   std::string name;  ///< e.g. "grad_staging", "gather", "grad_shard", "grad_accum"
@@ -31,7 +32,7 @@ struct NamedBuffer {
   int64_t peak;   ///< most held at once since the engine was created
 };
 
-struct MemoryReport {
+struct ZS_API MemoryReport {
   /// bytes[tier][kind] currently held and the peak of each cell, in bytes, on this rank.
   std::array<std::array<int64_t, kNumMemKinds>, kNumTiers> bytes{};
   std::array<std::array<int64_t, kNumMemKinds>, kNumTiers> peak{};

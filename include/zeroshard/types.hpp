@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "zeroshard/export.hpp"
+
 namespace zeroshard {
 
 /// Element type of a buffer. f32 is IEEE binary32, bf16 is the upper half of binary32,
@@ -16,7 +18,7 @@ enum class DType : uint8_t { f32, bf16, f16 };
 /// Bytes per element of `t` (4 or 2). Inline: the kernels use it without the library.
 inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 /// "f32", "bf16" or "f16".
-const char* dtype_name(DType t);
+ZS_API const char* dtype_name(DType t);
 
 /// Where a buffer's memory lives. On a build without CUDA only `cpu` exists.
 enum class Device : uint8_t { cpu, cuda };
@@ -24,7 +26,7 @@ enum class Device : uint8_t { cpu, cuda };
 /// Where a shard lives (DESIGN.md "tiers"): `device` is the compute device's memory (ordinary
 /// host memory on a CPU-only build), `host` is pinned host memory, `nvme` is swap files.
 enum class Tier : uint8_t { device, host, nvme };
-const char* tier_name(Tier t);
+ZS_API const char* tier_name(Tier t);
 
 /// One of the states a unit has, as Engine::read_shard() returns it: the low-precision
 /// parameters, the f32 master weights, and the optimizer's moments.
@@ -47,8 +49,8 @@ struct TensorView {
 };
 
 /// Number of elements of a shape (product of the extents; 1 for an empty shape).
-int64_t shape_numel(const std::vector<int64_t>& shape);
+ZS_API int64_t shape_numel(const std::vector<int64_t>& shape);
 /// "[4, 5]" style rendering used in error messages.
-std::string shape_string(const std::vector<int64_t>& shape);
+ZS_API std::string shape_string(const std::vector<int64_t>& shape);
 
 }  // namespace zeroshard

@@ -3,7 +3,9 @@
 #define ZEROSHARD_VERSION_MAJOR 0
 #define ZEROSHARD_VERSION_MINOR 1
 #define ZEROSHARD_VERSION_PATCH 0
+#include "zeroshard/export.hpp"
+
 namespace zeroshard {
 /// "0.1.0"
-const char* version();
+ZS_API const char* version();
 }  // namespace zeroshard

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "src/base/check.hpp"
+#include "src/base/unique_fd.hpp"
 #include "zeroshard/engine.hpp"
 
 namespace zeroshard {
@@ -28,24 +29,19 @@ std::filesystem::path state_path(const std::filesystem::path& dir, int unit, con
   return dir / ("unit" + std::to_string(unit) + "." + state + ".f32");
 }
 
-// Move-only owner of a file descriptor.
-class File {
+// One open checkpoint file with positioned, whole-transfer reads and writes whose errors name
+// the file. Each rank reads and writes its own range of a unit's file at its offset.
+class CheckpointFile {
  public:
-  File(const std::filesystem::path& p, int flags)
+  CheckpointFile(const std::filesystem::path& p, int flags)
       : path_(p), fd_(::open(p.c_str(), flags | O_CLOEXEC, 0644)) {
-    if (fd_ < 0)
-      ZS_THROW(io_error, "checkpoint: cannot open " << p << ": " << std::strerror(errno));
+    if (!fd_) ZS_THROW(io_error, "checkpoint: cannot open " << p << ": " << std::strerror(errno));
   }
-  ~File() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  File(const File&) = delete;
-  File& operator=(const File&) = delete;
 
   void write_at(const void* data, size_t bytes, off_t off) {
     const char* c = static_cast<const char*>(data);
     while (bytes > 0) {
-      ssize_t n = ::pwrite(fd_, c, bytes, off);
+      ssize_t n = ::pwrite(fd_.get(), c, bytes, off);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0)
         ZS_THROW(io_error, "checkpoint: writing " << path_ << ": " << std::strerror(errno));
@@ -55,7 +51,7 @@ class File {
   void read_at(void* data, size_t bytes, off_t off) {
     char* c = static_cast<char*>(data);
     while (bytes > 0) {
-      ssize_t n = ::pread(fd_, c, bytes, off);
+      ssize_t n = ::pread(fd_.get(), c, bytes, off);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0)
         ZS_THROW(io_error, "checkpoint: reading " << path_ << ": " << std::strerror(errno));
@@ -65,15 +61,15 @@ class File {
     }
   }
   void resize(int64_t bytes) {
-    if (::ftruncate(fd_, off_t(bytes)) != 0)
+    if (::ftruncate(fd_.get(), off_t(bytes)) != 0)
       ZS_THROW(io_error, "checkpoint: sizing " << path_ << ": " << std::strerror(errno));
   }
   void sync() {
-    if (::fsync(fd_) != 0)
+    if (::fsync(fd_.get()) != 0)
       ZS_THROW(io_error, "checkpoint: fsync " << path_ << ": " << std::strerror(errno));
   }
   int64_t size() const {
-    off_t end = ::lseek(fd_, 0, SEEK_END);
+    off_t end = ::lseek(fd_.get(), 0, SEEK_END);
     if (end < 0)
       ZS_THROW(io_error, "checkpoint: size of " << path_ << ": " << std::strerror(errno));
     return end;
@@ -81,7 +77,7 @@ class File {
 
  private:
   std::filesystem::path path_;
-  int fd_;
+  UniqueFd fd_;
 };
 
 nlohmann::json describe_model(const Engine& e) {
@@ -125,7 +121,7 @@ void Engine::save(const std::filesystem::path& dir) {
       for (int u = 0; u < num_units(); ++u)
         for (auto [kind, name] : state_files())
           if (has_state(kind))
-            File(state_path(dir, u, name), O_WRONLY | O_CREAT | O_TRUNC)
+            CheckpointFile(state_path(dir, u, name), O_WRONLY | O_CREAT | O_TRUNC)
                 .resize(shard_info(u).numel * 4);
     } catch (const std::exception& ex) {
       err = ex.what();
@@ -138,7 +134,7 @@ void Engine::save(const std::filesystem::path& dir) {
       for (auto [kind, name] : state_files()) {
         if (!has_state(kind) || b >= e) continue;
         std::vector<float> v = read_shard(u, kind);
-        File f(state_path(dir, u, name), O_WRONLY);
+        CheckpointFile f(state_path(dir, u, name), O_WRONLY);
         f.write_at(v.data(), size_t(e - b) * 4, off_t(b) * 4);
         f.sync();
       }
@@ -163,7 +159,7 @@ void Engine::save(const std::filesystem::path& dir) {
         os << m.dump(1) << "\n";
         if (!os.flush()) ZS_THROW(io_error, "cannot write " << tmp);
       }
-      File(tmp, O_RDONLY).sync();
+      CheckpointFile(tmp, O_RDONLY).sync();
       std::filesystem::rename(tmp, dir / "manifest.json");
     } catch (const std::exception& ex) {
       err = ex.what();
@@ -213,7 +209,7 @@ void Engine::load(const std::filesystem::path& dir) {
       for (auto [kind, name] : state_files()) {
         if (!has_state(kind)) continue;
         std::vector<float> v(static_cast<size_t>(s.shard_numel), 0.0f);  // padding stays zero
-        File f(state_path(dir, u, name), O_RDONLY);
+        CheckpointFile f(state_path(dir, u, name), O_RDONLY);
         if (f.size() != s.numel * 4)
           ZS_THROW(corrupted, state_path(dir, u, name)
                                   << " has " << f.size() << " bytes, expected " << s.numel * 4);

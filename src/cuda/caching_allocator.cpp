@@ -64,8 +64,7 @@ CachingAllocator::~CachingAllocator() {
   // No block is outstanding (each holds a reference), so everything cached can go.
   std::lock_guard<std::mutex> lock(mu_);
   release_cached_locked();
-  for (cudaEvent_t e : spare_events_) (void)cudaEventDestroy(e);
-}
+}  // events_ destroys its events
 
 // Few classes make reuse likely across steps whose requests vary slightly in size.
 size_t CachingAllocator::class_size(size_t bytes) {
@@ -121,17 +120,17 @@ CachingAllocator::Block CachingAllocator::allocate(size_t bytes, cudaStream_t st
     auto& list = it->second;
     for (size_t i = 0; i < list.size(); ++i) {
       Cached& c = list[i];
-      bool ready = c.ready == nullptr || (stream != nullptr && c.stream == stream);
+      bool ready = c.ready.get() == nullptr || (stream != nullptr && c.stream == stream);
       if (!ready) {
-        const cudaError_t q = cudaEventQuery(c.ready);
+        const cudaError_t q = cudaEventQuery(c.ready.get());
         if (q != cudaSuccess && q != cudaErrorNotReady)
           ZS_CUDA_CHECK_CTX(q, "device allocator: a freed block's last use");
         ready = q == cudaSuccess;
       }
       if (!ready) continue;
       b.ptr_ = c.ptr;
-      if (c.ready) spare_events_.push_back(c.ready);
-      list[i] = list.back();
+      events_.give(std::move(c.ready));
+      list[i] = std::move(list.back());
       list.pop_back();
       ++stats_.cache_hits;
       break;
@@ -149,34 +148,27 @@ CachingAllocator::Block CachingAllocator::allocate(size_t bytes, cudaStream_t st
 void CachingAllocator::give_back(void* ptr, size_t bytes, cudaStream_t stream) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.in_use_bytes -= bytes;
-  Cached c{ptr, stream, nullptr};
+  Cached c{ptr, stream, Event()};
   if (stream != nullptr) {
     // Capture the work queued on the block's stream so far; until it completes the block goes
     // only to the same stream.
-    cudaEvent_t e = nullptr;
-    if (!spare_events_.empty()) {
-      e = spare_events_.back();
-      spare_events_.pop_back();
-    } else if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
-      e = nullptr;
-    }
-    if (e == nullptr || cudaEventRecord(e, stream) != cudaSuccess) {
+    Event e = events_.take();
+    if (e.get() == nullptr || cudaEventRecord(e.get(), stream) != cudaSuccess) {
       // Cannot track the last use (the runtime is failing or shutting down): free the block;
       // cudaFree waits for the device, so nothing still using it can be hurt.
-      if (e) spare_events_.push_back(e);
+      events_.give(std::move(e));
       (void)cudaGetLastError();
       backend_free(ptr);
       stats_.reserved_bytes -= bytes;
       return;
     }
-    c.ready = e;
+    c.ready = std::move(e);
   }
   try {
-    free_[bytes].push_back(c);
+    free_[bytes].push_back(std::move(c));
   } catch (...) {
     // Out of host memory for the free list: return the block to CUDA instead (cudaFree waits
-    // for the device, and the event is simply dropped).
-    if (c.ready) (void)cudaEventDestroy(c.ready);
+    // for the device, and the event is destroyed with `c`).
     backend_free(ptr);
     stats_.reserved_bytes -= bytes;
   }
@@ -201,9 +193,9 @@ void CachingAllocator::release_cached_locked() noexcept {
   for (auto& [size, list] : free_) {
     for (Cached& c : list) {
       // Wait for the last use before handing the memory back to CUDA.
-      if (c.ready) {
-        (void)cudaEventSynchronize(c.ready);
-        spare_events_.push_back(c.ready);
+      if (c.ready.get() != nullptr) {
+        (void)cudaEventSynchronize(c.ready.get());
+        events_.give(std::move(c.ready));
       }
       backend_free(c.ptr);
       stats_.reserved_bytes -= size;

@@ -21,6 +21,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "src/cuda/cuda_resources.hpp"
+
 namespace zeroshard::cuda {
 
 class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
@@ -93,7 +95,7 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   struct Cached {
     void* ptr;
     cudaStream_t stream;  // the stream of its last use
-    cudaEvent_t ready;    // recorded at free on that stream; nullptr when no stream was given
+    Event ready;          // recorded at free on that stream; empty when no stream was given
   };
   void give_back(void* ptr, size_t bytes, cudaStream_t stream) noexcept;
   void* backend_alloc(size_t bytes);
@@ -104,7 +106,7 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   const int device_;
   mutable std::mutex mu_;
   std::unordered_map<size_t, std::vector<Cached>> free_;
-  std::vector<cudaEvent_t> spare_events_;
+  EventPool events_;
   Stats stats_;
 };
 

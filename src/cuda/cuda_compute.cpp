@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "src/comm/nccl/nccl_communicator.hpp"
-#include "src/compute.hpp"
-#include "src/base/cuda_check.hpp"
-#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "src/base/cuda_check.hpp"
+#include "src/comm/device_communicator.hpp"
+#include "src/compute/compute.hpp"
+#include "src/cuda/cuda_resources.hpp"
 
 namespace zeroshard {
 namespace {
@@ -91,7 +91,7 @@ class CudaCompute final : public Compute {
   ~CudaCompute() override {
     // The engine synchronised its stream before freeing its buffers (Engine::~Engine); the
     // communicator outlives this, so it must not keep waiting on a stream about to go.
-    if (nccl_) nccl_->set_input_stream(nullptr);
+    if (device_comm_) device_comm_->set_input_stream(nullptr);
   }
 
   Device device() const override { return Device::cuda; }
@@ -159,20 +159,22 @@ class CudaCompute final : public Compute {
   }
 
   std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override {
-    nccl_ = dynamic_cast<NcclCommunicator*>(comm.get());
-    if (!nccl_) return stage_device_buffers(std::move(comm));
-    if (nccl_->device() != device_)
+    // A communicator that moves device memory itself (NCCL) is ordered with the compute stream on
+    // the device; any other is wrapped to stage device buffers through host memory.
+    device_comm_ = as_device_communicator(comm.get());
+    if (!device_comm_) return stage_device_buffers(std::move(comm));
+    if (device_comm_->device() != device_)
       ZS_THROW(invalid_argument, "Engine: the NCCL communicator is on GPU "
-                                     << nccl_->device() << " but the engine on GPU " << device_
-                                     << " (zeroshard.device_index)");
+                                     << device_comm_->device() << " but the engine on GPU "
+                                     << device_ << " (zeroshard.device_index)");
     return comm;
   }
   void before_collective() override {
     // NCCL waits for the compute stream on the device (set per call: engines may share the
     // communicator); any other backend reads device memory from the host (staged copies), so
     // the work that wrote it must be done.
-    if (nccl_)
-      nccl_->set_input_stream(stream_);
+    if (device_comm_)
+      device_comm_->set_input_stream(static_cast<void*>(stream_));
     else
       synchronize();
   }
@@ -192,7 +194,7 @@ class CudaCompute final : public Compute {
   cuda::Stream d2h_;                     // downloads of finished collectives' outputs
   cuda::DeviceBuffer workspace_, sums_;  // sum_squares_nonfinite's partials and result
   cuda::PinnedBuffer host_sums_;
-  NcclCommunicator* nccl_ = nullptr;
+  DeviceCommunicator* device_comm_ = nullptr;  // set when the communicator orders by streams
 };
 
 }  // namespace

@@ -119,42 +119,30 @@ float Event::elapsed_ms_since(const Event& start) const {
   return ms;
 }
 
-// ---- DeviceBuffer / PinnedBuffer ------------------------------------------------------------
-
-// Out of memory is reported as no_space (the tier is full), other failures as cuda_error.
-DeviceBuffer::DeviceBuffer(int device, size_t bytes) : bytes_(bytes) {
-  if (bytes == 0) return;
-  DeviceGuard guard(device);
-  const cudaError_t e = cudaMalloc(&ptr_, bytes);
-  if (e == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();
-    ZS_THROW(no_space, "cudaMalloc of " << bytes << " bytes on device " << device
-                                        << " failed: out of device memory");
+Event EventPool::take() noexcept {
+  if (!spare_.empty()) {
+    Event e = std::move(spare_.back());
+    spare_.pop_back();
+    return e;
   }
-  ZS_CUDA_CHECK(e);
-}
-
-DeviceBuffer::~DeviceBuffer() {
-  reset();
-}
-
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
-    : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  if (this != &o) {
-    reset();
-    ptr_ = std::exchange(o.ptr_, nullptr);
-    bytes_ = std::exchange(o.bytes_, 0);
+  try {
+    return Event(false);
+  } catch (...) {
+    return Event();  // the runtime is failing or shutting down; the caller copes
   }
-  return *this;
 }
 
-void DeviceBuffer::reset() noexcept {
-  if (ptr_) (void)cudaFree(ptr_);
-  ptr_ = nullptr;
-  bytes_ = 0;
+void EventPool::give(Event e) noexcept {
+  if (e.get() == nullptr) return;
+  try {
+    spare_.push_back(std::move(e));
+  } catch (...) {
+    // Out of host memory for the list: `e` is destroyed here instead.
+  }
 }
+
+// ---- PinnedBuffer (DeviceBuffer is in device.cpp)
+// ------------------------------------------------------------
 
 // Portable: the pages are pinned for every device of the process, not only the current one.
 PinnedBuffer::PinnedBuffer(size_t bytes) : bytes_(bytes) {

@@ -8,11 +8,15 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
+
+#include "zeroshard/device.hpp"
 
 namespace zeroshard::cuda {
 
 /// Number of usable CUDA devices; 0 when there is none or the driver/runtime cannot be
-/// initialised, with the runtime's explanation in *why (if given). Never throws.
+/// initialised, with the runtime's explanation in *why (if given). Never throws. (Public as
+/// zeroshard::cuda_device_count.)
 int device_count(std::string* why = nullptr) noexcept;
 
 /// Makes `device` current on this thread for its lifetime, then restores the previous one, so a
@@ -81,30 +85,31 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
-/// cudaMalloc'ed bytes on one device. For buffers that live as long as an engine; per-step
-/// buffers come from CachingAllocator (no cudaMalloc in the step path).
-class DeviceBuffer {
+/// Spare timing-free events, so that marking the last use of a block or a collective never
+/// creates one in the step path: take() one, record it, give() it back once it completed (or
+/// is no longer waited on). Owns every event it holds; they are destroyed with it. Not
+/// thread-safe: its owner locks.
+class EventPool {
  public:
-  DeviceBuffer() = default;
-  DeviceBuffer(int device, size_t bytes);
-  ~DeviceBuffer();
-  DeviceBuffer(DeviceBuffer&& o) noexcept;
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  EventPool() = default;
+  EventPool(EventPool&&) noexcept = default;
+  EventPool& operator=(EventPool&&) noexcept = default;
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
 
-  void* data() const { return ptr_; }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  size_t bytes() const { return bytes_; }
+  /// A spare event or a new one; an empty Event (get() null) if CUDA cannot create one.
+  Event take() noexcept;
+  /// Keeps `e` for reuse (destroys it if the pool cannot grow). Never throws.
+  void give(Event e) noexcept;
 
  private:
-  void reset() noexcept;
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
+  std::vector<Event> spare_;
 };
+
+/// cudaMalloc'ed bytes on one device: the public zeroshard::DeviceBuffer (device.hpp). For
+/// buffers that live as long as an engine; per-step buffers come from CachingAllocator (no
+/// cudaMalloc in the step path).
+using DeviceBuffer = ::zeroshard::DeviceBuffer;
 
 /// Page-locked host memory (cudaHostAlloc, portable): the source and target of asynchronous
 /// host↔device copies, which from pageable memory would stage through a driver buffer and

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "src/base/check.hpp"
+#include "src/base/quarantine.hpp"
 #include "src/cuda/caching_allocator.hpp"
 #include "src/cuda/cuda_resources.hpp"
 
@@ -67,19 +68,30 @@ struct CopyBack {
 // thread that observes completion.
 class StagedWork final : public Work {
  public:
-  StagedWork(std::string ctx, std::vector<Block> blocks, std::vector<CopyBack> back)
-      : ctx_(std::move(ctx)), blocks_(std::move(blocks)), back_(std::move(back)) {}
+  StagedWork(std::string ctx, std::vector<Block> blocks, std::vector<CopyBack> back,
+             std::shared_ptr<Quarantine> quarantine)
+      : ctx_(std::move(ctx)),
+        quarantine_(std::move(quarantine)),
+        blocks_(std::move(blocks)),
+        back_(std::move(back)) {}
 
   // Set once, right after the host collective was started (before the Work is shared).
   void set_inner(std::shared_ptr<Work> inner) { inner_ = std::move(inner); }
 
   ~StagedWork() override {
     // A host collective that timed out may still complete when a late peer arrives and write
-    // into the staging: leak the blocks then (and the allocator they keep alive) rather than
-    // hand them to another call. Destructors never throw; wait_settled never does.
-    // (If even that allocation fails, the blocks go back to the cache: nothing better is left.)
-    if (inner_ && !blocks_.empty() && !inner_->wait_settled(0))
-      (void)new (std::nothrow) std::vector<Block>(std::move(blocks_));
+    // into the staging: the blocks (and the allocator they keep alive) go to the communicator's
+    // quarantine then, which returns them to the cache once the host collective has settled,
+    // rather than hand them to another call now. Destructors never throw; neither does
+    // wait_settled nor park. (If the blocks cannot be moved, they go back to the cache:
+    // nothing better is left.)
+    if (inner_ && !blocks_.empty() && !inner_->wait_settled(0)) {
+      try {
+        auto blocks = std::make_shared<std::vector<Block>>(std::move(blocks_));
+        quarantine_->park([inner = inner_] { return inner->wait_settled(0); }, std::move(blocks));
+      } catch (...) {
+      }
+    }
   }
 
   void wait() override {
@@ -150,7 +162,8 @@ class StagedWork final : public Work {
     }
   }
 
-  const std::string ctx_;  // "rank 1: reduce_scatter of unit 'layer3'"
+  const std::string ctx_;                   // "rank 1: reduce_scatter of unit 'layer3'"
+  std::shared_ptr<Quarantine> quarantine_;  // the communicator's: outlives it if need be
   std::shared_ptr<Work> inner_;
   std::timed_mutex mu_;  // guards everything below
   bool finished_ = false;
@@ -262,7 +275,9 @@ class StagedCommunicator final : public Communicator {
     // return the blocks to the cache while the host communicator still uses them.
     template <class Start>
     std::shared_ptr<Work> run(Start&& start) {
-      auto work = std::make_shared<StagedWork>(ctx_, std::move(blocks_), std::move(back_));
+      comm_.quarantine_->reap();  // blocks of earlier timed-out calls whose peers came late
+      auto work = std::make_shared<StagedWork>(ctx_, std::move(blocks_), std::move(back_),
+                                               comm_.quarantine_);
       work->set_inner(start());
       return work;
     }
@@ -301,6 +316,9 @@ class StagedCommunicator final : public Communicator {
   std::shared_ptr<Communicator> inner_;
   std::mutex mu_;
   std::shared_ptr<cuda::CachingAllocator> pinned_;  // guarded by mu_
+  // Staging of collectives dropped before they settled (see ~StagedWork). Shared with the
+  // Works, so that the last of them and the communicator reap it.
+  std::shared_ptr<Quarantine> quarantine_ = std::make_shared<Quarantine>();
 };
 
 }  // namespace

@@ -51,7 +51,10 @@
 //
 // Lifetime. The decorator holds `host_comm`. A Work keeps its staging blocks until the host
 // collective has settled; a Work dropped while its collective is still unsettled (after a
-// timeout) leaks its blocks on purpose, since a late peer may still write into them.
+// timeout) parks its blocks in the decorator's Quarantine (src/base/quarantine.hpp), since a
+// late peer may still write into them: they return to the cache once the host collective
+// settles, and only those still unsettled when the decorator and its Works are all gone are
+// kept until the process ends.
 
 #include <memory>
 

@@ -6,7 +6,7 @@
 
 #include "offload/tier.hpp"
 #include "src/base/ledger.hpp"
-#include "src/compute.hpp"
+#include "src/compute/compute.hpp"
 
 namespace zeroshard {
 

@@ -9,7 +9,7 @@
 #include "kernels/cpu/arena.hpp"
 #include "offload/tier.hpp"
 #include "src/base/ledger.hpp"
-#include "src/compute.hpp"
+#include "src/compute/compute.hpp"
 
 namespace zeroshard {
 

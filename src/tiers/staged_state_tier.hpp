@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "offload/tier.hpp"
+#include "src/base/buffer_pool.hpp"
 #include "src/base/ledger.hpp"
-#include "src/compute.hpp"
-#include "src/resources.hpp"
+#include "src/compute/compute.hpp"
 
 namespace zeroshard {
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "src/base/cuda_check.hpp"
-#include "src/cuda/cuda_resources.hpp"
+#include "zeroshard/device.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zs_gpu_test {
@@ -21,7 +21,7 @@ namespace zs_gpu_test {
 /// Empty when a CUDA GPU is usable, else why not ("no CUDA GPU on this machine: <cuda error>").
 inline std::string gpu_skip_reason() {
   std::string why;
-  if (zeroshard::cuda::device_count(&why) > 0) return {};
+  if (zeroshard::cuda_device_count(&why) > 0) return {};
   return "no CUDA GPU on this machine: " + why;
 }
 
@@ -56,7 +56,7 @@ class DeviceBytes {
   }
 
  private:
-  zeroshard::cuda::DeviceBuffer buf_;
+  zeroshard::DeviceBuffer buf_;
   size_t bytes_;
 };
 

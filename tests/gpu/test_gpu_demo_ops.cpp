@@ -32,10 +32,10 @@
 #include <string>
 #include <vector>
 
-#include "tests/gpu/gpu_test_util.hpp"
 #include "apps/model/gpt.hpp"
 #include "apps/model/ops.hpp"
 #include "apps/model/ops_cuda.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 
 namespace {
 
@@ -106,8 +106,24 @@ void expect_bitwise(const DeviceBytes& dev, const std::vector<float>& cpu,
 // A non-blocking stream of device 0 and a context on it: the ops must not depend on the legacy
 // default stream's implicit ordering. Uploads (cudaMemcpy on the legacy stream, which may return
 // before the DMA lands) are fenced with ready() before work goes to the context's stream.
+// A non-blocking CUDA stream on `device` (this test links only the public library).
+class TestStream {
+ public:
+  explicit TestStream(int device) {
+    ZS_CUDA_CHECK(cudaSetDevice(device));
+    ZS_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+  }
+  ~TestStream() { (void)cudaStreamDestroy(s_); }
+  TestStream(const TestStream&) = delete;
+  TestStream& operator=(const TestStream&) = delete;
+  void* handle() const { return static_cast<void*>(s_); }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
 struct Fixture {
-  zeroshard::cuda::Stream stream{0};
+  TestStream stream{0};
   gpu::Context ctx{stream.handle()};
   void ready() { ZS_CUDA_CHECK(cudaDeviceSynchronize()); }
   void done() { ctx.synchronize(); }
@@ -328,7 +344,7 @@ TEST(GpuDemoModel, ForwardBackwardMatchesTheCpuModel) {
   using namespace zsdemo;
   const GptShape s{11, 16, 32, 2, 4};
   const int64_t max_batch = 3;
-  zeroshard::cuda::Stream stream(0);
+  TestStream stream(0);
   Gpt cpu_model(s, max_batch);
   Gpt gpu_model(s, max_batch, zeroshard::Device::cuda, stream.handle());
   EXPECT_EQ(gpu_model.device(), zeroshard::Device::cuda);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tests/gpu/gpu_test_util.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "zeroshard/error.hpp"

@@ -16,6 +16,7 @@
 
 #include "src/comm/nccl/nccl_communicator.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/error.hpp"

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tests/gpu/gpu_test_util.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "tests/multirank/run_ranks.hpp"
 #include "zeroshard/communicator.hpp"

@@ -14,20 +14,14 @@
 #include <thread>
 #include <vector>
 
-#include "src/base/check.hpp"
-#include "src/comm/work_state.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "src/base/check.hpp"
+#include "src/base/mpi_check.hpp"
+#include "src/comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
 
 namespace zeroshard {
 namespace {
-
-std::string mpi_error_string(int rc) {
-  char buf[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, buf, &len);
-  return std::string(buf, size_t(len));
-}
 
 // Element-wise sums of bf16 / f16 in f32 with one rounding per addition (the reduction operator
 // every rank applies identically, so results do not depend on which rank reduces).
@@ -45,15 +39,13 @@ struct MpiRuntime {
 
   MpiRuntime() {
     int inited = 0;
-    MPI_Initialized(&inited);
+    ZS_MPI_CHECK(MPI_Initialized(&inited));
     int provided = 0;
     if (!inited) {
-      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      if (rc != MPI_SUCCESS)
-        ZS_THROW(comm_failure, "MPI_Init_thread failed: " << mpi_error_string(rc));
+      ZS_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
       we_initialized = true;
     } else {
-      MPI_Query_thread(&provided);
+      ZS_MPI_CHECK(MPI_Query_thread(&provided));
     }
     if (provided < MPI_THREAD_MULTIPLE)
       ZS_THROW(comm_failure, "MPI provides thread level "
@@ -61,8 +53,8 @@ struct MpiRuntime {
                                  << " but zeroshard needs MPI_THREAD_MULTIPLE (its communication "
                                     "thread calls MPI while the trainer may too); initialise MPI "
                                     "with MPI_Init_thread(MPI_THREAD_MULTIPLE)");
-    MPI_Op_create(&bf16_sum, 1, &op_bf16);
-    MPI_Op_create(&f16_sum, 1, &op_f16);
+    ZS_MPI_CHECK(MPI_Op_create(&bf16_sum, 1, &op_bf16));
+    ZS_MPI_CHECK(MPI_Op_create(&f16_sum, 1, &op_f16));
   }
   ~MpiRuntime() {
     MPI_Op_free(&op_bf16);
@@ -92,10 +84,10 @@ int checked_count(int64_t n, const std::string& what) {
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator() : rt_(MpiRuntime::get()) {
-    MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
-    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(comm_, &rank_);
-    MPI_Comm_size(comm_, &size_);
+    ZS_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+    ZS_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    ZS_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    ZS_MPI_CHECK(MPI_Comm_size(comm_, &size_));
     thread_ = std::thread([this] { run(); });
   }
 
@@ -226,40 +218,7 @@ class MpiCommunicator final : public Communicator {
         waiting_.pop_front();
         progress = true;
       }
-      for (size_t i = 0; i < inflight.size();) {
-        InFlight& f = inflight[i];
-        int flag = 0;
-        int rc = MPI_Test(&f.req, &flag, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) {
-          poison(f.work->what() + " failed: " + mpi_error_string(rc));
-          f.work->fail(ErrorCode::comm_failure,
-                       f.work->what() + " failed: " + mpi_error_string(rc));
-          flag = 1;
-        }
-        if (flag && f.start && !f.work->failed()) {
-          // Descriptors gathered: start the collective itself if every rank called the same.
-          progress = true;
-          if (start_checked(f)) continue;
-          flag = 1;
-        }
-        if (flag) {
-          f.work->complete();
-          inflight.erase(inflight.begin() + long(i));
-          progress = true;
-          continue;
-        }
-        if (!f.timed_out && std::chrono::steady_clock::now() > f.deadline) {
-          // The request stays in flight: a late peer can still complete it, and MPI must keep
-          // the buffers it was given. The caller learns now and the communicator refuses more.
-          f.timed_out = true;
-          std::string msg = f.work->what() + " did not complete within " +
-                            std::to_string(timeout_s_.load()) +
-                            " s (a peer rank is late, dead, or called a different collective)";
-          poison(msg);
-          f.work->fail(ErrorCode::timeout, msg);
-        }
-        ++i;
-      }
+      progress |= test_inflight(inflight);
       if (stopping) {
         // Requests that timed out may still complete when a late peer arrives; give them a
         // grace period, then leave them to the process's end.
@@ -291,6 +250,48 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
+  // Tests every collective in flight: completes the finished ones (starting a checked one's
+  // collective once its descriptors are in) and fails those past their deadline. Returns
+  // whether any made progress. Communication thread only.
+  bool test_inflight(std::vector<InFlight>& inflight) {
+    bool progress = false;
+    for (size_t i = 0; i < inflight.size();) {
+      InFlight& f = inflight[i];
+      int flag = 0;
+      try {
+        ZS_MPI_CHECK_CTX(MPI_Test(&f.req, &flag, MPI_STATUS_IGNORE), f.work->what());
+      } catch (const Error& e) {
+        poison(e.what());
+        f.work->fail(e.code(), e.what());
+        flag = 1;
+      }
+      if (flag && f.start && !f.work->failed()) {
+        // Descriptors gathered: start the collective itself if every rank called the same.
+        progress = true;
+        if (start_checked(f)) continue;
+        flag = 1;
+      }
+      if (flag) {
+        f.work->complete();
+        inflight.erase(inflight.begin() + long(i));
+        progress = true;
+        continue;
+      }
+      if (!f.timed_out && std::chrono::steady_clock::now() > f.deadline) {
+        // The request stays in flight: a late peer can still complete it, and MPI must keep
+        // the buffers it was given. The caller learns now and the communicator refuses more.
+        f.timed_out = true;
+        std::string msg = f.work->what() + " did not complete within " +
+                          std::to_string(timeout_s_.load()) +
+                          " s (a peer rank is late, dead, or called a different collective)";
+        poison(msg);
+        f.work->fail(ErrorCode::timeout, msg);
+      }
+      ++i;
+    }
+    return progress;
+  }
+
   static bool checking(const std::vector<InFlight>& inflight) {
     for (const InFlight& f : inflight)
       if (f.start) return true;
@@ -317,12 +318,7 @@ class MpiCommunicator final : public Communicator {
     Start start = std::move(f.start);
     f.start = nullptr;
     f.descs.clear();
-    int rc = start(&f.req);
-    if (rc != MPI_SUCCESS) {
-      f.work->fail(ErrorCode::comm_failure,
-                   f.work->what() + " could not start: " + mpi_error_string(rc));
-      return false;
-    }
+    if (!started(f.work, [&] { ZS_MPI_CHECK_CTX(start(&f.req), f.work->what()); })) return false;
     f.deadline = deadline_from_now();
     return true;
   }
@@ -356,25 +352,35 @@ class MpiCommunicator final : public Communicator {
           false,  std::move(p.start), std::vector<char>(size_t(size_ + 1) * kDescBytes, '\0')};
       char* own = f.descs.data() + size_t(size_) * kDescBytes;
       std::strncpy(own, p.desc.c_str(), kDescBytes - 1);
-      int rc = MPI_Iallgather(own, kDescBytes, MPI_CHAR, f.descs.data(), kDescBytes, MPI_CHAR,
-                              comm_, &f.req);
-      if (rc != MPI_SUCCESS) {
-        p.work->fail(ErrorCode::comm_failure,
-                     p.work->what() + " could not start its check: " + mpi_error_string(rc));
+      if (!started(p.work, [&] {
+            ZS_MPI_CHECK_CTX(MPI_Iallgather(own, kDescBytes, MPI_CHAR, f.descs.data(), kDescBytes,
+                                            MPI_CHAR, comm_, &f.req),
+                             p.work->what() << " (its check)");
+          })) {
         p.work->settle();
         return;
       }
       inflight.push_back(std::move(f));
       return;
     }
-    int rc = p.start(&req);
-    if (rc != MPI_SUCCESS) {
-      p.work->fail(ErrorCode::comm_failure,
-                   p.work->what() + " could not start: " + mpi_error_string(rc));
+    if (!started(p.work, [&] { ZS_MPI_CHECK_CTX(p.start(&req), p.work->what()); })) {
       p.work->settle();
       return;
     }
     inflight.push_back({p.work, req, deadline_from_now(), false, nullptr, {}});
+  }
+
+  // Runs `start`, which starts an MPI call through ZS_MPI_CHECK_CTX. On the communication
+  // thread a failure fails the collective's Work instead of propagating: returns false then.
+  template <class F>
+  static bool started(const std::shared_ptr<WorkState>& work, F&& start) {
+    try {
+      start();
+      return true;
+    } catch (const Error& e) {
+      work->fail(e.code(), std::string(e.what()) + " (could not start)");
+      return false;
+    }
   }
 
   void poison(const std::string& why) {

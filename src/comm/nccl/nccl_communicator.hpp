@@ -1,17 +1,18 @@
 #pragma once
 // The NCCL communicator's internal face: what the GPU engine needs beyond the Communicator
-// interface (stream ordering without host synchronisation). The public contract is in
-// include/zeroshard/communicator.hpp (make_nccl_communicator).
+// interface (stream ordering without host synchronisation) is the DeviceCommunicator interface
+// of src/comm. The public contract is in include/zeroshard/communicator.hpp
+// (make_nccl_communicator).
 
 #include <cuda_runtime_api.h>
 
 #include <memory>
 
-#include "zeroshard/communicator.hpp"
+#include "src/comm/device_communicator.hpp"
 
 namespace zeroshard {
 
-class NcclCommunicator final : public Communicator {
+class NcclCommunicator final : public DeviceCommunicator {
  public:
   /// Collective over `bootstrap`'s ranks; see make_nccl_communicator().
   NcclCommunicator(int device, Communicator& bootstrap);
@@ -31,17 +32,11 @@ class NcclCommunicator final : public Communicator {
   void barrier(std::string what) override;
   void set_timeout(double seconds) override;
 
-  /// The CUDA device every buffer must live on.
-  int device() const;
+  int device() const override;
+  void set_input_stream(void* stream) override;
+  void order_before(void* stream) override;
   /// The stream collectives run on, in call order.
   cudaStream_t comm_stream() const;
-  /// Collectives called from now on first wait (on the device) for the work queued on `stream`
-  /// at their call, instead of the legacy default stream's; nullptr restores that default.
-  /// The engine sets its compute stream here so gradients are reduced once backward wrote them.
-  void set_input_stream(cudaStream_t stream);
-  /// Makes `stream` wait, on the device, for every collective called so far, so kernels that
-  /// consume gathered parameters can be queued without waiting on the host.
-  void order_before(cudaStream_t stream);
 
  private:
   struct Impl;

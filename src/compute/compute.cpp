@@ -1,5 +1,5 @@
 // The CPU backend of Compute, and the choice of backend.
-#include "src/compute.hpp"
+#include "src/compute/compute.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -1,0 +1,31 @@
+#pragma once
+// A communicator that moves device memory on the device itself, ordered by streams instead of
+// host synchronisation (the NCCL communicator). The GPU engine (src/cuda) asks a communicator for
+// this face instead of naming a backend, so src/cuda does not depend on src/comm/nccl, which
+// itself builds on src/cuda: the include graph stays a DAG. Streams are opaque (a cudaStream_t
+// passed as void*), so this header stays free of CUDA headers.
+
+#include "zeroshard/communicator.hpp"
+
+namespace zeroshard {
+
+class DeviceCommunicator : public Communicator {
+ public:
+  /// The CUDA device every buffer must live on.
+  virtual int device() const = 0;
+  /// Collectives called from now on first wait (on the device) for the work queued on `stream`
+  /// (a cudaStream_t) at their call, instead of the legacy default stream's; nullptr restores
+  /// that default. The engine sets its compute stream here so gradients are reduced once
+  /// backward wrote them.
+  virtual void set_input_stream(void* stream) = 0;
+  /// Makes `stream` (a cudaStream_t) wait, on the device, for every collective called so far,
+  /// so kernels that consume gathered parameters can be queued without waiting on the host.
+  virtual void order_before(void* stream) = 0;
+};
+
+/// `comm` as a DeviceCommunicator, or null when it moves host memory (MPI, one rank, staged).
+inline DeviceCommunicator* as_device_communicator(Communicator* comm) {
+  return dynamic_cast<DeviceCommunicator*>(comm);
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,82 @@
+#include "src/comm/nccl/nccl_comm.hpp"
+
+#include <chrono>
+#include <thread>
+#include <utility>
+
+#include "src/base/nccl_check.hpp"
+
+namespace zeroshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Clock::time_point after(double seconds) {
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+}  // namespace
+
+NcclComm::NcclComm(NcclComm&& o) noexcept : comm_(std::exchange(o.comm_, nullptr)) {}
+
+NcclComm& NcclComm::operator=(NcclComm&& o) noexcept {
+  if (this != &o) {
+    abort();
+    comm_ = std::exchange(o.comm_, nullptr);
+  }
+  return *this;
+}
+
+NcclComm NcclComm::init(int size, const ncclUniqueId& id, int rank, double timeout_s,
+                        const std::string& who) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // no NCCL call may wait forever: set-up is polled with a deadline
+  ncclComm_t raw = nullptr;
+  ncclResult_t rc = ncclSuccess;
+  ZS_NCCL_CHECK_ASYNC(rc, cuda_error, nullptr,
+                      ncclCommInitRankConfig(&raw, size, id, rank, &config), who);
+  // Owned from here on: a throw below aborts it.
+  NcclComm comm(raw);
+  const auto deadline = after(timeout_s);
+  int polls = 0;
+  while (rc == ncclInProgress && comm) {
+    if (Clock::now() > deadline)
+      ZS_THROW(timeout, who << ": ncclCommInitRankConfig did not complete within " << timeout_s
+                            << " s (a peer rank is late or dead)");
+    if (++polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    rc = comm.async_state();
+  }
+  if (rc != ncclSuccess)
+    ZS_THROW(cuda_error,
+             who << ": ncclCommInitRankConfig failed: " << nccl::error_string(rc, comm.get()));
+  return comm;
+}
+
+ncclResult_t NcclComm::async_state() const noexcept {
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+  return q != ncclSuccess ? q : state;
+}
+
+void NcclComm::abort() noexcept {
+  if (comm_ != nullptr) (void)ncclCommAbort(std::exchange(comm_, nullptr));
+}
+
+bool NcclComm::finalize(double timeout_s) noexcept {
+  if (comm_ == nullptr) return false;
+  ncclResult_t rc = ncclCommFinalize(comm_);
+  const auto deadline = after(timeout_s);
+  while (rc == ncclInProgress && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    rc = async_state();
+  }
+  if (rc == ncclSuccess && ncclCommDestroy(comm_) == ncclSuccess) {
+    comm_ = nullptr;
+    return true;
+  }
+  abort();
+  return false;
+}
+
+}  // namespace zeroshard
