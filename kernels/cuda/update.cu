@@ -11,10 +11,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "src/base/cuda_check.hpp"
 #include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
+#include "src/base/cuda_check.hpp"
 
 namespace zeroshard::cuda {
 namespace {
@@ -184,10 +184,10 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-}  // namespace
-
-void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const UpdateRun* runs,
-                      int num_runs, const cpu::UpdateArgs& a, StreamHandle stream) {
+// The non-empty runs in begin order, once the arguments are checked: counts, runs in range and
+// disjoint, hyperparameter indices valid, pointers aligned for the vector accesses.
+std::vector<UpdateRun> checked_runs(const cpu::UpdateHyper* hypers, int num_hypers,
+                                    const UpdateRun* runs, int num_runs, const cpu::UpdateArgs& a) {
   if (num_runs < 0 || num_hypers < 0 || a.n < 0 || (num_runs > 0 && (!runs || !hypers)))
     ZS_THROW(invalid_argument, "cuda::optimizer_update: bad counts ("
                                    << num_runs << " runs, " << num_hypers
@@ -204,7 +204,7 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
     if (u.begin < u.end) sorted.push_back(u);
   }
   // Nothing to update launches nothing (and touches no CUDA API).
-  if (sorted.empty()) return;
+  if (sorted.empty()) return sorted;
   std::sort(sorted.begin(), sorted.end(),
             [](const UpdateRun& x, const UpdateRun& y) { return x.begin < y.begin; });
   for (size_t r = 1; r < sorted.size(); ++r) {
@@ -225,7 +225,15 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
   }
   if (!a.master || !a.grad)
     ZS_THROW(invalid_argument, "cuda::optimizer_update: master and grad must not be null");
+  return sorted;
+}
 
+}  // namespace
+
+void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const UpdateRun* runs,
+                      int num_runs, const cpu::UpdateArgs& a, StreamHandle stream) {
+  const std::vector<UpdateRun> sorted = checked_runs(hypers, num_hypers, runs, num_runs, a);
+  if (sorted.empty()) return;
   // Group the runs by update rule (in practice there is one), then launch each group in batches
   // of at most kMaxRunsPerLaunch runs.
   std::vector<std::pair<Rule, std::vector<UpdateRun>>> by_rule;

@@ -88,9 +88,9 @@ std::string step_repr(const StepResult& r) {
 
 }  // namespace
 
-void bind_engine(nb::module_& m) {
-  m.def("version", &version, "The library's version, e.g. '0.1.0'.");
+namespace {
 
+void bind_communicator(nb::module_& m) {
   // ---- communicator ---------------------------------------------------------------------------
   nb::class_<Communicator>(
       m, "Communicator",
@@ -145,7 +145,9 @@ void bind_engine(nb::module_& m) {
         "finalises it when the last one is destroyed). Launch with mpirun.");
   m.def("make_self_communicator", &make_self_communicator,
         "A communicator of one rank, without MPI.");
+}
 
+void bind_results(nb::module_& m) {
   // ---- small result structs -------------------------------------------------------------------
   nb::class_<StepResult>(m, "StepResult", "What Engine.step() did.")
       .def_ro("skipped", &StepResult::skipped)
@@ -177,7 +179,9 @@ void bind_engine(nb::module_& m) {
       .value("master", StateKind::master)
       .value("state0", StateKind::state0)
       .value("state1", StateKind::state1);
+}
 
+void bind_memory_report(nb::module_& m) {
   // ---- memory report --------------------------------------------------------------------------
   nb::enum_<MemKind>(m, "MemKind")
       .value("param", MemKind::param)
@@ -221,7 +225,259 @@ void bind_engine(nb::module_& m) {
           "Every cell as {tier: {kind: {'bytes': n, 'peak': n}}}.")
       .def("to_string", &MemoryReport::to_string)
       .def("__str__", &MemoryReport::to_string);
+}
 
+// Construction, parameter groups, units and finalize().
+void def_registration(nb::class_<PyEngine>& cls) {
+  cls.def(
+      "__init__",
+      [](PyEngine* self, nb::handle config, std::shared_ptr<Communicator> comm) {
+        if (!comm) throw Error(ErrorCode::invalid_argument, "Engine(): the communicator is None");
+        Config c = coerce_config(config);
+        // device cuda: the C++ constructor says if this build has no CUDA (ConfigError) or
+        // no GPU can be used (CudaError); views then leave as CUDA arrays (export_view).
+        new (self) PyEngine(std::move(c), std::move(comm));
+      },
+      nb::arg("config"), nb::arg("comm"),
+      "config: a Config, a dict of zeroshard/DeepSpeed keys, or a JSON file path.");
+  cls.def(
+      "add_group",
+      [](PyEngine& e, nb::handle options) {
+        OptimizerOptions o = coerce_optimizer(options);
+        return locked(e, [&] { return e.engine.add_group(o); });
+      },
+      nb::arg("options"),
+      "Adds a parameter group (OptimizerOptions or a dict); returns its index.");
+  cls.def(
+      "add_unit",
+      [](PyEngine& e, const std::string& name, const std::vector<PyParam*>& params) {
+        std::vector<Param> ps;
+        std::vector<Imported> keep;
+        for (const PyParam* p : params) {
+          if (!p)
+            throw Error(ErrorCode::invalid_argument,
+                        "add_unit('" + name + "'): a parameter is None");
+          Param q{p->name, p->shape, p->group, {}};
+          if (p->init.is_valid() && !p->init.is_none()) {
+            TensorRequest req{"add_unit('" + name + "'): initial values of '" + p->name + "'"};
+            req.numel = shape_numel(p->shape);
+            keep.push_back(import_tensor(p->init, req, false));
+            q.init = keep.back().view;
+          }
+          ps.push_back(std::move(q));
+        }
+        const UnitId id = locked(e, [&] { return e.engine.add_unit(name, std::move(ps)); });
+        std::vector<std::string> names;
+        std::vector<std::vector<int64_t>> shapes;
+        for (const PyParam* p : params) names.push_back(p->name), shapes.push_back(p->shape);
+        e.names.push_back(std::move(names));
+        e.shapes.push_back(std::move(shapes));
+        for (Imported& k : keep) e.init_keep.push_back(std::move(k));
+        return id;
+      },
+      nb::arg("name"), nb::arg("params"), "Registers a unit (a list of Param); returns its id.");
+  cls.def(
+      "finalize",
+      [](PyEngine& e) {
+        locked(e, [&] { e.engine.finalize(); });
+        e.init_keep.clear();  // read: the producers' tensors may go now
+      },
+      "Plans the layout, checks all ranks registered the same model, allocates, copies the "
+      "initial values in. Collective.");
+}
+
+// Parameters and gradients, the step.
+void def_training(nb::class_<PyEngine>& cls) {
+  cls.def(
+      "params",
+      [](PyEngine& e, UnitId u) {
+        check_unit(e, u, "params");
+        auto v = locked(e, [&] { return e.engine.params(u); });
+        return export_views(e, u, v);
+      },
+      nb::arg("unit"), "Stages 0-2: the unit's parameters, updated in place by step().");
+  cls.def(
+      "gather",
+      [](PyEngine& e, UnitId u) {
+        check_unit(e, u, "gather");
+        auto v = locked(e, [&] { return e.engine.gather(u); });
+        return export_views(e, u, v);
+      },
+      nb::arg("unit"),
+      "Stage 3: all-gathers the unit; the views are valid until release(). Collective.");
+  cls.def(
+      "release", [](PyEngine& e, UnitId u) { locked(e, [&] { e.engine.release(u); }); },
+      nb::arg("unit"));
+  cls.def(
+      "grads",
+      [](PyEngine& e, UnitId u) {
+        check_unit(e, u, "grads");
+        auto v = locked(e, [&] { return e.engine.grads(u); });
+        return export_views(e, u, v);
+      },
+      nb::arg("unit"),
+      "Zeroed gradient views to write this micro-step's gradients; valid until grads_ready().");
+  cls.def(
+      "grads_ready",
+      [](PyEngine& e, UnitId u, nb::handle grads) {
+        if (grads.is_none()) {
+          locked(e, [&] { e.engine.grads_ready(u); });
+          return;
+        }
+        // The copying form: validate every tensor here (clear errors, no conversion), then
+        // one GIL-free call copies them in and starts the reduction.
+        check_unit(e, u, "grads_ready");
+        const auto& names = e.names[size_t(u)];
+        const auto& shapes = e.shapes[size_t(u)];
+        const size_t n = nb::len(grads);
+        if (n != names.size())
+          throw Error(ErrorCode::invalid_argument, "grads_ready(): unit '" + e.engine.unit_name(u) +
+                                                       "' has " + std::to_string(names.size()) +
+                                                       " parameters, got " + std::to_string(n) +
+                                                       " gradients");
+        std::vector<Imported> keep;
+        std::vector<TensorView> views;
+        size_t i = 0;
+        for (nb::handle g : grads) {
+          TensorRequest req{"grads_ready(): gradient of '" + names[i] + "' (unit '" +
+                            e.engine.unit_name(u) + "')"};
+          req.has_dtype = true;
+          req.dtype = e.engine.config().dtype;
+          // A GPU engine copies from device memory too; the C++ call checks that it is its
+          // own GPU (a copy from another one would need peer access).
+          req.allow_cuda = e.engine.config().device == Device::cuda;
+          req.numel = shape_numel(shapes[i]);
+          keep.push_back(import_tensor(g, req, false));
+          views.push_back(keep.back().view);
+          ++i;
+        }
+        locked(e, [&] { e.engine.grads_ready(u, views); });
+      },
+      nb::arg("unit"), nb::arg("grads") = nb::none(),
+      "Marks the unit's gradients of this micro-step complete and starts their reduction. "
+      "With grads (one contiguous tensor per parameter, of Config.dtype, on the CPU or, for "
+      "device cuda, on the engine's GPU), copies them in first; they may be reused on return "
+      "(CUDA ones by work queued on the engine's stream after this call). Collective.");
+  cls.def(
+      "step", [](PyEngine& e) { return locked(e, [&] { return e.engine.step(); }); },
+      "Finishes reductions; updates every shard (or skips on overflow). Collective.");
+  cls.def("zero_grad", [](PyEngine& e) { locked(e, [&] { e.engine.zero_grad(); }); });
+}
+
+// Hyperparameters, identity, the model as registered, streams.
+void def_accessors(nb::class_<PyEngine>& cls) {
+  cls.def(
+      "set_lr", [](PyEngine& e, int g, float lr) { locked(e, [&] { e.engine.set_lr(g, lr); }); },
+      nb::arg("group"), nb::arg("lr"));
+  cls.def(
+      "lr", [](PyEngine& e, int g) { return locked(e, [&] { return e.engine.lr(g); }); },
+      nb::arg("group") = 0);
+  cls.def("loss_scale",
+          [](PyEngine& e) { return locked(e, [&] { return e.engine.loss_scale(); }); });
+  cls.def("step_count",
+          [](PyEngine& e) { return locked(e, [&] { return e.engine.step_count(); }); });
+  cls.def("rank", [](PyEngine& e) { return e.engine.rank(); });
+  cls.def("world_size", [](PyEngine& e) { return e.engine.world_size(); });
+  cls.def("num_units", [](PyEngine& e) { return int(e.shapes.size()); });
+  cls.def(
+      "unit_name",
+      [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.unit_name(u); }); },
+      nb::arg("unit"));
+  cls.def(
+      "param_names",
+      [](PyEngine& e, UnitId u) {
+        check_unit(e, u, "param_names");
+        return e.names[size_t(u)];
+      },
+      nb::arg("unit"));
+  cls.def(
+      "param_shapes",
+      [](PyEngine& e, UnitId u) {
+        check_unit(e, u, "param_shapes");
+        return e.shapes[size_t(u)];
+      },
+      nb::arg("unit"));
+  cls.def(
+      "shard_info",
+      [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.shard_info(u); }); },
+      nb::arg("unit"));
+  cls.def(
+      "config", [](PyEngine& e) { return e.engine.config(); }, "A copy of the engine's Config.");
+  cls.def(
+      "stream",
+      [](PyEngine& e) {
+        return reinterpret_cast<uintptr_t>(locked(e, [&] { return e.engine.stream(); }));
+      },
+      "Config.device cuda: the cudaStream_t the engine's work runs on, as an int (what "
+      "torch.cuda.ExternalStream takes); 0 on the CPU.");
+  cls.def(
+      "set_stream",
+      [](PyEngine& e, uintptr_t stream) {
+        locked(e, [&] { e.engine.set_stream(reinterpret_cast<void*>(stream)); });
+      },
+      nb::arg("stream"),
+      "Config.device cuda: run the engine's work on this cudaStream_t (an int, e.g. "
+      "torch.cuda.current_stream().cuda_stream) from now on; waits for the work already "
+      "issued. 0 returns to the engine's own stream, so torch's default stream, whose "
+      "cuda_stream is 0, is passed as 1 (cudaStreamLegacy, as DLPack spells it). Raises "
+      "InvalidArgumentError on the CPU unless 0.");
+}
+
+// State access, checkpoints and memory.
+void def_state(nb::class_<PyEngine>& cls) {
+  cls.def(
+      "read_shard",
+      [](PyEngine& e, UnitId u, StateKind k) {
+        auto v = locked(e, [&] { return e.engine.read_shard(u, k); });
+        return export_owned(std::move(v));
+      },
+      nb::arg("unit"), nb::arg("kind"), "This rank's shard of one state, as a new float32 array.");
+  cls.def(
+      "write_shard",
+      [](PyEngine& e, UnitId u, StateKind k, nb::handle values) {
+        TensorRequest req{"write_shard(): values"};
+        req.has_dtype = true;
+        req.dtype = DType::f32;
+        Imported t = import_tensor(values, req, false);
+        const float* p = static_cast<const float*>(t.view.data);
+        std::vector<float> v(p, p + t.view.numel);
+        locked(e, [&] { e.engine.write_shard(u, k, v); });
+      },
+      nb::arg("unit"), nb::arg("kind"), nb::arg("values"),
+      "Overwrites this rank's shard of master/state0/state1 (float32, shard_numel elements).");
+  cls.def(
+      "commit_shards", [](PyEngine& e) { locked(e, [&] { e.engine.commit_shards(); }); },
+      "Collective: rebuilds the parameters from the shards written with write_shard().");
+  cls.def(
+      "set_step_count",
+      [](PyEngine& e, int64_t n) { locked(e, [&] { e.engine.set_step_count(n); }); },
+      nb::arg("steps"));
+  cls.def(
+      "set_loss_scale",
+      [](PyEngine& e, float s) { locked(e, [&] { e.engine.set_loss_scale(s); }); },
+      nb::arg("scale"));
+  cls.def(
+      "has_state", [](PyEngine& e, StateKind k) { return e.engine.has_state(k); }, nb::arg("kind"),
+      "Whether the optimizer keeps this state (read_shard() of an absent one raises).");
+  cls.def(
+      "save",
+      [](PyEngine& e, const std::filesystem::path& dir) { locked(e, [&] { e.engine.save(dir); }); },
+      nb::arg("dir"),
+      "Collective: writes a checkpoint (f32 master weights, optimizer state, step count, loss "
+      "scale) that any world size and any stage can load.");
+  cls.def(
+      "load",
+      [](PyEngine& e, const std::filesystem::path& dir) { locked(e, [&] { e.engine.load(dir); }); },
+      nb::arg("dir"),
+      "Collective: loads a checkpoint written by save() at any world size or stage; the "
+      "parameters are rebuilt from the master weights.");
+  cls.def(
+      "memory", [](PyEngine& e) { return locked(e, [&] { return e.engine.memory(); }); },
+      "The ledger's MemoryReport.");
+  cls.def("communicator", [](PyEngine& e) { return e.comm; });
+}
+
+void bind_engine_class(nb::module_& m) {
   // ---- engine ---------------------------------------------------------------------------------
   nb::class_<PyParam>(m, "Param",
                       "One parameter of a unit: Param(name, shape=None, group=0, init=None). init "
@@ -250,256 +506,28 @@ void bind_engine(nb::module_& m) {
       .def_ro("shape", &PyParam::shape)
       .def_ro("group", &PyParam::group);
 
-  nb::class_<PyEngine>(
+  nb::class_<PyEngine> engine(
       m, "Engine",
       "One model's units, shards, optimizer and communication on this rank (see "
       "include/zeroshard/engine.hpp for the contract of each call). Views it returns (params, "
       "gather, grads) are DLPack/buffer-protocol arrays over engine memory, valid as the C++ "
       "contract says; torch.from_dlpack() / numpy.from_dlpack() wrap them without copying. With "
       "Config.device cuda they are CUDA arrays (torch.from_dlpack() gives CUDA tensors over the "
-      "engine's GPU memory) and the engine's work runs on its stream (stream(), set_stream()).")
-      .def(
-          "__init__",
-          [](PyEngine* self, nb::handle config, std::shared_ptr<Communicator> comm) {
-            if (!comm)
-              throw Error(ErrorCode::invalid_argument, "Engine(): the communicator is None");
-            Config c = coerce_config(config);
-            // device cuda: the C++ constructor says if this build has no CUDA (ConfigError) or
-            // no GPU can be used (CudaError); views then leave as CUDA arrays (export_view).
-            new (self) PyEngine(std::move(c), std::move(comm));
-          },
-          nb::arg("config"), nb::arg("comm"),
-          "config: a Config, a dict of zeroshard/DeepSpeed keys, or a JSON file path.")
-      .def(
-          "add_group",
-          [](PyEngine& e, nb::handle options) {
-            OptimizerOptions o = coerce_optimizer(options);
-            return locked(e, [&] { return e.engine.add_group(o); });
-          },
-          nb::arg("options"),
-          "Adds a parameter group (OptimizerOptions or a dict); returns its index.")
-      .def(
-          "add_unit",
-          [](PyEngine& e, const std::string& name, const std::vector<PyParam*>& params) {
-            std::vector<Param> ps;
-            std::vector<Imported> keep;
-            for (const PyParam* p : params) {
-              if (!p)
-                throw Error(ErrorCode::invalid_argument,
-                            "add_unit('" + name + "'): a parameter is None");
-              Param q{p->name, p->shape, p->group, {}};
-              if (p->init.is_valid() && !p->init.is_none()) {
-                TensorRequest req{"add_unit('" + name + "'): initial values of '" + p->name + "'"};
-                req.numel = shape_numel(p->shape);
-                keep.push_back(import_tensor(p->init, req, false));
-                q.init = keep.back().view;
-              }
-              ps.push_back(std::move(q));
-            }
-            const UnitId id = locked(e, [&] { return e.engine.add_unit(name, std::move(ps)); });
-            std::vector<std::string> names;
-            std::vector<std::vector<int64_t>> shapes;
-            for (const PyParam* p : params) names.push_back(p->name), shapes.push_back(p->shape);
-            e.names.push_back(std::move(names));
-            e.shapes.push_back(std::move(shapes));
-            for (Imported& k : keep) e.init_keep.push_back(std::move(k));
-            return id;
-          },
-          nb::arg("name"), nb::arg("params"), "Registers a unit (a list of Param); returns its id.")
-      .def(
-          "finalize",
-          [](PyEngine& e) {
-            locked(e, [&] { e.engine.finalize(); });
-            e.init_keep.clear();  // read: the producers' tensors may go now
-          },
-          "Plans the layout, checks all ranks registered the same model, allocates, copies the "
-          "initial values in. Collective.")
-      .def(
-          "params",
-          [](PyEngine& e, UnitId u) {
-            check_unit(e, u, "params");
-            auto v = locked(e, [&] { return e.engine.params(u); });
-            return export_views(e, u, v);
-          },
-          nb::arg("unit"), "Stages 0-2: the unit's parameters, updated in place by step().")
-      .def(
-          "gather",
-          [](PyEngine& e, UnitId u) {
-            check_unit(e, u, "gather");
-            auto v = locked(e, [&] { return e.engine.gather(u); });
-            return export_views(e, u, v);
-          },
-          nb::arg("unit"),
-          "Stage 3: all-gathers the unit; the views are valid until release(). Collective.")
-      .def(
-          "release", [](PyEngine& e, UnitId u) { locked(e, [&] { e.engine.release(u); }); },
-          nb::arg("unit"))
-      .def(
-          "grads",
-          [](PyEngine& e, UnitId u) {
-            check_unit(e, u, "grads");
-            auto v = locked(e, [&] { return e.engine.grads(u); });
-            return export_views(e, u, v);
-          },
-          nb::arg("unit"),
-          "Zeroed gradient views to write this micro-step's gradients; valid until grads_ready().")
-      .def(
-          "grads_ready",
-          [](PyEngine& e, UnitId u, nb::handle grads) {
-            if (grads.is_none()) {
-              locked(e, [&] { e.engine.grads_ready(u); });
-              return;
-            }
-            // The copying form: validate every tensor here (clear errors, no conversion), then
-            // one GIL-free call copies them in and starts the reduction.
-            check_unit(e, u, "grads_ready");
-            const auto& names = e.names[size_t(u)];
-            const auto& shapes = e.shapes[size_t(u)];
-            const size_t n = nb::len(grads);
-            if (n != names.size())
-              throw Error(ErrorCode::invalid_argument,
-                          "grads_ready(): unit '" + e.engine.unit_name(u) + "' has " +
-                              std::to_string(names.size()) + " parameters, got " +
-                              std::to_string(n) + " gradients");
-            std::vector<Imported> keep;
-            std::vector<TensorView> views;
-            size_t i = 0;
-            for (nb::handle g : grads) {
-              TensorRequest req{"grads_ready(): gradient of '" + names[i] + "' (unit '" +
-                                e.engine.unit_name(u) + "')"};
-              req.has_dtype = true;
-              req.dtype = e.engine.config().dtype;
-              // A GPU engine copies from device memory too; the C++ call checks that it is its
-              // own GPU (a copy from another one would need peer access).
-              req.allow_cuda = e.engine.config().device == Device::cuda;
-              req.numel = shape_numel(shapes[i]);
-              keep.push_back(import_tensor(g, req, false));
-              views.push_back(keep.back().view);
-              ++i;
-            }
-            locked(e, [&] { e.engine.grads_ready(u, views); });
-          },
-          nb::arg("unit"), nb::arg("grads") = nb::none(),
-          "Marks the unit's gradients of this micro-step complete and starts their reduction. "
-          "With grads (one contiguous tensor per parameter, of Config.dtype, on the CPU or, for "
-          "device cuda, on the engine's GPU), copies them in first; they may be reused on return "
-          "(CUDA ones by work queued on the engine's stream after this call). Collective.")
-      .def(
-          "step", [](PyEngine& e) { return locked(e, [&] { return e.engine.step(); }); },
-          "Finishes reductions; updates every shard (or skips on overflow). Collective.")
-      .def("zero_grad", [](PyEngine& e) { locked(e, [&] { e.engine.zero_grad(); }); })
-      .def(
-          "set_lr",
-          [](PyEngine& e, int g, float lr) { locked(e, [&] { e.engine.set_lr(g, lr); }); },
-          nb::arg("group"), nb::arg("lr"))
-      .def(
-          "lr", [](PyEngine& e, int g) { return locked(e, [&] { return e.engine.lr(g); }); },
-          nb::arg("group") = 0)
-      .def("loss_scale",
-           [](PyEngine& e) { return locked(e, [&] { return e.engine.loss_scale(); }); })
-      .def("step_count",
-           [](PyEngine& e) { return locked(e, [&] { return e.engine.step_count(); }); })
-      .def("rank", [](PyEngine& e) { return e.engine.rank(); })
-      .def("world_size", [](PyEngine& e) { return e.engine.world_size(); })
-      .def("num_units", [](PyEngine& e) { return int(e.shapes.size()); })
-      .def(
-          "unit_name",
-          [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.unit_name(u); }); },
-          nb::arg("unit"))
-      .def(
-          "param_names",
-          [](PyEngine& e, UnitId u) {
-            check_unit(e, u, "param_names");
-            return e.names[size_t(u)];
-          },
-          nb::arg("unit"))
-      .def(
-          "param_shapes",
-          [](PyEngine& e, UnitId u) {
-            check_unit(e, u, "param_shapes");
-            return e.shapes[size_t(u)];
-          },
-          nb::arg("unit"))
-      .def(
-          "shard_info",
-          [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.shard_info(u); }); },
-          nb::arg("unit"))
-      .def(
-          "config", [](PyEngine& e) { return e.engine.config(); }, "A copy of the engine's Config.")
-      .def(
-          "stream",
-          [](PyEngine& e) {
-            return reinterpret_cast<uintptr_t>(locked(e, [&] { return e.engine.stream(); }));
-          },
-          "Config.device cuda: the cudaStream_t the engine's work runs on, as an int (what "
-          "torch.cuda.ExternalStream takes); 0 on the CPU.")
-      .def(
-          "set_stream",
-          [](PyEngine& e, uintptr_t stream) {
-            locked(e, [&] { e.engine.set_stream(reinterpret_cast<void*>(stream)); });
-          },
-          nb::arg("stream"),
-          "Config.device cuda: run the engine's work on this cudaStream_t (an int, e.g. "
-          "torch.cuda.current_stream().cuda_stream) from now on; waits for the work already "
-          "issued. 0 returns to the engine's own stream, so torch's default stream, whose "
-          "cuda_stream is 0, is passed as 1 (cudaStreamLegacy, as DLPack spells it). Raises "
-          "InvalidArgumentError on the CPU unless 0.")
-      .def(
-          "read_shard",
-          [](PyEngine& e, UnitId u, StateKind k) {
-            auto v = locked(e, [&] { return e.engine.read_shard(u, k); });
-            return export_owned(std::move(v));
-          },
-          nb::arg("unit"), nb::arg("kind"),
-          "This rank's shard of one state, as a new float32 array.")
-      .def(
-          "write_shard",
-          [](PyEngine& e, UnitId u, StateKind k, nb::handle values) {
-            TensorRequest req{"write_shard(): values"};
-            req.has_dtype = true;
-            req.dtype = DType::f32;
-            Imported t = import_tensor(values, req, false);
-            const float* p = static_cast<const float*>(t.view.data);
-            std::vector<float> v(p, p + t.view.numel);
-            locked(e, [&] { e.engine.write_shard(u, k, v); });
-          },
-          nb::arg("unit"), nb::arg("kind"), nb::arg("values"),
-          "Overwrites this rank's shard of master/state0/state1 (float32, shard_numel elements).")
-      .def(
-          "commit_shards", [](PyEngine& e) { locked(e, [&] { e.engine.commit_shards(); }); },
-          "Collective: rebuilds the parameters from the shards written with write_shard().")
-      .def(
-          "set_step_count",
-          [](PyEngine& e, int64_t n) { locked(e, [&] { e.engine.set_step_count(n); }); },
-          nb::arg("steps"))
-      .def(
-          "set_loss_scale",
-          [](PyEngine& e, float s) { locked(e, [&] { e.engine.set_loss_scale(s); }); },
-          nb::arg("scale"))
-      .def(
-          "has_state", [](PyEngine& e, StateKind k) { return e.engine.has_state(k); },
-          nb::arg("kind"),
-          "Whether the optimizer keeps this state (read_shard() of an absent one raises).")
-      .def(
-          "save",
-          [](PyEngine& e, const std::filesystem::path& dir) {
-            locked(e, [&] { e.engine.save(dir); });
-          },
-          nb::arg("dir"),
-          "Collective: writes a checkpoint (f32 master weights, optimizer state, step count, loss "
-          "scale) that any world size and any stage can load.")
-      .def(
-          "load",
-          [](PyEngine& e, const std::filesystem::path& dir) {
-            locked(e, [&] { e.engine.load(dir); });
-          },
-          nb::arg("dir"),
-          "Collective: loads a checkpoint written by save() at any world size or stage; the "
-          "parameters are rebuilt from the master weights.")
-      .def(
-          "memory", [](PyEngine& e) { return locked(e, [&] { return e.engine.memory(); }); },
-          "The ledger's MemoryReport.")
-      .def("communicator", [](PyEngine& e) { return e.comm; });
+      "engine's GPU memory) and the engine's work runs on its stream (stream(), set_stream()).");
+  def_registration(engine);
+  def_training(engine);
+  def_accessors(engine);
+  def_state(engine);
+}
+
+}  // namespace
+
+void bind_engine(nb::module_& m) {
+  m.def("version", &version, "The library's version, e.g. '0.1.0'.");
+  bind_communicator(m);
+  bind_results(m);
+  bind_memory_report(m);
+  bind_engine_class(m);
 }
 
 }  // namespace zeroshard::py
