@@ -107,6 +107,9 @@ class StateTier {
   /// its accumulation and, once final, may take its share of the norm. `whole` is stage 0's
   /// all-reduced whole gradient (the trainer's buffer), else null.
   virtual void grad_reduced(int u, int micro, const void* whole) = 0;
+  /// The reduce-scatter into grad_target(u) failed to start: what grad_target() took for it
+  /// may be given back (the trainer may go on with other units, or retry this one).
+  virtual void grad_abandoned(int) {}
   /// step(): every gradient is where update() reads it; returns a failure to keep one (the
   /// engine agrees on it across ranks and applies no update).
   virtual std::optional<Error> settle_grads() { return std::nullopt; }

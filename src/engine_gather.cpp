@@ -45,9 +45,9 @@ int Engine::Impl::take_gather_slot(int id) {
 // The parameter tier's source of the all-gather. When its staging is full, a prefetched gather
 // in flight holds some: let one land, and ask again.
 const void* Engine::Impl::gather_source(int id) {
+  if (const void* src = params->gather_source(id)) return src;
   std::vector<bool> landed(units.size(), false);
   for (;;) {
-    if (const void* src = params->gather_source(id)) return src;
     bool freed = false;
     for (size_t v = 0; v < units.size() && !freed; ++v) {
       Unit& w = units[v];
@@ -58,6 +58,7 @@ const void* Engine::Impl::gather_source(int id) {
       }
     }
     ZS_CHECK(freed);
+    if (const void* src = params->gather_source(id)) return src;
   }
 }
 

@@ -120,15 +120,21 @@ void Engine::grads_ready(UnitId id) {
              "grads_ready(): " << m.where(id) << " has no gradient buffer out; call grads() first");
   u.reduced = m.state->grad_target(id);
   m.res.dev->before_collective();
-  u.reduction =
-      m.track(m.comm->reduce_scatter(m.grad_buffer(id), u.reduced, m.layout(id).shard_numel, m.pdt,
-                                     "unit '" + m.layout(id).name + "'"));
+  try {
+    u.reduction =
+        m.track(m.comm->reduce_scatter(m.grad_buffer(id), u.reduced, m.layout(id).shard_numel,
+                                       m.pdt, "unit '" + m.layout(id).name + "'"));
+  } catch (...) {
+    m.state->grad_abandoned(id);  // the collective never started: its target is free again
+    throw;
+  }
   u.grads_out = false;
   if (!m.cfg.overlap_comm) m.finish_reduction(id);
 }
 
 void Engine::zero_grad() {
   Impl& m = *impl_;
+  if (!m.finalized) return;  // nothing to forget yet (or a failed finalize() left no tiers)
   for (size_t i = 0; i < m.units.size(); ++i) {
     m.finish_reduction(int(i));
     Unit& u = m.units[i];

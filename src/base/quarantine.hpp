@@ -45,6 +45,9 @@ class Quarantine {
     reap();
     std::lock_guard<std::mutex> lock(mu_);
     try {
+      // Room first: once the entry is built from the payload nothing may throw, or a temporary
+      // would free the payload under its late writer.
+      entries_.reserve(entries_.size() + 1);
       entries_.push_back({std::move(settled), std::move(payload)});
     } catch (...) {
       (void)new (std::nothrow) std::shared_ptr<void>(std::move(payload));

@@ -49,8 +49,6 @@ StagedStateTier::StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTi
 
 void* StagedStateTier::grad_target(int u) {
   host_target_[size_t(u)] = inner_->grad_target(u);
-  // A slot of a reduction that never started (the collective failed to start) is reused.
-  if (slot_of_[size_t(u)] >= 0) return slots_.data(slot_of_[size_t(u)]);
   int slot = slots_.acquire(u);
   for (size_t i = 0; slot < 0 && i < slots_.owner.size(); ++i) {
     ctx_.finish_reduction(slots_.owner[i]);  // the oldest reductions free their slots
@@ -69,6 +67,12 @@ void StagedStateTier::grad_reduced(int u, int micro, const void* whole) {
   slots_.release(slot);
   slot_of_[size_t(u)] = -1;
   inner_->grad_reduced(u, micro, whole);
+}
+
+void StagedStateTier::grad_abandoned(int u) {
+  if (slot_of_[size_t(u)] >= 0) slots_.release(slot_of_[size_t(u)]);
+  slot_of_[size_t(u)] = -1;
+  inner_->grad_abandoned(u);
 }
 
 void StagedStateTier::forget_grads() {

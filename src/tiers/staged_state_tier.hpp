@@ -24,6 +24,7 @@ class StagedStateTier final : public StateTier {
   void finish_load() override { inner_->finish_load(); }
   void* grad_target(int u) override;
   void grad_reduced(int u, int micro, const void* whole) override;
+  void grad_abandoned(int u) override;
   std::optional<Error> settle_grads() override { return inner_->settle_grads(); }
   double sum_squares() override { return inner_->sum_squares(); }
   void forget_grads() override;

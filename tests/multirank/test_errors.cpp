@@ -142,6 +142,7 @@ TEST(Misuse, ClearErrors) {
   cfg.stage = 3;
   Engine e(cfg, world());
   EXPECT_ZS_ERROR(e.params(0), invalid_argument, "before finalize()");
+  e.zero_grad();  // nothing to forget yet: a no-op, not a crash
   e.add_unit("u", {Param{"w", {5, 3}}, Param{"b", {3}}});
   EXPECT_ZS_ERROR(e.add_unit("u", {Param{"x", {1}}}), invalid_argument,
                   "a unit of that name exists");
@@ -197,6 +198,8 @@ TEST(Misuse, NvmeTierChecksStageAndPaths) {
   e.add_unit("u", {Param{"w", {5, 3}}});
   EXPECT_ZS_ERROR(e.finalize(), io_error,
                   "nvme path '" + missing + "' cannot be used: No such file or directory");
+  e.zero_grad();  // the failed finalize() left no tiers: still a no-op, not a crash
+  EXPECT_ZS_ERROR(e.step(), invalid_argument, "step() before finalize()");
 }
 
 }  // namespace

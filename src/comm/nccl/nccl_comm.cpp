@@ -33,11 +33,10 @@ NcclComm NcclComm::init(int size, const ncclUniqueId& id, int rank, double timeo
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // no NCCL call may wait forever: set-up is polled with a deadline
   ncclComm_t raw = nullptr;
-  ncclResult_t rc = ncclSuccess;
-  ZS_NCCL_CHECK_ASYNC(rc, cuda_error, nullptr,
-                      ncclCommInitRankConfig(&raw, size, id, rank, &config), who);
-  // Owned from here on: a throw below aborts it.
+  ncclResult_t rc = ncclCommInitRankConfig(&raw, size, id, rank, &config);
+  // Owned from here on, before the result is checked: a throw aborts a half-made communicator.
   NcclComm comm(raw);
+  ZS_NCCL_CHECK_ASYNC(rc, cuda_error, nullptr, rc, who << " (ncclCommInitRankConfig)");
   const auto deadline = after(timeout_s);
   int polls = 0;
   while (rc == ncclInProgress && comm) {

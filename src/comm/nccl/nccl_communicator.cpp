@@ -161,8 +161,12 @@ NcclCommunicator::~NcclCommunicator() {
       cuda::Stream stream;
     };
     try {
-      auto kept = std::make_shared<Kept>(
-          Kept{std::move(m.dev_stage), std::move(m.host_stage), std::move(m.stream)});
+      // Allocated before anything moves into it: a failed allocation leaves them with the
+      // communicator, never in a destroyed temporary.
+      auto kept = std::make_shared<Kept>();
+      kept->dev = std::move(m.dev_stage);
+      kept->host = std::move(m.host_stage);
+      kept->stream = std::move(m.stream);
       const cudaStream_t s = kept->stream.get();
       m.quarantine.park([s] { return cudaStreamQuery(s) != cudaErrorNotReady; }, std::move(kept));
     } catch (...) {
