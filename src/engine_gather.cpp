@@ -80,6 +80,7 @@ void Engine::Impl::start_gather(int id) {
   res.dev->before_collective();
   u.gather_work = track(comm->all_gather(shard, res.gather.data(slot), layout(id).shard_numel, pdt,
                                          "unit '" + layout(id).name + "'"));
+  record('a', id);
 }
 
 void Engine::Impl::prefetch_after(int) {

@@ -1,6 +1,13 @@
 // Engine: gradients. The trainer's gradient buffers, the reduce-scatter of each unit as its
 // gradients are ready (overlapping the rest of backward), and the hand-over of the reduced shard
 // to the state tier.
+//
+// The order of the reductions is the engine's, not the trainer's: in every micro-step, from the
+// last registered unit to the first (the order of a backward pass), on every rank. A unit handed
+// over early waits, keeping its gradient buffer, until the units before it in that order are
+// handed over too. So ranks whose control flow differs (a branch or a head used on some ranks
+// only, hooks that fire in another order) still reduce the same unit in the same collective;
+// with their order the trainer chooses only how much of the reduction overlaps its backward.
 #include "src/base/check.hpp"
 #include "src/engine_impl.hpp"
 
@@ -17,12 +24,34 @@ void* Engine::Impl::grad_buffer(int id) const {
   return cfg.stage < 2 ? u.grad_buf.data() : res.grad_staging.data(u.grad_slot);
 }
 
+// Reductions complete in the order they were issued, the same on every rank. Completing one is a
+// local wait, except in stage 0, where it is an all-gather of the reduced shards: there every
+// unit of a micro-step completes at one point of the sequence, when the last of them is issued
+// (issue_reductions()), never when one rank's trainer happens to need a unit first.
+void Engine::Impl::finish_reduction(int id) {
+  if (!units[size_t(id)].reduction) return;
+  if (cfg.stage == 0)
+    ZS_THROW(invalid_argument,
+             where(id) << ": its gradients of this micro-step are still being reduced; stage 0 "
+                          "completes the reductions once every unit of the micro-step is handed "
+                          "over (unit '"
+                       << layout(reduce_next).name << "' is next)");
+  finish_in_order(id);
+}
+
+void Engine::Impl::finish_in_order(int id) {
+  while (units[size_t(id)].reduction) {
+    ZS_CHECK(!in_flight.empty());
+    complete_reduction(in_flight.front());  // on failure it stays first, its handle kept
+    in_flight.pop_front();
+  }
+}
+
 // Waits for a unit's reduce-scatter, completes stage 0's all-reduce (reduce-scatter + all-gather
 // over the same shards, so every stage sees bitwise the same reduced gradient), and hands the
 // micro-step to the state tier.
-void Engine::Impl::finish_reduction(int id) {
+void Engine::Impl::complete_reduction(int id) {
   Unit& u = units[size_t(id)];
-  if (!u.reduction) return;
   // On failure the handle stays, so the destructor can wait for it to settle.
   wait_for(*u.reduction);
   u.reduction.reset();
@@ -31,6 +60,7 @@ void Engine::Impl::finish_reduction(int id) {
     res.dev->before_collective();
     wait_for(*track(comm->all_gather(u.reduced, u.grad_buf.data(), L.shard_numel, pdt,
                                      "unit '" + L.name + "' (gradients)")));
+    record('g', id);
   }
   if (u.grad_slot >= 0) {
     res.grad_staging.release(u.grad_slot);
@@ -40,34 +70,54 @@ void Engine::Impl::finish_reduction(int id) {
   ++u.micro_done;
 }
 
+// A gradient staging buffer for unit id (stages 2–3). When all are taken, the oldest reduction in
+// flight frees one (ranks decide alike); when the units holding them wait for their turn, the
+// pool grows by one: a trainer whose order differs from the engine's costs memory, never
+// correctness.
+int Engine::Impl::take_grad_staging(int id) {
+  BufferPool& pool = res.grad_staging;
+  int slot = pool.acquire(id);
+  for (size_t i = 0; slot < 0 && i < pool.owner.size(); ++i) {
+    const int owner = pool.owner[i];
+    if (owner >= 0 && units[size_t(owner)].reduction) {
+      finish_reduction(owner);
+      slot = pool.acquire(id);
+    }
+  }
+  bool waiting = false;
+  for (int owner : pool.owner) waiting |= owner >= 0 && units[size_t(owner)].queued;
+  if (slot < 0 && waiting) {
+    pool.fill(1, [&] {
+      return tier_ctx.buffer(Tier::device, MemKind::buffer, "grad_staging",
+                             size_t(largest) * pbytes, false);
+    });
+    slot = pool.acquire(id);
+  }
+  if (slot < 0)
+    ZS_THROW(invalid_argument, "grads(): " << where(id) << ": all " << cfg.grad_buffers
+                                           << " gradient buffers hold units not yet marked ready "
+                                              "(grad_buffers); call grads_ready() first");
+  return slot;
+}
+
 std::vector<TensorView> Engine::grads(UnitId id) {
   Impl& m = *impl_;
   Unit& u = m.unit(id, "grads");
   const size_t bytes = size_t(m.layout(id).padded_numel) * m.pbytes;
   if (u.grads_out) return m.views(id, m.grad_buffer(id));
+  if (u.queued)
+    ZS_THROW(invalid_argument,
+             "grads(): " << m.where(id) << ": its gradients of the last micro-step wait for unit '"
+                         << m.layout(m.reduce_next).name
+                         << "' (reductions run from the last registered unit to the first, the "
+                            "same on every rank); hand every unit over once per micro-step");
   m.finish_reduction(id);
   if (u.micro_done >= m.cfg.gradient_accumulation_steps)
     ZS_THROW(invalid_argument,
              "grads(): " << m.where(id) << " already has the gradients of " << u.micro_done
                          << " micro-steps (gradient_accumulation_steps = "
                          << m.cfg.gradient_accumulation_steps << "); call step() first");
-  if (m.cfg.stage >= 2) {
-    BufferPool& pool = m.res.grad_staging;
-    int slot = pool.acquire(id);
-    // All staging buffers busy: the oldest reduction frees one (ranks decide alike).
-    for (size_t i = 0; slot < 0 && i < pool.owner.size(); ++i) {
-      int owner = pool.owner[i];
-      if (owner >= 0 && m.units[size_t(owner)].reduction) {
-        m.finish_reduction(owner);
-        slot = pool.acquire(id);
-      }
-    }
-    if (slot < 0)
-      ZS_THROW(invalid_argument, "grads(): " << m.where(id) << ": all " << m.cfg.grad_buffers
-                                             << " gradient buffers hold units not yet marked ready "
-                                                "(grad_buffers); call grads_ready() first");
-    u.grad_slot = slot;
-  }
+  if (m.cfg.stage >= 2) u.grad_slot = m.take_grad_staging(id);
   m.res.dev->zero(m.grad_buffer(id), bytes);
   u.grads_out = true;
   return m.views(id, m.grad_buffer(id));
@@ -118,31 +168,61 @@ void Engine::grads_ready(UnitId id) {
   if (!u.grads_out)
     ZS_THROW(invalid_argument,
              "grads_ready(): " << m.where(id) << " has no gradient buffer out; call grads() first");
-  u.reduced = m.state->grad_target(id);
-  m.res.dev->before_collective();
+  u.grads_out = false;
+  u.queued = true;
+  m.issue_reductions();
+}
+
+// Starts every waiting reduction whose turn has come.
+void Engine::Impl::issue_reductions() {
+  while (units[size_t(reduce_next)].queued) {
+    start_reduction(reduce_next);
+    if (reduce_next-- > 0) continue;
+    // The micro-step's last reduction: stage 0 completes them all here (see finish_reduction()).
+    reduce_next = int(units.size()) - 1;
+    if (cfg.stage == 0 && !in_flight.empty()) finish_in_order(in_flight.back());
+  }
+}
+
+void Engine::Impl::start_reduction(int id) {
+  Unit& u = units[size_t(id)];
+  u.reduced = state->grad_target(id);
+  res.dev->before_collective();
   try {
-    u.reduction =
-        m.track(m.comm->reduce_scatter(m.grad_buffer(id), u.reduced, m.layout(id).shard_numel,
-                                       m.pdt, "unit '" + m.layout(id).name + "'"));
+    u.reduction = track(comm->reduce_scatter(grad_buffer(id), u.reduced, layout(id).shard_numel,
+                                             pdt, "unit '" + layout(id).name + "'"));
   } catch (...) {
-    m.state->grad_abandoned(id);  // the collective never started: its target is free again
+    // The collective never started: its target is free again, and the trainer may retry.
+    state->grad_abandoned(id);
+    u.queued = false;
+    u.grads_out = true;
     throw;
   }
-  u.grads_out = false;
-  if (!m.cfg.overlap_comm) m.finish_reduction(id);
+  record('r', id);
+  in_flight.push_back(id);
+  u.queued = false;
+  if (!cfg.overlap_comm) finish_in_order(id);
 }
 
 void Engine::zero_grad() {
   Impl& m = *impl_;
   if (!m.finalized) return;  // nothing to forget yet (or a failed finalize() left no tiers)
+  // Reductions in flight land, and are dropped with the rest (no stage-0 all-gather: their
+  // results are forgotten anyway).
+  for (int f : m.in_flight) {
+    m.wait_for(*m.units[size_t(f)].reduction);
+    m.units[size_t(f)].reduction.reset();
+  }
+  m.in_flight.clear();
   for (size_t i = 0; i < m.units.size(); ++i) {
-    m.finish_reduction(int(i));
     Unit& u = m.units[i];
     if (u.grad_slot >= 0) m.res.grad_staging.release(u.grad_slot);
     u.grad_slot = -1;
     u.grads_out = false;
+    u.queued = false;
     u.micro_done = 0;
   }
+  m.reduce_next = int(m.units.size()) - 1;
   m.state->forget_grads();
 }
 

@@ -2,13 +2,15 @@
 // The engine's private state: the stage logic's per-unit progress and the tiers it talks to.
 // The files that implement it, each one part of the flow of DESIGN.md:
 //   engine.cpp              construction, registration, accessors
-//   engine_setup.cpp        finalize(): the cross-rank model check, the tiers, initial values
+//   engine_setup.cpp        finalize(): the tiers, initial values
+//   engine_agreement.cpp    what every rank must agree on: the model, the collectives
 //   engine_gather.cpp       parameters: views, stage-3 gather/release with prefetch
 //   engine_grads.cpp        gradients: buffers, reduce-scatter, hand-over to the state tier
 //   engine_step.cpp         step(): norm and flags, update, gather of the new parameters
 //   engine_state.cpp        state access for checkpoints (read/write/commit shards)
 // The stage logic never asks which tier holds a unit's state: offload/tier.hpp.
 
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +33,7 @@ struct Unit {
   std::shared_ptr<Work> reduction;  // reduce-scatter in flight
   void* reduced = nullptr;          // where it writes: the state tier's grad_target()
   bool grads_out = false;           // grads() handed out, grads_ready() not yet called
+  bool queued = false;              // grads_ready() called, reduction waits for its turn
   int grad_slot = -1;               // stages 2–3: grad_staging buffer in use
   int micro_done = 0;               // micro-steps reduced since the last step
   // Stage 3 gather state.
@@ -69,6 +72,18 @@ struct Engine::Impl final : ParamSink {
   bool order_recorded = false;
   size_t gather_pos = 0;
 
+  // Reductions run in one order on every rank (engine_grads.cpp): the next unit whose turn it
+  // is, counting down from the last registered unit in each micro-step.
+  int reduce_next = 0;
+  std::deque<int> in_flight;  // units whose reduction was issued and not yet completed, in order
+  int64_t largest = 0;        // elements of the largest padded unit (gradient staging buffers)
+  // The collectives issued since the last step, on every rank the same sequence whatever the
+  // trainer's control flow, or step() finds out: (kind, unit) as kind * 2^24 + unit, and their
+  // hash, compared across ranks in step()'s one all-reduce.
+  std::vector<int32_t> issued;
+  uint64_t issued_hash = 0;
+  void record(char kind, int unit);
+
   // Timing of the current step interval (StepResult's breakdown).
   std::vector<std::shared_ptr<Work>> step_works;  // collectives since the last step
   double exposed_s = 0;                           // trainer thread blocked on them
@@ -97,8 +112,11 @@ struct Engine::Impl final : ParamSink {
   int num_states() const;           // optimizer moment buffers: 0, 1 or 2
   std::vector<TensorView> views(int id, void* base) const;
 
-  // engine_setup.cpp
+  // engine_agreement.cpp
   void check_same_model();
+  void check_same_collectives(const double* sums);
+
+  // engine_setup.cpp
   void make_tiers();
   void load_initial_values();
   void drop_tiers() noexcept;  // a failed finalize() leaves nothing behind (swap files too)
@@ -112,7 +130,12 @@ struct Engine::Impl final : ParamSink {
 
   // engine_grads.cpp
   void* grad_buffer(int id) const;  // the trainer's whole gradient of the unit
-  void finish_reduction(int id);
+  int take_grad_staging(int id);
+  void issue_reductions();
+  void start_reduction(int id);
+  void finish_reduction(int id);  // for the trainer: this unit's, and every one issued before
+  void finish_in_order(int id);   // the same, at a point of the sequence every rank shares
+  void complete_reduction(int id);
 
   // engine_step.cpp
   StepResult step();

@@ -1,9 +1,7 @@
-// Engine: finalize(). The cross-rank model check, the tiers that will hold every unit, and the
-// initial values.
+// Engine: finalize(). The tiers that will hold every unit, and the initial values.
 #include <algorithm>
 #include <chrono>
 #include <new>
-#include <sstream>
 
 #include "offload/nvme_param_tier.hpp"
 #include "offload/nvme_state_tier.hpp"
@@ -15,62 +13,6 @@
 #include "src/tiers/staged_state_tier.hpp"
 
 namespace zeroshard {
-
-// Every rank renders its model and configuration as lines; rank 0's lines are broadcast and
-// each rank compares. The lowest rank that differs then broadcasts its finding, so all ranks
-// throw the same message. Every rank runs the same collectives whatever it registered: no hang.
-void Engine::Impl::check_same_model() {
-  std::ostringstream os;
-  os << cfg.fingerprint();  // one "config <setting>=<value>" line per setting ranks must share
-  for (size_t g = 0; g < groups.size(); ++g)
-    os << "group " << g << " lr=" << groups[g].lr << " wd=" << groups[g].weight_decay << "\n";
-  for (const UnitShape& s : shapes) {
-    os << "unit '" << s.layout.name << "'\n";
-    for (const ParamSlot& p : s.layout.params)
-      os << "  param '" << p.name << "' shape " << shape_string(p.shape) << " dtype "
-         << dtype_name(pdt) << " group " << p.group << "\n";
-  }
-  os << "end\n";
-  std::string mine = os.str();
-  if (world == 1) return;
-
-  double len = double(mine.size());
-  comm->all_reduce(&len, 1, ReduceOp::max, "model check (length)")->wait();
-  std::string theirs(size_t(len), '\0');
-  if (rank == 0) std::copy(mine.begin(), mine.end(), theirs.begin());
-  comm->broadcast(theirs.data(), int64_t(theirs.size()), 0, "model check (rank 0's model)")->wait();
-  theirs.resize(theirs.find("end\n") == std::string::npos ? theirs.size()
-                                                          : theirs.find("end\n") + 4);
-
-  std::string diff;
-  if (mine != theirs) {
-    std::istringstream a(theirs), b(mine);
-    std::string la, lb, context = "the configuration";
-    int line = 1;
-    while (true) {
-      bool ga = bool(std::getline(a, la)), gb = bool(std::getline(b, lb));
-      if (!ga && !gb) break;
-      if (!ga) la = "(nothing)";
-      if (!gb) lb = "(nothing)";
-      if (la != lb) break;
-      if (la.rfind("unit ", 0) == 0) context = la;
-      ++line;
-    }
-    diff = "rank " + std::to_string(rank) +
-           " registered a different model than rank 0: first difference in " + context +
-           ": rank 0 has \"" + la + "\", rank " + std::to_string(rank) + " has \"" + lb + "\"";
-  }
-  double first = diff.empty() ? double(world) : double(rank);
-  comm->all_reduce(&first, 1, ReduceOp::min, "model check (first differing rank)")->wait();
-  if (first >= world) return;
-  double dlen = double(diff.size());
-  comm->all_reduce(&dlen, 1, ReduceOp::max, "model check (message length)")->wait();
-  std::string msg(size_t(dlen), ' ');
-  if (rank == int(first)) std::copy(diff.begin(), diff.end(), msg.begin());
-  comm->broadcast(msg.data(), int64_t(msg.size()), int(first), "model check (message)")->wait();
-  while (!msg.empty() && msg.back() == ' ') msg.pop_back();
-  ZS_THROW(model_mismatch, "finalize() on rank " << rank << ": " << msg);
-}
 
 // The stage logic's own buffers, then one parameter tier and one state tier, chosen here and
 // nowhere else.
@@ -99,7 +41,8 @@ void Engine::Impl::make_tiers() {
   };
   c.finish_reduction = [this](int u) { finish_reduction(u); };
 
-  int64_t largest = 0;
+  reduce_next = int(units.size()) - 1;
+  largest = 0;
   for (size_t i = 0; i < units.size(); ++i) {
     const UnitLayout& L = layout(int(i));
     largest = std::max(largest, L.padded_numel);

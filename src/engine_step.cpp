@@ -76,7 +76,16 @@ void Engine::Impl::update(const std::vector<cpu::UpdateHyper>& hyper) {
 void Engine::Impl::finish_micro_steps() {
   if (!finalized) ZS_THROW(invalid_argument, "rank " << rank << ": step() before finalize()");
   const int k = cfg.gradient_accumulation_steps;
-  for (size_t i = 0; i < units.size(); ++i) finish_reduction(int(i));
+  bool waiting = false;
+  for (const Unit& u : units) waiting |= u.queued;
+  if (waiting)  // handed over, but waiting for a unit that never was
+    ZS_THROW(invalid_argument,
+             "step(): " << where(reduce_next) << " has the gradients of "
+                        << units[size_t(reduce_next)].micro_done << " of " << k
+                        << " micro-steps (gradient_accumulation_steps); the units handed over "
+                           "after it wait for it (reductions run from the last registered unit "
+                           "to the first, the same on every rank)");
+  for (size_t i = 0; i < units.size(); ++i) finish_in_order(int(i));
   for (size_t i = 0; i < units.size(); ++i) {
     const Unit& u = units[i];
     if (u.grads_out)
@@ -104,8 +113,14 @@ StepResult Engine::Impl::step() {
   // to reach its tier (the nvme tier's disk) or come back from it.
   const std::optional<Error> grad_error = state->settle_grads();
   const double local = state->sum_squares();
-  double agg[3] = {local, std::isfinite(local) ? 0.0 : 1.0, grad_error ? 1.0 : 0.0};
-  wait_for(*track(comm->all_reduce(agg, 3, ReduceOp::sum, "gradient norm and overflow flag")));
+  // It also carries the hash of this rank's collectives since the last step (see
+  // check_same_collectives()): a mix-up is found here, before anything is applied.
+  const double h = double(issued_hash & 0xfffff);
+  double agg[5] = {local, std::isfinite(local) ? 0.0 : 1.0, grad_error ? 1.0 : 0.0, h, h * h};
+  wait_for(*track(comm->all_reduce(agg, 5, ReduceOp::sum, "gradient norm and overflow flag")));
+  check_same_collectives(agg + 3);
+  issued.clear();
+  issued_hash = 0;
   if (agg[2] > 0) {
     // Some rank lost a gradient shard: no rank may update. The state stays at the last step.
     state->forget_grads();

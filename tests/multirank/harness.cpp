@@ -82,7 +82,13 @@ std::vector<StepResult> train(Engine& e, const TrainOptions& opt) {
   for (int step = 0; step < opt.steps; ++step) {
     for (int micro = 0; micro < k; ++micro) {
       const float scale = e.loss_scale();
-      for (int u = 0; u < e.num_units(); ++u) {
+      std::vector<int> units;
+      if (opt.order) {
+        units = opt.order(e.rank(), step, micro, e.num_units());
+      } else {
+        for (int u = e.num_units() - 1; u >= 0; --u) units.push_back(u);
+      }
+      for (int u : units) {
         std::vector<TensorView> p = e.gather(u);
         std::vector<TensorView> g;
         // A GPU engine: parameters come down, gradients are written here and copied over.

@@ -64,9 +64,13 @@ struct TrainOptions {
   /// With `download`: gradients go into the engine's own device buffers (grads() views) through
   /// this copy instead of the copying grads_ready().
   std::function<void(void* device, const void* host, size_t bytes)> upload;
+  /// The order in which this rank's trainer goes through the units in a micro-step (a
+  /// permutation of 0 … units − 1); null: from the last unit to the first.
+  std::function<std::vector<int>(int rank, int64_t step, int micro, int units)> order;
 };
 
 /// Runs opt.steps steps: per micro-step, per unit, gather → gradient → grads_ready → release.
+/// Units come in opt.order's order, by default that of a backward pass (last unit first).
 std::vector<zeroshard::StepResult> train(zeroshard::Engine& e, const TrainOptions& opt);
 
 /// float ↔ element of dtype, via the library's reference conversions.
