@@ -1,8 +1,9 @@
-// Engine: what every rank must agree on. At finalize(), the model and the settings that shape
-// the collectives; at every step(), the collectives themselves. Disagreement fails every rank
+// Engine: what every rank must agree on. At finalize(), the model, its initial values and the
+// settings that shape the collectives; at every step(), the collectives themselves. Disagreement fails every rank
 // with the same error, naming what differs, instead of a hang, an MPI abort or a silent mix.
 #include <sstream>
 
+#include "offload/checksum.hpp"
 #include "src/base/check.hpp"
 #include "src/engine_impl.hpp"
 
@@ -16,11 +17,22 @@ void Engine::Impl::check_same_model() {
   os << cfg.fingerprint();  // one "config <setting>=<value>" line per setting ranks must share
   for (size_t g = 0; g < groups.size(); ++g)
     os << "group " << g << " lr=" << groups[g].lr << " wd=" << groups[g].weight_decay << "\n";
-  for (const UnitShape& s : shapes) {
+  for (size_t u = 0; u < shapes.size(); ++u) {
+    const UnitShape& s = shapes[u];
     os << "unit '" << s.layout.name << "'\n";
-    for (const ParamSlot& p : s.layout.params)
+    for (size_t i = 0; i < s.layout.params.size(); ++i) {
+      const ParamSlot& p = s.layout.params[i];
       os << "  param '" << p.name << "' shape " << shape_string(p.shape) << " dtype "
          << dtype_name(pdt) << " group " << p.group << "\n";
+      // Ranks that start from different values would train different models in lockstep.
+      const TensorView& v = units[u].init_params[i].init;
+      os << "  param '" << p.name << "' initial values ";
+      if (v.data)
+        os << dtype_name(v.dtype) << " xxh64 " << std::hex << offload::xxh64(v.data, v.bytes(), 0)
+           << std::dec << "\n";
+      else
+        os << "zero\n";
+    }
   }
   os << "end\n";
   std::string mine = os.str();

@@ -60,6 +60,26 @@ TEST(ModelCheck, DifferentOrderFails) {
   EXPECT_ZS_ERROR(e.finalize(), model_mismatch, "rank 0 has \"unit 'a'\"");
 }
 
+// Ranks that start from different initial values (a seed that differs per rank) would train
+// different models in lockstep, each update averaging gradients of different points.
+TEST(ModelCheck, DifferentInitialValuesFail) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  Engine e(Config{}, world());
+  std::vector<float> w = {1, 2, 3}, b = {4, 5, 6};
+  if (world()->rank() == 1) b[2] = 6.5f;
+  e.add_unit("a", {Param{"w", {3}, 0, {w.data(), 3}}});
+  e.add_unit("b", {Param{"w", {3}, 0, {b.data(), 3}}});
+  EXPECT_ZS_ERROR(e.finalize(), model_mismatch, "first difference in unit 'b'");
+}
+
+TEST(ModelCheck, SameInitialValuesPass) {
+  Engine e(Config{}, world());
+  std::vector<float> w = {1, 2, 3};
+  e.add_unit("a", {Param{"w", {3}, 0, {w.data(), 3}}});
+  e.finalize();
+  EXPECT_EQ(e.read_shard(0, StateKind::master).size(), e.shard_info(0).shard_numel);
+}
+
 TEST(ModelCheck, DifferentDtypeFails) {
   if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
   Config cfg;
