@@ -123,14 +123,30 @@ UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
   if (m.finalized) ZS_THROW(invalid_argument, at << " after finalize()");
   for (const UnitShape& s : m.shapes)
     if (s.layout.name == name) ZS_THROW(invalid_argument, at << ": a unit of that name exists");
+  if (name.empty()) ZS_THROW(invalid_argument, at << ": the unit's name is empty");
   std::set<std::string> names;
+  // A unit's elements, padding included, stay far below what int64 and byte counts can hold.
+  constexpr int64_t kMaxUnitNumel = int64_t(1) << 48;
+  int64_t total = 0;
   for (const Param& p : params) {
+    if (p.name.empty()) ZS_THROW(invalid_argument, at << ": a parameter's name is empty");
     if (!names.insert(p.name).second)
       ZS_THROW(invalid_argument, at << ": parameter '" << p.name << "' twice");
-    for (int64_t d : p.shape)
+    int64_t numel = 1;
+    for (int64_t d : p.shape) {
       if (d < 0)
         ZS_THROW(invalid_argument,
                  at << ": parameter '" << p.name << "' has shape " << shape_string(p.shape));
+      if (d > 0 && numel > kMaxUnitNumel / d)
+        ZS_THROW(invalid_argument, at << ": parameter '" << p.name << "' of shape "
+                                      << shape_string(p.shape)
+                                      << " has more than 2^48 elements, more than a unit holds");
+      numel *= d;
+    }
+    total += numel;
+    if (total > kMaxUnitNumel)
+      ZS_THROW(invalid_argument,
+               at << ": the unit has more than 2^48 elements (at parameter '" << p.name << "')");
     if (p.group < 0 || size_t(p.group) >= m.groups.size())
       ZS_THROW(invalid_argument, at << ": parameter '" << p.name << "' names group " << p.group
                                     << " but " << m.groups.size() << " exist");

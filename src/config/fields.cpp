@@ -41,6 +41,9 @@ constexpr FieldRule kFiniteNonNegative = {[](double v) { return v >= 0 && std::i
                                           "must be finite and >= 0"};
 constexpr FieldRule kFinitePositive = {[](double v) { return v > 0 && std::isfinite(v); },
                                        "must be finite and > 0"};
+// Padding is computed in elements as world_size × alignment: far below 2^63 whatever the world.
+constexpr FieldRule kAlignmentBound = {[](double v) { return v <= double(1 << 20); },
+                                       "must be <= 1048576 (2^20 elements)"};
 constexpr FieldRule kUnitInterval = {[](double v) { return v >= 0 && v < 1; }, "must be in [0, 1)"};
 
 }  // namespace
@@ -191,7 +194,7 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
       {.name = "shard_alignment",
        .member = &C::shard_alignment,
        .json = "zeroshard.shard_alignment",
-       .rules = {kAtLeast1}},
+       .rules = {kAtLeast1, kAlignmentBound}},
       // A rank with fewer buffers waits for (or refuses) a unit that the others reduce.
       {.name = "grad_buffers",
        .member = &C::grad_buffers,

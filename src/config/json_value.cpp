@@ -146,8 +146,9 @@ json parse_strict(std::string_view text) {
   };
   try {
     return json::parse(text.begin(), text.end(), cb);
-  } catch (const json::parse_error& e) {
-    // Drop nlohmann's "[json.exception.parse_error.101] " tag; keep its line/column text.
+  } catch (const json::exception& e) {
+    // A syntax error, or a number no double holds (1e309): drop nlohmann's
+    // "[json.exception.parse_error.101] " tag and keep its own text (line, column, token).
     std::string what = e.what();
     const size_t tag = what.find("] ");
     fail("invalid JSON: " + (tag == std::string::npos ? what : what.substr(tag + 2)));
