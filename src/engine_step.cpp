@@ -143,6 +143,16 @@ StepResult Engine::Impl::step() {
   const bool overflow = agg[1] > 0 || !std::isfinite(agg[0]);
   const double inv = 1.0 / (double(world) * k * scale);
   r.grad_norm = std::sqrt(agg[0]) * inv;
+  if (overflow && scaler.at_floor()) {
+    state->forget_grads();
+    ZS_THROW(overflow, "step() on rank "
+                           << rank << ": step " << steps + 1
+                           << " overflowed with the loss scale already at its minimum ("
+                           << scaler.scale()
+                           << ", fp16.min_loss_scale = " << scaler.options().min_scale
+                           << "): every later step would be skipped too; nothing was applied. "
+                              "Lower min_loss_scale, lower the learning rate, or train in bf16");
+  }
   if (overflow) {
     state->forget_grads();
     scaler.update(true);

@@ -68,6 +68,8 @@ const char* error_code_name(ErrorCode c) {
       return "no_space";
     case ErrorCode::cuda_error:
       return "cuda_error";
+    case ErrorCode::overflow:
+      return "overflow";
     case ErrorCode::internal:
       return "internal";
   }

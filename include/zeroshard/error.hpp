@@ -20,6 +20,7 @@ enum class ErrorCode {
   corrupted,         ///< data read back failed its checksum or has the wrong size
   no_space,          ///< a tier ran out of room (ENOSPC, a full pool)
   cuda_error,        ///< a CUDA runtime or NCCL call failed
+  overflow,          ///< gradients overflowed with the loss scale at its minimum: no step can go on
   internal,          ///< an invariant inside zeroshard broke; a bug, please report it
 };
 ZS_API const char* error_code_name(ErrorCode c);

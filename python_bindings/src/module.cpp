@@ -31,6 +31,8 @@ constexpr ErrorClass kErrorClasses[] = {
      "Data read back failed its checksum or has the wrong size."},
     {ErrorCode::no_space, "NoSpaceError", false, "A tier ran out of room."},
     {ErrorCode::cuda_error, "CudaError", false, "A CUDA runtime or NCCL call failed."},
+    {ErrorCode::overflow, "GradientOverflowError", false,
+     "Gradients overflowed with the loss scale already at its minimum (DeepSpeed stops too)."},
     {ErrorCode::internal, "InternalError", false, "An invariant inside zeroshard broke (a bug)."},
 };
 constexpr size_t kNumCodes = sizeof(kErrorClasses) / sizeof(kErrorClasses[0]);

@@ -15,6 +15,10 @@ class LossScaler {
   void set_scale(float s) { scale_ = s; }
   /// Records one step's outcome (after the all-reduce that agreed on `overflow`).
   void update(bool overflow);
+  /// Whether an overflow now would need the scale below min_scale: the scale cannot absorb it,
+  /// and every later step would overflow and be skipped too (DeepSpeed raises there as well).
+  bool at_floor() const { return dynamic_ && hysteresis_left_ <= 1 && scale_ <= o_.min_scale; }
+  const LossScaleOptions& options() const { return o_; }
 
  private:
   LossScaleOptions o_;

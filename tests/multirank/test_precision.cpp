@@ -81,6 +81,39 @@ TEST(LossScale, HysteresisToleratesOneOverflow) {
   EXPECT_EQ(e.loss_scale(), s0 / 2);
 }
 
+// At the minimum loss scale an overflow cannot be absorbed any more: instead of skipping every
+// step from then on in silence, step() fails on every rank (DeepSpeed raises there too), after
+// the hysteresis has been used up, and applies nothing.
+TEST(LossScale, OverflowAtTheMinimumScaleFailsEveryRank) {
+  Config cfg = f16_config(2, 2, 1000);
+  cfg.loss_scale.initial_scale_power = 1;  // 2: one halving reaches the minimum
+  cfg.loss_scale.min_scale = 1;
+  Engine e(cfg, world());
+  zs_test::register_model(e, zs_test::uneven_model());
+  zs_test::TrainOptions bad;
+  bad.steps = 1;
+  const int culprit = e.world_size() - 1;
+  bad.tamper = [&](Engine& eng, int u, int, int64_t, std::vector<TensorView>& g) {
+    if (eng.rank() == culprit && u == 1)
+      zs_test::store(g[0].data, g[0].dtype, 0, std::numeric_limits<float>::infinity());
+  };
+  EXPECT_TRUE(zs_test::train(e, bad)[0].skipped);  // hysteresis 2: tolerated
+  EXPECT_EQ(e.loss_scale(), 2.0f);
+  EXPECT_TRUE(zs_test::train(e, bad)[0].skipped);  // halved to the minimum
+  EXPECT_EQ(e.loss_scale(), 1.0f);
+  auto before = masters(e);
+  EXPECT_ZS_ERROR(zs_test::train(e, bad), overflow,
+                  "overflowed with the loss scale already at its minimum (1, "
+                  "fp16.min_loss_scale = 1)");
+  auto after = masters(e);
+  for (size_t u = 0; u < before.size(); ++u)
+    EXPECT_EQ(std::memcmp(before[u].data(), after[u].data(), before[u].size() * 4), 0);
+  // Clean steps go on from there.
+  zs_test::TrainOptions clean;
+  clean.steps = 1;
+  EXPECT_FALSE(zs_test::train(e, clean)[0].skipped);
+}
+
 // Clipping: the reported norm equals the norm of the averaged gradients computed here in double,
 // and SGD (lr 1, no momentum, no decay) moves each parameter by exactly -clip_factor × gradient.
 TEST(Clipping, NormAndFactorMatchReference) {
