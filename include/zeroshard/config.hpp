@@ -86,7 +86,9 @@ struct ZS_API Config {
   LossScaleOptions loss_scale;
   /// Global gradient-norm clipping threshold; 0 disables clipping.
   double gradient_clipping = 0.0;
-  /// Micro-steps whose gradients are summed (in f32) before one optimizer step.
+  /// Micro-steps per optimizer step. The update uses the mean gradient over the micro-steps and
+  /// the ranks: summed in f32, then divided by gradient_accumulation_steps × world size (and the
+  /// loss scale), as one process would on the whole global batch.
   int gradient_accumulation_steps = 1;
   OptimizerOptions optimizer;  ///< parameter group 0
   OffloadOptions offload_optimizer;

@@ -116,7 +116,8 @@ class ZS_API Engine {
 
   /// Finishes the reductions, then, after gradient_accumulation_steps micro-steps: one
   /// all-reduce of [sum of squares, overflow flag]; on overflow skips the update (and adjusts the
-  /// loss scale) on every rank; else updates every shard with unscale × clip folded in and
+  /// loss scale) on every rank; else updates every shard with the mean gradient over the
+  /// micro-steps and ranks (1 / (steps × world × loss scale)) × clip folded in, and
   /// brings the low-precision parameters up to date. Collective. Throws if a unit missed a
   /// micro-step.
   StepResult step();

@@ -167,4 +167,47 @@ TEST(Clipping, NormAndFactorMatchReference) {
   }
 }
 
+// The accumulated gradient is the mean over micro-steps and ranks, not their sum: with SGD (lr 1,
+// no momentum, no decay, no clipping), which unlike Adam is not invariant to the gradient's
+// scale, each master weight moves by exactly that mean.
+TEST(Accumulation, UpdateIsTheMeanOverMicroStepsAndRanks) {
+  const int k = 3;
+  for (int stage : {0, 2, 3}) {
+    Config cfg;
+    cfg.stage = stage;
+    cfg.gradient_accumulation_steps = k;
+    cfg.optimizer.kind = OptimizerKind::sgd;
+    cfg.optimizer.lr = 1.0f;
+    cfg.optimizer.weight_decay = 0;
+    Engine e(cfg, world());
+    auto model = zs_test::uneven_model();
+    zs_test::register_model(e, model);
+    std::vector<std::vector<float>> p0;
+    for (int u = 0; u < e.num_units(); ++u) p0.push_back(e.read_shard(u, StateKind::master));
+    zs_test::TrainOptions o;
+    o.steps = 1;
+    o.micro_batches = k;
+    EXPECT_FALSE(zs_test::train(e, o)[0].skipped);
+    for (size_t u = 0; u < model.size(); ++u) {
+      std::vector<float> init;
+      for (const auto& [name, shape] : model[u].params) {
+        auto v = zs_test::init_values(model[u].name, name, shape_numel(shape));
+        init.insert(init.end(), v.begin(), v.end());
+      }
+      const ShardInfo si = e.shard_info(int(u));
+      const auto p1 = e.read_shard(int(u), StateKind::master);
+      for (int64_t j = 0; j < si.shard_numel && si.shard_offset + j < si.numel; ++j) {
+        const size_t i = size_t(si.shard_offset + j);
+        double mean = 0;
+        for (int rk = 0; rk < e.world_size(); ++rk)
+          for (int m = 0; m < k; ++m)
+            mean += zs_test::synthetic_grad(init[i], int(u), int64_t(i), rk, m, 0);
+        mean /= double(k * e.world_size());
+        EXPECT_NEAR(double(p0[u][size_t(j)]) - p1[size_t(j)], mean, 1e-5)
+            << "stage " << stage << " unit " << u << " element " << i;
+      }
+    }
+  }
+}
+
 }  // namespace
