@@ -68,6 +68,10 @@ struct LossScaleOptions {
   int window = 1000;             ///< clean steps before the scale doubles
   int hysteresis = 2;            ///< overflows tolerated before the scale halves
   float min_scale = 1.0f;        ///< the scale never drops below this
+  /// DeepSpeed's "consecutive_hysteresis": a step without overflow refills the hysteresis, so
+  /// only `hysteresis` overflows in a row halve the scale (else any `hysteresis` since the last
+  /// change of scale).
+  bool consecutive_hysteresis = false;
 };
 
 struct ZS_API Config {

@@ -124,6 +124,9 @@ std::span<const FieldInfo<LossScaleOptions>> config_fields<LossScaleOptions>() {
        .member = &O::min_scale,
        .json = "min_loss_scale",
        .rules = {kFinitePositive}},
+      {.name = "consecutive_hysteresis",
+       .member = &O::consecutive_hysteresis,
+       .json = "consecutive_hysteresis"},
   };
   return rows;
 }

@@ -345,7 +345,24 @@ Node layout() {
                Node::fields(),              // loss_scale, initial_scale_power, ... min_loss_scale
                {"auto_cast", accept_bool},  // the trainer owns its autocast
            }},
-          {"bf16", {{"enabled", [](const JsonField& f, Ctx& x) { x.bf16 = f.boolean(); }}}},
+          {"bf16",
+           {
+               {"enabled", [](const JsonField& f, Ctx& x) { x.bf16 = f.boolean(); }},
+               // zeroshard checks every step's gradients for inf/NaN and skips such a step on
+               // every rank; the flag rides on the norm's all-reduce, so it costs nothing.
+               {"check_grad_overflow",
+                [](const JsonField& f, Ctx&) {
+                  if (!f.boolean())
+                    fail(
+                        "bf16.check_grad_overflow = false is not taken: zeroshard always skips "
+                        "a step whose gradients hold inf or NaN, at no cost (the check rides on "
+                        "the gradient norm's all-reduce); remove the key or set it true");
+                }},
+               // Each micro-step's reduced gradient is folded into its f32 accumulator as soon
+               // as its reduction lands, which is what DeepSpeed's flag asks for: either value
+               // is accepted, and the engine does that.
+               {"immediate_grad_update", accept_bool},
+           }},
           Node::fields(),  // gradient_clipping, gradient_accumulation_steps
           // Batch sizes belong to the trainer's data loader; logging knobs to DeepSpeed's engine.
           {"train_micro_batch_size_per_gpu", accept_count},

@@ -21,9 +21,12 @@ void LossScaler::update(bool overflow) {
     else
       --hysteresis_left_;
     last_overflow_iter_ = iter_;
-  } else if ((iter_ - last_overflow_iter_) % o_.window == 0) {
-    hysteresis_left_ = o_.hysteresis;
-    scale_ *= 2.0f;
+  } else {
+    if (o_.consecutive_hysteresis) hysteresis_left_ = o_.hysteresis;
+    if ((iter_ - last_overflow_iter_) % o_.window == 0) {
+      hysteresis_left_ = o_.hysteresis;
+      scale_ *= 2.0f;
+    }
   }
   ++iter_;
 }

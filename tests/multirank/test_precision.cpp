@@ -81,6 +81,27 @@ TEST(LossScale, HysteresisToleratesOneOverflow) {
   EXPECT_EQ(e.loss_scale(), s0 / 2);
 }
 
+// fp16.consecutive_hysteresis (DeepSpeed's meaning): a clean step refills the hysteresis, so
+// only overflows in a row halve the scale.
+TEST(LossScale, ConsecutiveHysteresisRefillsOnACleanStep) {
+  for (bool consecutive : {false, true}) {
+    Config cfg = f16_config(1, 2, 1000);
+    cfg.loss_scale.consecutive_hysteresis = consecutive;
+    Engine e(cfg, world());
+    zs_test::register_model(e, zs_test::uneven_model());
+    const float s0 = e.loss_scale();
+    zs_test::TrainOptions bad, clean;
+    bad.steps = clean.steps = 1;
+    bad.tamper = [](Engine&, int u, int, int64_t, std::vector<TensorView>& g) {
+      if (u == 0) zs_test::store(g[0].data, g[0].dtype, 0, std::numeric_limits<float>::infinity());
+    };
+    EXPECT_TRUE(zs_test::train(e, bad)[0].skipped);  // tolerated either way
+    EXPECT_FALSE(zs_test::train(e, clean)[0].skipped);
+    EXPECT_TRUE(zs_test::train(e, bad)[0].skipped);
+    EXPECT_EQ(e.loss_scale(), consecutive ? s0 : s0 / 2) << "consecutive " << consecutive;
+  }
+}
+
 // At the minimum loss scale an overflow cannot be absorbed any more: instead of skipping every
 // step from then on in silence, step() fails on every rank (DeepSpeed raises there too), after
 // the hysteresis has been used up, and applies nothing.

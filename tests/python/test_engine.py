@@ -154,10 +154,11 @@ def test_memory_report():
 
 
 def test_step_releases_the_gil():
-    # One engine with a few million parameters, so that each step() takes tens of ms. While a
-    # worker thread runs step(), the main thread must keep running Python code; with the GIL
-    # held through step() it could not run at all inside the call.
-    n = 1 << 22
+    # One engine with 16 M parameters, so that each step() takes tens of ms (4 M took under
+    # 10 ms on a fast 2-core machine). While a worker thread runs step(), the main thread must
+    # keep running Python code; with the GIL held through step() it could not run at all inside
+    # the call.
+    n = 1 << 24
     e = zs.Engine(zs.Config(stage=0), zs.make_self_communicator())
     u = e.add_unit("big", [zs.Param("w", shape=[n])])
     e.finalize()

@@ -289,8 +289,9 @@ TEST(Config, UnknownNestedKeyNamesTheFullPath) {
       parse_error(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"devic": "cpu"}}})"),
       AllOf(HasSubstr("unknown key \"zero_optimization.offload_optimizer.devic\""),
             HasSubstr("did you mean \"zero_optimization.offload_optimizer.device\"")));
-  EXPECT_THAT(parse_error(R"({"fp16": {"enabled": true, "consecutive_hysteresis": true}})"),
-              HasSubstr("unknown key \"fp16.consecutive_hysteresis\""));
+  // (fp16.consecutive_hysteresis was this example until it became a key: issue 12.)
+  EXPECT_THAT(parse_error(R"({"fp16": {"enabled": true, "fp16_master_weights": true}})"),
+              HasSubstr("unknown key \"fp16.fp16_master_weights\""));
 }
 
 TEST(Config, WrongTypesNameTheKeyAndBothTypes) {
@@ -334,6 +335,26 @@ TEST(Config, DeepSpeedValuesWithoutAnEquivalentAreErrorsThatSayWhy) {
                     HasSubstr("partial offload")));
   EXPECT_NO_THROW(
       Config::from_json(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1}}})"));
+}
+
+// DeepSpeed keys of the fp16/bf16 sections in common use: taken with DeepSpeed's meaning, or
+// refused with the reason; and gradient clipping, absent, is off as in DeepSpeed (its default
+// is 0.0).
+TEST(Config, DeepSpeedPrecisionKeysAndClippingDefault) {
+  EXPECT_FALSE(Config::from_json("{}").loss_scale.consecutive_hysteresis);
+  EXPECT_TRUE(Config::from_json(R"({"fp16": {"enabled": true, "consecutive_hysteresis": true}})")
+                  .loss_scale.consecutive_hysteresis);
+  EXPECT_NO_THROW(Config::from_json(R"({"bf16": {"enabled": true, "check_grad_overflow": true}})"));
+  EXPECT_THAT(parse_error(R"({"bf16": {"enabled": true, "check_grad_overflow": false}})"),
+              AllOf(HasSubstr("bf16.check_grad_overflow = false"),
+                    HasSubstr("always skips a step whose gradients hold inf or NaN")));
+  for (const char* v : {"true", "false"})
+    EXPECT_EQ(Config::from_json(std::string(R"({"bf16": {"enabled": true, )"
+                                            R"("immediate_grad_update": )") +
+                                v + "}}")
+                  .dtype,
+              DType::bf16);
+  EXPECT_EQ(Config::from_json(R"({"zero_optimization": {"stage": 2}})").gradient_clipping, 0.0);
 }
 
 TEST(Config, SyntaxErrorsDuplicatesAndNonObjects) {
