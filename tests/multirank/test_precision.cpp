@@ -23,6 +23,27 @@ Config f16_config(int stage, int hysteresis, int window) {
   return cfg;
 }
 
+// Plain SGD (lr 1, no momentum, no decay): each master weight moves by exactly the update's
+// gradient, which the tests below compute here in double.
+Config sgd_config(int stage) {
+  Config cfg;
+  cfg.stage = stage;
+  cfg.optimizer.kind = OptimizerKind::sgd;
+  cfg.optimizer.lr = 1.0f;
+  cfg.optimizer.weight_decay = 0;
+  return cfg;
+}
+
+// The initial values of unit u of `model`, flattened as the engine lays them out.
+std::vector<float> unit_init(const std::vector<zs_test::UnitSpec>& model, size_t u) {
+  std::vector<float> init;
+  for (const auto& [name, shape] : model[u].params) {
+    auto v = zs_test::init_values(model[u].name, name, shape_numel(shape));
+    init.insert(init.end(), v.begin(), v.end());
+  }
+  return init;
+}
+
 std::vector<std::vector<float>> masters(Engine& e) {
   std::vector<std::vector<float>> out;
   for (int u = 0; u < e.num_units(); ++u) out.push_back(e.read_shard(u, StateKind::master));
@@ -139,11 +160,7 @@ TEST(LossScale, OverflowAtTheMinimumScaleFailsEveryRank) {
 // and SGD (lr 1, no momentum, no decay) moves each parameter by exactly -clip_factor × gradient.
 TEST(Clipping, NormAndFactorMatchReference) {
   for (int stage : {0, 1, 3}) {
-    Config cfg;
-    cfg.stage = stage;
-    cfg.optimizer.kind = OptimizerKind::sgd;
-    cfg.optimizer.lr = 1.0f;
-    cfg.optimizer.weight_decay = 0;
+    Config cfg = sgd_config(stage);
     cfg.gradient_clipping = 0.5;
     Engine e(cfg, world());
     auto model = zs_test::uneven_model();
@@ -157,11 +174,7 @@ TEST(Clipping, NormAndFactorMatchReference) {
     double sumsq = 0;
     std::vector<std::vector<double>> gavg;
     for (size_t u = 0; u < model.size(); ++u) {
-      std::vector<float> init;
-      for (const auto& [name, shape] : model[u].params) {
-        auto v = zs_test::init_values(model[u].name, name, shape_numel(shape));
-        init.insert(init.end(), v.begin(), v.end());
-      }
+      const std::vector<float> init = unit_init(model, u);
       std::vector<double> g(init.size());
       for (size_t i = 0; i < init.size(); ++i) {
         for (int rk = 0; rk < e.world_size(); ++rk)
@@ -194,12 +207,8 @@ TEST(Clipping, NormAndFactorMatchReference) {
 TEST(Accumulation, UpdateIsTheMeanOverMicroStepsAndRanks) {
   const int k = 3;
   for (int stage : {0, 2, 3}) {
-    Config cfg;
-    cfg.stage = stage;
+    Config cfg = sgd_config(stage);
     cfg.gradient_accumulation_steps = k;
-    cfg.optimizer.kind = OptimizerKind::sgd;
-    cfg.optimizer.lr = 1.0f;
-    cfg.optimizer.weight_decay = 0;
     Engine e(cfg, world());
     auto model = zs_test::uneven_model();
     zs_test::register_model(e, model);
@@ -210,11 +219,7 @@ TEST(Accumulation, UpdateIsTheMeanOverMicroStepsAndRanks) {
     o.micro_batches = k;
     EXPECT_FALSE(zs_test::train(e, o)[0].skipped);
     for (size_t u = 0; u < model.size(); ++u) {
-      std::vector<float> init;
-      for (const auto& [name, shape] : model[u].params) {
-        auto v = zs_test::init_values(model[u].name, name, shape_numel(shape));
-        init.insert(init.end(), v.begin(), v.end());
-      }
+      const std::vector<float> init = unit_init(model, u);
       const ShardInfo si = e.shard_info(int(u));
       const auto p1 = e.read_shard(int(u), StateKind::master);
       for (int64_t j = 0; j < si.shard_numel && si.shard_offset + j < si.numel; ++j) {
