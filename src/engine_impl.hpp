@@ -13,6 +13,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "offload/tier.hpp"
@@ -140,6 +141,7 @@ struct Engine::Impl final : ParamSink {
   // engine_step.cpp
   StepResult step();
   void finish_micro_steps();
+  std::pair<double, bool> reduce_norm_and_flags();
   std::vector<cpu::UpdateHyper> fold_hyper(double grad_scale) const;
   void drop_prefetches();
   void update(const std::vector<cpu::UpdateHyper>& hyper);

@@ -100,21 +100,13 @@ void Engine::Impl::finish_micro_steps() {
   }
 }
 
-StepResult Engine::Impl::step() {
-  finish_micro_steps();
-  const int k = cfg.gradient_accumulation_steps;
-  for (Unit& u : units) u.micro_done = 0;
-  // Stage 3 prefetch follows the gather order of the first step from now on.
-  if (!gather_order.empty()) order_recorded = true;
-  gather_pos = 0;
-  drop_prefetches();
-
-  // One all-reduce carries the sum of squares, the overflow flag and whether a gradient failed
-  // to reach its tier (the nvme tier's disk) or come back from it.
+// The step's one all-reduce: the sum of squares, the overflow flag, whether a gradient failed to
+// reach its tier (the nvme tier's disk) or come back from it, and the hash of this rank's
+// collectives since the last step (check_same_collectives()): a mix-up or a lost gradient is
+// found here, on every rank, before anything is applied. Returns {Σg², overflow}.
+std::pair<double, bool> Engine::Impl::reduce_norm_and_flags() {
   const std::optional<Error> grad_error = state->settle_grads();
   const double local = state->sum_squares();
-  // It also carries the hash of this rank's collectives since the last step (see
-  // check_same_collectives()): a mix-up is found here, before anything is applied.
   const double h = double(issued_hash & 0xfffff);
   double agg[5] = {local, std::isfinite(local) ? 0.0 : 1.0, grad_error ? 1.0 : 0.0, h, h * h};
   wait_for(*track(comm->all_reduce(agg, 5, ReduceOp::sum, "gradient norm and overflow flag")));
@@ -129,7 +121,19 @@ StepResult Engine::Impl::step() {
     ZS_CHECK(e.has_value());
     throw Error(e->code(), std::string(e->what()) + not_applied(steps + 1));
   }
+  return {agg[0], agg[1] > 0 || !std::isfinite(agg[0])};
+}
 
+StepResult Engine::Impl::step() {
+  finish_micro_steps();
+  const int k = cfg.gradient_accumulation_steps;
+  for (Unit& u : units) u.micro_done = 0;
+  // Stage 3 prefetch follows the gather order of the first step from now on.
+  if (!gather_order.empty()) order_recorded = true;
+  gather_pos = 0;
+  drop_prefetches();
+
+  const auto [sumsq, overflow] = reduce_norm_and_flags();
   StepResult r;
   auto close_interval = [&] {
     double now = now_s();
@@ -140,9 +144,8 @@ StepResult Engine::Impl::step() {
     interval_start = now;
   };
   const double scale = scaler.scale();
-  const bool overflow = agg[1] > 0 || !std::isfinite(agg[0]);
   const double inv = 1.0 / (double(world) * k * scale);
-  r.grad_norm = std::sqrt(agg[0]) * inv;
+  r.grad_norm = std::sqrt(sumsq) * inv;
   if (overflow && scaler.at_floor()) {
     state->forget_grads();
     ZS_THROW(overflow, "step() on rank "
