@@ -1,5 +1,7 @@
 // Engine: construction, registration of units and groups, and the accessors of the public API.
 // The flow of a step lives in the files engine_impl.hpp lists.
+#include <algorithm>
+#include <chrono>
 #include <set>
 
 #include "src/base/check.hpp"
@@ -91,10 +93,16 @@ Engine::Engine(Config config, std::shared_ptr<Communicator> comm)
 Engine::~Engine() {
   if (!impl_) return;
   // In-flight collectives write into buffers this engine owns: let them land first. One that
-  // timed out may still complete when a late peer arrives; wait for that a while, too.
+  // timed out may still complete when a late peer arrives; wait for that a while, too, but once:
+  // one deadline for all of them, so a dead peer costs one timeout, not one per collective.
+  using Clock = std::chrono::steady_clock;
+  const auto deadline =
+      Clock::now() + std::chrono::duration<double>(impl_->cfg.collective_timeout_s);
   for (Unit& u : impl_->units)
     for (auto* w : {&u.reduction, &u.gather_work})
-      if (*w) (*w)->wait_settled(impl_->cfg.collective_timeout_s);
+      if (*w)
+        (*w)->wait_settled(
+            std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count()));
   // So does the device's queued work (updates, uploads). A failure here has nobody to tell.
   try {
     impl_->res.dev->synchronize();

@@ -157,6 +157,79 @@ TEST(Timeout, LateRankFailsTheCollectiveNamingTheUnit) {
   }
 }
 
+namespace {
+
+// A one-rank world whose reduce-scatters never complete, as with a dead peer: their Work fails
+// with a timeout and never settles. It records how long the engine is willing to wait.
+class DeadPeerComm final : public Communicator {
+ public:
+  struct StuckWork final : Work {
+    explicit StuckWork(std::vector<double>* waits) : waits_(waits) {}
+    void wait() override {
+      throw Error(ErrorCode::timeout, "reduce_scatter timed out (dead peer)");
+    }
+    bool done() override { return true; }
+    bool wait_settled(double max_seconds) override {  // never settles: uses all it is given
+      waits_->push_back(max_seconds);
+      std::this_thread::sleep_for(std::chrono::duration<double>(max_seconds));
+      return false;
+    }
+    double started_at() override { return 0; }
+    double finished_at() override { return 0; }
+    std::vector<double>* waits_;
+  };
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::shared_ptr<Work> reduce_scatter(const void*, void*, int64_t, DType, std::string) override {
+    return std::make_shared<StuckWork>(&waits);
+  }
+  std::shared_ptr<Work> all_gather(const void* s, void* r, int64_t n, DType d,
+                                   std::string w) override {
+    return self_->all_gather(s, r, n, d, std::move(w));
+  }
+  std::shared_ptr<Work> all_reduce(double* x, int64_t n, ReduceOp op, std::string w) override {
+    return self_->all_reduce(x, n, op, std::move(w));
+  }
+  std::shared_ptr<Work> broadcast(void* x, int64_t n, int root, std::string w) override {
+    return self_->broadcast(x, n, root, std::move(w));
+  }
+  void barrier(std::string w) override { self_->barrier(std::move(w)); }
+  void set_timeout(double) override {}
+  std::vector<double> waits;
+
+ private:
+  std::shared_ptr<Communicator> self_ = make_self_communicator();
+};
+
+}  // namespace
+
+// After a collective failed because a peer died, destroying the engine waits for the abandoned
+// collectives once, within one timeout in all, not one timeout per collective in flight.
+TEST(Timeout, DestroyingTheEngineWaitsOneTimeoutInAll) {
+  auto comm = std::make_shared<DeadPeerComm>();
+  Config cfg;
+  cfg.stage = 2;
+  cfg.grad_buffers = 4;
+  cfg.collective_timeout_s = 0.2;
+  {
+    Engine e(cfg, comm);
+    for (const char* name : {"a", "b", "c", "d"}) e.add_unit(name, {Param{"w", {64}}});
+    e.finalize();
+    for (int u = 3; u >= 0; --u) {
+      e.grads(u);
+      e.grads_ready(u);
+    }
+    EXPECT_ZS_ERROR(e.step(), timeout, "dead peer");
+  }
+  // Every abandoned reduction is waited for, and the waits share one deadline: the first uses
+  // it up (the fake sleeps all it is given), the others get what is left, nothing.
+  ASSERT_EQ(comm->waits.size(), 4u);
+  double total = 0;
+  for (double w : comm->waits) total += w;
+  EXPECT_LE(total, cfg.collective_timeout_s + 1e-6);
+  EXPECT_GT(comm->waits.front(), 0.0);
+}
+
 TEST(Misuse, ClearErrors) {
   Config cfg;
   cfg.stage = 3;
