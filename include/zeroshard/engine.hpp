@@ -127,6 +127,12 @@ class ZS_API Engine {
 
   void set_lr(int group, float lr);
   float lr(int group) const;
+  /// Replaces the hyperparameters of a parameter group from the next step() on (what schedulers
+  /// that cycle betas or momentum need): lr, betas, eps, weight decay, momentum and nesterov.
+  /// Throws Error(invalid_argument) for another optimizer kind, a value out of range, or, after
+  /// finalize(), an SGD momentum that turns on or off (its buffer exists or not from then on).
+  void set_options(int group, const OptimizerOptions& options);
+  const OptimizerOptions& options(int group) const;
   float loss_scale() const;
   int64_t step_count() const;
 

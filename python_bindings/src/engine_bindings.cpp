@@ -372,6 +372,17 @@ void def_accessors(nb::class_<PyEngine>& cls) {
   cls.def(
       "lr", [](PyEngine& e, int g) { return locked(e, [&] { return e.engine.lr(g); }); },
       nb::arg("group") = 0);
+  cls.def(
+      "set_options",
+      [](PyEngine& e, int g, nb::handle options) {
+        OptimizerOptions o = coerce_optimizer(options);
+        locked(e, [&] { e.engine.set_options(g, o); });
+      },
+      nb::arg("group"), nb::arg("options"),
+      "Replaces a group's hyperparameters (OptimizerOptions or a dict) from the next step on.");
+  cls.def(
+      "options", [](PyEngine& e, int g) { return locked(e, [&] { return e.engine.options(g); }); },
+      nb::arg("group") = 0, "A group's hyperparameters, as an OptimizerOptions copy.");
   cls.def("loss_scale",
           [](PyEngine& e) { return locked(e, [&] { return e.engine.loss_scale(); }); });
   cls.def("step_count",

@@ -684,20 +684,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine.zero_grad()
 
     def _sync_hyperparameters(self):
-        # Schedulers change group["lr"]; the engine takes a new lr at any step. The other
-        # hyperparameters are fixed when the engine is built.
+        # Schedulers change group["lr"], and some (OneCycleLR, CyclicLR) betas or momentum too;
+        # the engine takes a group's new hyperparameters at any step.
         for gi, (g, o) in enumerate(zip(self.param_groups, self._engine_options)):
             now = self._options(g)
-            for key in ("beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov"):
-                if getattr(now, key) != getattr(o, key):
-                    raise _core.InvalidArgumentError(
-                        f"ZeroOptimizer: param_groups[{gi}] changed '{key}' after construction; "
-                        "only 'lr' can change (the engine fixes the rest when it is built)")
-            if now.lr != o.lr:
-                self.engine.set_lr(gi, now.lr)
-                o.lr = now.lr
+            keys = ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov")
+            if any(getattr(now, k) != getattr(o, k) for k in keys):
+                self.engine.set_options(gi, now)
+                self._engine_options[gi] = now
 
-    @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step: finishes the reductions, updates every shard (skipped on f16
         overflow), and brings the parameters up to date. Returns closure's loss, if given;

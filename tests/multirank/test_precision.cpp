@@ -236,4 +236,42 @@ TEST(Accumulation, UpdateIsTheMeanOverMicroStepsAndRanks) {
   }
 }
 
+// set_options() (what schedulers that cycle betas or momentum need): an engine whose group
+// changes its hyperparameters before the first step trains bitwise like one built with them;
+// an SGD momentum that would turn its buffer on after finalize() is refused.
+TEST(Accumulation, SetOptionsActsLikeConstructionWithThem) {
+  Config a = f16_config(2, 2, 1000), b = a;
+  a.dtype = b.dtype = DType::bf16;
+  b.optimizer.beta1 = 0.8f;
+  b.optimizer.weight_decay = 0.2f;
+  Engine ea(a, world()), eb(b, world());
+  zs_test::register_model(ea, zs_test::uneven_model());
+  zs_test::register_model(eb, zs_test::uneven_model());
+  ea.set_options(0, b.optimizer);
+  EXPECT_EQ(ea.options(0).beta1, 0.8f);
+  zs_test::TrainOptions o;
+  o.steps = 4;
+  zs_test::train(ea, o);
+  zs_test::train(eb, o);
+  for (int u = 0; u < ea.num_units(); ++u)
+    for (StateKind k :
+         {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
+      const auto x = ea.read_shard(u, k), y = eb.read_shard(u, k);
+      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0) << "unit " << u;
+    }
+  OptimizerOptions bad = b.optimizer;
+  bad.beta1 = 1.5f;
+  EXPECT_ZS_ERROR(ea.set_options(0, bad), invalid_config, "beta");
+  bad = b.optimizer;
+  bad.kind = OptimizerKind::lion;
+  EXPECT_ZS_ERROR(ea.set_options(0, bad), invalid_argument, "differs from the engine's");
+
+  Config sgd = sgd_config(1);
+  Engine es(sgd, world());
+  zs_test::register_model(es, zs_test::uneven_model());
+  OptimizerOptions m = sgd.optimizer;
+  m.momentum = 0.9f;
+  EXPECT_ZS_ERROR(es.set_options(0, m), invalid_argument, "turns the momentum buffer on or off");
+}
+
 }  // namespace
