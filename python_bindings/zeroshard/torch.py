@@ -316,6 +316,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._callback_queued = False
         self.last_result = None
         self._engine_options = [self._options(g) for g in self.param_groups]
+        self._built = True  # param_groups are the engine's from here on (add_param_group)
         if self.stage < 3:
             for u in self._units:
                 for p, v in zip(u.params, self.engine.params(u.index)):
@@ -672,6 +673,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._release(u)
 
     # ---- the optimizer interface ---------------------------------------------------------------
+
+    def add_param_group(self, param_group):
+        # torch.optim.Optimizer's constructor adds the groups through here; afterwards a new
+        # group's parameters would never reach the engine, and would silently not train.
+        if getattr(self, "_built", False):
+            raise _core.InvalidArgumentError(
+                "add_param_group(): ZeroOptimizer registers its parameters with the engine when "
+                "it is built; pass every group as param_groups=[...] to the constructor (a "
+                "group's hyperparameters may still change between steps)")
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none=True):
         """Drops the gradients accumulated since the last step (in the engine and in .grad)."""

@@ -256,6 +256,15 @@ def test_schedulers_that_cycle_betas_match_adamw():
     assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
 
 
+def test_add_param_group_after_construction_raises():
+    m = make_model()
+    opt = zero(m, 2)
+    extra = torch.nn.Linear(2, 2)
+    with pytest.raises(zs.InvalidArgumentError, match="pass every group as param_groups"):
+        opt.add_param_group({"params": list(extra.parameters()), "lr": 0.1})
+    assert len(opt.param_groups) == len(groups(m))  # nothing was added
+
+
 def test_sgd_momentum_cannot_turn_on_after_construction():
     m = make_model()
     opt = zt.ZeroOptimizer(m, stage=1, optimizer="sgd", lr=0.1, comm=zs.make_self_communicator())
