@@ -28,6 +28,21 @@ def zero(model, stage, **kw):
                             comm=zs.make_self_communicator(), **kw)
 
 
+def adamw_with_schedule(model, data, make_scheduler):
+    """torch.optim.AdamW on a copy of `model` over `data`, clipped like the engine, with the
+    scheduler make_scheduler(optimizer) stepped after every step: the reference."""
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
+    rsched = make_scheduler(ropt)
+    for tokens, labels in data:
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ropt.step()
+        rsched.step()
+    return ref
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_matches_adamw(stage):
     model, data = make_model(), batches(20)
@@ -59,15 +74,8 @@ def test_stage3_overlapping_units_match_adamw():
 def test_gradient_accumulation_and_lr_schedule_match():
     # Two micro-steps per step (the engine averages them) and a scheduler changing lr.
     model, data = make_model(), batches(12)
-    ref = copy.deepcopy(model)
-    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
-    rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=4, gamma=0.5)
-    for tokens, labels in data:
-        ropt.zero_grad()
-        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
-        ropt.step()
-        rsched.step()
+    ref = adamw_with_schedule(model, data,
+                              lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5))
     opt = zero(model, 2, gradient_accumulation_steps=2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     for tokens, labels in data:
@@ -234,15 +242,7 @@ def test_schedulers_that_cycle_betas_match_adamw():
                                                    cycle_momentum=True, base_momentum=0.8,
                                                    max_momentum=0.95)
     model, data = make_model(), batches(12)
-    ref = copy.deepcopy(model)
-    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
-    rsched = sched(ropt, len(data))
-    for tokens, labels in data:
-        ropt.zero_grad()
-        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
-        ropt.step()
-        rsched.step()
+    ref = adamw_with_schedule(model, data, lambda o: sched(o, len(data)))
     opt = zero(model, 2)
     zsched = sched(opt, len(data))
     beta1_seen = set()
