@@ -326,6 +326,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             for u in self._units:
                 self._setup_stage3(u)
+        # model.load_state_dict() after this point writes parameters the engine keeps a master
+        # copy of: resynchronise it, or (stage 3, where parameters are shards) refuse.
+        model._register_load_state_dict_pre_hook(self._before_model_load)
+        model.register_load_state_dict_post_hook(self._after_model_load)
+
+    def _before_model_load(self, *args):
+        if self.stage == 3:
+            raise _core.InvalidArgumentError(
+                "model.load_state_dict() after ZeroOptimizer was built: at stage 3 each rank "
+                "holds only shards of the parameters; load the weights before building the "
+                "optimizer, or restore with ZeroOptimizer.load_state_dict()")
+
+    def _after_model_load(self, module, incompatible):
+        # Stages 0-2: the parameters are engine memory and now hold the loaded values, but the
+        # next step would rebuild them from the old f32 master weights. Make the loaded values
+        # the master (each rank its shard; collective, as loading is on every rank), keeping the
+        # optimizer's moments, as DeepSpeed does.
+        for u in self._units:
+            si = self.engine.shard_info(u.index)
+            flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in u.params])
+            shard = torch.zeros(si.shard_numel, dtype=torch.float32)
+            lo, hi = si.shard_offset, min(si.shard_offset + si.shard_numel, si.numel)
+            if hi > lo:
+                shard[:hi - lo] = flat[lo:hi]
+            self.engine.write_shard(u.index, _core.StateKind.master, shard)
+        self.engine.commit_shards()
 
     # ---- construction helpers ------------------------------------------------------------------
 

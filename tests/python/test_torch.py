@@ -256,6 +256,29 @@ def test_schedulers_that_cycle_betas_match_adamw():
     assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
 
 
+def test_model_load_state_dict_after_construction_is_kept():
+    # A bf16 model keeps f32 master weights apart from its parameters: before, the next step
+    # rebuilt the parameters from the old master and silently undid model.load_state_dict().
+    for stage in (0, 1, 2):
+        m = make_model().to(torch.bfloat16)
+        opt = zero(m, stage)  # Config.dtype follows the model: bf16
+        train_zero(opt, m, batches(2), 0, 1)
+        loaded = make_model().to(torch.bfloat16).state_dict()
+        m.load_state_dict(loaded)
+        for g in opt.param_groups:
+            g["lr"] = 0.0  # a step that changes nothing must leave the loaded values in place
+        train_zero(opt, m, batches(1), 0, 1)
+        assert max_abs_diff(m.state_dict(), loaded) == 0, f"stage {stage}: undone by step()"
+
+
+def test_model_load_state_dict_is_refused_at_stage3():
+    m = make_model()
+    opt = zero(m, 3)
+    with pytest.raises(zs.InvalidArgumentError, match="at stage 3 each rank holds only shards"):
+        m.load_state_dict(make_model().state_dict())
+    assert opt.engine.num_units() > 0
+
+
 def test_add_param_group_after_construction_raises():
     m = make_model()
     opt = zero(m, 2)
