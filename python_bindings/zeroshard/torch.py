@@ -519,18 +519,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _broadcast_from_rank0(self, model):
         # As DDP does: every rank starts from rank 0's parameters and buffers, so that a model
-        # initialised from a different random seed per rank still trains as one.
+        # initialised from a different random seed per rank still trains as one. Buffers of any
+        # dtype cross as bytes (DLPack has no bool: a mask goes as its uint8 view).
+        named = list(model.named_parameters()) + list(model.named_buffers())
         with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
+            for name, t in named:
                 if t.numel() == 0:
                     continue
                 if not t.is_contiguous():
                     t.data = t.data.contiguous()
-                if t.device.type == "cpu":
-                    self.comm.broadcast(t.detach(), 0, "initial parameters from rank 0")
-                else:  # the communicator takes host memory: through a host copy
-                    host = t.detach().cpu()
-                    self.comm.broadcast(host, 0, "initial parameters from rank 0")
+                host = t.detach() if t.device.type == "cpu" else t.detach().cpu()
+                wire = host.view(torch.uint8) if host.dtype == torch.bool else host
+                try:
+                    self.comm.broadcast(wire, 0, f"initial value of '{name}' from rank 0")
+                except (TypeError, ValueError, RuntimeError, _core.Error) as e:
+                    raise _core.InvalidArgumentError(
+                        f"ZeroOptimizer: cannot send '{name}' ({t.dtype}) from rank 0 to the "
+                        f"other ranks: {e}") from e
+                if t.device.type != "cpu":  # the communicator takes host memory
                     t.copy_(host)
 
     @staticmethod

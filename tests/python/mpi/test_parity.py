@@ -162,3 +162,15 @@ def test_checkpoint_loads_at_another_world_size_and_stage():
     if rank == 0:
         import shutil
         shutil.rmtree(path)
+
+
+def test_buffers_of_every_dtype_start_from_rank_0():
+    # Masks (bool) and counters (int64) are buffers too: every rank starts from rank 0's, as
+    # DDP does; DLPack has no bool, so a mask must cross as bytes (it failed before).
+    comm, rank, size = world()
+    model = make_model()
+    model.register_buffer("mask", torch.tensor([rank % 2 == 0, True, rank > 0]))
+    model.register_buffer("count", torch.tensor([rank * 7, -rank], dtype=torch.int64))
+    zero_opt(model, 2)
+    ok = (model.mask.tolist() == [True, True, False] and model.count.tolist() == [0, 0])
+    assert agree(comm, ok), f"rank {rank}: mask {model.mask.tolist()}, count {model.count.tolist()}"
