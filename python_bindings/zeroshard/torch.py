@@ -25,7 +25,9 @@ How it maps onto the engine
 Units. One unit per top-level child module of the model (its parameters, recursively); a child
 with more than `unit_numel` trainable elements is split into its own children (its direct
 parameters then form a unit of their own), and parameters directly on the model form a unit
-"<root>". `units=[module, ...]` sets the boundaries by hand instead (parameters outside them
+"<root>". A ModuleList or ModuleDict is never a unit (it is never called, so its hooks could
+not fire): its children are, as if they were the model's; a ParameterList or ParameterDict
+belongs to its parent's unit. `units=[module, ...]` sets the boundaries by hand instead (parameters outside them
 form the unit "<rest>", attached to the model). Only parameters with requires_grad=True are
 managed; frozen ones stay ordinary tensors.
 
@@ -148,6 +150,10 @@ class _Unit:
         self.placeholder = None       # stage 3: what .data is while released
 
 
+_MODULE_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+_PARAM_CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict)
+
+
 def partition_units(model, unit_numel=1 << 25, units=None, trainable=None):
     """Unit boundaries for `model`, as ZeroOptimizer cuts them: a list of
     (name, module, [(param_name, param), ...]). See the module doc for the rules."""
@@ -191,12 +197,20 @@ def partition_units(model, unit_numel=1 << 25, units=None, trainable=None):
         if total == 0:
             return
         children = [(n, c) for n, c in m.named_children() if subtree_numel(c) > 0]
+        # A ModuleList/ModuleDict is never called, so its hooks never fire: it is never a unit,
+        # its children are. A ParameterList/ParameterDict is read by its parent's forward: its
+        # parameters belong to the parent's unit.
+        held = [c for _, c in children if isinstance(c, _PARAM_CONTAINERS)]
+        children = [(n, c) for n, c in children if not isinstance(c, _PARAM_CONTAINERS)]
         # The model itself always splits into its children; below it, a module is one unit
         # unless it is too large and has children to split into.
-        if depth > 0 and (total <= unit_numel or not children):
+        container = isinstance(m, _MODULE_CONTAINERS)
+        if depth > 0 and not container and (total <= unit_numel or not children):
             out.append((prefix, m, take(m, True)))
             return
         own = take(m, False)
+        for c in held:
+            own += take(c, True)
         if own:
             out.append((prefix or "<root>", m, own))
         for n, c in children:

@@ -279,6 +279,57 @@ def test_model_load_state_dict_is_refused_at_stage3():
     assert opt.engine.num_units() > 0
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class _GptLike(torch.nn.Module):
+    # The usual GPT layout: a `transformer` ModuleDict holding the embedding, a ModuleList of
+    # blocks and the final norm, and a head; plus a ParameterList read by forward itself.
+    def __init__(self, vocab=50, d=8, n=3, classes=7):
+        super().__init__()
+        torch.manual_seed(3)
+        self.transformer = torch.nn.ModuleDict({
+            "wte": torch.nn.Embedding(vocab, d),
+            "h": torch.nn.ModuleList([_Block(d) for _ in range(n)]),
+            "ln_f": torch.nn.LayerNorm(d)})
+        self.gates = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(d)) for _ in range(2)])
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, tokens):
+        x = self.transformer["wte"](tokens).mean(1)
+        for block in self.transformer["h"]:
+            x = block(x)
+        x = self.transformer["ln_f"](x) * self.gates[0] + self.gates[1]
+        return self.head(x)
+
+
+def test_module_containers_are_never_units_and_stage3_trains_them():
+    model = _GptLike()
+    names = [n for n, _, _ in zt.partition_units(model)]
+    assert "transformer" not in names and "transformer.h" not in names, names
+    assert {"transformer.wte", "transformer.h.0", "transformer.ln_f", "head"} <= set(names)
+    data = batches(8)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    for tokens, labels in data:
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ropt.step()
+    opt = zt.ZeroOptimizer(model, stage=3, lr=LR, eps=EPS, weight_decay=0.0,
+                           gradient_clipping=CLIP, comm=zs.make_self_communicator())
+    train_zero(opt, model, data, 0, 1)
+    got = opt.model_state_dict()
+    assert max_abs_diff(got, ref.state_dict()) <= BOUND
+    assert max_abs_diff(got, _GptLike().state_dict()) > 100 * BOUND  # it trained
+
+
 def test_add_param_group_after_construction_raises():
     m = make_model()
     opt = zero(m, 2)
