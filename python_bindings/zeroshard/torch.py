@@ -853,7 +853,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Restores a state_dict() saved by the same rank of a run at the same world size over
         the same model: master weights (and so the model's parameters), optimizer state, step
-        count, loss scale and learning rates."""
+        count, loss scale and every group's hyperparameters."""
         st = state_dict.get("state") if isinstance(state_dict, dict) else None
         if not isinstance(st, dict) or st.get("format") != _STATE_FORMAT:
             raise _core.InvalidArgumentError(
@@ -890,12 +890,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         f"this model has {want!r} (same model, world size and shard_alignment "
                         "needed)")
         for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
-            for key in _GROUP_KEYS[self._kind]:
-                if key != "lr" and key in saved and _norm(saved[key]) != _norm(g[key]):
-                    raise _core.InvalidArgumentError(
-                        f"load_state_dict(): param_groups[{gi}]['{key}'] was {saved[key]!r}, "
-                        f"this optimizer has {g[key]!r}; only 'lr' is restored (build the "
-                        "optimizer with the saved hyperparameters)")
+            # Every hyperparameter is restored, except an SGD momentum that would turn the
+            # momentum buffer on or off, which the engine fixed when it was built.
+            if "momentum" in saved and (_norm(saved["momentum"]) != 0) != (g["momentum"] != 0):
+                raise _core.InvalidArgumentError(
+                    f"load_state_dict(): param_groups[{gi}]['momentum'] was "
+                    f"{saved['momentum']!r}, this optimizer has {g['momentum']!r}: the momentum "
+                    "buffer cannot turn on or off (build the optimizer with the saved momentum)")
         for u, entry in zip(self._units, st["units"]):
             self.engine.write_shard(u.index, _core.StateKind.master, _f32(entry["master"]))
             for name, kind in zip(state_names, _STATE_KINDS):
@@ -905,7 +906,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine.set_step_count(int(st["step"]))
         self.engine.set_loss_scale(float(st["loss_scale"]))
         for g, saved in zip(self.param_groups, groups):
-            g["lr"] = saved["lr"]
+            for key in _GROUP_KEYS[self._kind]:
+                if key in saved:
+                    g[key] = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
         self._sync_hyperparameters()
 
 
