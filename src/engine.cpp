@@ -214,6 +214,17 @@ const OptimizerOptions& Engine::options(int group) const {
 float Engine::loss_scale() const {
   return impl_->scaler.scale();
 }
+LossScalerState Engine::loss_scaler_state() const {
+  return impl_->scaler.state();
+}
+void Engine::set_loss_scaler_state(const LossScalerState& st) {
+  if (!(st.scale > 0) || st.hysteresis_left < 0 || st.iteration < 0 || st.last_overflow < -1)
+    ZS_THROW(invalid_argument, "set_loss_scaler_state(): scale "
+                                   << st.scale << ", hysteresis_left " << st.hysteresis_left
+                                   << ", iteration " << st.iteration << ", last_overflow "
+                                   << st.last_overflow << " is not a scaler's state");
+  impl_->scaler.set_state(st);
+}
 int64_t Engine::step_count() const {
   return impl_->steps;
 }

@@ -162,6 +162,14 @@ void bind_results(nb::module_& m) {
       .def("comm_hidden_fraction", &StepResult::comm_hidden_fraction)
       .def("__repr__", &step_repr);
 
+  nb::class_<LossScalerState>(m, "LossScalerState",
+                              "The dynamic loss scaler's whole state, for checkpoints.")
+      .def(nb::init<>())
+      .def_rw("scale", &LossScalerState::scale)
+      .def_rw("hysteresis_left", &LossScalerState::hysteresis_left)
+      .def_rw("iteration", &LossScalerState::iteration)
+      .def_rw("last_overflow", &LossScalerState::last_overflow);
+
   nb::class_<ShardInfo>(m, "ShardInfo", "Shard geometry of one unit on this rank, in elements.")
       .def_ro("numel", &ShardInfo::numel)
       .def_ro("padded_numel", &ShardInfo::padded_numel)
@@ -385,6 +393,14 @@ void def_accessors(nb::class_<PyEngine>& cls) {
       nb::arg("group") = 0, "A group's hyperparameters, as an OptimizerOptions copy.");
   cls.def("loss_scale",
           [](PyEngine& e) { return locked(e, [&] { return e.engine.loss_scale(); }); });
+  cls.def("loss_scaler_state",
+          [](PyEngine& e) { return locked(e, [&] { return e.engine.loss_scaler_state(); }); });
+  cls.def(
+      "set_loss_scaler_state",
+      [](PyEngine& e, const LossScalerState& st) {
+        locked(e, [&] { e.engine.set_loss_scaler_state(st); });
+      },
+      nb::arg("state"));
   cls.def("step_count",
           [](PyEngine& e) { return locked(e, [&] { return e.engine.step_count(); }); });
   cls.def("rank", [](PyEngine& e) { return e.engine.rank(); });

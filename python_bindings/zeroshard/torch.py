@@ -847,7 +847,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {"state": {"format": _STATE_FORMAT, "rank": self.engine.rank(),
                           "world_size": self.engine.world_size(), "stage": self.stage,
                           "optimizer": self._kind.name, "step": self.engine.step_count(),
-                          "loss_scale": self.engine.loss_scale(), "units": units},
+                          "loss_scale": self.engine.loss_scale(),
+                          "loss_scaler": _scaler_dict(self.engine.loss_scaler_state()),
+                          "units": units},
                 "param_groups": groups}
 
     def load_state_dict(self, state_dict):
@@ -905,11 +907,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine.commit_shards()
         self.engine.set_step_count(int(st["step"]))
         self.engine.set_loss_scale(float(st["loss_scale"]))
+        if "loss_scaler" in st:  # the scaler's counters too, so its schedule goes on exactly
+            ls = _core.LossScalerState()
+            ls.scale = float(st["loss_scale"])
+            for key in ("hysteresis_left", "iteration", "last_overflow"):
+                setattr(ls, key, int(st["loss_scaler"][key]))
+            self.engine.set_loss_scaler_state(ls)
         for g, saved in zip(self.param_groups, groups):
             for key in _GROUP_KEYS[self._kind]:
                 if key in saved:
                     g[key] = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
         self._sync_hyperparameters()
+
+
+def _scaler_dict(ls):
+    return {"hysteresis_left": ls.hysteresis_left, "iteration": ls.iteration,
+            "last_overflow": ls.last_overflow}
 
 
 def _norm(v):

@@ -148,6 +148,10 @@ void Engine::save(const std::filesystem::path& dir) {
       nlohmann::json m = {{"format", kFormat},
                           {"step", step_count()},
                           {"loss_scale", loss_scale()},
+                          {"loss_scaler",
+                           {{"hysteresis_left", loss_scaler_state().hysteresis_left},
+                            {"iteration", loss_scaler_state().iteration},
+                            {"last_overflow", loss_scaler_state().last_overflow}}},
                           {"world_size", world_size()},
                           {"stage", config().stage},
                           {"dtype", dtype_name(config().dtype)},
@@ -226,6 +230,12 @@ void Engine::load(const std::filesystem::path& dir) {
   commit_shards();
   set_step_count(m.at("step").get<int64_t>());
   set_loss_scale(m.at("loss_scale").get<float>());
+  if (m.contains("loss_scaler")) {  // written since the scaler's counters are saved too
+    const nlohmann::json& ls = m.at("loss_scaler");
+    set_loss_scaler_state({m.at("loss_scale").get<float>(), ls.at("hysteresis_left").get<int>(),
+                           ls.at("iteration").get<int64_t>(),
+                           ls.at("last_overflow").get<int64_t>()});
+  }
 }
 
 }  // namespace zeroshard

@@ -4,6 +4,7 @@
 // min_scale); after `window` steps without overflow the scale doubles and hysteresis refills.
 
 #include "zeroshard/config.hpp"
+#include "zeroshard/engine.hpp"
 
 namespace zeroshard {
 
@@ -13,6 +14,13 @@ class LossScaler {
   LossScaler(const LossScaleOptions& o, bool dynamic);
   float scale() const { return scale_; }
   void set_scale(float s) { scale_ = s; }
+  LossScalerState state() const { return {scale_, hysteresis_left_, iter_, last_overflow_iter_}; }
+  void set_state(const LossScalerState& s) {
+    scale_ = s.scale;
+    hysteresis_left_ = s.hysteresis_left;
+    iter_ = s.iteration;
+    last_overflow_iter_ = s.last_overflow;
+  }
   /// Records one step's outcome (after the all-reduce that agreed on `overflow`).
   void update(bool overflow);
   /// Whether an overflow now would need the scale below min_scale: the scale cannot absorb it,
@@ -25,8 +33,8 @@ class LossScaler {
   bool dynamic_;
   float scale_;
   int hysteresis_left_;
-  long iter_ = 0;
-  long last_overflow_iter_ = -1;
+  int64_t iter_ = 0;
+  int64_t last_overflow_iter_ = -1;
 };
 
 }  // namespace zeroshard

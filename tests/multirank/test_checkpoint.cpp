@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "tests/multirank/harness.hpp"
 
@@ -113,6 +114,42 @@ TEST(Checkpoint, RefusesAnotherModelAndTruncatedFiles) {
     EXPECT_NE(std::string(e.what()).find("unit2.master.f32"), std::string::npos) << e.what();
   }
   world()->barrier("checkpoint test b");
+  if (world()->rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// An f16 run's loss scaler goes on from a checkpoint exactly: its counters (overflows still
+// tolerated, iterations since the last overflow) come back with the scale, so the resumed run
+// halves and doubles the scale at the same steps as the uninterrupted one.
+TEST(Checkpoint, RestoresTheLossScalersCounters) {
+  auto dir = shared_dir("scaler");
+  Config cfg = cfg_for(2);
+  cfg.dtype = DType::f16;
+  cfg.loss_scale.initial_scale_power = 8;  // 2^16 would overflow f16 on the clean steps too
+  cfg.loss_scale.hysteresis = 3;
+  cfg.loss_scale.window = 5;
+  Engine a(cfg, world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  zs_test::TrainOptions bad, clean;
+  bad.steps = 1;
+  clean.steps = 2;
+  bad.tamper = [](Engine&, int u, int, int64_t, std::vector<TensorView>& g) {
+    if (u == 0) zs_test::store(g[0].data, g[0].dtype, 0, std::numeric_limits<float>::infinity());
+  };
+  zs_test::train(a, bad);  // one of three tolerated overflows used
+  zs_test::train(a, clean);
+  const LossScalerState saved = a.loss_scaler_state();
+  EXPECT_EQ(saved.hysteresis_left, 2);
+  EXPECT_EQ(saved.iteration, 3);
+  a.save(dir);
+  Engine b(cfg, world());
+  zs_test::register_model(b, zs_test::uneven_model());
+  b.load(dir);
+  const LossScalerState got = b.loss_scaler_state();
+  EXPECT_EQ(got.scale, saved.scale);
+  EXPECT_EQ(got.hysteresis_left, saved.hysteresis_left);
+  EXPECT_EQ(got.iteration, saved.iteration);
+  EXPECT_EQ(got.last_overflow, saved.last_overflow);
+  world()->barrier("checkpoint test scaler");
   if (world()->rank() == 0) std::filesystem::remove_all(dir);
 }
 

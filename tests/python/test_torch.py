@@ -193,6 +193,21 @@ def test_load_state_dict_restores_every_hyperparameter():
         sgd.load_state_dict(sd)
 
 
+def test_state_dict_carries_the_loss_scalers_counters():
+    # The whole scaler state travels, so an f16 run resumes its scale schedule exactly. (CPU
+    # torch has no half matmul here, so the state is set directly rather than trained into.)
+    m = make_model()
+    opt = zero(m, 2)
+    st = zs.LossScalerState()
+    st.scale, st.hysteresis_left, st.iteration, st.last_overflow = 512.0, 1, 41, 37
+    opt.engine.set_loss_scaler_state(st)
+    sd = opt.state_dict()
+    other = zero(make_model(), 2)
+    other.load_state_dict(sd)
+    got = other.engine.loss_scaler_state()
+    assert (got.scale, got.hysteresis_left, got.iteration, got.last_overflow) == (512.0, 1, 41, 37)
+
+
 def test_config_errors_surface_as_python_exceptions():
     m = make_model()
     with pytest.raises(zs.ConfigError, match="did you mean 'stage'"):
