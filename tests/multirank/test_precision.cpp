@@ -165,8 +165,7 @@ TEST(Clipping, NormAndFactorMatchReference) {
     Engine e(cfg, world());
     auto model = zs_test::uneven_model();
     zs_test::register_model(e, model);
-    std::vector<std::vector<float>> p0;
-    for (int u = 0; u < e.num_units(); ++u) p0.push_back(e.read_shard(u, StateKind::master));
+    const std::vector<std::vector<float>> p0 = masters(e);
     zs_test::TrainOptions o;
     o.steps = 1;
     StepResult r = zs_test::train(e, o)[0];
@@ -212,8 +211,7 @@ TEST(Accumulation, UpdateIsTheMeanOverMicroStepsAndRanks) {
     Engine e(cfg, world());
     auto model = zs_test::uneven_model();
     zs_test::register_model(e, model);
-    std::vector<std::vector<float>> p0;
-    for (int u = 0; u < e.num_units(); ++u) p0.push_back(e.read_shard(u, StateKind::master));
+    const std::vector<std::vector<float>> p0 = masters(e);
     zs_test::TrainOptions o;
     o.steps = 1;
     o.micro_batches = k;
