@@ -105,6 +105,10 @@ std::vector<TensorView> Engine::grads(UnitId id) {
   Unit& u = m.unit(id, "grads");
   const size_t bytes = size_t(m.layout(id).padded_numel) * m.pbytes;
   if (u.grads_out) return m.views(id, m.grad_buffer(id));
+  if (m.closed)
+    ZS_THROW(invalid_argument, "grads(): " << m.where(id)
+                                           << ": clip_grad_norm() closed this step's gradients; "
+                                              "call step() (or zero_grad()) first");
   if (u.queued)
     ZS_THROW(invalid_argument,
              "grads(): " << m.where(id) << ": its gradients of the last micro-step wait for unit '"
@@ -223,6 +227,8 @@ void Engine::zero_grad() {
     u.micro_done = 0;
   }
   m.reduce_next = int(m.units.size()) - 1;
+  m.closed.reset();
+  m.clip_now = 0;
   m.state->forget_grads();
 }
 

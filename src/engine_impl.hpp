@@ -12,6 +12,7 @@
 
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,6 +86,10 @@ struct Engine::Impl final : ParamSink {
   uint64_t issued_hash = 0;
   void record(char kind, int unit);
 
+  // clip_grad_norm() ran: this step's {sum of squares, overflow}, and its clipping bound.
+  std::optional<std::pair<double, bool>> closed;
+  double clip_now = 0;
+
   // Timing of the current step interval (StepResult's breakdown).
   std::vector<std::shared_ptr<Work>> step_works;  // collectives since the last step
   double exposed_s = 0;                           // trainer thread blocked on them
@@ -140,8 +145,10 @@ struct Engine::Impl final : ParamSink {
 
   // engine_step.cpp
   StepResult step();
+  std::pair<double, bool> close_grads();  // finish_micro_steps() + reduce_norm_and_flags(), once
   void finish_micro_steps();
   std::pair<double, bool> reduce_norm_and_flags();
+  double grad_scale() const;
   std::vector<cpu::UpdateHyper> fold_hyper(double grad_scale) const;
   void drop_prefetches();
   void update(const std::vector<cpu::UpdateHyper>& hyper);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "src/base/agree.hpp"
 #include "src/base/check.hpp"
@@ -124,16 +125,40 @@ std::pair<double, bool> Engine::Impl::reduce_norm_and_flags() {
   return {agg[0], agg[1] > 0 || !std::isfinite(agg[0])};
 }
 
-StepResult Engine::Impl::step() {
+// This step's gradients, reduced and agreed on: the part of step() that clip_grad_norm() runs
+// ahead of it.
+std::pair<double, bool> Engine::Impl::close_grads() {
+  if (closed) return *closed;
   finish_micro_steps();
-  const int k = cfg.gradient_accumulation_steps;
   for (Unit& u : units) u.micro_done = 0;
   // Stage 3 prefetch follows the gather order of the first step from now on.
   if (!gather_order.empty()) order_recorded = true;
   gather_pos = 0;
   drop_prefetches();
+  closed = reduce_norm_and_flags();
+  return *closed;
+}
 
-  const auto [sumsq, overflow] = reduce_norm_and_flags();
+double Engine::clip_grad_norm(double max_norm) {
+  Impl& m = *impl_;
+  if (!(max_norm >= 0) || !std::isfinite(max_norm))
+    ZS_THROW(invalid_argument, "clip_grad_norm(): max_norm must be a finite number >= 0, got "
+                                   << max_norm);
+  const auto [sumsq, overflow] = m.close_grads();
+  m.clip_now = max_norm;
+  return overflow ? std::numeric_limits<double>::infinity() : std::sqrt(sumsq) * m.grad_scale();
+}
+
+// What the summed, loss-scaled gradients are multiplied by: the mean over micro-steps and
+// ranks, unscaled.
+double Engine::Impl::grad_scale() const {
+  return 1.0 / (double(world) * cfg.gradient_accumulation_steps * scaler.scale());
+}
+
+StepResult Engine::Impl::step() {
+  const auto [sumsq, overflow] = close_grads();
+  closed.reset();
+  const double clip_next = std::exchange(clip_now, 0.0);
   StepResult r;
   auto close_interval = [&] {
     double now = now_s();
@@ -143,8 +168,7 @@ StepResult Engine::Impl::step() {
     exposed_s = 0;
     interval_start = now;
   };
-  const double scale = scaler.scale();
-  const double inv = 1.0 / (double(world) * k * scale);
+  const double inv = grad_scale();
   r.grad_norm = std::sqrt(sumsq) * inv;
   if (overflow && scaler.at_floor()) {
     state->forget_grads();
@@ -166,7 +190,9 @@ StepResult Engine::Impl::step() {
     close_interval();
     return r;
   }
-  const double clip = cfg.gradient_clipping;
+  const double clip = clip_next > 0 && (cfg.gradient_clipping <= 0 || clip_next < cfg.gradient_clipping)
+                         ? clip_next
+                         : cfg.gradient_clipping;
   r.clip_factor = clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0;
   ++steps;
   const double t_update = now_s();

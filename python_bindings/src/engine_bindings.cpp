@@ -369,6 +369,14 @@ void def_training(nb::class_<PyEngine>& cls) {
   cls.def(
       "step", [](PyEngine& e) { return locked(e, [&] { return e.engine.step(); }); },
       "Finishes reductions; updates every shard (or skips on overflow). Collective.");
+  cls.def(
+      "clip_grad_norm",
+      [](PyEngine& e, double max_norm) {
+        return locked(e, [&] { return e.engine.clip_grad_norm(max_norm); });
+      },
+      nb::arg("max_norm") = 0.0,
+      "Closes this step's gradients and returns their global L2 norm (inf on overflow); the "
+      "coming step() clips at max_norm (0: only Config.gradient_clipping). Collective.");
   cls.def("zero_grad", [](PyEngine& e) { locked(e, [&] { e.engine.zero_grad(); }); });
 }
 

@@ -133,6 +133,7 @@ std::vector<StepResult> train(Engine& e, const TrainOptions& opt) {
         e.release(u);
       }
     }
+    if (opt.before_step) opt.before_step(e);
     out.push_back(e.step());
   }
   return out;

@@ -67,6 +67,8 @@ struct TrainOptions {
   /// The order in which this rank's trainer goes through the units in a micro-step (a
   /// permutation of 0 … units − 1); null: from the last unit to the first.
   std::function<std::vector<int>(int rank, int64_t step, int micro, int units)> order;
+  /// Called after the last micro-step, before step() (e.g. clip_grad_norm()).
+  std::function<void(zeroshard::Engine&)> before_step;
 };
 
 /// Runs opt.steps steps: per micro-step, per unit, gather → gradient → grads_ready → release.

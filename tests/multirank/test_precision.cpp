@@ -200,6 +200,50 @@ TEST(Clipping, NormAndFactorMatchReference) {
   }
 }
 
+// clip_grad_norm() before step() (torch.nn.utils.clip_grad_norm_'s place in a loop) returns the
+// norm step() reports and trains bitwise like Config::gradient_clipping; it closes the step's
+// gradients (a further hand-over is refused) until step() or zero_grad().
+TEST(Clipping, ClipGradNormBeforeStepActsLikeTheConfig) {
+  for (int stage : {0, 2, 3}) {
+    Config a = sgd_config(stage), b = a;
+    a.gradient_clipping = 0.5;
+    a.gradient_accumulation_steps = b.gradient_accumulation_steps = 2;
+    Engine ea(a, world()), eb(b, world());
+    zs_test::register_model(ea, zs_test::uneven_model());
+    zs_test::register_model(eb, zs_test::uneven_model());
+    zs_test::TrainOptions o;
+    o.steps = 3;
+    o.micro_batches = 2;
+    const std::vector<StepResult> ra = zs_test::train(ea, o);
+    std::vector<double> norms;
+    o.before_step = [&](Engine& e) {
+      norms.push_back(e.clip_grad_norm(0.5));
+      EXPECT_EQ(e.clip_grad_norm(0.5), norms.back()) << "a second call reuses the reduction";
+      EXPECT_THROW(e.grads(0), Error) << "gradients after clip_grad_norm()";
+    };
+    const std::vector<StepResult> rb = zs_test::train(eb, o);
+    for (size_t s = 0; s < ra.size(); ++s) {
+      EXPECT_LT(ra[s].clip_factor, 1.0) << "the test needs clipping to engage";
+      EXPECT_EQ(rb[s].clip_factor, ra[s].clip_factor) << "stage " << stage << " step " << s;
+      EXPECT_EQ(norms[s], rb[s].grad_norm);
+    }
+    for (int u = 0; u < ea.num_units(); ++u) {
+      const auto x = ea.read_shard(u, StateKind::master), y = eb.read_shard(u, StateKind::master);
+      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0) << "unit " << u;
+    }
+    // Without a call, the next step does not clip; zero_grad() forgets a closed step.
+    o.before_step = [](Engine& e) {
+      e.clip_grad_norm(0.5);
+      e.zero_grad();
+    };
+    o.steps = 1;
+    EXPECT_THROW(zs_test::train(eb, o), Error) << "step() after zero_grad() has no gradients";
+    o.before_step = nullptr;
+    EXPECT_EQ(zs_test::train(eb, o)[0].clip_factor, 1.0);
+    EXPECT_THROW(eb.clip_grad_norm(-1), Error);
+  }
+}
+
 // The accumulated gradient is the mean over micro-steps and ranks, not their sum: with SGD (lr 1,
 // no momentum, no decay, no clipping), which unlike Adam is not invariant to the gradient's
 // scale, each master weight moves by exactly that mean.
