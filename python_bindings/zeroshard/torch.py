@@ -46,10 +46,26 @@ Gradients. torch 1.13 has no register_post_accumulate_grad_hook, so a hook on ea
 AccumulateGrad node (p.expand_as(p).grad_fn.next_functions[0][0].register_hook) sees the moment
 its .grad is complete. When every parameter of a unit has its gradient, the unit's gradients go
 to the engine with the copying Engine.grads_ready(unit, grads) (validated, one copy, no GIL), its
-reduce-scatter starts while backward goes on, and .grad is set back to None: after backward the
-gradients live in the engine (sharded from stage 2), not in .grad. A callback queued on the
-autograd engine hands over, at the end of backward, any unit that did not get all its gradients
-(unused parameters count as zero). This is the same for every stage.
+reduce-scatter starts while backward goes on: after backward the gradients live in the engine
+(sharded from stage 2), not in .grad. .grad then holds a HandedGrad, the parameter's shape with
+no values, which raises when read (torch.nn.utils.clip_grad_norm_, gradient logging, GradScaler
+would otherwise see None and silently do nothing) and names the ways out: opt.clip_grad_norm_(
+max_norm) returns the global norm and clips the coming step, as torch's does; every step's norm
+is in opt.last_result.grad_norm. model.zero_grad() passes over it, the next backward replaces it.
+A callback queued on the autograd engine hands over, at the end of backward, any unit that did
+not get all its gradients (unused parameters count as zero). This is the same for every stage.
+Ranks may differ in which units get gradients (a branch taken on some ranks only): the engine
+reduces in its own order, the same on every rank.
+
+Stage 3 outside forward(). A released parameter raises when its values are read (it is a
+ShardedParameter): a module that shares a unit's weight (an output head tied to the embedding)
+gathers that unit in its own forward, automatically; a method other than forward() that reads
+parameters directly is made to gather with opt.register_forward_method(module, "loss"), and
+reads under torch.no_grad() (generate(), evaluation) with `with opt.gathered(module):`. Every
+rank must run the same modules in the same order, since each gather is a collective: a branch
+taken on some ranks only fails every rank with an error naming the unit (or, if the ranks'
+collectives happen to match in size, at step(), naming both units) -- run such a branch on every
+rank, with its output weighted by zero where it does not apply.
 
 Batches. Each backward() is one micro-step. The engine averages gradients over ranks and over
 gradient_accumulation_steps micro-steps, so each rank's loss should be the mean over its own
@@ -64,15 +80,19 @@ load into an optimizer over the same model at the same world size. Either way lo
 restores the model's parameters (they are rebuilt from the master weights).
 """
 
+import contextlib
 import difflib
+import functools
+import weakref
 
 import torch
 from torch.utils import dlpack as _dlpack
 
 from . import _core
 from ._launch import default_communicator
+from ._torch_guards import HandedGrad, ShardedParameter, handed_grad
 
-__all__ = ["ZeroOptimizer", "partition_units"]
+__all__ = ["ZeroOptimizer", "partition_units", "HandedGrad"]
 
 _TORCH_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _ZS_TO_TORCH = {_core.DType.f32: torch.float32, _core.DType.bf16: torch.bfloat16,
@@ -147,6 +167,8 @@ class _Unit:
         self.gathered = False         # stage 3: parameters present
         self.forward_stack = []       # stage 3: was it gathered before each nested forward?
         self.full = []                # stage 3: torch buffers the gathered values live in
+        self.versions = []            # stage 3: parameters' _version when gathered
+        self.pre = self.post = None   # stage 3: the module's forward hooks
         self.placeholder = None       # stage 3: what .data is while released
 
 
@@ -291,11 +313,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cfg.optimizer = self._options(self.param_groups[0])
 
         unit_list = partition_units(model, unit_numel, units, {id(p) for p in trainable})
+        tied = {}
         if self.stage == 3:
-            self._check_stage3_units(model, unit_list)
-            # In-use gather buffers: a unit, the units of the modules enclosing it, and the next
-            # unit of backward while this one's gradients are not yet handed over.
-            cfg.max_live_units = max(cfg.max_live_units, self._nesting(model, unit_list) + 2)
+            tied = self._tied_users(model, unit_list)
+            # In-use gather buffers: a unit, the units of the modules enclosing it, the units a
+            # module shares a weight with, and the next unit of backward while this one's
+            # gradients are not yet handed over.
+            extra = max((len(v) for v in tied.values()), default=0)
+            cfg.max_live_units = max(cfg.max_live_units,
+                                     self._nesting(model, unit_list) + 2 + extra)
 
         self.engine = _core.Engine(cfg, self.comm)
         if self._device.type == "cuda":
@@ -340,6 +366,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             for u in self._units:
                 self._setup_stage3(u)
+            for module, indices in tied.items():
+                self._gather_for(module, [self._units[i] for i in indices])
         # model.load_state_dict() after this point writes parameters the engine keeps a master
         # copy of: resynchronise it, or (stage 3, where parameters are shards) refuse.
         model._register_load_state_dict_pre_hook(self._before_model_load)
@@ -573,34 +601,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
             deepest = max(deepest, depth)
         return deepest + 1
 
-    def _check_stage3_units(self, model, unit_list):
-        # A stage-3 parameter exists only while its unit's module runs (or a module around it).
-        # A parameter used by a module outside that (tied weights) would be read released.
+    def _tied_users(self, model, unit_list):
+        """Stage 3: {module: [unit index, ...]} for modules that hold a parameter of a unit whose
+        module does not enclose them (a weight tied across modules, e.g. an output head sharing
+        the embedding's weight). Such a module's forward gathers those units too, as their own
+        modules' forwards do."""
         parent = self._ancestors(model)
         owner = {}
-        for name, m, named in unit_list:
-            for pname, p in named:
-                owner[id(p)] = (name, m, pname)
+        for index, (_, m, named) in enumerate(unit_list):
+            for _, p in named:
+                owner[id(p)] = (index, m)
 
         def encloses(outer, inner):
             cur = inner
-            while True:
-                if cur is outer:
-                    return True
+            while cur is not outer:
                 if id(cur) not in parent:
                     return False
                 cur = parent[id(cur)]
+            return True
 
-        for name, m, _ in unit_list:
-            for p in m.parameters():
-                if id(p) not in owner:
-                    continue
-                oname, om, pname = owner[id(p)]
-                if not (encloses(om, m) or encloses(m, om)):
-                    raise _core.InvalidArgumentError(
-                        f"ZeroOptimizer: parameter '{pname}' of unit '{oname}' is also used by "
-                        f"unit '{name}' (tied weights). In stage 3 a parameter exists only while "
-                        "its unit's module runs; pass units=[...] with a module enclosing both")
+        users = {}
+        for _, m in model.named_modules():
+            for _, p in m.named_parameters(recurse=False):
+                if id(p) in owner and not encloses(owner[id(p)][1], m):
+                    found = users.setdefault(m, [])
+                    if owner[id(p)][0] not in found:
+                        found.append(owner[id(p)][0])
+        return users
 
     # ---- hooks ---------------------------------------------------------------------------------
 
@@ -610,10 +637,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 self._hooks.append(acc.register_hook(self._make_grad_hook(u, i)))
                 self._grad_accs.append(acc)
+                self._hooks.append(p.register_hook(self._make_clear_handed(p)))
+
+    @staticmethod
+    def _make_clear_handed(p):
+        # Runs before the gradient accumulates into .grad: the HandedGrad of the last backward
+        # must not be accumulated into (a new micro-step without zero_grad()). The tensor holds
+        # its hooks in C++, where the garbage collector cannot see a cycle back to it: a weak
+        # reference, or the parameter (and through its unit, the engine and its communicator,
+        # which finalises MPI) would never be freed.
+        ref = weakref.ref(p)
+
+        def hook(grad):
+            q = ref()
+            if q is not None and isinstance(q.grad, HandedGrad):
+                q.grad = None
+            return grad
+        return hook
 
     def _make_grad_hook(self, u, i):
+        # Weak, as pre_backward in _make_post_forward: an autograd graph the trainer keeps
+        # holds the parameters' AccumulateGrad nodes, and with them this hook.
+        opt, unit = weakref.ref(self), weakref.ref(u)
+
         def hook(grad_inputs, grad_outputs):
-            self._on_grad(u, i)
+            me, un = opt(), unit()
+            if me is not None and un is not None:
+                me._on_grad(un, i)
         return hook
 
     def _setup_stage3(self, u):
@@ -629,8 +679,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p, full in zip(u.params, u.full):
             p.data = u.placeholder
             _resize_storage(full, 0)
-        self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
-        self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+            # Reads while released raise (not an empty tensor's shape error, or silent zeros).
+            p.__class__ = ShardedParameter
+            # Weak: the engine holds the parameter through C++ (its AccumulateGrad node), where
+            # the garbage collector cannot see a cycle back to the optimizer.
+            p._zs_unit = weakref.ref(u)
+        u.pre, u.post = self._make_pre_forward(u), self._make_post_forward(u)
+        self._hooks.append(u.module.register_forward_pre_hook(u.pre))
+        self._hooks.append(u.module.register_forward_hook(u.post))
+
+    def _gather_for(self, module, units):
+        """module's forward gathers `units` as their own modules' forwards do (and again for
+        its backward)."""
+        def pre(m, args):
+            for u in units:
+                u.pre(m, args)
+
+        def post(m, args, out):
+            for u in reversed(units):
+                u.post(m, args, out)
+        self._hooks.append(module.register_forward_pre_hook(pre))
+        self._hooks.append(module.register_forward_hook(post))
 
     def _make_pre_forward(self, u):
         def hook(module, inputs):
@@ -642,10 +711,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _make_post_forward(self, u):
         def hook(module, inputs, output):
             if torch.is_grad_enabled():
+                # The outputs' graph outlives this call by as long as the trainer keeps it (an
+                # exception's traceback, say), in C++ where the garbage collector cannot follow:
+                # it refers to the optimizer weakly, or it would keep the engine alive.
+                opt, unit = weakref.ref(self), weakref.ref(u)
+
                 def pre_backward(grad):
-                    self._queue_end_of_backward()
-                    if not u.gathered and not u.handed:
-                        self._gather(u)
+                    me, un = opt(), unit()
+                    if me is None or un is None:
+                        return
+                    me._queue_end_of_backward()
+                    if not un.gathered and not un.handed:
+                        me._gather(un)
                 for t in _tensors(output):
                     if t.requires_grad:
                         t.register_hook(pre_backward)
@@ -660,14 +737,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             _resize_storage(full, n)
             full.copy_(_dlpack.from_dlpack(v))
             p.data = full
+        u.versions = [p._version for p in u.params]
         u.gathered = True
 
     def _release(self, u):
+        written = [n for n, p, v in zip(u.names, u.params, u.versions) if p._version != v]
         for p, full in zip(u.params, u.full):
             p.data = u.placeholder
             _resize_storage(full, 0)
         self.engine.release(u.index)
         u.gathered = False
+        if written:
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: '{written[0]}' (unit '{u.name}') was written in place while "
+                "gathered; at stage 3 the gathered values are a copy of the shards, and the write "
+                "is lost at release. Change parameters before building the optimizer, or through "
+                "its checkpoints")
 
     def _queue_end_of_backward(self):
         if not self._callback_queued:
@@ -690,7 +775,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = []
         for p, shape in zip(u.params, u.shapes):
             g = p.grad
-            if g is None:  # unused in this backward: contributes zero
+            if g is None or isinstance(g, HandedGrad):  # unused in this backward: zero
                 g = torch.zeros(shape, dtype=self._torch_dtype, device=self._device)
             elif not g.is_contiguous():
                 # AccumulateGrad lays .grad out like the parameter (contiguous here); this is
@@ -698,11 +783,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g = g.contiguous()
             grads.append(g.detach())
         self.engine.grads_ready(u.index, grads)  # copies; the reduction starts now
-        for p in u.params:
-            p.grad = None
+        self._set_handed(u)
         u.handed = True
         if self.stage == 3 and u.gathered:
             self._release(u)
+
+    def _set_handed(self, u):
+        # .grad says where the gradient went: reading it raises, naming the alternatives.
+        for p, name, shape in zip(u.params, u.names, u.shapes):
+            g = handed_grad(shape, p.dtype, p.device, name)
+            if p.shape == shape:
+                p.grad = g
+            else:  # a released stage-3 parameter: the setter checks the shape against .data
+                p.data = torch.zeros(1, dtype=p.dtype, device=p.device).expand(shape)
+                p.grad = g
+                p.data = u.placeholder
 
     def _end_of_backward(self):
         # Runs on the autograd thread once backward is done: units some of whose parameters got
@@ -767,6 +862,81 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scale = self.engine.loss_scale()
         (loss * scale if scale != 1.0 else loss).backward()
 
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ for the engine's gradients: after the last backward of
+        the step and before step(), on every rank. Returns the global L2 norm of the averaged,
+        unscaled gradients (inf on an f16 overflow) as a tensor, and makes the coming step()
+        clip them to max_norm (float('inf'): only measure). After it, no backward until step()
+        or zero_grad()."""
+        if norm_type != 2.0:
+            raise _core.InvalidArgumentError(
+                f"clip_grad_norm_(): norm_type {norm_type}; the engine clips by the L2 norm")
+        max_norm = float(max_norm)
+        if not max_norm > 0:
+            raise _core.InvalidArgumentError(f"clip_grad_norm_(): max_norm must be > 0, got "
+                                             f"{max_norm}")
+        norm = self.engine.clip_grad_norm(0.0 if max_norm == float("inf") else max_norm)
+        if error_if_nonfinite and norm == float("inf"):
+            raise RuntimeError("clip_grad_norm_(): the total norm of the gradients is "
+                               "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
+        return torch.tensor(norm, dtype=torch.float32)
+
+    def _units_of(self, modules):
+        """The units owning a parameter of `modules` (a module or a list; None: the model)."""
+        if modules is None:
+            modules = self.model
+        if isinstance(modules, torch.nn.Module):
+            modules = [modules]
+        ids = {id(p) for m in modules for p in m.parameters()}
+        return [u for u in self._units if any(id(p) in ids for p in u.params)]
+
+    @contextlib.contextmanager
+    def gathered(self, module=None):
+        """Stage 3: the parameters of `module` (default: the whole model) present for reading
+        outside its forward() -- generate(), evaluation, logging -- under torch.no_grad().
+        In-place writes are refused (they would be lost). A no-op at stages 0-2."""
+        if self.stage < 3:
+            yield
+            return
+        if torch.is_grad_enabled():
+            raise _core.InvalidArgumentError(
+                "ZeroOptimizer.gathered() needs torch.no_grad(): its parameters are released on "
+                "exit, before a backward could use them; for a method other than forward() "
+                "that trains, use opt.register_forward_method(module, 'method')")
+        units = self._units_of(module)
+        for u in units:
+            u.pre(u.module, ())
+        try:
+            yield
+        finally:
+            for u in reversed(units):
+                u.post(u.module, (), None)
+
+    def register_forward_method(self, module, name, uses=None):
+        """Stage 3: makes module.<name>() gather parameters for its call, and again for its
+        backward, as forward() does -- for a loss method or a generate() that reads parameters
+        directly (logits = h @ self.wte.weight.T). `uses`: the modules (or one) whose parameters
+        it reads outside their own forward() (default: all of `module`'s, the whole of it
+        gathered at once). A no-op at stages 0-2."""
+        method = getattr(module, name)
+        if self.stage < 3:
+            return
+        units = self._units_of(module if uses is None else uses)
+
+        @functools.wraps(method)
+        def wrapped(*args, **kwargs):
+            for u in units:
+                u.pre(module, args)
+            out = None
+            try:
+                out = method(*args, **kwargs)
+            finally:
+                for u in reversed(units):
+                    u.post(module, args, out)
+            return out
+
+        setattr(module, name, wrapped)
+
     @property
     def loss_scale(self):
         return self.engine.loss_scale()
@@ -805,7 +975,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 for p in u.params:
                     whole[id(p)] = p.detach().clone()
-        return {k: whole.get(id(t), t.detach()) for k, t in
+        return {k: whole[id(t)] if id(t) in whole else t.detach() for k, t in
                 self.model.state_dict(keep_vars=True).items()}
 
     def save_checkpoint(self, path):

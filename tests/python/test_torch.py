@@ -98,7 +98,8 @@ def test_stage2_parameters_are_engine_memory():
     w = model.proj.weight.detach().clone()
     train_zero(opt, model, batches(1), 0, 1)
     assert not torch.equal(w, model.proj.weight)  # updated in place by the engine
-    assert all(p.grad is None for p in model.parameters())  # gradients live in the engine
+    # The gradients live in the engine; .grad says so when read (test_torch_habits.py).
+    assert all(isinstance(p.grad, zt.HandedGrad) for p in model.parameters())
 
 
 def test_stage3_parameters_exist_only_when_gathered():
@@ -387,15 +388,6 @@ def test_unused_parameters_count_as_zero_gradients():
         opt = zt.ZeroOptimizer(m, stage=stage, comm=zs.make_self_communicator())
         train_zero(opt, m, batches(2), 0, 1)
         assert opt.last_result.step == 2
-
-
-def test_tied_weights_are_refused_in_stage3():
-    m = make_model()
-    m.head2 = torch.nn.Linear(16, 50)
-    m.head2.weight = m.embed.weight  # tied, in a sibling module
-    with pytest.raises(zs.InvalidArgumentError, match="tied weights"):
-        zt.ZeroOptimizer(m, stage=3, comm=zs.make_self_communicator())
-    zt.ZeroOptimizer(m, stage=2, comm=zs.make_self_communicator())  # fine below stage 3
 
 
 def test_units_follow_modules_with_a_size_fallback():

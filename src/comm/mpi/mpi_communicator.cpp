@@ -53,6 +53,10 @@ struct MpiRuntime {
                                  << " but zeroshard needs MPI_THREAD_MULTIPLE (its communication "
                                     "thread calls MPI while the trainer may too); initialise MPI "
                                     "with MPI_Init_thread(MPI_THREAD_MULTIPLE)");
+    // Open MPI reports some errors of non-blocking collectives (MPI_ERR_TRUNCATE when ranks
+    // called different ones) through MPI_COMM_WORLD's handler, not the communicator's: with the
+    // default there, MPI_ERRORS_ARE_FATAL, they abort the job instead of failing the collective.
+    ZS_MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
     ZS_MPI_CHECK(MPI_Op_create(&bf16_sum, 1, &op_bf16));
     ZS_MPI_CHECK(MPI_Op_create(&f16_sum, 1, &op_f16));
   }
@@ -261,8 +265,13 @@ class MpiCommunicator final : public Communicator {
       try {
         ZS_MPI_CHECK_CTX(MPI_Test(&f.req, &flag, MPI_STATUS_IGNORE), f.work->what());
       } catch (const Error& e) {
-        poison(e.what());
-        f.work->fail(e.code(), e.what());
+        std::string msg = e.what();
+        if (msg.find("MPI_ERR_TRUNCATE") != std::string::npos)
+          msg += " -- the ranks called different collectives here (at ZeRO stage 3, a module "
+                 "that runs on some ranks only gathers its unit on those ranks only: run it on "
+                 "every rank, e.g. with its output weighted by zero)";
+        poison(msg);
+        f.work->fail(e.code(), msg);
         flag = 1;
       }
       if (flag && f.start && !f.work->failed()) {

@@ -1,0 +1,99 @@
+"""What a managed parameter and its .grad look like to code that does not know the engine.
+
+ZeroOptimizer hands each unit's gradients to the engine at the end of backward, and at stage 3
+a parameter's values exist only while its unit is gathered. Code written for torch.optim reads
+both anyway (clip_grad_norm_, gradient logging, GradScaler, a loss method on the model, a
+generate() loop). Left as they are, those reads see None or an empty tensor and go on silently
+(clip_grad_norm_ returns 0 for parameters without .grad). Here each of them raises instead, with
+the parameter's name and what to use.
+"""
+
+import torch
+
+from . import _core
+
+# Calls that only touch a tensor's metadata or Python identity: let them through.
+_METADATA = frozenset({"__get__", "__set__", "__hash__", "size", "dim", "numel", "register_hook",
+                       "requires_grad_", "__reduce_ex__", "__deepcopy__"})
+_PROPERTIES_WITH_VALUES = frozenset({"data"})
+
+
+def _reads_values(func):
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: only .data exposes the values
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _PROPERTIES_WITH_VALUES
+    return name not in _METADATA
+
+
+def _call(func, args, kwargs):
+    with torch._C.DisableTorchFunction():
+        return func(*args, **(kwargs or {}))
+
+
+class HandedGrad(torch.Tensor):
+    """What p.grad holds after backward: the parameter's shape, dtype and device, no values. The
+    gradient itself went to the engine (averaged over ranks, sharded from stage 2). Reading it
+    raises; model.zero_grad() (zero_, requires_grad_, detach_) passes; the next backward
+    replaces it (ZeroOptimizer's hook on the parameter clears it first)."""
+
+    _ZEROING = frozenset({"zero_", "requires_grad_", "detach_"})
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in cls._ZEROING:
+            return args[0]
+        if not _reads_values(func):
+            return _call(func, args, kwargs)
+        who = next((a._zs_name for a in args if isinstance(a, HandedGrad)), "a parameter")
+        raise _core.InvalidArgumentError(
+            f"ZeroOptimizer: the gradient of '{who}' is not in .grad (read by {name}()): each "
+            "unit's gradients go to the engine at the end of backward, to be averaged over "
+            "ranks and sharded. Clip with opt.clip_grad_norm_(max_norm) (the global norm, "
+            "returned; float('inf') only measures it) or gradient_clipping=...; the norm of "
+            "every step is in opt.last_result.grad_norm; f16 loss scaling is the engine's "
+            "(opt.backward(loss)), not torch's GradScaler")
+
+
+_ZERO = {}
+
+
+def handed_grad(shape, dtype, device, name):
+    """A HandedGrad for parameter `name` (a zero-stride view of one shared element)."""
+    key = (dtype, device)
+    if key not in _ZERO:
+        _ZERO[key] = torch.zeros(1, dtype=dtype, device=device)
+    g = torch.Tensor._make_subclass(HandedGrad, _ZERO[key].expand(shape))
+    g._zs_name = name
+    return g
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """A stage-3 parameter: an nn.Parameter whose values exist only while its unit is gathered
+    (`_zs_unit().gathered`, a weak reference to ZeroOptimizer's bookkeeping). Any use of its
+    values while released raises, naming what to use."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _reads_values(func):
+            for a in args:
+                if isinstance(a, ShardedParameter):
+                    u = a._zs_unit()
+                    if u is None or not u.gathered:
+                        _released(a, u, func)
+        return _call(func, args, kwargs)
+
+
+def _released(p, u, func):
+    if u is None:
+        raise _core.InvalidArgumentError(
+            "ZeroOptimizer: a stage-3 parameter was read after its optimizer was freed; it "
+            "holds no values (save them with opt.model_state_dict() before dropping it)")
+    name = u.names[next(i for i, q in enumerate(u.params) if q is p)]
+    raise _core.InvalidArgumentError(
+        f"ZeroOptimizer: parameter '{name}' of unit '{u.name}' was read by "
+        f"{getattr(func, '__name__', func)}() while released: at stage 3 a parameter exists "
+        "only while its unit's module runs. For a method other than forward() that trains "
+        "(a loss method), opt.register_forward_method(module, 'method'); to read parameters "
+        "(generate(), evaluation) under torch.no_grad(), `with opt.gathered(module):`; "
+        "their values, opt.model_state_dict()")

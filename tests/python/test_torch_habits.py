@@ -1,0 +1,201 @@
+"""zeroshard.torch on the habits of torch.optim users, one rank: weights tied across modules,
+parameters read outside forward(), and .grad after backward (clip_grad_norm_, logging)."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import zeroshard as zs  # noqa: E402
+import zeroshard.torch as zt  # noqa: E402
+from zs_testutil import (  # noqa: E402
+    CLIP, DIM, EPS, LR, VOCAB, batches, groups, make_model, max_abs_diff,
+    train_reference, train_zero)
+
+BOUND = 2e-5  # as in test_torch.py
+
+
+def zero(model, stage, **kw):
+    kw.setdefault("gradient_clipping", CLIP)
+    return zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, param_groups=groups(model),
+                            comm=zs.make_self_communicator(), **kw)
+
+
+class TiedLM(nn.Module):
+    """A GPT-shaped model whose output head shares the token embedding's weight: the head is a
+    sibling module (its own unit when it has a bias, none when it has not)."""
+
+    def __init__(self, head_bias):
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(VOCAB, DIM),
+                                          "h": nn.ModuleList([nn.Linear(DIM, DIM)
+                                                              for _ in range(2)]),
+                                          "ln_f": nn.LayerNorm(DIM)})
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=head_bias)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def hidden(self, tokens):
+        x = self.transformer.wte(tokens).mean(1)
+        for block in self.transformer.h:
+            x = x + torch.tanh(block(x))
+        return self.transformer.ln_f(x)
+
+    def forward(self, tokens):
+        return self.lm_head(self.hidden(tokens))
+
+
+def labels_in_vocab(data):
+    return [(t, y % VOCAB) for t, y in data]
+
+
+@pytest.mark.parametrize("head_bias", [False, True])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_tied_weights_match_adamw(stage, head_bias):
+    model, data = TiedLM(head_bias), labels_in_vocab(batches(10))
+    ref = train_reference(model, data)
+    opt = zero(model, stage)
+    train_zero(opt, model, data, 0, 1)
+    got = opt.model_state_dict()
+    assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])
+    assert max_abs_diff(got, ref.state_dict()) <= BOUND
+    assert max_abs_diff(got, TiedLM(head_bias).state_dict()) > 100 * BOUND
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_grad_after_backward_raises_and_names_clip_grad_norm(stage):
+    model, data = make_model(), batches(2)
+    opt = zero(model, stage)
+    tokens, labels = data[0]
+    nn.functional.cross_entropy(model(tokens), labels).backward()
+    # torch's own clipping would return 0 and clip nothing if .grad were None: it raises.
+    with pytest.raises(zs.InvalidArgumentError, match=r"clip_grad_norm_\(max_norm\)"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(zs.InvalidArgumentError, match="'proj.weight'"):
+        model.proj.weight.grad.norm()
+    assert model.proj.weight.grad.shape == (32, 16)  # metadata reads pass
+    model.zero_grad(set_to_none=False)  # torch 1.x's default: passes, and changes nothing
+    opt.step()
+    # A new micro-step without zero_grad() replaces the placeholders (no accumulation into
+    # them), and training matches the reference.
+    ref = train_reference(make_model(), data)
+    model2 = make_model()
+    opt2 = zero(model2, stage)
+    for tokens, labels in data:
+        nn.functional.cross_entropy(model2(tokens), labels).backward()
+        opt2.step()
+    assert max_abs_diff(opt2.model_state_dict(), ref.state_dict()) <= BOUND
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_clip_grad_norm_matches_torch(stage):
+    model, data = make_model(), batches(8)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
+    opt = zero(model, stage, gradient_clipping=0.0)
+    engaged = 0
+    for tokens, labels in data:
+        ropt.zero_grad()
+        nn.functional.cross_entropy(ref(tokens), labels).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)  # the norms are ~0.8
+        ropt.step()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(tokens), labels).backward()
+        got = opt.clip_grad_norm_(0.5)
+        opt.step()
+        assert abs(got.item() - want.item()) <= 1e-4 * want.item()
+        assert (opt.last_result.clip_factor < 1.0) == (want.item() > 0.5)
+        engaged += want.item() > 0.5
+    assert engaged > 0
+    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+    # inf only measures; bad arguments are refused.
+    nn.functional.cross_entropy(model(data[0][0]), data[0][1]).backward()
+    assert opt.clip_grad_norm_(float("inf")).item() > 0
+    opt.step()
+    assert opt.last_result.clip_factor == 1.0
+    with pytest.raises(zs.InvalidArgumentError, match="norm_type"):
+        opt.clip_grad_norm_(1.0, norm_type=1)
+
+
+def test_stage3_read_of_a_released_parameter_raises_with_the_way_out():
+    model = make_model()
+    opt = zero(model, 3)
+    with pytest.raises(zs.InvalidArgumentError,
+                       match=r"'proj.weight' of unit 'proj'.*register_forward_method"):
+        model.proj.weight.sum()
+    with pytest.raises(zs.InvalidArgumentError, match="opt.model_state_dict"):
+        model.state_dict()  # its values would be empty tensors
+    with torch.no_grad(), opt.gathered(model.proj):
+        w = model.proj.weight.clone()
+    assert torch.equal(w, opt.model_state_dict()["proj.weight"])
+    with pytest.raises(zs.InvalidArgumentError, match="torch.no_grad"):
+        with opt.gathered():
+            pass
+    with pytest.raises(zs.InvalidArgumentError, match="written in place"):
+        with torch.no_grad(), opt.gathered(model.proj):
+            model.proj.weight.zero_()  # would be lost at release
+    assert torch.equal(w, opt.model_state_dict()["proj.weight"])
+
+
+class LossMethodLM(nn.Module):
+    """The output projection is the embedding's weight, read in a loss method, not forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, tokens):
+        return torch.tanh(self.proj(self.embed(tokens).mean(1)))
+
+    def loss(self, tokens, labels):
+        logits = self(tokens) @ self.embed.weight.t()
+        return nn.functional.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("uses", ["module", "embed"])
+def test_register_forward_method_trains_a_loss_method_at_stage3(uses):
+    data = labels_in_vocab(batches(8))
+    ref = copy.deepcopy(LossMethodLM())
+    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
+    for tokens, labels in data:
+        ropt.zero_grad()
+        ref.loss(tokens, labels).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ropt.step()
+    model = LossMethodLM()
+    opt = zero(model, 3)
+    with pytest.raises(zs.InvalidArgumentError, match="'embed.weight'"):
+        model.loss(*data[0])  # not registered: the embedding is released there
+    opt.zero_grad()
+    opt.register_forward_method(model, "loss", uses=None if uses == "module" else model.embed)
+    for tokens, labels in data:
+        opt.zero_grad()
+        model.loss(tokens, labels).backward()
+        opt.step()
+    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_optimizer_is_freed_with_its_model(stage):
+    # The engine holds parameters through C++ (AccumulateGrad nodes, tensor hooks) where the
+    # garbage collector cannot see cycles: a strong reference back to the optimizer from
+    # there would keep the engine and its communicator alive to the end of the process, and
+    # under mpirun the process would then exit without finalising MPI.
+    import gc
+    import weakref
+    # A graph the trainer keeps (a loss it never ran backward on, an exception's traceback)
+    # holds the parameters' AccumulateGrad nodes and the outputs' hooks, in C++ too.
+    model = TiedLM(head_bias=True)
+    opt = zero(model, stage)
+    data = labels_in_vocab(batches(2))
+    train_zero(opt, model, data, 0, 1)
+    kept = model(data[0][0]).sum()
+    gone = weakref.ref(opt)
+    del opt, model
+    gc.collect()
+    assert gone() is None
+    assert kept.requires_grad
