@@ -125,6 +125,10 @@ int Engine::add_group(const OptimizerOptions& o) {
   return int(m.groups.size()) - 1;
 }
 
+int Engine::num_groups() const {
+  return int(impl_->groups.size());
+}
+
 UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
   Impl& m = *impl_;
   std::string at = "rank " + std::to_string(m.rank) + ": add_unit('" + name + "')";

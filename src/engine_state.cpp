@@ -28,6 +28,8 @@ void Engine::commit_shards() {
   Impl& m = *impl_;
   if (!m.finalized)
     ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
+  // A stage-3 prefetch holds the parameters from before: it must not survive.
+  m.drop_prefetches();
   m.state->commit(*m.comm, m);
   if (m.cfg.stage != 1 && m.cfg.stage != 2) return;
   // Stages 1–2 keep whole parameters: each rank contributes its restored shard.

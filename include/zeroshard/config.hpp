@@ -115,6 +115,8 @@ struct ZS_API Config {
   bool overlap_comm = true;
   /// A collective that has not completed after this many seconds fails with ErrorCode::timeout.
   double collective_timeout_s = 300.0;
+  /// Engine::save() keeps the newest this many tags of its root, removing older ones (0: all).
+  int checkpoint_keep_last = 0;
   /// Accepted for DeepSpeed compatibility; the unit is the reduction and gather grain here.
   int64_t reduce_bucket_size = 500000000;
   int64_t allgather_bucket_size = 500000000;

@@ -86,6 +86,8 @@ class ZS_API Engine {
   /// Adds a parameter group with its own hyperparameters; returns its index (1, 2, ...).
   /// Before finalize() only. Its optimizer kind must equal Config::optimizer.kind.
   int add_group(const OptimizerOptions& options);
+  /// Parameter groups: 1 + the add_group() calls.
+  int num_groups() const;
 
   /// Registers a unit: its parameters are flattened in this order into one buffer. Before
   /// finalize() only; names must be unique. Returns the unit's id (0, 1, ... in call order).
@@ -195,16 +197,24 @@ class ZS_API Engine {
   void set_step_count(int64_t steps);
   void set_loss_scale(float scale);
 
-  /// Collective: writes a checkpoint any world size and any stage can load — per unit and state,
-  /// one file of the unit's unpadded f32 values (each rank writes its shard's range), and a
-  /// manifest written last, so a directory without manifest.json is an incomplete checkpoint.
-  /// Overwrites an existing checkpoint in `dir`.
-  void save(const std::filesystem::path& dir);
-  /// Collective: loads a checkpoint written by save() at any world size or stage. The model must
-  /// match (unit and parameter names, shapes, order, optimizer); else Error(invalid_argument)
-  /// naming the first difference. Restores master weights, optimizer state, step count and
-  /// loss scale; parameters are rebuilt from the master weights.
-  void load(const std::filesystem::path& dir);
+  /// Collective: writes a checkpoint any world size and any stage can load, as the tag
+  /// directory root/<tag> (default tag "step<8-digit step count>"), and points root/latest at
+  /// it. Crash-safe: the tag is written under a temporary name, every file fsynced, then renamed
+  /// into place, and `latest` is replaced last, so a save that dies at any point (a killed job,
+  /// a full disk) leaves the previous tags and `latest` intact. A save never modifies an
+  /// existing tag (Error(invalid_argument) if it exists). Every file is checksummed per block.
+  /// Each rank writes the part of each unit its shard holds, unit by unit: nothing is gathered.
+  /// Keeps the newest Config::checkpoint_keep_last tags (0: all). Returns root/<tag>.
+  std::filesystem::path save(const std::filesystem::path& root, const std::string& tag = "");
+  /// Collective: loads the checkpoint at `path`, a tag directory or a root (whose `latest` it
+  /// follows), written at any world size or stage. Checks everything before changing anything:
+  /// the manifest, the model (unit and parameter names, shapes, order, optimizer; else
+  /// Error(invalid_argument) naming the first difference), and every checksum of what this
+  /// rank reads (Error(corrupted) naming file, block and offset). A failed load leaves the
+  /// engine as it was. Restores master weights, optimizer state, the step count, the loss
+  /// scaler's state and every group's hyperparameters; parameters are rebuilt from the master
+  /// weights, and stage-3 prefetches are dropped.
+  void load(const std::filesystem::path& path);
 
   /// The ledger: bytes held by tier × kind on this rank, with peaks. The nvme column counts
   /// swap-file bytes: one copy of each state under its kind, and the rest of the files (the

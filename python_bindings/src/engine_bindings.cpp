@@ -496,16 +496,22 @@ void def_state(nb::class_<PyEngine>& cls) {
       "Whether the optimizer keeps this state (read_shard() of an absent one raises).");
   cls.def(
       "save",
-      [](PyEngine& e, const std::filesystem::path& dir) { locked(e, [&] { e.engine.save(dir); }); },
-      nb::arg("dir"),
-      "Collective: writes a checkpoint (f32 master weights, optimizer state, step count, loss "
-      "scale) that any world size and any stage can load.");
+      [](PyEngine& e, const std::filesystem::path& root, const std::string& tag) {
+        return locked(e, [&] { return e.engine.save(root, tag); });
+      },
+      nb::arg("root"), nb::arg("tag") = "",
+      "Collective: writes the checkpoint root/<tag> (default tag 'step<N>'), crash-safe and "
+      "checksummed, and points root/latest at it; any world size and stage can load it. A tag "
+      "that exists is refused. Returns its path.");
   cls.def(
       "load",
-      [](PyEngine& e, const std::filesystem::path& dir) { locked(e, [&] { e.engine.load(dir); }); },
-      nb::arg("dir"),
-      "Collective: loads a checkpoint written by save() at any world size or stage; the "
-      "parameters are rebuilt from the master weights.");
+      [](PyEngine& e, const std::filesystem::path& path) {
+        locked(e, [&] { e.engine.load(path); });
+      },
+      nb::arg("path"),
+      "Collective: loads a checkpoint (a tag directory, or a root's latest tag) written at any "
+      "world size or stage, after verifying it whole; a failed load changes nothing.");
+  cls.def("num_groups", [](PyEngine& e) { return e.engine.num_groups(); });
   cls.def(
       "memory", [](PyEngine& e) { return locked(e, [&] { return e.engine.memory(); }); },
       "The ledger's MemoryReport.");

@@ -226,6 +226,12 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
        .json = "zeroshard.collective_timeout_s",
        .fingerprint = false,
        .rules = {{[](double v) { return v > 0 && std::isfinite(v); }, "must be finite and > 0"}}},
+      // Only rank 0 prunes the checkpoint root.
+      {.name = "checkpoint_keep_last",
+       .member = &C::checkpoint_keep_last,
+       .json = "zeroshard.checkpoint_keep_last",
+       .fingerprint = false,
+       .rules = {{[](double v) { return v >= 0; }, "must be >= 0 (0 = keep every tag)"}}},
       // Stored for DeepSpeed compatibility and read by nothing (the unit is the grain).
       {.name = "reduce_bucket_size",
        .member = &C::reduce_bucket_size,

@@ -248,8 +248,7 @@ TEST(Offload, CheckpointsMoveStateBetweenTiers) {
     zs_test::TrainOptions o;
     o.steps = 4;
     zs_test::train(a, o);
-    a.save(dir);
-    b.load(dir);
+    b.load(a.save(dir, from_disk ? "from-disk" : "from-memory"));
     zs_test::train(a, o);
     zs_test::train(b, o);
     for (int u = 0; u < a.num_units(); ++u)

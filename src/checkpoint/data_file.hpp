@@ -1,0 +1,68 @@
+#pragma once
+// A checkpoint data file (format.hpp): written once, front to back, through a block buffer that
+// checksums each block as it fills; read back block by block, each block verified before any of
+// its bytes is used.
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "src/base/unique_fd.hpp"
+#include "src/checkpoint/format.hpp"
+
+namespace zeroshard::ckpt {
+
+class DataFileWriter {
+ public:
+  /// Creates `path` (which must not exist) for h.data_bytes of data.
+  DataFileWriter(std::filesystem::path path, const FileHeader& h);
+  /// The next bytes of data.
+  void append(const void* data, size_t bytes);
+  /// Writes the last block, the checksum table and the header, and fsyncs. Throws unless
+  /// exactly h.data_bytes were appended.
+  void finish();
+
+ private:
+  void flush_block();
+  void write_at(const void* data, size_t bytes, int64_t offset);
+
+  std::filesystem::path path_;
+  FileHeader h_;
+  UniqueFd fd_;
+  std::vector<char> block_;
+  size_t filled_ = 0;
+  int64_t written_ = 0;  // data bytes written so far
+  std::vector<uint64_t> sums_;
+};
+
+class DataFileReader {
+ public:
+  /// Opens `path` and checks its header against what the manifest expects of it, its size, and
+  /// its checksum table's own checksum. Throws Error(corrupted) naming the file.
+  DataFileReader(std::filesystem::path path, const FileHeader& expected);
+  /// Data elements [offset, offset + n) (f32) into out, every block they touch verified.
+  void read(int64_t offset, int64_t n, float* out);
+  /// Verifies every block; `done(bytes)` after each.
+  template <class F>
+  void verify_all(F&& done) {
+    for (int64_t b = 0; b < blocks(); ++b) {
+      load_block(b);
+      done(block_len(b));
+    }
+  }
+  int64_t blocks() const { return int64_t(sums_.size()); }
+
+ private:
+  int64_t block_len(int64_t b) const;
+  void load_block(int64_t b);
+  void read_at(void* data, size_t bytes, int64_t offset, const char* what);
+
+  std::filesystem::path path_;
+  FileHeader h_;
+  UniqueFd fd_;
+  std::vector<uint64_t> sums_;
+  std::vector<char> block_;
+  int64_t cached_ = -1;  // index of the block in block_
+};
+
+}  // namespace zeroshard::ckpt

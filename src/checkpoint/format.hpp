@@ -1,0 +1,111 @@
+#pragma once
+// The checkpoint format: a root directory of tags, each tag a directory of one manifest and one
+// data file per (writing rank, state), all checksummed.
+//
+//   root/latest                   the newest complete tag's name, replaced atomically last
+//   root/<tag>/manifest.json      the model, the step, hyperparameters, scaler, who wrote what
+//   root/<tag>/rank00003.master   data files: header block, f32 data, checksum table
+//
+// A data file holds, for each unit in order, the unpadded range of the unit's values that its
+// rank's shard held when it was written (the manifest lists the ranges). Its layout:
+//   [0, 4096)                     header: FileHeader, then zeros
+//   [4096, 4096 + data_bytes)     data
+//   then                          one XXH64 per block of block_bytes (the last block may be
+//                                 short), seeded with the block's index, then the XXH64 of the
+//                                 table itself
+// File names are never read from the manifest: they are made from the rank and the state.
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zeroshard/engine.hpp"
+
+namespace zeroshard::ckpt {
+
+constexpr int kSchema = 2;
+constexpr const char* kFormat = "zeroshard-checkpoint";
+constexpr int64_t kHeaderBytes = 4096;
+constexpr int64_t kBlockBytes = int64_t(4) << 20;
+
+/// The states a checkpoint can hold, by their names in file names and the manifest.
+struct StateName {
+  StateKind kind;
+  const char* name;
+};
+const std::vector<StateName>& state_names();
+
+/// "rank00003.master".
+std::string data_file_name(int rank, const char* state);
+
+/// Refuses a tag that is not a plain directory name (empty, ".", "..", a '/', a NUL, a leading
+/// '.', which temporary directories use, or over 200 bytes).
+void check_tag(const std::string& tag);
+
+/// The fixed part of a data file's header.
+struct FileHeader {
+  uint64_t save_id = 0;  ///< the save that wrote it (the manifest's); files of two saves never mix
+  int32_t rank = 0;      ///< the writing rank
+  int32_t state = 0;     ///< index into state_names()
+  int64_t block_bytes = 0;
+  int64_t data_bytes = 0;
+};
+/// kHeaderBytes bytes: magic, schema, the fields, and an XXH64 of what precedes it.
+std::vector<char> encode_header(const FileHeader& h);
+/// Parses and checks a header block; throws Error(corrupted) naming `file` on any damage.
+FileHeader decode_header(const char* data, size_t bytes, const std::string& file);
+
+/// Blocks of a file holding data_bytes in blocks of block_bytes.
+int64_t block_count(int64_t data_bytes, int64_t block_bytes);
+/// The file's whole size.
+int64_t file_bytes(const FileHeader& h);
+
+/// One unit's range in one rank's data files: values [begin, end) of the unit, at element
+/// `offset` of the file's data.
+struct Range {
+  int unit = 0;
+  int64_t begin = 0, end = 0, offset = 0;
+};
+
+struct ParamInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+struct UnitInfo {
+  std::string name;
+  int64_t numel = 0;
+  std::vector<ParamInfo> params;
+};
+
+/// Everything a checkpoint says about itself.
+struct Manifest {
+  std::string tag;
+  uint64_t save_id = 0;
+  int world_size = 0;
+  int stage = 0;
+  std::string dtype, optimizer;
+  int64_t step = 0;
+  LossScalerState scaler;
+  std::vector<OptimizerOptions> groups;
+  std::vector<std::string> states;  ///< the state names saved
+  int64_t block_bytes = 0;
+  std::vector<UnitInfo> units;
+  std::vector<std::vector<Range>> ranges;  ///< per writing rank
+};
+
+/// The manifest as JSON text, with its own checksum.
+std::string manifest_text(const Manifest& m);
+/// Parses and validates a manifest (schema, every field's type and range, the ranges cover
+/// every unit exactly once, the checksum); throws Error(corrupted) or, for another schema or
+/// format, Error(invalid_argument), naming `file` and the field.
+Manifest parse_manifest(std::string_view text, const std::string& file);
+
+/// The tag directory a load() of `path` reads: `path` itself if it holds a manifest, else the
+/// tag named by path/latest. Throws Error(invalid_argument) if neither.
+std::filesystem::path resolve(const std::filesystem::path& path);
+
+/// The whole manifest of a tag directory.
+Manifest read_manifest(const std::filesystem::path& tag_dir);
+
+}  // namespace zeroshard::ckpt

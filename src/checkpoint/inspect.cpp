@@ -1,0 +1,71 @@
+// describe_checkpoint() and verify_checkpoint() (zeroshard/checkpoint.hpp).
+#include <sstream>
+
+#include "src/checkpoint/data_file.hpp"
+#include "src/checkpoint/format.hpp"
+#include "zeroshard/checkpoint.hpp"
+
+namespace zeroshard {
+
+using namespace ckpt;
+
+std::string describe_checkpoint(const std::filesystem::path& path) {
+  const std::filesystem::path dir = resolve(path);
+  const Manifest m = read_manifest(dir);
+  std::ostringstream os;
+  os << "checkpoint " << dir.string() << "\n"
+     << "  tag          " << m.tag << "\n"
+     << "  step         " << m.step << "\n"
+     << "  world size   " << m.world_size << " (stage " << m.stage << ", " << m.dtype << ")\n"
+     << "  optimizer    " << m.optimizer << " (states:";
+  for (const std::string& s : m.states) os << " " << s;
+  os << ")\n"
+     << "  loss scaler  scale " << m.scaler.scale << ", hysteresis left "
+     << m.scaler.hysteresis_left << ", iteration " << m.scaler.iteration << ", last overflow "
+     << m.scaler.last_overflow << "\n";
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    const OptimizerOptions& o = m.groups[g];
+    os << "  group " << g << "      lr " << o.lr << ", betas (" << o.beta1 << ", " << o.beta2
+       << "), eps " << o.eps << ", weight_decay " << o.weight_decay << ", momentum "
+       << o.momentum << (o.nesterov ? " (nesterov)" : "") << "\n";
+  }
+  int64_t total = 0;
+  for (const UnitInfo& u : m.units) total += u.numel;
+  os << "  units        " << m.units.size() << ", " << total << " parameters\n";
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    os << "    " << u << "  " << m.units[u].name << "  (" << m.units[u].numel << ")\n";
+    for (const ParamInfo& p : m.units[u].params)
+      os << "         " << p.name << " " << shape_string(p.shape) << "\n";
+  }
+  return os.str();
+}
+
+int64_t verify_checkpoint(const std::filesystem::path& path,
+                          const std::function<void(int64_t, int64_t)>& progress) {
+  const std::filesystem::path dir = resolve(path);
+  const Manifest m = read_manifest(dir);
+  std::vector<int64_t> bytes;
+  int64_t total = 0;
+  for (const auto& list : m.ranges) {
+    int64_t n = 0;
+    for (const Range& r : list) n += (r.end - r.begin) * 4;
+    bytes.push_back(n);
+    total += n * int64_t(m.states.size());
+  }
+  int64_t done = 0;
+  for (const std::string& state : m.states) {
+    int s = 0;
+    while (state_names()[size_t(s)].name != state) ++s;
+    for (int r = 0; r < m.world_size; ++r) {
+      DataFileReader f(dir / data_file_name(r, state.c_str()),
+                       {m.save_id, r, s, m.block_bytes, bytes[size_t(r)]});
+      f.verify_all([&](int64_t n) {
+        done += n;
+        if (progress) progress(done, total);
+      });
+    }
+  }
+  return done;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,156 @@
+// Engine::load: reads a checkpoint at any world size and stage (format.hpp), all or nothing.
+// Everything is checked before any state changes: the manifest (schema, types, ranges), the
+// model against it (naming the first parameter that differs), every file's header and checksum
+// table, and then every block this rank will read, which is read a first time only to verify
+// it. Only once every rank found everything intact does the second pass write the shards. A
+// failed load therefore leaves the engine exactly as it was (the price: each byte is read twice,
+// the second time usually from the page cache).
+#include <map>
+#include <memory>
+
+#include "src/base/check.hpp"
+#include "src/checkpoint/collective.hpp"
+#include "src/checkpoint/data_file.hpp"
+#include "src/checkpoint/format.hpp"
+#include "src/engine_impl.hpp"
+
+namespace zeroshard {
+
+namespace fs = std::filesystem;
+using namespace ckpt;
+
+namespace {
+
+// The manifest against this engine: same optimizer and groups, the states it needs, the same
+// model unit by unit and parameter by parameter.
+void check_fits(const Engine& e, const Manifest& m, const std::string& at) {
+  if (m.optimizer != optimizer_name(e.config().optimizer.kind))
+    ZS_THROW(invalid_argument, at << ": the checkpoint holds " << m.optimizer
+                                  << " state, this engine runs "
+                                  << optimizer_name(e.config().optimizer.kind));
+  if (int(m.groups.size()) != e.num_groups())
+    ZS_THROW(invalid_argument, at << ": the checkpoint has " << m.groups.size()
+                                  << " parameter groups, this engine " << e.num_groups());
+  for (const StateName& sn : state_names())
+    if (e.has_state(sn.kind) &&
+        std::find(m.states.begin(), m.states.end(), sn.name) == m.states.end())
+      ZS_THROW(invalid_argument, at << ": the checkpoint has no " << sn.name << " state");
+  if (int(m.units.size()) != e.num_units())
+    ZS_THROW(invalid_argument, at << ": the model differs: the checkpoint has " << m.units.size()
+                                  << " units, this engine " << e.num_units());
+  for (int u = 0; u < e.num_units(); ++u) {
+    const UnitInfo& got = m.units[size_t(u)];
+    const std::vector<Param> want = e.unit_params(u);
+    if (got.name != e.unit_name(u) || got.params.size() != want.size())
+      ZS_THROW(invalid_argument, at << ": the model differs at unit " << u << ": the checkpoint "
+                                    << "has '" << got.name << "' with " << got.params.size()
+                                    << " parameters, this engine '" << e.unit_name(u)
+                                    << "' with " << want.size());
+    for (size_t i = 0; i < want.size(); ++i)
+      if (got.params[i].name != want[i].name || got.params[i].shape != want[i].shape)
+        ZS_THROW(invalid_argument,
+                 at << ": the model differs at unit " << u << " ('" << e.unit_name(u)
+                    << "'), parameter " << i << ": the checkpoint has '" << got.params[i].name
+                    << "' " << shape_string(got.params[i].shape) << ", this engine '"
+                    << want[i].name << "' " << shape_string(want[i].shape));
+  }
+}
+
+// Reads unit values out of the checkpoint's files: which writer holds which range, and one
+// reader per file, opened (and its header and table checked) on first use.
+class Source {
+ public:
+  Source(fs::path dir, const Manifest& m) : dir_(std::move(dir)), m_(m) {
+    by_unit_.resize(m.units.size());
+    for (size_t r = 0; r < m.ranges.size(); ++r) {
+      int64_t n = 0;
+      for (const Range& rg : m.ranges[r]) {
+        by_unit_[size_t(rg.unit)].emplace_back(int(r), rg);
+        n += rg.end - rg.begin;
+      }
+      data_bytes_.push_back(n * 4);
+    }
+  }
+
+  // Values [b, e) of unit u's state s into out, every block verified.
+  void read(int s, int u, int64_t b, int64_t e, float* out) {
+    for (const auto& [r, rg] : by_unit_[size_t(u)]) {
+      const int64_t lo = std::max(b, rg.begin), hi = std::min(e, rg.end);
+      if (lo < hi) file(r, s).read(rg.offset + (lo - rg.begin), hi - lo, out + (lo - b));
+    }
+  }
+
+ private:
+  DataFileReader& file(int r, int s) {
+    std::unique_ptr<DataFileReader>& f = files_[{r, s}];
+    if (!f)
+      f = std::make_unique<DataFileReader>(
+          dir_ / data_file_name(r, state_names()[size_t(s)].name),
+          FileHeader{m_.save_id, r, s, m_.block_bytes, data_bytes_[size_t(r)]});
+    return *f;
+  }
+
+  fs::path dir_;
+  const Manifest& m_;
+  std::vector<std::vector<std::pair<int, Range>>> by_unit_;
+  std::vector<int64_t> data_bytes_;
+  std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files_;
+};
+
+}  // namespace
+
+void Engine::load(const std::filesystem::path& path) {
+  Impl& impl = *impl_;
+  Communicator& comm = *communicator();
+  const std::string at = "load(" + path.string() + ")";
+  if (!impl.finalized) ZS_THROW(invalid_argument, at << " before finalize()");
+  for (int u = 0; u < num_units(); ++u)
+    if (impl.units[size_t(u)].gathered)
+      ZS_THROW(invalid_argument, at << ": unit '" << unit_name(u)
+                                    << "' is gathered; release every unit before a load");
+
+  fs::path dir;
+  Manifest m;
+  all_or_none(comm, at + ": reading the manifest", [&] {
+    dir = resolve(path);
+    m = read_manifest(dir);
+    check_fits(*this, m, at);
+  });
+
+  // For each unit and state this engine keeps: this rank's range of the unit's values.
+  auto each = [&](auto&& f) {
+    for (int u = 0; u < num_units(); ++u) {
+      const ShardInfo si = shard_info(u);
+      const int64_t b = std::min(si.shard_offset, si.numel);
+      const int64_t e = std::min(si.shard_offset + si.shard_numel, si.numel);
+      for (size_t s = 0; s < state_names().size(); ++s)
+        if (has_state(state_names()[s].kind)) f(u, int(s), si, b, e);
+    }
+  };
+  Source src(dir, m);
+  all_or_none(comm, at + ": verifying", [&] {
+    each([&](int u, int s, const ShardInfo&, int64_t b, int64_t e) {
+      std::vector<float> v(size_t(e - b));
+      src.read(s, u, b, e, v.data());
+    });
+  });
+  try {
+    all_or_none(comm, at + ": reading shards", [&] {
+      each([&](int u, int s, const ShardInfo& si, int64_t b, int64_t e) {
+        std::vector<float> v(size_t(si.shard_numel), 0.0f);  // padding stays zero
+        src.read(s, u, b, e, v.data());
+        write_shard(u, state_names()[size_t(s)].kind, v);
+      });
+    });
+  } catch (const Error& e) {
+    // Verified a moment ago: only an I/O error or a file changed since can get here.
+    throw Error(e.code(), std::string(e.what()) +
+                              " -- the engine's state is partly loaded; load again or rebuild it");
+  }
+  commit_shards();
+  set_step_count(m.step);
+  set_loss_scaler_state(m.scaler);
+  for (int g = 0; g < num_groups(); ++g) set_options(g, m.groups[size_t(g)]);
+}
+
+}  // namespace zeroshard

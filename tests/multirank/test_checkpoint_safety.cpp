@@ -1,0 +1,329 @@
+// Checkpoints that never lose a run: bitwise resume on every stage and tier (with the learning
+// rate, every hyperparameter and the step), tags that are never overwritten and are pruned by
+// keep_last, a load that drops stale stage-3 prefetches, and damage of every kind to every kind
+// of file (data blocks, headers, checksum tables, manifests, `latest`, files of another save or
+// model): each fails the load on every rank with the file named and leaves the engine as it was.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "src/checkpoint/format.hpp"
+#include "tests/multirank/harness.hpp"
+#include "zeroshard/checkpoint.hpp"
+
+using namespace zeroshard;
+using zs_test::world;
+namespace fs = std::filesystem;
+
+namespace {
+
+Config cfg_for(int stage, Tier tier = Tier::device) {
+  Config c;
+  c.stage = stage;
+  c.dtype = DType::bf16;
+  c.optimizer.lr = 1e-2f;
+  c.shard_alignment = 4;
+  c.offload_optimizer.tier = tier;
+  if (tier == Tier::nvme) {
+    const fs::path swap =
+        fs::temp_directory_path() / ("zeroshard-ckpt-swap-" + std::to_string(::getpid()));
+    fs::create_directories(swap);  // per rank; the engine removes its run directory in it
+    c.offload_optimizer.nvme_paths = {swap.string()};
+    c.aio.block_size = 4096;
+  }
+  return c;
+}
+
+fs::path shared_dir(const std::string& name) {
+  double id = world()->rank() == 0 ? double(::getpid()) : 0;
+  world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
+  const fs::path p = fs::temp_directory_path() /
+                     ("zeroshard-ckpt-" + name + "-" + std::to_string(int64_t(id)));
+  world()->barrier("checkpoint dir made");
+  if (world()->rank() == 0) fs::remove_all(p);
+  world()->barrier("checkpoint dir clean");
+  return p;
+}
+
+void cleanup(const fs::path& p) {
+  world()->barrier("checkpoint test end");
+  if (world()->rank() == 0) fs::remove_all(p);
+}
+
+using Snapshot = std::vector<std::vector<float>>;
+Snapshot snapshot(const Engine& e) {
+  Snapshot s;
+  for (int u = 0; u < e.num_units(); ++u)
+    for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1})
+      s.push_back(e.read_shard(u, k));
+  return s;
+}
+bool same(const Snapshot& a, const Snapshot& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * 4))
+      return false;
+  return true;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream is(p, std::ios::binary);
+  std::stringstream ss;
+  ss << is.rdbuf();
+  return ss.str();
+}
+void spill(const fs::path& p, const std::string& s) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << s;
+}
+void flip_byte(const fs::path& p, int64_t offset) {
+  std::string s = slurp(p);
+  s[size_t(offset)] = char(s[size_t(offset)] ^ 0x10);
+  spill(p, s);
+}
+
+// Engines trained a few steps, with group 0's hyperparameters changed as a scheduler would.
+void train_some(Engine& e, int steps) {
+  zs_test::TrainOptions o;
+  o.steps = steps;
+  zs_test::train(e, o);
+}
+
+}  // namespace
+
+// Save, train on; a new engine loads and trains on: every state bitwise the same, and the step,
+// learning rate and other hyperparameters of every group came back from the checkpoint.
+TEST(CheckpointResume, BitwiseOnEveryStageAndTier) {
+  const fs::path dir = shared_dir("resume");
+  int n = 0;
+  for (int stage : {0, 1, 2, 3})
+    for (Tier tier : {Tier::device, Tier::host, Tier::nvme}) {
+      if (stage == 0 && tier != Tier::device) continue;  // offload needs a stage >= 1
+      OptimizerOptions no_decay = cfg_for(stage).optimizer;
+      no_decay.weight_decay = 0;
+      Engine a(cfg_for(stage, tier), world());
+      a.add_group(no_decay);
+      zs_test::register_model(a, zs_test::uneven_model(), 1);
+      train_some(a, 3);
+      OptimizerOptions g0 = a.options(0), g1 = a.options(1);
+      g0.lr = 3e-3f, g0.beta1 = 0.85f, g1.weight_decay = 0.2f;
+      a.set_options(0, g0);
+      a.set_options(1, g1);
+      const std::string tag = "t" + std::to_string(n++);
+      a.save(dir, tag);
+      Engine b(cfg_for(stage == 3 ? 1 : 3, tier), world());  // another stage as well
+      b.add_group(no_decay);
+      zs_test::register_model(b, zs_test::uneven_model(), 1);
+      b.load(dir);  // the root: follows latest
+      EXPECT_EQ(b.step_count(), 3);
+      EXPECT_EQ(b.options(0).lr, 3e-3f);
+      EXPECT_EQ(b.options(0).beta1, 0.85f);
+      EXPECT_EQ(b.options(1).weight_decay, 0.2f);
+      train_some(a, 2);
+      train_some(b, 2);
+      EXPECT_TRUE(same(snapshot(a), snapshot(b)))
+          << "stage " << stage << " tier " << tier_name(tier);
+    }
+  cleanup(dir);
+}
+
+// A tag is never overwritten; keep_last prunes the oldest; a name that is no plain directory
+// name is refused; inspect and verify read a checkpoint without an engine.
+TEST(CheckpointTags, NeverOverwrittenAndPrunedByKeepLast) {
+  const fs::path dir = shared_dir("tags");
+  Config c = cfg_for(2);
+  c.checkpoint_keep_last = 2;
+  Engine e(c, world());
+  zs_test::register_model(e, zs_test::uneven_model());
+  for (int i = 0; i < 3; ++i) {
+    train_some(e, 1);
+    e.save(dir);
+  }
+  EXPECT_FALSE(fs::exists(dir / "step00000001")) << "keep_last = 2 keeps the newest two";
+  EXPECT_TRUE(fs::exists(dir / "step00000002"));
+  EXPECT_TRUE(fs::exists(dir / "step00000003"));
+  EXPECT_EQ(slurp(dir / "latest"), "step00000003\n");
+  const Snapshot before = snapshot(e);
+  EXPECT_THROW(e.save(dir), Error) << "step00000003 exists";
+  EXPECT_THROW(e.save(dir, "../escape"), Error);
+  EXPECT_THROW(e.save(dir, ".hidden"), Error);
+  EXPECT_TRUE(same(before, snapshot(e)));
+  if (world()->rank() == 0) {
+    const std::string table = describe_checkpoint(dir);
+    EXPECT_NE(table.find("step         3"), std::string::npos) << table;
+    EXPECT_NE(table.find("layer1"), std::string::npos) << table;
+    int64_t last = 0;
+    EXPECT_GT(verify_checkpoint(dir, [&](int64_t done, int64_t) { last = done; }), 0);
+    EXPECT_GT(last, 0);
+  }
+  cleanup(dir);
+}
+
+// Stage 3 prefetches the next unit of the recorded order while the trainer holds this one:
+// after a load, a gather must see the loaded parameters, not the prefetched old ones.
+TEST(CheckpointResume, LoadDropsStage3Prefetches) {
+  const fs::path dir = shared_dir("prefetch");
+  Engine a(cfg_for(3), world()), b(cfg_for(3), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  zs_test::register_model(b, zs_test::uneven_model());
+  train_some(a, 3);
+  a.save(dir);
+  train_some(b, 1);  // records the gather order
+  b.gather(0);       // prefetches unit 1 with b's values
+  b.release(0);
+  b.load(dir);
+  for (int u = 0; u < a.num_units(); ++u) {
+    std::vector<TensorView> x = a.gather(u), y = b.gather(u);
+    for (size_t i = 0; i < x.size(); ++i)
+      EXPECT_EQ(std::memcmp(x[i].data, y[i].data, x[i].bytes()), 0) << "unit " << u;
+    a.release(u);
+    b.release(u);
+  }
+  cleanup(dir);
+}
+
+namespace {
+
+// A fresh checkpoint of engine `a` in dir/<tag>, damaged by rank 0's `damage(tag_dir)`; then a
+// load into `b` must fail on every rank with `code` and `text`, leaving b unchanged.
+void expect_refused(const std::string& name, const std::function<void(const fs::path&)>& damage,
+                    ErrorCode code, const std::string& text) {
+  const fs::path dir = shared_dir("damage");
+  Engine a(cfg_for(2), world()), b(cfg_for(2), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  zs_test::register_model(b, zs_test::uneven_model());
+  train_some(a, 2);
+  train_some(b, 1);
+  const fs::path tag = a.save(dir);
+  world()->barrier("saved");
+  if (world()->rank() == 0) damage(tag);
+  world()->barrier("damaged");
+  const Snapshot before = snapshot(b);
+  try {
+    b.load(dir);
+    ADD_FAILURE() << name << ": loaded a damaged checkpoint";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << name << ": " << e.what();
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << name << ": " << e.what();
+  }
+  EXPECT_TRUE(same(before, snapshot(b))) << name << ": a failed load changed the engine";
+  EXPECT_EQ(b.step_count(), 1) << name;
+  cleanup(dir);
+}
+
+const int64_t kData = ckpt::kHeaderBytes;  // first data byte of a data file
+
+int64_t size_of(const fs::path& p) {
+  return int64_t(fs::file_size(p));
+}
+
+std::string replace(std::string s, const std::string& from, const std::string& to) {
+  const size_t at = s.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  if (at != std::string::npos) s.replace(at, from.size(), to);
+  return s;
+}
+
+}  // namespace
+
+TEST(CheckpointDamage, DataFiles) {
+  const int last = world()->size() - 1;
+  const std::string f0 = "rank00000.master", fl = ckpt::data_file_name(last, "state1");
+  expect_refused("flipped bit", [&](const fs::path& t) { flip_byte(t / f0, kData + 5); },
+                 ErrorCode::corrupted, "rank00000.master\": block 0");
+  expect_refused(
+      "zeroed block",
+      [&](const fs::path& t) {
+        std::string s = slurp(t / fl);
+        const int64_t data = size_of(t / fl) - kData - 16;  // one block: its sum, the table's
+        std::memset(s.data() + kData, 0, size_t(data));
+        spill(t / fl, s);
+      },
+      ErrorCode::corrupted, "fails its checksum");
+  expect_refused(
+      "truncated", [&](const fs::path& t) { fs::resize_file(t / f0, uintmax_t(kData + 8)); },
+      ErrorCode::corrupted, "truncated");
+  expect_refused("header", [&](const fs::path& t) { flip_byte(t / fl, 20); },
+                 ErrorCode::corrupted, "header checksum mismatch");
+  expect_refused(
+      "checksum table",
+      [&](const fs::path& t) { flip_byte(t / f0, size_of(t / f0) - 3); }, ErrorCode::corrupted,
+      "checksum table is damaged");
+  expect_refused("missing", [&](const fs::path& t) { fs::remove(t / fl); },
+                 ErrorCode::corrupted, "is missing");
+}
+
+TEST(CheckpointDamage, ManifestsAndPointers) {
+  auto edit = [](const std::string& from, const std::string& to) {
+    return [=](const fs::path& t) {
+      spill(t / "manifest.json", replace(slurp(t / "manifest.json"), from, to));
+    };
+  };
+  expect_refused("changed value", edit("\"step\": 2", "\"step\": 3"), ErrorCode::corrupted,
+                 "checksum mismatch");
+  expect_refused("another schema", edit("\"schema\": 2", "\"schema\": 3"),
+                 ErrorCode::invalid_argument, "has schema 3");
+  expect_refused("wrong type", edit("\"step\": 2", "\"step\": \"2\""), ErrorCode::corrupted,
+                 "step is not an integer");
+  expect_refused("not JSON", edit("{", "["), ErrorCode::corrupted, "manifest.json");
+  expect_refused(
+      "latest outside the root",
+      [](const fs::path& t) {
+        fs::remove(t / "manifest.json");  // so the root's pointer is what load() follows
+        spill(t.parent_path() / "latest", "../../etc\n");
+      },
+      ErrorCode::corrupted, "names no tag");
+}
+
+// Two saves of the same state: a file of one copied into the other is caught by its header.
+TEST(CheckpointDamage, AFileOfAnotherSave) {
+  const fs::path dir = shared_dir("mixed");
+  Engine a(cfg_for(2), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  a.save(dir, "one");
+  a.save(dir, "two");
+  world()->barrier("saved twice");
+  if (world()->rank() == 0)
+    fs::copy_file(dir / "one" / "rank00000.state0", dir / "two" / "rank00000.state0",
+                  fs::copy_options::overwrite_existing);
+  world()->barrier("mixed");
+  EXPECT_THROW(
+      {
+        try {
+          a.load(dir / "two");
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("belongs to another save"), std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      Error);
+  cleanup(dir);
+}
+
+TEST(CheckpointDamage, AnotherModelIsNamedByItsFirstDifferentParameter) {
+  const fs::path dir = shared_dir("model");
+  Engine a(cfg_for(2), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  a.save(dir);
+  auto other = zs_test::uneven_model();
+  other[2].params[1].second = {14};  // layer1.b
+  Engine b(cfg_for(2), world());
+  zs_test::register_model(b, other);
+  const Snapshot before = snapshot(b);
+  try {
+    b.load(dir);
+    ADD_FAILURE() << "loaded a checkpoint of another model";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("unit 2 ('layer1'), parameter 1: the checkpoint has 'b' "
+                                         "[13], this engine 'b' [14]"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(same(before, snapshot(b)));
+  cleanup(dir);
+}
