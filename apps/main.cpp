@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/ckpt/ckpt.hpp"
 #include "apps/demo.hpp"
 #include "zeroshard/version.hpp"
 
@@ -57,6 +58,8 @@ struct Command {
 constexpr Command kCommands[] = {
     {"demo", "train a small GPT on N MPI ranks with ZeRO sharding; report memory and step time",
      &zsdemo::run_demo},
+    {"ckpt", "inspect or verify a checkpoint without launching ranks (ckpt --help)",
+     &zsckpt::run_ckpt},
 };
 
 void usage(std::FILE* out) {

@@ -6,6 +6,7 @@
 #include "zeroshard/config.hpp"
 #include "zeroshard/config_fields.hpp"
 #include "zeroshard/device.hpp"
+#include "zeroshard/checkpoint.hpp"
 #include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/export.hpp"

@@ -72,8 +72,9 @@ gradient_accumulation_steps micro-steps, so each rank's loss should be the mean 
 micro-batch, without dividing by the rank count or the accumulation steps: the update then
 equals that of one process taking the mean over the whole global batch.
 
-Checkpoints. Two forms. save_checkpoint(dir) / load_checkpoint(dir) are the engine's own
-(collective, one directory shared by the ranks) and load at any world size and any stage.
+Checkpoints. Two forms. save_checkpoint(root) / load_checkpoint(root) are the engine's own
+(collective, one root shared by the ranks, a crash-safe checksummed tag per save) and load at
+any world size and any stage.
 state_dict() is the torch.optim form: this rank's shard of the f32 master weights and optimizer
 state (plus step count, loss scale and hyperparameters), to torch.save one file per rank and
 load into an optimizer over the same model at the same world size. Either way loading also
@@ -978,18 +979,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {k: whole[id(t)] if id(t) in whole else t.detach() for k, t in
                 self.model.state_dict(keep_vars=True).items()}
 
-    def save_checkpoint(self, path):
-        """Collective: writes the engine's checkpoint to directory `path` (shared by the ranks):
-        master weights, optimizer state, step count and loss scale, in a layout that any world
-        size and any stage can load with load_checkpoint(). Learning rates are not in it (they
-        belong to the trainer's schedule)."""
-        self.engine.save(str(path))
+    def save_checkpoint(self, root, tag=None):
+        """Collective: writes the engine's checkpoint as root/<tag> (default "step<N>"; root is
+        shared by the ranks) and points root/latest at it: master weights, optimizer state, the
+        step count, the loss scaler's state and every group's hyperparameters, crash-safe and
+        checksummed, in a layout that any world size and any stage can load with
+        load_checkpoint(). An existing tag is refused. Returns the tag's path."""
+        self._sync_hyperparameters()
+        return self.engine.save(str(root), tag or "")
 
     def load_checkpoint(self, path):
-        """Collective: loads a save_checkpoint() directory written at any world size or stage
-        into this optimizer (same model: unit and parameter names, shapes, optimizer). The
-        model's parameters are rebuilt from the loaded master weights."""
+        """Collective: loads a checkpoint (a tag directory, or a root's latest tag) written at
+        any world size or stage into this optimizer (same model: unit and parameter names,
+        shapes, optimizer), after verifying it whole: a failed load changes nothing. The model's
+        parameters are rebuilt from the loaded master weights, and the param groups take the
+        saved hyperparameters (a scheduler stepped since construction is not rewound)."""
         self.engine.load(str(path))
+        for gi, g in enumerate(self.param_groups):
+            o = self.engine.options(gi)
+            g["lr"] = o.lr
+            if "betas" in g:
+                g["betas"] = (o.beta1, o.beta2)
+            for key in ("eps", "weight_decay", "momentum", "nesterov"):
+                if key in g:
+                    g[key] = getattr(o, key)
+            self._engine_options[gi] = self._options(g)
 
     def state_dict(self):
         """This rank's shard of the optimizer: f32 master weights and optimizer state per unit

@@ -199,3 +199,32 @@ def test_optimizer_is_freed_with_its_model(stage):
     gc.collect()
     assert gone() is None
     assert kept.requires_grad
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_resume_restores_hyperparameters_and_continues_bitwise(stage, tmp_path):
+    data = batches(8)
+    a_model = make_model()
+    a = zero(a_model, stage)
+    train_zero(a, a_model, data[:4], 0, 1)
+    a.param_groups[0]["lr"] = LR / 3  # as a scheduler would
+    a.param_groups[1]["betas"] = (0.8, 0.99)
+    tag = a.save_checkpoint(tmp_path)
+    assert (tmp_path / "latest").read_text() == "step00000004\n" and tag.name == "step00000004"
+    with pytest.raises(zs.InvalidArgumentError, match="exists"):
+        a.save_checkpoint(tmp_path)  # a tag is never overwritten
+    b_model = make_model(seed=5)
+    b = zero(b_model, stage)
+    b.load_checkpoint(tmp_path)
+    assert abs(b.param_groups[0]["lr"] - LR / 3) < 1e-9
+    assert b.param_groups[1]["betas"] == pytest.approx((0.8, 0.99))
+    train_zero(a, a_model, data[4:], 0, 1)
+    train_zero(b, b_model, data[4:], 0, 1)
+    got, want = b.model_state_dict(), a.model_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # Damage is found before anything changes.
+    (tag / "rank00000.master").write_bytes(b"\0" * 100)
+    before = b.model_state_dict()
+    with pytest.raises(zs.Error, match="rank00000.master"):
+        b.load_checkpoint(tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in b.model_state_dict().items())
