@@ -1,5 +1,6 @@
-// Bad input never crashes: mutated JSON configurations and random registrations through the
-// public API either work or throw zeroshard::Error, never another exception, a crash or a silent
+// Bad input never crashes: mutated JSON configurations, random registrations through the public
+// API, and damaged checkpoint manifests and data-file headers either work or throw
+// zeroshard::Error, never another exception, a crash or a silent
 // acceptance of something the engine cannot hold. A short, seeded fuzz run: the same inputs
 // every time, so a failure reproduces.
 
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "src/checkpoint/format.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zeroshard {
@@ -195,6 +197,85 @@ TEST(Fuzz, HugeShapesAndAlignmentsAreRefusedByName) {
     ADD_FAILURE() << "shard_alignment 2^62 was accepted";
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("shard_alignment"), std::string::npos) << err.what();
+  }
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+// ---- checkpoint manifests and data-file headers ---------------------------------------------
+
+namespace zeroshard {
+namespace {
+
+ckpt::Manifest sample_manifest() {
+  ckpt::Manifest m;
+  m.tag = "step00000007";
+  m.save_id = 0x0123456789abcdefull;
+  m.world_size = 2;
+  m.stage = 3;
+  m.dtype = "bf16";
+  m.optimizer = "adamw";
+  m.step = 7;
+  m.scaler = {1024.0f, 2, 5, 1};
+  m.groups = {OptimizerOptions{}, OptimizerOptions{}};
+  m.groups[1].weight_decay = 0;
+  m.states = {"master", "state0", "state1"};
+  m.block_bytes = 1 << 20;
+  m.units = {{"embed", 6, {{"w", {2, 3}}}}, {"head", 5, {{"w", {5}}, {"b", {0}}}}};
+  m.ranges = {{{0, 0, 4, 0}, {1, 0, 3, 4}}, {{0, 4, 6, 0}, {1, 3, 5, 2}}};
+  return m;
+}
+
+// Mutated manifests parse or throw Error; one that parses is one the loader can trust (every
+// unit covered exactly once by the ranges).
+TEST(Fuzz, MutatedCheckpointManifestsParseOrThrowError) {
+  const std::string seed = ckpt::manifest_text(sample_manifest());
+  ASSERT_NO_THROW(ckpt::parse_manifest(seed, "seed"));
+  std::mt19937 g(777);
+  int refused = 0;
+  for (int i = 0; i < 3000; ++i) {
+    const std::string text = mutate(seed, g);
+    try {
+      const ckpt::Manifest m = ckpt::parse_manifest(text, "fuzz");
+      for (size_t u = 0; u < m.units.size(); ++u) {
+        int64_t covered = 0;
+        for (const auto& list : m.ranges)
+          for (const ckpt::Range& r : list)
+            if (r.unit == int(u)) covered += r.end - r.begin;
+        EXPECT_EQ(covered, m.units[u].numel) << "input: " << text;
+      }
+    } catch (const Error&) {
+      ++refused;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not a zeroshard::Error: " << e.what() << "\ninput: " << text;
+    }
+  }
+  EXPECT_GT(refused, 2500);  // nearly every change breaks the JSON, a rule or the checksum
+}
+
+// Headers with bytes changed, truncated or random are refused with Error, never trusted.
+TEST(Fuzz, DamagedDataFileHeadersAreRefused) {
+  const std::vector<char> good = ckpt::encode_header({42, 1, 2, 1 << 20, 4096});
+  const ckpt::FileHeader h = ckpt::decode_header(good.data(), good.size(), "good");
+  EXPECT_EQ(h.save_id, 42u);
+  EXPECT_EQ(h.data_bytes, 4096);
+  std::mt19937 g(99);
+  for (int i = 0; i < 3000; ++i) {
+    std::vector<char> bad = good;
+    size_t len = bad.size();
+    switch (i % 3) {
+      case 0:  // one to three bytes of the fixed part changed
+        for (int k = 0, n = 1 + int(g() % 3); k < n; ++k) bad[g() % 56] ^= char(1 + g() % 255);
+        break;
+      case 1:
+        len = g() % 56;  // cut short
+        break;
+      default:
+        for (char& c : bad) c = char(g());
+        break;
+    }
+    EXPECT_THROW(ckpt::decode_header(bad.data(), len, "fuzz"), Error) << "case " << i;
   }
 }
 
