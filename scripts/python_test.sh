@@ -26,6 +26,11 @@ if ! "$venv/bin/python" -c "import scikit_build_core, nanobind" 2>/dev/null; the
   echo "python: installing the build requirements (scikit-build-core, nanobind)"
   "${pip[@]}" install "scikit-build-core>=0.10" "nanobind>=2.9,<4"
 fi
+# The safetensors package reads the files `zeroshard ckpt export` writes (a test checks it).
+if ! "$venv/bin/python" -c "import safetensors" 2>/dev/null; then
+  echo "python: installing safetensors (the export test reads its files with it)"
+  "${pip[@]}" install "safetensors>=0.4"
+fi
 echo "python: pip install ."
 CMAKE_BUILD_PARALLEL_LEVEL="${ZEROSHARD_JOBS:-2}" \
   "${pip[@]}" install --root-user-action=ignore --no-build-isolation .

@@ -1,12 +1,14 @@
 // `zeroshard ckpt`: inspect prints a checkpoint's manifest as a table; verify checks every
-// checksum of every file, with a progress line on stderr. Both exit non-zero with the reason
-// when the checkpoint is damaged.
+// checksum of every file; export writes safetensors files of the weights and the optimizer
+// state. Progress goes to stderr; each exits non-zero with the reason when the checkpoint is
+// damaged.
 #include "apps/ckpt/ckpt.hpp"
 
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 
 #include "zeroshard/checkpoint.hpp"
 #include "zeroshard/error.hpp"
@@ -20,29 +22,52 @@ void usage(std::FILE* out) {
                "usage: zeroshard ckpt inspect PATH   print the manifest (tag, step, groups, "
                "units)\n"
                "       zeroshard ckpt verify PATH    check every block's checksum\n"
+               "       zeroshard ckpt export PATH OUT_DIR\n"
+               "                                     write OUT_DIR/model.safetensors (f32 weights)\n"
+               "                                     and OUT_DIR/optimizer.safetensors\n"
                "PATH is a tag directory, or a checkpoint root (its latest tag is read).\n");
 }
 
-int verify(const std::string& path) {
-  const bool tty = ::isatty(2);
-  auto last = std::chrono::steady_clock::now();
-  auto progress = [&](int64_t done, int64_t total) {
-    const auto now = std::chrono::steady_clock::now();
-    if (done < total && now - last < std::chrono::milliseconds(200)) return;
-    last = now;
-    std::fprintf(stderr, "%sverified %.1f of %.1f MiB%s", tty ? "\r" : "", double(done) / 1048576,
-                 double(total) / 1048576, tty ? "" : "\n");
-  };
-  int64_t bytes = 0;
-  try {
-    bytes = zeroshard::verify_checkpoint(path, progress);
-  } catch (...) {
-    if (tty) std::fprintf(stderr, "\n");  // end the progress line
-    throw;
+// A progress line on stderr ("verified 12.0 of 68.7 MiB"), redrawn at most 5 times a second
+// on a terminal, a line per update elsewhere; ended before anything else is printed.
+class Progress {
+ public:
+  explicit Progress(const char* verb) : verb_(verb), tty_(::isatty(2)) {}
+  ~Progress() {
+    if (tty_ && shown_) std::fprintf(stderr, "\n");
   }
-  if (tty) std::fprintf(stderr, "\n");
+  void operator()(int64_t done, int64_t total) {
+    const auto now = std::chrono::steady_clock::now();
+    if (done < total && now - last_ < std::chrono::milliseconds(200)) return;
+    last_ = now;
+    shown_ = true;
+    std::fprintf(stderr, "%s%s %.1f of %.1f MiB%s", tty_ ? "\r" : "", verb_,
+                 double(done) / 1048576, double(total) / 1048576, tty_ ? "" : "\n");
+  }
+
+ private:
+  const char* verb_;
+  bool tty_, shown_ = false;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+int verify(const std::string& path) {
+  int64_t bytes = 0;
+  {
+    Progress progress("verified");
+    bytes = zeroshard::verify_checkpoint(path, std::ref(progress));
+  }
   std::printf("%s: intact (%lld bytes of data verified)\n", path.c_str(),
               static_cast<long long>(bytes));
+  return 0;
+}
+
+int export_to(const std::string& path, const std::string& out) {
+  {
+    Progress progress("exported");
+    zeroshard::export_checkpoint(path, out, std::ref(progress));
+  }
+  std::printf("%s: model.safetensors and optimizer.safetensors written\n", out.c_str());
   return 0;
 }
 
@@ -53,7 +78,9 @@ int run_ckpt(const std::vector<std::string>& args) {
     usage(stdout);
     return 0;
   }
-  if (args.size() != 2 || (args[0] != "inspect" && args[0] != "verify")) {
+  const bool two = args.size() == 2 && (args[0] == "inspect" || args[0] == "verify");
+  const bool three = args.size() == 3 && args[0] == "export";
+  if (!two && !three) {
     usage(stderr);
     return 2;
   }
@@ -62,6 +89,7 @@ int run_ckpt(const std::vector<std::string>& args) {
       std::fputs(zeroshard::describe_checkpoint(args[1]).c_str(), stdout);
       return 0;
     }
+    if (args[0] == "export") return export_to(args[1], args[2]);
     return verify(args[1]);
   } catch (const zeroshard::Error& e) {
     std::fprintf(stderr, "zeroshard ckpt %s: %s\n", args[0].c_str(), e.what());

@@ -1,5 +1,5 @@
 #pragma once
-// `zeroshard ckpt inspect|verify PATH`: reads a checkpoint without launching ranks.
+// `zeroshard ckpt inspect|verify|export`: reads a checkpoint without launching ranks.
 
 #include <string>
 #include <vector>

@@ -23,4 +23,14 @@ ZS_API std::string describe_checkpoint(const std::filesystem::path& path);
 ZS_API int64_t verify_checkpoint(const std::filesystem::path& path,
                                  const std::function<void(int64_t, int64_t)>& progress = {});
 
+/// Writes the checkpoint at `path` as safetensors files in `out_dir`: model.safetensors, every
+/// parameter's f32 master weights (named as the model names them: the parameters' own names
+/// when unique over the model, else "<unit>.<param>"), and optimizer.safetensors, its optimizer
+/// state per parameter ("<name>.exp_avg", "<name>.exp_avg_sq"; SGD "<name>.momentum_buffer").
+/// Streams unit by unit: memory is one unit's values. Every block is verified on the way.
+/// `progress(done_bytes, total_bytes)` after each unit. The files appear complete or not at all.
+ZS_API void export_checkpoint(const std::filesystem::path& path,
+                              const std::filesystem::path& out_dir,
+                              const std::function<void(int64_t, int64_t)>& progress = {});
+
 }  // namespace zeroshard

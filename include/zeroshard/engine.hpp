@@ -215,6 +215,13 @@ class ZS_API Engine {
   /// scaler's state and every group's hyperparameters; parameters are rebuilt from the master
   /// weights, and stage-3 prefetches are dropped.
   void load(const std::filesystem::path& path);
+  /// Collective: starts from pretrained weights in a safetensors file (F32, BF16 or F16
+  /// tensors named as export_checkpoint() names them, e.g. a model.safetensors it wrote or
+  /// torch's state_dict saved with safetensors): each rank reads its shard's range of every
+  /// unit, and the values become the master weights (parameters rebuilt from them). Optimizer
+  /// state and step stay as they are. A missing tensor or a wrong shape or dtype is
+  /// Error(invalid_argument) naming it, before any state changes.
+  void load_safetensors(const std::filesystem::path& file);
 
   /// The ledger: bytes held by tier × kind on this rank, with peaks. The nvme column counts
   /// swap-file bytes: one copy of each state under its kind, and the rest of the files (the

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "python_bindings/src/bindings.hpp"
+#include "zeroshard/checkpoint.hpp"
 
 namespace zeroshard::py {
 
@@ -513,6 +514,13 @@ void def_state(nb::class_<PyEngine>& cls) {
       "world size or stage, after verifying it whole; a failed load changes nothing.");
   cls.def("num_groups", [](PyEngine& e) { return e.engine.num_groups(); });
   cls.def(
+      "load_safetensors",
+      [](PyEngine& e, const std::filesystem::path& file) {
+        locked(e, [&] { e.engine.load_safetensors(file); });
+      },
+      nb::arg("file"),
+      "Collective: pretrained weights from a safetensors file become the master weights.");
+  cls.def(
       "memory", [](PyEngine& e) { return locked(e, [&] { return e.engine.memory(); }); },
       "The ledger's MemoryReport.");
   cls.def("communicator", [](PyEngine& e) { return e.comm; });
@@ -563,8 +571,31 @@ void bind_engine_class(nb::module_& m) {
 
 }  // namespace
 
+// Checkpoints read without an engine (zeroshard/checkpoint.hpp).
+void bind_checkpoint_tools(nb::module_& m) {
+  m.def("describe_checkpoint", &describe_checkpoint, nb::arg("path"),
+        nb::call_guard<nb::gil_scoped_release>(),
+        "The manifest of a checkpoint (a tag, or a root's latest) as a table.");
+  m.def(
+      "verify_checkpoint",
+      [](const std::filesystem::path& p) {
+        nb::gil_scoped_release nogil;
+        return verify_checkpoint(p);
+      },
+      nb::arg("path"), "Verifies every checksum; returns the data bytes verified.");
+  m.def(
+      "export_checkpoint",
+      [](const std::filesystem::path& p, const std::filesystem::path& out) {
+        nb::gil_scoped_release nogil;
+        export_checkpoint(p, out);
+      },
+      nb::arg("path"), nb::arg("out_dir"),
+      "Writes out_dir/model.safetensors (f32 weights) and out_dir/optimizer.safetensors.");
+}
+
 void bind_engine(nb::module_& m) {
   m.def("version", &version, "The library's version, e.g. '0.1.0'.");
+  bind_checkpoint_tools(m);
   bind_communicator(m);
   bind_results(m);
   bind_memory_report(m);

@@ -45,9 +45,12 @@ from ._core import (  # noqa: F401  (re-exported API)
     StepResult,
     StorageError,
     Tier,
+    describe_checkpoint,
     dtype_size,
+    export_checkpoint,
     make_mpi_communicator,
     make_self_communicator,
+    verify_checkpoint,
     version,
 )
 from ._launch import default_communicator, launch_info  # noqa: F401
@@ -85,9 +88,12 @@ __all__ = [
     "StorageError",
     "Tier",
     "default_communicator",
+    "describe_checkpoint",
     "dtype_size",
+    "export_checkpoint",
     "launch_info",
     "make_mpi_communicator",
     "make_self_communicator",
+    "verify_checkpoint",
     "version",
 ]

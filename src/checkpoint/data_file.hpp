@@ -4,6 +4,8 @@
 // its bytes is used.
 #include <cstdint>
 #include <filesystem>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -63,6 +65,25 @@ class DataFileReader {
   std::vector<uint64_t> sums_;
   std::vector<char> block_;
   int64_t cached_ = -1;  // index of the block in block_
+};
+
+/// Unit values out of a checkpoint's files, whichever ranks wrote them: one DataFileReader per
+/// file, opened (and its header and table checked) on first use.
+class UnitReader {
+ public:
+  UnitReader(std::filesystem::path dir, const Manifest& m);
+  /// Values [b, e) of unit u's state s (an index into state_names()) into out, every block
+  /// verified.
+  void read(int s, int u, int64_t b, int64_t e, float* out);
+
+ private:
+  DataFileReader& file(int r, int s);
+
+  std::filesystem::path dir_;
+  const Manifest& m_;
+  std::vector<std::vector<std::pair<int, Range>>> by_unit_;
+  std::vector<int64_t> data_bytes_;
+  std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files_;
 };
 
 }  // namespace zeroshard::ckpt

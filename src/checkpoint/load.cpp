@@ -5,9 +5,6 @@
 // it. Only once every rank found everything intact does the second pass write the shards. A
 // failed load therefore leaves the engine exactly as it was (the price: each byte is read twice,
 // the second time usually from the page cache).
-#include <map>
-#include <memory>
-
 #include "src/base/check.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"
@@ -56,47 +53,6 @@ void check_fits(const Engine& e, const Manifest& m, const std::string& at) {
   }
 }
 
-// Reads unit values out of the checkpoint's files: which writer holds which range, and one
-// reader per file, opened (and its header and table checked) on first use.
-class Source {
- public:
-  Source(fs::path dir, const Manifest& m) : dir_(std::move(dir)), m_(m) {
-    by_unit_.resize(m.units.size());
-    for (size_t r = 0; r < m.ranges.size(); ++r) {
-      int64_t n = 0;
-      for (const Range& rg : m.ranges[r]) {
-        by_unit_[size_t(rg.unit)].emplace_back(int(r), rg);
-        n += rg.end - rg.begin;
-      }
-      data_bytes_.push_back(n * 4);
-    }
-  }
-
-  // Values [b, e) of unit u's state s into out, every block verified.
-  void read(int s, int u, int64_t b, int64_t e, float* out) {
-    for (const auto& [r, rg] : by_unit_[size_t(u)]) {
-      const int64_t lo = std::max(b, rg.begin), hi = std::min(e, rg.end);
-      if (lo < hi) file(r, s).read(rg.offset + (lo - rg.begin), hi - lo, out + (lo - b));
-    }
-  }
-
- private:
-  DataFileReader& file(int r, int s) {
-    std::unique_ptr<DataFileReader>& f = files_[{r, s}];
-    if (!f)
-      f = std::make_unique<DataFileReader>(
-          dir_ / data_file_name(r, state_names()[size_t(s)].name),
-          FileHeader{m_.save_id, r, s, m_.block_bytes, data_bytes_[size_t(r)]});
-    return *f;
-  }
-
-  fs::path dir_;
-  const Manifest& m_;
-  std::vector<std::vector<std::pair<int, Range>>> by_unit_;
-  std::vector<int64_t> data_bytes_;
-  std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files_;
-};
-
 }  // namespace
 
 void Engine::load(const std::filesystem::path& path) {
@@ -127,7 +83,7 @@ void Engine::load(const std::filesystem::path& path) {
         if (has_state(state_names()[s].kind)) f(u, int(s), si, b, e);
     }
   };
-  Source src(dir, m);
+  UnitReader src(dir, m);
   all_or_none(comm, at + ": verifying", [&] {
     each([&](int u, int s, const ShardInfo&, int64_t b, int64_t e) {
       std::vector<float> v(size_t(e - b));

@@ -228,3 +228,28 @@ def test_checkpoint_resume_restores_hyperparameters_and_continues_bitwise(stage,
     with pytest.raises(zs.Error, match="rank00000.master"):
         b.load_checkpoint(tmp_path)
     assert all(torch.equal(before[k], v) for k, v in b.model_state_dict().items())
+
+
+def test_export_is_read_by_the_safetensors_package(tmp_path):
+    from safetensors.torch import load_file
+    model, data = make_model(), batches(3)
+    opt = zero(model, 2)
+    train_zero(opt, model, data, 0, 1)
+    tag = opt.save_checkpoint(tmp_path / "ckpt")
+    zs.export_checkpoint(tag, tmp_path / "out")
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    want = opt.model_state_dict()
+    assert set(weights) == {n for n, p in model.named_parameters()}
+    assert all(torch.equal(weights[k], want[k]) for k in weights)  # f32: master == parameter
+    state = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
+    assert set(state) == {f"{n}.{s}" for n in weights for s in ("exp_avg", "exp_avg_sq")}
+    assert state["proj.weight.exp_avg_sq"].shape == model.proj.weight.shape
+    assert (state["proj.weight.exp_avg_sq"] > 0).any()
+    # And back: an engine starts from the exported weights.
+    fresh = make_model(seed=9)
+    opt2 = zero(fresh, 2)
+    opt2.engine.load_safetensors(str(tmp_path / "out" / "model.safetensors"))
+    got = opt2.model_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in weights)
+    assert "proj.weight [32, 16]" in zs.describe_checkpoint(tag)
+    assert zs.verify_checkpoint(tmp_path / "ckpt") > 0

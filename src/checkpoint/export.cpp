@@ -1,0 +1,89 @@
+// export_checkpoint() (zeroshard/checkpoint.hpp): a checkpoint's f32 master weights and its
+// optimizer state as safetensors files, streamed unit by unit (memory: one unit's values).
+#include <cstdio>
+
+#include "src/base/check.hpp"
+#include "src/checkpoint/data_file.hpp"
+#include "src/checkpoint/format.hpp"
+#include "src/checkpoint/safetensors.hpp"
+#include "zeroshard/checkpoint.hpp"
+
+namespace zeroshard {
+
+using namespace ckpt;
+namespace fs = std::filesystem;
+
+namespace {
+
+// torch.optim's names for the optimizer's states.
+const char* torch_state_name(const std::string& optimizer, const std::string& state) {
+  if (optimizer == "sgd") return "momentum_buffer";
+  return state == "state0" ? "exp_avg" : "exp_avg_sq";
+}
+
+}  // namespace
+
+void export_checkpoint(const fs::path& path, const fs::path& out_dir,
+                       const std::function<void(int64_t, int64_t)>& progress) {
+  const fs::path dir = resolve(path);
+  const Manifest m = read_manifest(dir);
+  UnitReader src(dir, m);
+  const std::vector<std::string> names = tensor_names(m.units);
+  std::vector<std::string> states;  // the optimizer's, by their index in state_names()
+  std::vector<int> state_index;
+  for (size_t s = 1; s < state_names().size(); ++s)
+    for (const std::string& have : m.states)
+      if (have == state_names()[s].name) {
+        states.push_back(have);
+        state_index.push_back(int(s));
+      }
+  std::vector<std::vector<int64_t>> shapes, opt_shapes;
+  std::vector<std::string> opt_names;
+  int64_t total = 0;
+  size_t k = 0;
+  for (const UnitInfo& u : m.units) {
+    const size_t first = k;
+    for (const ParamInfo& p : u.params) {
+      shapes.push_back(p.shape);
+      ++k;
+    }
+    for (const std::string& s : states)
+      for (size_t i = first; i < k; ++i) {
+        opt_names.push_back(names[i] + "." + torch_state_name(m.optimizer, s));
+        opt_shapes.push_back(shapes[i]);
+      }
+    total += u.numel * int64_t(1 + states.size()) * 4;
+  }
+  const std::map<std::string, std::string> meta = {{"format", "zeroshard-export"},
+                                                   {"tag", m.tag},
+                                                   {"step", std::to_string(m.step)},
+                                                   {"optimizer", m.optimizer}};
+  fs::create_directories(out_dir);
+  StWriter model(out_dir / "model.safetensors.tmp", names, shapes, meta);
+  std::unique_ptr<StWriter> opt;
+  if (!states.empty())
+    opt = std::make_unique<StWriter>(out_dir / "optimizer.safetensors.tmp", opt_names, opt_shapes,
+                                     meta);
+  int64_t done = 0;
+  std::vector<float> v;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    const int64_t n = m.units[u].numel;
+    v.resize(size_t(n));
+    src.read(0, int(u), 0, n, v.data());  // state_names()[0] is the master
+    model.append(v.data(), n);
+    for (int s : state_index) {
+      src.read(s, int(u), 0, n, v.data());
+      opt->append(v.data(), n);
+    }
+    done += n * int64_t(1 + states.size()) * 4;
+    if (progress) progress(done, total);
+  }
+  model.finish();
+  fs::rename(out_dir / "model.safetensors.tmp", out_dir / "model.safetensors");
+  if (opt) {
+    opt->finish();
+    fs::rename(out_dir / "optimizer.safetensors.tmp", out_dir / "optimizer.safetensors");
+  }
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,196 @@
+// safetensors files (safetensors.hpp).
+#include "src/checkpoint/safetensors.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "src/base/check.hpp"
+
+namespace zeroshard::ckpt {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr int64_t kMaxHeader = int64_t(100) << 20;  // the format's own limit
+
+int64_t dtype_bytes(const std::string& d) {
+  if (d == "F32") return 4;
+  if (d == "BF16" || d == "F16") return 2;
+  return 0;  // a dtype weights cannot come in
+}
+
+void write_all(int fd, const void* data, size_t bytes, int64_t offset, const std::string& path) {
+  const char* c = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd, c, bytes, off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      if (err == ENOSPC || err == EDQUOT)
+        ZS_THROW(no_space, "safetensors: writing " << path << ": " << std::strerror(err));
+      ZS_THROW(io_error, "safetensors: writing " << path << ": " << std::strerror(err));
+    }
+    c += n, bytes -= size_t(n), offset += n;
+  }
+}
+
+void read_all(int fd, void* data, size_t bytes, int64_t offset, const std::string& path) {
+  char* c = static_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd, c, bytes, off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) ZS_THROW(io_error, "safetensors: reading " << path << ": " << std::strerror(errno));
+    if (n == 0) ZS_THROW(corrupted, "safetensors: " << path << " is shorter than its header says");
+    c += n, bytes -= size_t(n), offset += n;
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> tensor_names(const std::vector<UnitInfo>& units) {
+  std::set<std::string> seen;
+  bool unique = true;
+  for (const UnitInfo& u : units)
+    for (const ParamInfo& p : u.params) unique &= seen.insert(p.name).second;
+  std::vector<std::string> names;
+  for (const UnitInfo& u : units)
+    for (const ParamInfo& p : u.params) names.push_back(unique ? p.name : u.name + "." + p.name);
+  return names;
+}
+
+StWriter::StWriter(std::filesystem::path path, const std::vector<std::string>& names,
+                   const std::vector<std::vector<int64_t>>& shapes,
+                   const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)) {
+  json h = json::object();
+  if (!metadata.empty()) h["__metadata__"] = metadata;
+  int64_t offset = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    int64_t n = 1;
+    for (int64_t d : shapes[i]) n *= d;
+    h[names[i]] = {{"dtype", "F32"}, {"shape", shapes[i]}, {"data_offsets", {offset, offset + n * 4}}};
+    offset += n * 4;
+  }
+  std::string text = h.dump();
+  text.resize((text.size() + 7) / 8 * 8, ' ');
+  fd_.reset(::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd_) ZS_THROW(io_error, "safetensors: creating " << path_ << ": " << std::strerror(errno));
+  uint64_t len = text.size();  // little-endian, as on every machine this builds for
+  write_all(fd_.get(), &len, 8, 0, path_.string());
+  write_all(fd_.get(), text.data(), text.size(), 8, path_.string());
+  at_ = 8 + int64_t(text.size());
+  end_ = at_ + offset;
+}
+
+void StWriter::append(const float* data, int64_t n) {
+  write_all(fd_.get(), data, size_t(n) * 4, at_, path_.string());
+  at_ += n * 4;
+}
+
+void StWriter::finish() {
+  ZS_CHECK(at_ == end_);
+  if (::fsync(fd_.get()) != 0)
+    ZS_THROW(io_error, "safetensors: fsync of " << path_ << ": " << std::strerror(errno));
+  fd_.reset();
+}
+
+StReader::StReader(std::filesystem::path path)
+    : path_(std::move(path)), fd_(::open(path_.c_str(), O_RDONLY | O_CLOEXEC)) {
+  const std::string file = path_.string();
+  if (!fd_) ZS_THROW(invalid_argument, "safetensors: cannot open " << file << ": "
+                                                                   << std::strerror(errno));
+  const off_t size = ::lseek(fd_.get(), 0, SEEK_END);
+  uint64_t len = 0;
+  if (size < 8) ZS_THROW(corrupted, "safetensors: " << file << " is too short for a header");
+  read_all(fd_.get(), &len, 8, 0, file);
+  if (len == 0 || len > uint64_t(kMaxHeader) || int64_t(len) > size - 8)
+    ZS_THROW(corrupted, "safetensors: " << file << ": header length " << len << " is impossible");
+  std::string text(size_t(len), '\0');
+  read_all(fd_.get(), text.data(), text.size(), 8, file);
+  data_start_ = 8 + int64_t(len);
+  const int64_t data_bytes = int64_t(size) - data_start_;
+  json h;
+  try {
+    h = json::parse(text);
+  } catch (const std::exception& e) {
+    ZS_THROW(corrupted, "safetensors: " << file << ": the header is not JSON: " << e.what());
+  }
+  if (!h.is_object()) ZS_THROW(corrupted, "safetensors: " << file << ": the header is no object");
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    if (it.key() == "__metadata__") continue;
+    const json& v = it.value();
+    auto bad = [&](const char* what) {
+      ZS_THROW(corrupted, "safetensors: " << file << ": tensor '" << it.key() << "': " << what);
+    };
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
+        !v.contains("data_offsets") || !v["dtype"].is_string() || !v["shape"].is_array() ||
+        !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
+      bad("needs dtype, shape and data_offsets [begin, end]");
+    StTensor t;
+    t.name = it.key();
+    t.dtype = v["dtype"].get<std::string>();
+    int64_t n = 1;
+    for (const json& d : v["shape"]) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t(1) << 48)) bad("bad shape");
+      const int64_t dim = d.get<int64_t>();
+      if (dim != 0 && n > (int64_t(1) << 48) / dim) bad("shape too large");
+      n *= dim;
+      t.shape.push_back(dim);
+    }
+    for (const json& o : v["data_offsets"])
+      if (!o.is_number_unsigned() || o.get<uint64_t>() > uint64_t(data_bytes))
+        bad("data_offsets outside the file");
+    t.begin = v["data_offsets"][0].get<int64_t>();
+    t.end = v["data_offsets"][1].get<int64_t>();
+    const int64_t width = dtype_bytes(t.dtype);
+    if (t.end < t.begin || (width && t.end - t.begin != n * width))
+      bad("data_offsets do not match its shape and dtype");
+    tensors_.push_back(std::move(t));
+  }
+  // Back to back from 0 to the end of the file, as the format requires.
+  std::vector<const StTensor*> order;
+  for (const StTensor& t : tensors_) order.push_back(&t);
+  std::sort(order.begin(), order.end(),
+            [](const StTensor* a, const StTensor* b) { return a->begin < b->begin; });
+  int64_t at = 0;
+  for (const StTensor* t : order) {
+    if (t->begin != at)
+      ZS_THROW(corrupted, "safetensors: " << file << ": tensor '" << t->name
+                                          << "' does not follow the one before it");
+    at = t->end;
+  }
+  if (at != data_bytes)
+    ZS_THROW(corrupted, "safetensors: " << file << ": the tensors cover " << at << " of "
+                                        << data_bytes << " data bytes");
+  for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
+}
+
+const StTensor* StReader::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+void StReader::read_f32(const StTensor& t, int64_t offset, int64_t n, float* out) {
+  const int64_t width = dtype_bytes(t.dtype);
+  ZS_CHECK(width > 0 && offset >= 0 && t.begin + (offset + n) * width <= t.end);
+  const int64_t at = data_start_ + t.begin + offset * width;
+  if (width == 4) {
+    read_all(fd_.get(), out, size_t(n) * 4, at, path_.string());
+    return;
+  }
+  std::vector<uint16_t> half(static_cast<size_t>(n));
+  read_all(fd_.get(), half.data(), half.size() * 2, at, path_.string());
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = t.dtype == "BF16" ? cpu::bf16_to_float(half[size_t(i)])
+                               : cpu::f16_to_float(half[size_t(i)]);
+}
+
+}  // namespace zeroshard::ckpt
