@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "offload/checksum.hpp"
 #include "src/base/check.hpp"
@@ -21,57 +23,131 @@ namespace {
   ZS_THROW(io_error, "checkpoint: " << what << " " << path << ": " << std::strerror(err));
 }
 
+constexpr size_t kAlign = 4096;  // O_DIRECT's alignment of offsets, lengths and memory
+
 uint64_t table_sum(const std::vector<uint64_t>& sums) {
   return offload::xxh64(sums.data(), sums.size() * 8, ~uint64_t(0));
 }
 }  // namespace
 
+struct DataFileWriter::Block {
+  explicit Block(size_t bytes) : data(static_cast<char*>(std::aligned_alloc(kAlign, bytes))) {
+    if (!data) throw std::bad_alloc();
+  }
+  ~Block() { std::free(data); }
+  char* data;
+  size_t len = 0;
+  int64_t index = 0;
+};
+
 DataFileWriter::DataFileWriter(std::filesystem::path path, const FileHeader& h)
     : path_(std::move(path)),
       h_(h),
-      fd_(::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)),
-      block_(size_t(h.block_bytes)) {
+      fd_(::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)) {
   if (!fd_) io_failure(path_, "creating", errno);
+  // A second descriptor with O_DIRECT for the aligned blocks (tmpfs, for one, may refuse it:
+  // then everything goes through the page cache).
+  direct_fd_.reset(::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
+  ZS_CHECK(h.block_bytes % int64_t(kAlign) == 0);
+  for (int i = 0; i < 3; ++i) free_.push_back(std::make_unique<Block>(size_t(h.block_bytes)));
+  filling_ = std::move(free_.back());
+  free_.pop_back();
+  thread_ = std::thread([this] { run(); });
 }
 
-void DataFileWriter::write_at(const void* data, size_t bytes, int64_t offset) {
+DataFileWriter::~DataFileWriter() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void DataFileWriter::write_at(const void* data, size_t bytes, int64_t offset, bool direct) {
+  const int fd = direct && direct_fd_ ? direct_fd_.get() : fd_.get();
   const char* c = static_cast<const char*>(data);
   while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd_.get(), c, bytes, off_t(offset));
+    const ssize_t n = ::pwrite(fd, c, bytes, off_t(offset));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) io_failure(path_, "writing", errno);
     c += n, bytes -= size_t(n), offset += n;
   }
 }
 
-void DataFileWriter::flush_block() {
-  if (filled_ == 0) return;
-  sums_.push_back(offload::xxh64(block_.data(), filled_, uint64_t(sums_.size())));
-  write_at(block_.data(), filled_, kHeaderBytes + written_);
-  written_ += int64_t(filled_);
-  filled_ = 0;
+void DataFileWriter::rethrow() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error_) std::rethrow_exception(error_);
+}
+
+// Checksums and writes the queued blocks in order. A block shorter than the others (the last)
+// is written padded to the alignment; finish() then writes the table over the padding.
+void DataFileWriter::run() {
+  for (;;) {
+    std::unique_ptr<Block> b;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queued_.empty(); });
+      if (queued_.empty()) return;
+      b = std::move(queued_.front());
+      queued_.erase(queued_.begin());
+    }
+    try {
+      const uint64_t sum = offload::xxh64(b->data, b->len, uint64_t(b->index));
+      const size_t padded = (b->len + kAlign - 1) / kAlign * kAlign;
+      std::memset(b->data + b->len, 0, padded - b->len);
+      write_at(b->data, padded, kHeaderBytes + b->index * h_.block_bytes, true);
+      std::lock_guard<std::mutex> lock(mu_);
+      sums_.push_back(sum);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) error_ = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back(std::move(b));
+    }
+    cv_.notify_all();
+  }
+}
+
+void DataFileWriter::hand_over() {
+  filling_->index = blocks_++;
+  std::unique_lock<std::mutex> lock(mu_);
+  queued_.push_back(std::move(filling_));
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return !free_.empty() || error_; });
+  if (error_) std::rethrow_exception(error_);
+  filling_ = std::move(free_.back());
+  free_.pop_back();
+  filling_->len = 0;
 }
 
 void DataFileWriter::append(const void* data, size_t bytes) {
   const char* c = static_cast<const char*>(data);
   while (bytes > 0) {
-    const size_t n = std::min(bytes, block_.size() - filled_);
-    std::memcpy(block_.data() + filled_, c, n);
-    filled_ += n, c += n, bytes -= n;
-    if (filled_ == block_.size()) flush_block();
+    const size_t n = std::min(bytes, size_t(h_.block_bytes) - filling_->len);
+    std::memcpy(filling_->data + filling_->len, c, n);
+    filling_->len += n, c += n, bytes -= n, written_ += int64_t(n);
+    if (filling_->len == size_t(h_.block_bytes)) hand_over();
   }
 }
 
 void DataFileWriter::finish() {
-  flush_block();
   ZS_CHECK(written_ == h_.data_bytes);
+  if (filling_->len > 0) hand_over();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return (queued_.empty() && free_.size() == 2) || error_; });
+  }
+  rethrow();
   std::vector<uint64_t> table = sums_;
   table.push_back(table_sum(sums_));
-  write_at(table.data(), table.size() * 8, kHeaderBytes + written_);
+  write_at(table.data(), table.size() * 8, kHeaderBytes + h_.data_bytes, false);
   const std::vector<char> header = encode_header(h_);
-  write_at(header.data(), header.size(), 0);
+  write_at(header.data(), header.size(), 0, false);
+  if (::ftruncate(fd_.get(), off_t(file_bytes(h_))) != 0) io_failure(path_, "sizing", errno);
   if (::fsync(fd_.get()) != 0) io_failure(path_, "fsync of", errno);
-  fd_.reset();
 }
 
 DataFileReader::DataFileReader(std::filesystem::path path, const FileHeader& expected)
@@ -104,7 +180,9 @@ DataFileReader::DataFileReader(std::filesystem::path path, const FileHeader& exp
   if (stored != table_sum(sums_))
     ZS_THROW(corrupted, "checkpoint: " << path_ << ": its checksum table is damaged (at offset "
                                        << kHeaderBytes + h_.data_bytes << ")");
-  block_.resize(size_t(h_.block_bytes));
+  block_.reset(static_cast<char*>(std::aligned_alloc(kAlign, size_t(h_.block_bytes))));
+  if (!block_) throw std::bad_alloc();
+  direct_fd_.reset(::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
 }
 
 void DataFileReader::read_at(void* data, size_t bytes, int64_t offset, const char* what) {
@@ -128,8 +206,23 @@ void DataFileReader::load_block(int64_t b) {
   if (cached_ == b) return;
   cached_ = -1;
   const int64_t len = block_len(b), at = kHeaderBytes + b * h_.block_bytes;
-  read_at(block_.data(), size_t(len), at, "data");
-  if (offload::xxh64(block_.data(), size_t(len), uint64_t(b)) != sums_[size_t(b)])
+  if (direct_fd_) {
+    // Aligned offset and length; the last block's read may stop short at the end of the file.
+    const size_t padded = (size_t(len) + kAlign - 1) / kAlign * kAlign;
+    size_t got = 0;
+    while (got < size_t(len)) {
+      const ssize_t n = ::pread(direct_fd_.get(), block_.get() + got, padded - got,
+                                off_t(at + int64_t(got)));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) io_failure(path_, "reading", errno);
+      if (n == 0)
+        ZS_THROW(corrupted, "checkpoint: " << path_ << " ends inside block " << b);
+      got += size_t(n);
+    }
+  } else {
+    read_at(block_.get(), size_t(len), at, "data");
+  }
+  if (offload::xxh64(block_.get(), size_t(len), uint64_t(b)) != sums_[size_t(b)])
     ZS_THROW(corrupted, "checkpoint: " << path_ << ": block " << b << " (" << len
                                        << " bytes at file offset " << at
                                        << ") fails its checksum: the file is damaged");
@@ -145,7 +238,7 @@ void DataFileReader::read(int64_t offset, int64_t n, float* out) {
     const int64_t b = byte / h_.block_bytes, in = byte - b * h_.block_bytes;
     load_block(b);
     const int64_t take = std::min(end - byte, block_len(b) - in);
-    std::memcpy(dst, block_.data() + in, size_t(take));
+    std::memcpy(dst, block_.get() + in, size_t(take));
     dst += take, byte += take;
   }
 }

@@ -3,8 +3,12 @@
 // model against it (naming the first parameter that differs), every file's header and checksum
 // table, and then every block this rank will read, which is read a first time only to verify
 // it. Only once every rank found everything intact does the second pass write the shards. A
-// failed load therefore leaves the engine exactly as it was (the price: each byte is read twice,
-// the second time usually from the page cache).
+// failed load therefore leaves the engine exactly as it was. What the first pass verified is kept
+// in memory for the second while it fits a quarter of the available memory; beyond that the
+// second pass reads (and verifies) again from the disk.
+#include <fstream>
+#include <map>
+
 #include "src/base/check.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"
@@ -17,6 +21,17 @@ namespace fs = std::filesystem;
 using namespace ckpt;
 
 namespace {
+
+// MemAvailable from /proc/meminfo, in bytes (0 if unknown).
+int64_t available_memory() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (f >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
 
 // The manifest against this engine: same optimizer and groups, the states it needs, the same
 // model unit by unit and parameter by parameter.
@@ -83,17 +98,31 @@ void Engine::load(const std::filesystem::path& path) {
         if (has_state(state_names()[s].kind)) f(u, int(s), si, b, e);
     }
   };
+  // The first pass keeps what it verified while it fits a quarter of the memory available, so
+  // the second reads the disk again only for the rest.
   UnitReader src(dir, m);
+  std::map<std::pair<int, int>, std::vector<float>> kept;
+  int64_t budget = available_memory() / 4;
   all_or_none(comm, at + ": verifying", [&] {
-    each([&](int u, int s, const ShardInfo&, int64_t b, int64_t e) {
-      std::vector<float> v(size_t(e - b));
+    each([&](int u, int s, const ShardInfo& si, int64_t b, int64_t e) {
+      std::vector<float> v(size_t(si.shard_numel), 0.0f);  // padding stays zero
       src.read(s, u, b, e, v.data());
+      if (int64_t(v.size()) * 4 <= budget) {
+        budget -= int64_t(v.size()) * 4;
+        kept[{u, s}] = std::move(v);
+      }
     });
   });
   try {
     all_or_none(comm, at + ": reading shards", [&] {
       each([&](int u, int s, const ShardInfo& si, int64_t b, int64_t e) {
-        std::vector<float> v(size_t(si.shard_numel), 0.0f);  // padding stays zero
+        auto it = kept.find({u, s});
+        if (it != kept.end()) {
+          write_shard(u, state_names()[size_t(s)].kind, it->second);
+          kept.erase(it);
+          return;
+        }
+        std::vector<float> v(size_t(si.shard_numel), 0.0f);
         src.read(s, u, b, e, v.data());
         write_shard(u, state_names()[size_t(s)].kind, v);
       });

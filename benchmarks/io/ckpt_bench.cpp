@@ -1,0 +1,98 @@
+// Checkpoint save and load bandwidth: one rank, stage 1, bf16 parameters with the f32 master
+// weights and both AdamW moments on the host tier (12 bytes of checkpoint data per parameter),
+// after one step so that the moments are not zero. Per round: save() a new tag (timed, fsyncs
+// included), drop the page cache (root), load() it into the same engine (timed: it reads every
+// byte twice, to verify before changing anything; the second pass usually hits the page cache
+// filled by the first), and a step between rounds. ckpt_vs_fio.sh runs it against fio.
+//
+//   ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16]
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "benchmarks/io/parse_size.hpp"
+#include "zeroshard/zeroshard.hpp"
+
+using namespace zeroshard;
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Drops clean page-cache pages, so that a read comes from the disk (needs root).
+bool drop_caches() {
+  ::sync();
+  std::ofstream f("/proc/sys/vm/drop_caches");
+  return static_cast<bool>(f << "3\n") && static_cast<bool>(f.flush());
+}
+
+void one_step(Engine& e) {
+  for (int u = e.num_units() - 1; u >= 0; --u) {
+    std::vector<TensorView> g = e.grads(u);
+    for (TensorView& t : g)
+      for (int64_t i = 0; i < t.numel; ++i) static_cast<uint16_t*>(t.data)[i] = 0x3c00;  // 1/128
+    e.grads_ready(u);
+  }
+  e.step();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir;
+  int64_t size = int64_t(2) << 30;
+  int rounds = 3, units = 16;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--dir") dir = v;
+    else if (k == "--size") size = bench::parse_size(v);
+    else if (k == "--rounds") rounds = std::stoi(v);
+    else if (k == "--units") units = std::stoi(v);
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
+      return 2;
+    }
+  }
+  if (dir.empty()) {
+    std::fprintf(stderr, "usage: ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16]\n");
+    return 2;
+  }
+  const int64_t per = size / 12 / units;
+  Config c;
+  c.stage = 1;
+  c.dtype = DType::bf16;
+  c.offload_optimizer.tier = Tier::host;
+  Engine e(c, make_self_communicator());
+  for (int u = 0; u < units; ++u) e.add_unit("layer" + std::to_string(u), {Param{"w", {per}}});
+  e.finalize();
+  one_step(e);
+  const double bytes = double(per) * units * 12;
+  const std::filesystem::path root = std::filesystem::path(dir) / "ckpt_bench";
+  std::filesystem::remove_all(root);
+  std::printf("%-6s %10s %10s %10s %10s\n", "round", "save_s", "save_MB/s", "load_s", "load_MB/s");
+  bool cold = true;
+  for (int r = 1; r <= rounds; ++r) {
+    double t = now();
+    const std::filesystem::path tag = e.save(root, "r" + std::to_string(r));
+    const double save_s = now() - t;
+    cold &= drop_caches();
+    t = now();
+    e.load(tag);
+    const double load_s = now() - t;
+    std::printf("%-6d %10.2f %10.1f %10.2f %10.1f\n", r, save_s, bytes / save_s / 1e6, load_s,
+                bytes / load_s / 1e6);
+    std::fflush(stdout);
+    std::filesystem::remove_all(tag);
+    one_step(e);
+  }
+  if (!cold) std::printf("(page cache not dropped: not root; loads may read from memory)\n");
+  std::filesystem::remove_all(root);
+  return 0;
+}
