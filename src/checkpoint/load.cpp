@@ -6,8 +6,10 @@
 // failed load therefore leaves the engine exactly as it was. What the first pass verified is kept
 // in memory for the second while it fits a quarter of the available memory; beyond that the
 // second pass reads (and verifies) again from the disk.
+#include <exception>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include "src/base/check.hpp"
 #include "src/checkpoint/collective.hpp"
@@ -88,44 +90,68 @@ void Engine::load(const std::filesystem::path& path) {
     check_fits(*this, m, at);
   });
 
-  // For each unit and state this engine keeps: this rank's range of the unit's values.
-  auto each = [&](auto&& f) {
-    for (int u = 0; u < num_units(); ++u) {
-      const ShardInfo si = shard_info(u);
-      const int64_t b = std::min(si.shard_offset, si.numel);
-      const int64_t e = std::min(si.shard_offset + si.shard_numel, si.numel);
-      for (size_t s = 0; s < state_names().size(); ++s)
-        if (has_state(state_names()[s].kind)) f(u, int(s), si, b, e);
-    }
+  // This rank's range of each unit's values, and the states this engine keeps.
+  struct Span {
+    ShardInfo si;
+    int64_t b, e;
   };
-  // The first pass keeps what it verified while it fits a quarter of the memory available, so
-  // the second reads the disk again only for the rest.
-  UnitReader src(dir, m);
-  std::map<std::pair<int, int>, std::vector<float>> kept;
-  int64_t budget = available_memory() / 4;
+  std::vector<Span> spans;
+  for (int u = 0; u < num_units(); ++u) {
+    const ShardInfo si = shard_info(u);
+    spans.push_back({si, std::min(si.shard_offset, si.numel),
+                     std::min(si.shard_offset + si.shard_numel, si.numel)});
+  }
+  std::vector<int> states;
+  for (size_t s = 0; s < state_names().size(); ++s)
+    if (has_state(state_names()[s].kind)) states.push_back(int(s));
+
+  // The first pass verifies each state's files in a thread of its own (the disk then has a
+  // read of each in flight), keeping what it verified while it fits a quarter of the memory
+  // available, so that the second pass reads the disk again only for the rest.
+  std::vector<std::map<int, std::vector<float>>> kept(states.size());
   all_or_none(comm, at + ": verifying", [&] {
-    each([&](int u, int s, const ShardInfo& si, int64_t b, int64_t e) {
-      std::vector<float> v(size_t(si.shard_numel), 0.0f);  // padding stays zero
-      src.read(s, u, b, e, v.data());
-      if (int64_t(v.size()) * 4 <= budget) {
-        budget -= int64_t(v.size()) * 4;
-        kept[{u, s}] = std::move(v);
-      }
-    });
+    const int64_t budget = available_memory() / 4 / int64_t(std::max<size_t>(1, states.size()));
+    std::vector<std::exception_ptr> errors(states.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < states.size(); ++i)
+      threads.emplace_back([&, i] {
+        try {
+          UnitReader src(dir, m);
+          int64_t left = budget;
+          for (int u = 0; u < num_units(); ++u) {
+            const Span& sp = spans[size_t(u)];
+            std::vector<float> v(size_t(sp.si.shard_numel), 0.0f);  // padding stays zero
+            src.read(states[i], u, sp.b, sp.e, v.data());
+            if (int64_t(v.size()) * 4 <= left) {
+              left -= int64_t(v.size()) * 4;
+              kept[i][u] = std::move(v);
+            }
+          }
+        } catch (...) {
+          errors[i] = std::current_exception();
+        }
+      });
+    for (std::thread& t : threads) t.join();
+    for (const std::exception_ptr& e : errors)
+      if (e) std::rethrow_exception(e);
   });
+  UnitReader src(dir, m);
   try {
     all_or_none(comm, at + ": reading shards", [&] {
-      each([&](int u, int s, const ShardInfo& si, int64_t b, int64_t e) {
-        auto it = kept.find({u, s});
-        if (it != kept.end()) {
-          write_shard(u, state_names()[size_t(s)].kind, it->second);
-          kept.erase(it);
-          return;
+      for (int u = 0; u < num_units(); ++u)
+        for (size_t i = 0; i < states.size(); ++i) {
+          const StateKind kind = state_names()[size_t(states[i])].kind;
+          auto it = kept[i].find(u);
+          if (it != kept[i].end()) {
+            write_shard(u, kind, it->second);
+            kept[i].erase(it);
+            continue;
+          }
+          const Span& sp = spans[size_t(u)];
+          std::vector<float> v(size_t(sp.si.shard_numel), 0.0f);
+          src.read(states[i], u, sp.b, sp.e, v.data());
+          write_shard(u, kind, v);
         }
-        std::vector<float> v(size_t(si.shard_numel), 0.0f);
-        src.read(s, u, b, e, v.data());
-        write_shard(u, state_names()[size_t(s)].kind, v);
-      });
     });
   } catch (const Error& e) {
     // Verified a moment ago: only an I/O error or a file changed since can get here.

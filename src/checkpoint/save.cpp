@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 
 #include "src/base/check.hpp"
@@ -163,18 +164,25 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
   // space of a full disk), and the root is as it was.
   try {
     all_or_none(comm, at + ": writing shards", [&] {
+      // One file per state, filled unit by unit side by side, so that each file's writer
+      // thread has a block in flight at the same time.
+      std::vector<std::unique_ptr<DataFileWriter>> files;
+      std::vector<StateKind> kinds;
       for (size_t s = 0; s < state_names().size(); ++s) {
         const StateName& sn = state_names()[s];
         if (!has_state(sn.kind)) continue;
         m.states.push_back(sn.name);
-        DataFileWriter w(tmp / data_file_name(rank(), sn.name),
-                         {save_id, rank(), int32_t(s), kBlockBytes, mine * 4});
-        for (const Range& rg : m.ranges[size_t(rank())]) {
-          const std::vector<float> v = read_shard(rg.unit, sn.kind);  // starts at rg.begin
-          w.append(v.data(), size_t(rg.end - rg.begin) * 4);
-        }
-        w.finish();
+        kinds.push_back(sn.kind);
+        files.push_back(std::make_unique<DataFileWriter>(
+            tmp / data_file_name(rank(), sn.name),
+            FileHeader{save_id, rank(), int32_t(s), kBlockBytes, mine * 4}));
       }
+      for (const Range& rg : m.ranges[size_t(rank())])
+        for (size_t i = 0; i < files.size(); ++i) {
+          const std::vector<float> v = read_shard(rg.unit, kinds[i]);  // starts at rg.begin
+          files[i]->append(v.data(), size_t(rg.end - rg.begin) * 4);
+        }
+      for (auto& f : files) f->finish();
     });
     all_or_none(comm, at + ": publishing", [&] {
       if (rank() != 0) return;
