@@ -132,6 +132,9 @@ class StateTier {
   /// This rank's shard of one state of unit u (f32, shard_numel values); throws
   /// Error(invalid_argument) for a moment the optimizer does not keep.
   virtual std::vector<float> read(int u, StateKind kind) const = 0;
+  /// The same shard where the CPU can read it in place (f32 host memory, valid until the state
+  /// next changes), else nullptr: checkpoints stream from it without a copy.
+  virtual const float* host_view(int /*u*/, StateKind /*kind*/) const { return nullptr; }
   /// Replaces this rank's shard of one state of unit u (restore). Stage 0's whole state is
   /// completed by commit().
   virtual void write(int u, StateKind kind, const std::vector<float>& shard) = 0;

@@ -105,30 +105,34 @@ void Engine::load(const std::filesystem::path& path) {
   for (size_t s = 0; s < state_names().size(); ++s)
     if (has_state(state_names()[s].kind)) states.push_back(int(s));
 
-  // The first pass verifies each state's files in a thread of its own (the disk then has a
-  // read of each in flight), keeping what it verified while it fits a quarter of the memory
-  // available, so that the second pass reads the disk again only for the rest.
-  std::vector<std::map<int, std::vector<float>>> kept(states.size());
+  // The first pass verifies each state's files in threads of their own, two per state each
+  // taking half of the units, so that the disk has several reads in flight; it keeps what it
+  // verified while that fits a quarter of the memory available, so that the second pass reads
+  // the disk again only for the rest.
+  constexpr int kLanes = 2;
+  const int nu = num_units();
+  std::vector<std::map<int, std::vector<float>>> kept(states.size() * kLanes);
   all_or_none(comm, at + ": verifying", [&] {
-    const int64_t budget = available_memory() / 4 / int64_t(std::max<size_t>(1, states.size()));
-    std::vector<std::exception_ptr> errors(states.size());
+    const int64_t budget = available_memory() / 4 / int64_t(kept.size());
+    std::vector<std::exception_ptr> errors(kept.size());
     std::vector<std::thread> threads;
-    for (size_t i = 0; i < states.size(); ++i)
-      threads.emplace_back([&, i] {
+    for (size_t t = 0; t < kept.size(); ++t)
+      threads.emplace_back([&, t] {
         try {
+          const int s = states[t / kLanes], lane = int(t % kLanes);
           UnitReader src(dir, m);
           int64_t left = budget;
-          for (int u = 0; u < num_units(); ++u) {
+          for (int u = nu * lane / kLanes; u < nu * (lane + 1) / kLanes; ++u) {
             const Span& sp = spans[size_t(u)];
             std::vector<float> v(size_t(sp.si.shard_numel), 0.0f);  // padding stays zero
-            src.read(states[i], u, sp.b, sp.e, v.data());
+            src.read(s, u, sp.b, sp.e, v.data());
             if (int64_t(v.size()) * 4 <= left) {
               left -= int64_t(v.size()) * 4;
-              kept[i][u] = std::move(v);
+              kept[t][u] = std::move(v);
             }
           }
         } catch (...) {
-          errors[i] = std::current_exception();
+          errors[t] = std::current_exception();
         }
       });
     for (std::thread& t : threads) t.join();
@@ -141,10 +145,13 @@ void Engine::load(const std::filesystem::path& path) {
       for (int u = 0; u < num_units(); ++u)
         for (size_t i = 0; i < states.size(); ++i) {
           const StateKind kind = state_names()[size_t(states[i])].kind;
-          auto it = kept[i].find(u);
-          if (it != kept[i].end()) {
+          int lane = 0;
+          while (u >= nu * (lane + 1) / kLanes) ++lane;
+          auto& mine = kept[i * kLanes + size_t(lane)];
+          auto it = mine.find(u);
+          if (it != mine.end()) {
             write_shard(u, kind, it->second);
-            kept[i].erase(it);
+            mine.erase(it);
             continue;
           }
           const Span& sp = spans[size_t(u)];

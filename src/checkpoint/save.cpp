@@ -19,7 +19,7 @@
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"
 #include "src/checkpoint/format.hpp"
-#include "zeroshard/engine.hpp"
+#include "src/engine_impl.hpp"
 
 namespace zeroshard {
 
@@ -179,8 +179,14 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
       }
       for (const Range& rg : m.ranges[size_t(rank())])
         for (size_t i = 0; i < files.size(); ++i) {
-          const std::vector<float> v = read_shard(rg.unit, kinds[i]);  // starts at rg.begin
-          files[i]->append(v.data(), size_t(rg.end - rg.begin) * 4);
+          // The shard starts at rg.begin; in host memory it is read in place.
+          const size_t bytes = size_t(rg.end - rg.begin) * 4;
+          if (const float* v = impl_->state->host_view(rg.unit, kinds[i])) {
+            files[i]->append(v, bytes);
+          } else {
+            const std::vector<float> copy = read_shard(rg.unit, kinds[i]);
+            files[i]->append(copy.data(), bytes);
+          }
         }
       for (auto& f : files) f->finish();
     });

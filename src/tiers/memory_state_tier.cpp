@@ -170,6 +170,10 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
   return out;
 }
 
+const float* MemoryStateTier::host_view(int u, StateKind kind) const {
+  return compute_.device() == Device::cpu ? state(u, kind) : nullptr;
+}
+
 void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& shard) {
   float* dst = state(u, kind);
   if (!dst)

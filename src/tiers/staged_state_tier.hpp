@@ -33,6 +33,9 @@ class StagedStateTier final : public StateTier {
     inner_->preview(hyper, u, out);
   }
   std::vector<float> read(int u, StateKind kind) const override { return inner_->read(u, kind); }
+  const float* host_view(int u, StateKind kind) const override {
+    return inner_->host_view(u, kind);
+  }
   void write(int u, StateKind kind, const std::vector<float>& shard) override {
     inner_->write(u, kind, shard);
   }
