@@ -363,3 +363,30 @@ TEST(CheckpointExport, SafetensorsRoundTripAndRefusal) {
   EXPECT_TRUE(same(before, snapshot(c)));
   cleanup(dir);
 }
+
+// One rank writes, every rank of this world size reads: each shard is the matching range of
+// the one-rank state, bitwise (the other direction is Checkpoint.LoadsAtAnotherStageAndWorldSize).
+// Training on from there differs from the one-rank run only by the order of the gradient sums.
+TEST(CheckpointResume, FromOneRankToThisWorldSize) {
+  const fs::path dir = shared_dir("grow");
+  // Every rank trains the same one-rank engine (its synthetic gradients are rank 0's).
+  Engine solo(cfg_for(2), make_self_communicator());
+  zs_test::register_model(solo, zs_test::uneven_model());
+  train_some(solo, 3);
+  if (world()->rank() == 0) solo.save(dir);
+  world()->barrier("solo saved");
+  Engine e(cfg_for(3), world());
+  zs_test::register_model(e, zs_test::uneven_model());
+  e.load(dir);
+  EXPECT_EQ(e.step_count(), 3);
+  for (int u = 0; u < e.num_units(); ++u) {
+    const ShardInfo si = e.shard_info(u);
+    for (StateKind k : {StateKind::master, StateKind::state0, StateKind::state1}) {
+      const std::vector<float> whole = solo.read_shard(u, k), mine = e.read_shard(u, k);
+      for (int64_t j = 0; j < si.shard_numel && si.shard_offset + j < si.numel; ++j)
+        ASSERT_EQ(std::memcmp(&mine[size_t(j)], &whole[size_t(si.shard_offset + j)], 4), 0)
+            << "unit " << u << " element " << si.shard_offset + j;
+    }
+  }
+  cleanup(dir);
+}
