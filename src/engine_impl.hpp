@@ -86,6 +86,9 @@ struct Engine::Impl final : ParamSink {
   uint64_t issued_hash = 0;
   void record(char kind, int unit);
 
+  // save_async() under way (src/checkpoint/save.cpp's PendingSave; finish_save() ends it).
+  std::shared_ptr<void> pending_save;
+
   // clip_grad_norm() ran: this step's {sum of squares, overflow}, and its clipping bound.
   std::optional<std::pair<double, bool>> closed;
   double clip_now = 0;

@@ -206,6 +206,16 @@ class ZS_API Engine {
   /// Each rank writes the part of each unit its shard holds, unit by unit: nothing is gathered.
   /// Keeps the newest Config::checkpoint_keep_last tags (0: all). Returns root/<tag>.
   std::filesystem::path save(const std::filesystem::path& root, const std::string& tag = "");
+  /// Collective: save() without waiting for the disk. The checkpoint holds the state as it is
+  /// now: this rank's part of it is copied into a snapshot (host memory, in the ledger as the
+  /// buffer "checkpoint_snapshot") and a thread writes the files while training goes on;
+  /// finish_save() (collective) waits for them, publishes the tag and frees the snapshot. A
+  /// save(), save_async() or load() finishes a pending save first; destroying the engine with
+  /// one pending abandons it (no tag appears; the next save removes its files).
+  void save_async(const std::filesystem::path& root, const std::string& tag = "");
+  /// Collective: completes the pending save_async() and returns its tag's path (empty if none
+  /// is pending). Throws the save's error on every rank if a rank failed to write.
+  std::filesystem::path finish_save();
   /// Collective: loads the checkpoint at `path`, a tag directory or a root (whose `latest` it
   /// follows), written at any world size or stage. Checks everything before changing anything:
   /// the manifest, the model (unit and parameter names, shapes, order, optimizer; else

@@ -505,6 +505,18 @@ void def_state(nb::class_<PyEngine>& cls) {
       "checksummed, and points root/latest at it; any world size and stage can load it. A tag "
       "that exists is refused. Returns its path.");
   cls.def(
+      "save_async",
+      [](PyEngine& e, const std::filesystem::path& root, const std::string& tag) {
+        locked(e, [&] { e.engine.save_async(root, tag); });
+      },
+      nb::arg("root"), nb::arg("tag") = "",
+      "Collective: save() from a snapshot taken now, written while training goes on; "
+      "finish_save() publishes it.");
+  cls.def(
+      "finish_save",
+      [](PyEngine& e) { return locked(e, [&] { return e.engine.finish_save(); }); },
+      "Collective: completes the pending save_async(); returns its path (empty if none).");
+  cls.def(
       "load",
       [](PyEngine& e, const std::filesystem::path& path) {
         locked(e, [&] { e.engine.load(path); });

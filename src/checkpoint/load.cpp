@@ -77,6 +77,7 @@ void Engine::load(const std::filesystem::path& path) {
   Communicator& comm = *communicator();
   const std::string at = "load(" + path.string() + ")";
   if (!impl.finalized) ZS_THROW(invalid_argument, at << " before finalize()");
+  finish_save();
   for (int u = 0; u < num_units(); ++u)
     if (impl.units[size_t(u)].gathered)
       ZS_THROW(invalid_argument, at << ": unit '" << unit_name(u)

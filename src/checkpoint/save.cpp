@@ -4,6 +4,8 @@
 // root as it was, plus a temporary directory the next save removes. A save never touches an
 // existing tag. Every rank streams the range of each unit its shard holds, unit by unit, so no
 // rank holds more than one unit's shard at a time and nothing is ever gathered.
+// save_async() copies those ranges into a snapshot (host memory, in the ledger) and a thread
+// writes the files while training goes on; finish_save() publishes the tag.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -12,7 +14,9 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
+#include <thread>
 
 #include "src/base/check.hpp"
 #include "src/base/unique_fd.hpp"
@@ -111,44 +115,66 @@ void prune(const fs::path& root, const std::string& current, int keep) {
   }
 }
 
-}  // namespace
+// A save between its start and its publication: where it goes, its manifest, the states it
+// writes (their indices in state_names()), and, for save_async(), the snapshot its writer
+// thread writes from and the thread's outcome.
+struct PendingSave {
+  fs::path root, tmp;
+  std::string at;
+  Manifest m;
+  std::vector<int> states;
+  int64_t mine = 0;  // values of this rank's ranges
+  Buffer snapshot;   // save_async(): every state's values of this rank's ranges, state by state
+  std::thread writer;
+  std::optional<Error> error;
+  ~PendingSave() {
+    if (writer.joinable()) writer.join();
+  }
+};
 
-std::filesystem::path Engine::save(const std::filesystem::path& root, const std::string& tag_in) {
-  Communicator& comm = *communicator();
+// Rank 0 names the save; the tag must be new; the temporary directory is made. Collective.
+std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::string& tag_in) {
+  Communicator& comm = *e.communicator();
   char step_tag[32];
-  std::snprintf(step_tag, sizeof step_tag, "step%08lld", static_cast<long long>(step_count()));
+  std::snprintf(step_tag, sizeof step_tag, "step%08lld", static_cast<long long>(e.step_count()));
+  auto p = std::make_unique<PendingSave>();
   const std::string tag = tag_in.empty() ? std::string(step_tag) : tag_in;
   check_tag(tag);
-  const std::string at = "save(" + (root / tag).string() + ")";
-
+  p->root = root;
+  p->at = "save(" + (root / tag).string() + ")";
   uint64_t save_id = std::random_device{}() | (uint64_t(std::random_device{}()) << 32);
-  comm.broadcast(&save_id, 8, 0, at + " (save id)")->wait();
+  comm.broadcast(&save_id, 8, 0, p->at + " (save id)")->wait();
   char id[17];
   std::snprintf(id, sizeof id, "%016llx", static_cast<unsigned long long>(save_id));
-  const fs::path tmp = root / (kTempPrefix + tag + "." + id);
-  all_or_none(comm, at + ": preparing", [&] {
-    if (rank() == 0) prepare(root, tag, tmp);
+  p->tmp = root / (kTempPrefix + tag + "." + id);
+  all_or_none(comm, p->at + ": preparing", [&] {
+    if (e.rank() == 0) prepare(root, tag, p->tmp);
   });
 
-  Manifest m;
+  Manifest& m = p->m;
   m.tag = tag;
   m.save_id = save_id;
-  m.world_size = world_size();
-  m.stage = config().stage;
-  m.dtype = dtype_name(config().dtype);
-  m.optimizer = optimizer_name(config().optimizer.kind);
-  m.step = step_count();
-  m.scaler = loss_scaler_state();
-  for (int g = 0; g < num_groups(); ++g) m.groups.push_back(options(g));
+  m.world_size = e.world_size();
+  m.stage = e.config().stage;
+  m.dtype = dtype_name(e.config().dtype);
+  m.optimizer = optimizer_name(e.config().optimizer.kind);
+  m.step = e.step_count();
+  m.scaler = e.loss_scaler_state();
+  for (int g = 0; g < e.num_groups(); ++g) m.groups.push_back(e.options(g));
   m.block_bytes = kBlockBytes;
-  m.ranges.resize(size_t(world_size()));
-  for (int u = 0; u < num_units(); ++u) {
-    const ShardInfo s = shard_info(u);
-    ZS_CHECK(s.shard_offset == int64_t(rank()) * s.shard_numel);
-    UnitInfo info{unit_name(u), s.numel, {}};
-    for (const Param& p : unit_params(u)) info.params.push_back({p.name, p.shape});
+  for (size_t s = 0; s < state_names().size(); ++s)
+    if (e.has_state(state_names()[s].kind)) {
+      m.states.push_back(state_names()[s].name);
+      p->states.push_back(int(s));
+    }
+  m.ranges.resize(size_t(e.world_size()));
+  for (int u = 0; u < e.num_units(); ++u) {
+    const ShardInfo s = e.shard_info(u);
+    ZS_CHECK(s.shard_offset == int64_t(e.rank()) * s.shard_numel);
+    UnitInfo info{e.unit_name(u), s.numel, {}};
+    for (const Param& prm : e.unit_params(u)) info.params.push_back({prm.name, prm.shape});
     m.units.push_back(std::move(info));
-    for (int r = 0; r < world_size(); ++r) {
+    for (int r = 0; r < e.world_size(); ++r) {
       Range rg = owned_by(s, r);
       if (rg.begin >= rg.end) continue;
       auto& list = m.ranges[size_t(r)];
@@ -157,50 +183,123 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
       list.push_back(rg);
     }
   }
-  int64_t mine = 0;
-  for (const Range& rg : m.ranges[size_t(rank())]) mine += rg.end - rg.begin;
+  for (const Range& rg : m.ranges[size_t(e.rank())]) p->mine += rg.end - rg.begin;
+  return p;
+}
 
-  // A failed save leaves nothing behind: its temporary directory goes at once (freeing the
-  // space of a full disk), and the root is as it was.
+// This rank's data files: one per state, filled unit by unit side by side, so that each file's
+// writer thread has a block in flight at the same time. values(i, range) is where the range of
+// the i-th state's values starts.
+template <class Values>
+void write_files(const PendingSave& p, int rank, Values&& values) {
+  std::vector<std::unique_ptr<DataFileWriter>> files;
+  for (int s : p.states)
+    files.push_back(std::make_unique<DataFileWriter>(
+        p.tmp / data_file_name(rank, state_names()[size_t(s)].name),
+        FileHeader{p.m.save_id, rank, int32_t(s), kBlockBytes, p.mine * 4}));
+  for (const Range& rg : p.m.ranges[size_t(rank)])
+    for (size_t i = 0; i < files.size(); ++i)
+      files[i]->append(values(i, rg), size_t(rg.end - rg.begin) * 4);
+  for (auto& f : files) f->finish();
+}
+
+// Once every rank's files are durable: rank 0 publishes the tag. A failed save leaves nothing
+// behind: its temporary directory goes at once (freeing the space of a full disk), and the root
+// is as it was.
+fs::path finish(Engine& e, PendingSave& p, const std::optional<Error>& written) {
+  Communicator& comm = *e.communicator();
   try {
-    all_or_none(comm, at + ": writing shards", [&] {
-      // One file per state, filled unit by unit side by side, so that each file's writer
-      // thread has a block in flight at the same time.
-      std::vector<std::unique_ptr<DataFileWriter>> files;
-      std::vector<StateKind> kinds;
-      for (size_t s = 0; s < state_names().size(); ++s) {
-        const StateName& sn = state_names()[s];
-        if (!has_state(sn.kind)) continue;
-        m.states.push_back(sn.name);
-        kinds.push_back(sn.kind);
-        files.push_back(std::make_unique<DataFileWriter>(
-            tmp / data_file_name(rank(), sn.name),
-            FileHeader{save_id, rank(), int32_t(s), kBlockBytes, mine * 4}));
-      }
-      for (const Range& rg : m.ranges[size_t(rank())])
-        for (size_t i = 0; i < files.size(); ++i) {
-          // The shard starts at rg.begin; in host memory it is read in place.
-          const size_t bytes = size_t(rg.end - rg.begin) * 4;
-          if (const float* v = impl_->state->host_view(rg.unit, kinds[i])) {
-            files[i]->append(v, bytes);
-          } else {
-            const std::vector<float> copy = read_shard(rg.unit, kinds[i]);
-            files[i]->append(copy.data(), bytes);
-          }
-        }
-      for (auto& f : files) f->finish();
+    all_or_none(comm, p.at + ": writing shards", [&] {
+      if (written) throw *written;
     });
-    all_or_none(comm, at + ": publishing", [&] {
-      if (rank() != 0) return;
-      publish(root, tmp, tag, m);
-      prune(root, tag, config().checkpoint_keep_last);
+    all_or_none(comm, p.at + ": publishing", [&] {
+      if (e.rank() != 0) return;
+      publish(p.root, p.tmp, p.m.tag, p.m);
+      prune(p.root, p.m.tag, e.config().checkpoint_keep_last);
     });
   } catch (const Error&) {
     std::error_code ec;
-    if (rank() == 0) fs::remove_all(tmp, ec);
+    if (e.rank() == 0) fs::remove_all(p.tmp, ec);
     throw;
   }
-  return root / tag;
+  return p.root / p.m.tag;
+}
+
+template <class F>
+std::optional<Error> outcome(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e;
+  } catch (const std::exception& e) {
+    return Error(ErrorCode::io_error, e.what());
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::filesystem::path Engine::save(const std::filesystem::path& root, const std::string& tag) {
+  finish_save();
+  std::unique_ptr<PendingSave> p = start(*this, root, tag);
+  std::vector<float> copy;  // a shard the tier cannot show in place
+  const std::optional<Error> written = outcome([&] {
+    write_files(*p, rank(), [&](size_t i, const Range& rg) -> const float* {
+      const StateKind kind = state_names()[size_t(p->states[i])].kind;
+      if (const float* v = impl_->state->host_view(rg.unit, kind)) return v;  // no copy
+      copy = read_shard(rg.unit, kind);
+      return copy.data();
+    });
+  });
+  return finish(*this, *p, written);
+}
+
+void Engine::save_async(const std::filesystem::path& root, const std::string& tag) {
+  finish_save();
+  std::shared_ptr<PendingSave> p = start(*this, root, tag);
+  // The snapshot, now: this rank's ranges of every state, state after state.
+  p->snapshot = Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot",
+                       size_t(p->mine) * p->states.size() * 4);
+  float* snap = p->snapshot.as<float>();
+  const std::optional<Error> copied = outcome([&] {
+    for (size_t i = 0; i < p->states.size(); ++i) {
+      int64_t at = 0;
+      for (const Range& rg : p->m.ranges[size_t(rank())]) {
+        const StateKind kind = state_names()[size_t(p->states[i])].kind;
+        const size_t bytes = size_t(rg.end - rg.begin) * 4;
+        const float* v = impl_->state->host_view(rg.unit, kind);
+        std::vector<float> copy;
+        if (!v) v = (copy = read_shard(rg.unit, kind)).data();
+        std::memcpy(snap + size_t(p->mine) * i + size_t(at), v, bytes);
+        at += rg.end - rg.begin;
+      }
+    }
+  });
+  if (copied) {
+    finish(*this, *p, copied);  // throws the agreed error on every rank
+    return;
+  }
+  const int r = rank();
+  PendingSave* raw = p.get();
+  p->writer = std::thread([raw, r, snap] {
+    std::vector<int64_t> at(raw->states.size(), 0);
+    raw->error = outcome([&] {
+      write_files(*raw, r, [&](size_t i, const Range& rg) {
+        const float* v = snap + size_t(raw->mine) * i + size_t(at[i]);
+        at[i] += rg.end - rg.begin;
+        return v;
+      });
+    });
+  });
+  impl_->pending_save = std::move(p);
+}
+
+std::filesystem::path Engine::finish_save() {
+  if (!impl_->pending_save) return {};
+  std::shared_ptr<PendingSave> p = std::static_pointer_cast<PendingSave>(impl_->pending_save);
+  impl_->pending_save.reset();
+  p->writer.join();
+  return finish(*this, *p, p->error);  // the snapshot goes with p
 }
 
 }  // namespace zeroshard

@@ -390,3 +390,38 @@ TEST(CheckpointResume, FromOneRankToThisWorldSize) {
   }
   cleanup(dir);
 }
+
+// save_async(): the checkpoint holds the state of the moment it was called, though training
+// went on while it was written; the snapshot is in the ledger until finish_save().
+TEST(CheckpointAsync, HoldsTheStateOfItsCallWhileTrainingGoesOn) {
+  const fs::path dir = shared_dir("async");
+  Engine a(cfg_for(2, Tier::host), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  train_some(a, 2);
+  a.save(dir, "sync");
+  a.save_async(dir, "async");
+  bool counted = false;
+  for (const NamedBuffer& b : a.memory().buffers)
+    counted |= b.name == "checkpoint_snapshot" && b.bytes > 0;
+  EXPECT_TRUE(counted) << "the snapshot is not in the ledger";
+  train_some(a, 2);  // changes every state while the files are written
+  EXPECT_EQ(a.finish_save(), dir / "async");
+  EXPECT_EQ(a.finish_save(), fs::path()) << "nothing pending any more";
+  for (const NamedBuffer& b : a.memory().buffers) {
+    if (b.name == "checkpoint_snapshot") {
+      EXPECT_EQ(b.bytes, 0);
+    }
+  }
+  Engine x(cfg_for(2), world()), y(cfg_for(2), world());
+  zs_test::register_model(x, zs_test::uneven_model());
+  zs_test::register_model(y, zs_test::uneven_model());
+  x.load(dir / "sync");
+  y.load(dir / "async");
+  EXPECT_TRUE(same(snapshot(x), snapshot(y)));
+  EXPECT_EQ(y.step_count(), 2);
+  // A pending save is finished by the next save.
+  a.save_async(dir, "pending");
+  a.save(dir, "after");
+  EXPECT_TRUE(fs::exists(dir / "pending" / "manifest.json"));
+  cleanup(dir);
+}
