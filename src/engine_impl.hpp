@@ -86,7 +86,10 @@ struct Engine::Impl final : ParamSink {
   uint64_t issued_hash = 0;
   void record(char kind, int unit);
 
-  // save_async() under way (src/checkpoint/save.cpp's PendingSave; finish_save() ends it).
+  // save_async(): the snapshot, kept from one save to the next (a new buffer's page faults
+  // cost more than the copy), and the save under way (src/checkpoint/save.cpp's PendingSave,
+  // which finish_save() ends; declared after the snapshot its thread reads, so destroyed first).
+  Buffer save_snapshot;
   std::shared_ptr<void> pending_save;
 
   // clip_grad_norm() ran: this step's {sum of squares, overflow}, and its clipping bound.

@@ -209,9 +209,11 @@ class ZS_API Engine {
   /// Collective: save() without waiting for the disk. The checkpoint holds the state as it is
   /// now: this rank's part of it is copied into a snapshot (host memory, in the ledger as the
   /// buffer "checkpoint_snapshot") and a thread writes the files while training goes on;
-  /// finish_save() (collective) waits for them, publishes the tag and frees the snapshot. A
-  /// save(), save_async() or load() finishes a pending save first; destroying the engine with
-  /// one pending abandons it (no tag appears; the next save removes its files).
+  /// finish_save() (collective) waits for them and publishes the tag. The snapshot's memory is
+  /// kept for the next save_async() (a fresh buffer's page faults cost more than the copy) and
+  /// freed with the engine. A save(), save_async() or load() finishes a pending save first;
+  /// destroying the engine with one pending abandons it (no tag appears; the next save removes
+  /// its files).
   void save_async(const std::filesystem::path& root, const std::string& tag = "");
   /// Collective: completes the pending save_async() and returns its tag's path (empty if none
   /// is pending). Throws the save's error on every rank if a rank failed to write.

@@ -116,16 +116,15 @@ void prune(const fs::path& root, const std::string& current, int keep) {
 }
 
 // A save between its start and its publication: where it goes, its manifest, the states it
-// writes (their indices in state_names()), and, for save_async(), the snapshot its writer
-// thread writes from and the thread's outcome.
+// writes (their indices in state_names()), and, for save_async(), its writer thread and the
+// thread's outcome.
 struct PendingSave {
   fs::path root, tmp;
   std::string at;
   Manifest m;
   std::vector<int> states;
   int64_t mine = 0;  // values of this rank's ranges
-  Buffer snapshot;   // save_async(): every state's values of this rank's ranges, state by state
-  std::thread writer;
+  std::thread writer;  // save_async(): writes from Engine::Impl::save_snapshot
   std::optional<Error> error;
   ~PendingSave() {
     if (writer.joinable()) writer.join();
@@ -258,9 +257,11 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   finish_save();
   std::shared_ptr<PendingSave> p = start(*this, root, tag);
   // The snapshot, now: this rank's ranges of every state, state after state.
-  p->snapshot = Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot",
-                       size_t(p->mine) * p->states.size() * 4);
-  float* snap = p->snapshot.as<float>();
+  const size_t total = size_t(p->mine) * p->states.size() * 4;
+  if (impl_->save_snapshot.bytes() != total)
+    impl_->save_snapshot =
+        Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
+  float* snap = impl_->save_snapshot.as<float>();
   const std::optional<Error> copied = outcome([&] {
     for (size_t i = 0; i < p->states.size(); ++i) {
       int64_t at = 0;
@@ -299,7 +300,7 @@ std::filesystem::path Engine::finish_save() {
   std::shared_ptr<PendingSave> p = std::static_pointer_cast<PendingSave>(impl_->pending_save);
   impl_->pending_save.reset();
   p->writer.join();
-  return finish(*this, *p, p->error);  // the snapshot goes with p
+  return finish(*this, *p, p->error);
 }
 
 }  // namespace zeroshard
