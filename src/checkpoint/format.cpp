@@ -205,7 +205,11 @@ std::string manifest_text(const Manifest& m) {
   json units = json::array();
   for (const UnitInfo& u : m.units) {
     json params = json::array();
-    for (const ParamInfo& p : u.params) params.push_back({{"name", p.name}, {"shape", p.shape}});
+    int64_t offset = 0;  // of the parameter in the unit's values
+    for (const ParamInfo& p : u.params) {
+      params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", offset}});
+      offset += shape_numel(p.shape);
+    }
     units.push_back({{"name", u.name}, {"numel", u.numel}, {"params", params}});
   }
   json groups = json::array();
@@ -322,6 +326,8 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
         n *= dim;
         pi.shape.push_back(dim);
       }
+      if (r.integer(params[i], "offset", pp, 0, int64_t(1) << 48) != total)
+        r.bad(pp + ".offset", "is not where the parameters before it end");
       total += n;
       if (total > (int64_t(1) << 48)) r.bad(p, "has more than 2^48 elements");
       info.params.push_back(std::move(pi));
