@@ -12,16 +12,11 @@
 
 #include "offload/checksum.hpp"
 #include "src/base/check.hpp"
+#include "src/checkpoint/file_io.hpp"
 
 namespace zeroshard::ckpt {
 
 namespace {
-[[noreturn]] void io_failure(const std::filesystem::path& path, const char* what, int err) {
-  if (err == ENOSPC || err == EDQUOT)
-    ZS_THROW(no_space, "checkpoint: " << what << " " << path << ": " << std::strerror(err)
-                                      << " (the disk is full)");
-  ZS_THROW(io_error, "checkpoint: " << what << " " << path << ": " << std::strerror(err));
-}
 
 constexpr size_t kAlign = 4096;  // O_DIRECT's alignment of offsets, lengths and memory
 
@@ -65,14 +60,7 @@ DataFileWriter::~DataFileWriter() {
 }
 
 void DataFileWriter::write_at(const void* data, size_t bytes, int64_t offset, bool direct) {
-  const int fd = direct && direct_fd_ ? direct_fd_.get() : fd_.get();
-  const char* c = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd, c, bytes, off_t(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) io_failure(path_, "writing", errno);
-    c += n, bytes -= size_t(n), offset += n;
-  }
+  pwrite_all(direct && direct_fd_ ? direct_fd_.get() : fd_.get(), data, bytes, offset, path_);
 }
 
 void DataFileWriter::rethrow() {
@@ -147,7 +135,7 @@ void DataFileWriter::finish() {
   const std::vector<char> header = encode_header(h_);
   write_at(header.data(), header.size(), 0, false);
   if (::ftruncate(fd_.get(), off_t(file_bytes(h_))) != 0) io_failure(path_, "sizing", errno);
-  if (::fsync(fd_.get()) != 0) io_failure(path_, "fsync of", errno);
+  fsync_fd(fd_.get(), path_);
 }
 
 DataFileReader::DataFileReader(std::filesystem::path path, const FileHeader& expected)
@@ -186,16 +174,7 @@ DataFileReader::DataFileReader(std::filesystem::path path, const FileHeader& exp
 }
 
 void DataFileReader::read_at(void* data, size_t bytes, int64_t offset, const char* what) {
-  char* c = static_cast<char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::pread(fd_.get(), c, bytes, off_t(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) io_failure(path_, "reading", errno);
-    if (n == 0)
-      ZS_THROW(corrupted, "checkpoint: " << path_ << " ends before its " << what << " (offset "
-                                         << offset << ")");
-    c += n, bytes -= size_t(n), offset += n;
-  }
+  pread_all(fd_.get(), data, bytes, offset, path_, what);
 }
 
 int64_t DataFileReader::block_len(int64_t b) const {

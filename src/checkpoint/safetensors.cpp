@@ -12,6 +12,7 @@
 
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "src/base/check.hpp"
+#include "src/checkpoint/file_io.hpp"
 
 namespace zeroshard::ckpt {
 
@@ -25,32 +26,6 @@ int64_t dtype_bytes(const std::string& d) {
   if (d == "F32") return 4;
   if (d == "BF16" || d == "F16") return 2;
   return 0;  // a dtype weights cannot come in
-}
-
-void write_all(int fd, const void* data, size_t bytes, int64_t offset, const std::string& path) {
-  const char* c = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd, c, bytes, off_t(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      if (err == ENOSPC || err == EDQUOT)
-        ZS_THROW(no_space, "safetensors: writing " << path << ": " << std::strerror(err));
-      ZS_THROW(io_error, "safetensors: writing " << path << ": " << std::strerror(err));
-    }
-    c += n, bytes -= size_t(n), offset += n;
-  }
-}
-
-void read_all(int fd, void* data, size_t bytes, int64_t offset, const std::string& path) {
-  char* c = static_cast<char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::pread(fd, c, bytes, off_t(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) ZS_THROW(io_error, "safetensors: reading " << path << ": " << std::strerror(errno));
-    if (n == 0) ZS_THROW(corrupted, "safetensors: " << path << " is shorter than its header says");
-    c += n, bytes -= size_t(n), offset += n;
-  }
 }
 
 }  // namespace
@@ -82,23 +57,22 @@ StWriter::StWriter(std::filesystem::path path, const std::vector<std::string>& n
   std::string text = h.dump();
   text.resize((text.size() + 7) / 8 * 8, ' ');
   fd_.reset(::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (!fd_) ZS_THROW(io_error, "safetensors: creating " << path_ << ": " << std::strerror(errno));
+  if (!fd_) io_failure(path_, "creating", errno);
   uint64_t len = text.size();  // little-endian, as on every machine this builds for
-  write_all(fd_.get(), &len, 8, 0, path_.string());
-  write_all(fd_.get(), text.data(), text.size(), 8, path_.string());
+  pwrite_all(fd_.get(), &len, 8, 0, path_);
+  pwrite_all(fd_.get(), text.data(), text.size(), 8, path_);
   at_ = 8 + int64_t(text.size());
   end_ = at_ + offset;
 }
 
 void StWriter::append(const float* data, int64_t n) {
-  write_all(fd_.get(), data, size_t(n) * 4, at_, path_.string());
+  pwrite_all(fd_.get(), data, size_t(n) * 4, at_, path_);
   at_ += n * 4;
 }
 
 void StWriter::finish() {
   ZS_CHECK(at_ == end_);
-  if (::fsync(fd_.get()) != 0)
-    ZS_THROW(io_error, "safetensors: fsync of " << path_ << ": " << std::strerror(errno));
+  fsync_fd(fd_.get(), path_);
   fd_.reset();
 }
 
@@ -110,11 +84,11 @@ StReader::StReader(std::filesystem::path path)
   const off_t size = ::lseek(fd_.get(), 0, SEEK_END);
   uint64_t len = 0;
   if (size < 8) ZS_THROW(corrupted, "safetensors: " << file << " is too short for a header");
-  read_all(fd_.get(), &len, 8, 0, file);
+  pread_all(fd_.get(), &len, 8, 0, path_, "header");
   if (len == 0 || len > uint64_t(kMaxHeader) || int64_t(len) > size - 8)
     ZS_THROW(corrupted, "safetensors: " << file << ": header length " << len << " is impossible");
   std::string text(size_t(len), '\0');
-  read_all(fd_.get(), text.data(), text.size(), 8, file);
+  pread_all(fd_.get(), text.data(), text.size(), 8, path_, "header");
   data_start_ = 8 + int64_t(len);
   const int64_t data_bytes = int64_t(size) - data_start_;
   json h;
@@ -183,11 +157,11 @@ void StReader::read_f32(const StTensor& t, int64_t offset, int64_t n, float* out
   ZS_CHECK(width > 0 && offset >= 0 && t.begin + (offset + n) * width <= t.end);
   const int64_t at = data_start_ + t.begin + offset * width;
   if (width == 4) {
-    read_all(fd_.get(), out, size_t(n) * 4, at, path_.string());
+    pread_all(fd_.get(), out, size_t(n) * 4, at, path_, "data");
     return;
   }
   std::vector<uint16_t> half(static_cast<size_t>(n));
-  read_all(fd_.get(), half.data(), half.size() * 2, at, path_.string());
+  pread_all(fd_.get(), half.data(), half.size() * 2, at, path_, "data");
   for (int64_t i = 0; i < n; ++i)
     out[i] = t.dtype == "BF16" ? cpu::bf16_to_float(half[size_t(i)])
                                : cpu::f16_to_float(half[size_t(i)]);

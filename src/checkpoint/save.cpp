@@ -22,6 +22,7 @@
 #include "src/base/unique_fd.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"
+#include "src/checkpoint/file_io.hpp"
 #include "src/checkpoint/format.hpp"
 #include "src/engine_impl.hpp"
 
@@ -34,31 +35,11 @@ namespace {
 
 constexpr const char* kTempPrefix = ".tmp-";
 
-void fsync_path(const fs::path& p, int flags) {
-  UniqueFd fd(::open(p.c_str(), flags | O_CLOEXEC));
-  if (!fd || ::fsync(fd.get()) != 0)
-    ZS_THROW(io_error, "checkpoint: fsync of " << p << ": " << std::strerror(errno));
-}
-void fsync_dir(const fs::path& p) { fsync_path(p, O_RDONLY | O_DIRECTORY); }
-
 void write_file(const fs::path& p, const std::string& text) {
   UniqueFd fd(::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (!fd) ZS_THROW(io_error, "checkpoint: creating " << p << ": " << std::strerror(errno));
-  const char* c = text.data();
-  size_t left = text.size();
-  while (left > 0) {
-    const ssize_t n = ::write(fd.get(), c, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      if (err == ENOSPC || err == EDQUOT)
-        ZS_THROW(no_space, "checkpoint: writing " << p << ": " << std::strerror(err));
-      ZS_THROW(io_error, "checkpoint: writing " << p << ": " << std::strerror(err));
-    }
-    c += n, left -= size_t(n);
-  }
-  if (::fsync(fd.get()) != 0)
-    ZS_THROW(io_error, "checkpoint: fsync of " << p << ": " << std::strerror(errno));
+  if (!fd) io_failure(p, "creating", errno);
+  pwrite_all(fd.get(), text.data(), text.size(), 0, p);
+  fsync_fd(fd.get(), p);
 }
 
 // Values [begin, end) of unit u that rank r's shard holds (empty when it holds only padding).
@@ -86,12 +67,12 @@ void prepare(const fs::path& root, const std::string& tag, const fs::path& tmp) 
 void publish(const fs::path& root, const fs::path& tmp, const std::string& tag,
              const Manifest& m) {
   write_file(tmp / "manifest.json", manifest_text(m));
-  fsync_dir(tmp);
+  fsync_path(tmp);
   fs::rename(tmp, root / tag);
-  fsync_dir(root);
+  fsync_path(root);
   write_file(root / "latest.tmp", tag + "\n");
   fs::rename(root / "latest.tmp", root / "latest");
-  fsync_dir(root);
+  fsync_path(root);
 }
 
 // Keeps the newest `keep` tags (by their manifests' write time) and the one `latest` names. A
@@ -108,7 +89,7 @@ void prune(const fs::path& root, const std::string& current, int keep) {
     std::sort(tags.rbegin(), tags.rend());
     for (size_t i = size_t(keep); i < tags.size(); ++i)
       if (tags[i].second.filename() != current) fs::remove_all(tags[i].second);
-    fsync_dir(root);
+    fsync_path(root);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zeroshard: checkpoint: pruning old tags in %s failed: %s\n",
                  root.c_str(), e.what());

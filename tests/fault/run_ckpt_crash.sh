@@ -16,6 +16,17 @@ cleanup() {
   rm -rf "$root"
 }
 trap cleanup EXIT
+# Flips one bit of a data file's first block (twice: back as it was).
+flip() {
+  python3 - "$1" <<'PY'
+import sys
+with open(sys.argv[1], "r+b") as f:
+    f.seek(4096 + 1000)
+    b = f.read(1)
+    f.seek(4096 + 1000)
+    f.write(bytes([b[0] ^ 4]))
+PY
+}
 
 "$mpiexec" -np 2 "$bin" save-loop "$root" > "$root.log" 2>&1 &
 job=$!
@@ -42,28 +53,12 @@ for tag in "$root"/step*; do
 done
 "$cli" ckpt inspect "$root" | head -8
 # A damaged tag is reported with a non-zero exit.
-python3 - "$root/$latest/rank00001.state0" <<'PY'
-import sys
-p = sys.argv[1]
-with open(p, "r+b") as f:
-    f.seek(4096 + 1000)
-    b = f.read(1)
-    f.seek(4096 + 1000)
-    f.write(bytes([b[0] ^ 4]))
-PY
+flip "$root/$latest/rank00001.state0"
 if "$cli" ckpt verify "$root" 2> "$root/verify.err"; then
   echo "verify passed a damaged checkpoint"; exit 1
 fi
 grep -q "fails its checksum" "$root/verify.err"
-python3 - "$root/$latest/rank00001.state0" <<'PY'
-import sys
-p = sys.argv[1]
-with open(p, "r+b") as f:
-    f.seek(4096 + 1000)
-    b = f.read(1)
-    f.seek(4096 + 1000)
-    f.write(bytes([b[0] ^ 4]))
-PY
+flip "$root/$latest/rank00001.state0"
 rm -f "$root/verify.err"
 
 "$mpiexec" -np 2 "$bin" resume "$root"

@@ -1,0 +1,57 @@
+// Positioned whole transfers (file_io.hpp).
+#include "src/checkpoint/file_io.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "src/base/check.hpp"
+#include "src/base/unique_fd.hpp"
+
+namespace zeroshard::ckpt {
+
+void io_failure(const std::filesystem::path& path, const char* what, int err) {
+  if (err == ENOSPC || err == EDQUOT)
+    ZS_THROW(no_space, "checkpoint: " << what << " " << path << ": " << std::strerror(err)
+                                      << " (the disk is full)");
+  ZS_THROW(io_error, "checkpoint: " << what << " " << path << ": " << std::strerror(err));
+}
+
+void pwrite_all(int fd, const void* data, size_t bytes, int64_t offset,
+                const std::filesystem::path& path) {
+  const char* c = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd, c, bytes, off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) io_failure(path, "writing", errno);
+    c += n, bytes -= size_t(n), offset += n;
+  }
+}
+
+void pread_all(int fd, void* data, size_t bytes, int64_t offset,
+               const std::filesystem::path& path, const char* what) {
+  char* c = static_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd, c, bytes, off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) io_failure(path, "reading", errno);
+    if (n == 0)
+      ZS_THROW(corrupted, "checkpoint: " << path << " ends before its " << what << " (offset "
+                                         << offset << ")");
+    c += n, bytes -= size_t(n), offset += n;
+  }
+}
+
+void fsync_fd(int fd, const std::filesystem::path& path) {
+  if (::fsync(fd) != 0) io_failure(path, "fsync of", errno);
+}
+
+void fsync_path(const std::filesystem::path& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) io_failure(path, "opening", errno);
+  fsync_fd(fd.get(), path);
+}
+
+}  // namespace zeroshard::ckpt
