@@ -78,14 +78,14 @@ void Engine::load(const std::filesystem::path& path) {
   const std::string at = "load(" + path.string() + ")";
   if (!impl.finalized) ZS_THROW(invalid_argument, at << " before finalize()");
   finish_save();
-  for (int u = 0; u < num_units(); ++u)
-    if (impl.units[size_t(u)].gathered)
-      ZS_THROW(invalid_argument, at << ": unit '" << unit_name(u)
-                                    << "' is gathered; release every unit before a load");
 
   fs::path dir;
   Manifest m;
   all_or_none(comm, at + ": reading the manifest", [&] {
+    for (int u = 0; u < num_units(); ++u)
+      if (impl.units[size_t(u)].gathered)
+        ZS_THROW(invalid_argument, at << ": unit '" << unit_name(u)
+                                      << "' is gathered; release every unit before a load");
     dir = resolve(path);
     m = read_manifest(dir);
     check_fits(*this, m, at);
