@@ -190,25 +190,29 @@ float Engine::lr(int group) const {
     ZS_THROW(invalid_argument, "lr(): no parameter group " << group);
   return impl_->groups[size_t(group)].lr;
 }
-void Engine::set_options(int group, const OptimizerOptions& o) {
-  Impl& m = *impl_;
-  if (group < 0 || size_t(group) >= m.groups.size())
-    ZS_THROW(invalid_argument, "set_options(): no parameter group " << group);
-  if (o.kind != m.cfg.optimizer.kind)
-    ZS_THROW(invalid_argument, "set_options(): optimizer " << optimizer_name(o.kind)
-                                                           << " differs from the engine's "
-                                                           << optimizer_name(m.cfg.optimizer.kind));
-  Config probe = m.cfg;
+// What set_options() refuses: another optimizer, a value construction would refuse, an SGD
+// momentum that would turn its buffer on or off after finalize().
+void Engine::Impl::check_options(int group, const OptimizerOptions& o, const char* call) const {
+  if (group < 0 || size_t(group) >= groups.size())
+    ZS_THROW(invalid_argument, call << ": no parameter group " << group);
+  if (o.kind != cfg.optimizer.kind)
+    ZS_THROW(invalid_argument, call << ": optimizer " << optimizer_name(o.kind)
+                                    << " differs from the engine's "
+                                    << optimizer_name(cfg.optimizer.kind));
+  Config probe = cfg;
   probe.optimizer = o;
   probe.validate();  // the same range checks as at construction
-  const OptimizerOptions& now = m.groups[size_t(group)];
-  if (m.finalized && o.kind == OptimizerKind::sgd && (o.momentum != 0) != (now.momentum != 0))
-    ZS_THROW(invalid_argument, "set_options(): group "
-                                   << group << ": SGD momentum " << now.momentum << " -> "
-                                   << o.momentum
-                                   << " turns the momentum buffer on or off, which finalize() "
-                                      "fixed; keep momentum zero or non-zero");
-  m.groups[size_t(group)] = o;
+  const OptimizerOptions& now = groups[size_t(group)];
+  if (finalized && o.kind == OptimizerKind::sgd && (o.momentum != 0) != (now.momentum != 0))
+    ZS_THROW(invalid_argument, call << ": group " << group << ": SGD momentum " << now.momentum
+                                    << " -> " << o.momentum
+                                    << " turns the momentum buffer on or off, which finalize() "
+                                       "fixed; keep momentum zero or non-zero");
+}
+
+void Engine::set_options(int group, const OptimizerOptions& o) {
+  impl_->check_options(group, o, "set_options()");
+  impl_->groups[size_t(group)] = o;
 }
 const OptimizerOptions& Engine::options(int group) const {
   if (group < 0 || size_t(group) >= impl_->groups.size())

@@ -117,6 +117,7 @@ struct Engine::Impl final : ParamSink {
   /// Waits for a collective, counting the wait as exposed communication.
   void wait_for(Work& w);
 
+  void check_options(int group, const OptimizerOptions& o, const char* call) const;
   Unit& unit(UnitId id, const char* call);
   const Unit& unit(UnitId id, const char* call) const;
   const UnitLayout& layout(int id) const { return shapes[size_t(id)].layout; }

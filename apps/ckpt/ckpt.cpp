@@ -8,10 +8,10 @@
 
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <functional>
 
 #include "zeroshard/checkpoint.hpp"
-#include "zeroshard/error.hpp"
 
 namespace zsckpt {
 
@@ -91,7 +91,7 @@ int run_ckpt(const std::vector<std::string>& args) {
     }
     if (args[0] == "export") return export_to(args[1], args[2]);
     return verify(args[1]);
-  } catch (const zeroshard::Error& e) {
+  } catch (const std::exception& e) {  // zeroshard::Error, and the file system's own errors
     std::fprintf(stderr, "zeroshard ckpt %s: %s\n", args[0].c_str(), e.what());
     return 1;
   }

@@ -239,6 +239,9 @@ void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
   for (const auto& [r, rg] : by_unit_[size_t(u)]) {
     const int64_t lo = std::max(b, rg.begin), hi = std::min(e, rg.end);
     if (lo < hi) file(r, s).read(rg.offset + (lo - rg.begin), hi - lo, out + (lo - b));
+    // Readers go through the units in order: a file whose last range this was is done (a
+    // load from many ranks' files would otherwise hold all of them open at once).
+    if (u == m_.ranges[size_t(r)].back().unit) files_.erase({r, s});
   }
 }
 

@@ -87,7 +87,8 @@ class DataFileReader {
 };
 
 /// Unit values out of a checkpoint's files, whichever ranks wrote them: one DataFileReader per
-/// file, opened (and its header and table checked) on first use.
+/// file, opened (and its header and table checked) on first use and closed after its last
+/// range, so that reading units in order holds few files open.
 class UnitReader {
  public:
   UnitReader(std::filesystem::path dir, const Manifest& m);

@@ -4,6 +4,7 @@
 
 #include "src/base/check.hpp"
 #include "src/checkpoint/data_file.hpp"
+#include "src/checkpoint/file_io.hpp"
 #include "src/checkpoint/format.hpp"
 #include "src/checkpoint/safetensors.hpp"
 #include "zeroshard/checkpoint.hpp"
@@ -78,12 +79,12 @@ void export_checkpoint(const fs::path& path, const fs::path& out_dir,
     done += n * int64_t(1 + states.size()) * 4;
     if (progress) progress(done, total);
   }
+  // Both files complete and durable before either takes its name.
   model.finish();
+  if (opt) opt->finish();
   fs::rename(out_dir / "model.safetensors.tmp", out_dir / "model.safetensors");
-  if (opt) {
-    opt->finish();
-    fs::rename(out_dir / "optimizer.safetensors.tmp", out_dir / "optimizer.safetensors");
-  }
+  if (opt) fs::rename(out_dir / "optimizer.safetensors.tmp", out_dir / "optimizer.safetensors");
+  fsync_path(out_dir);
 }
 
 }  // namespace zeroshard

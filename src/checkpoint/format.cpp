@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -33,14 +34,14 @@ std::string data_file_name(int rank, const char* state) {
 }
 
 void check_tag(const std::string& tag) {
-  const bool bad = tag.empty() || tag.size() > 200 || tag[0] == '.' ||
-                   tag.find('/') != std::string::npos || tag.find('\0') != std::string::npos ||
-                   tag == "latest";
+  bool bad = tag.empty() || tag.size() > 200 || tag[0] == '.' ||
+             tag.find('/') != std::string::npos || tag.rfind("latest", 0) == 0;
+  for (unsigned char c : tag) bad |= c < 0x20 || c == 0x7f;  // NUL, newline, other controls
   if (bad)
     ZS_THROW(invalid_argument, "checkpoint: tag '"
                                    << tag
-                                   << "' is not a plain directory name (1-200 bytes, no '/', not "
-                                      "starting with '.', not 'latest')");
+                                   << "' is not a plain directory name (1-200 bytes, no '/' or "
+                                      "control character, not starting with '.' or 'latest')");
 }
 
 // ---- data file header ----------------------------------------------------------------------
@@ -88,7 +89,7 @@ FileHeader decode_header(const char* data, size_t bytes, const std::string& file
     ZS_THROW(invalid_argument,
              "checkpoint: " << file << " has schema " << r.schema << ", expected " << kSchema);
   const bool sane = r.rank >= 0 && r.state >= 0 && size_t(r.state) < state_names().size() &&
-                    r.block_bytes >= 4 && r.block_bytes % 4 == 0 &&
+                    r.block_bytes >= 4096 && r.block_bytes % 4096 == 0 &&
                     r.block_bytes <= (int64_t(1) << 30) && r.data_bytes >= 0 &&
                     r.data_bytes % 4 == 0 && r.data_bytes <= (int64_t(1) << 50);
   if (!sane) ZS_THROW(corrupted, "checkpoint: " << file << ": header fields out of range");
@@ -300,8 +301,8 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
     if (!known) r.bad("states[" + std::to_string(s) + "]", "names no state ('" + name + "')");
     m.states.push_back(name);
   }
-  m.block_bytes = r.integer(j, "block_bytes", "", 4, int64_t(1) << 30);
-  if (m.block_bytes % 4) r.bad("block_bytes", "is not a multiple of 4");
+  m.block_bytes = r.integer(j, "block_bytes", "", 4096, int64_t(1) << 30);
+  if (m.block_bytes % 4096) r.bad("block_bytes", "is not a multiple of 4096");
   const json& units = r.array(j, "units", "", 1 << 24);
   for (size_t u = 0; u < units.size(); ++u) {
     const std::string p = "units[" + std::to_string(u) + "]";
@@ -356,7 +357,8 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
       if (size_t(rg.unit) >= m.units.size() || rg.begin >= rg.end ||
           rg.end > m.units[size_t(rg.unit)].numel || rg.offset != next)
         r.bad(pe, "is not a range of a unit, end to end with the one before it");
-      next += rg.end - rg.begin;
+      next += rg.end - rg.begin;  // each term <= 2^48: no overflow before the check below
+      if (next > (int64_t(1) << 48)) r.bad(p, "holds more than 2^48 values");
       cover[size_t(rg.unit)].emplace_back(rg.begin, rg.end);
       list.push_back(rg);
     }
@@ -390,12 +392,14 @@ std::filesystem::path resolve(const std::filesystem::path& path) {
                                               << " holds neither manifest.json (a tag) nor "
                                                  "latest (a root of tags): not a checkpoint, "
                                                  "or no save completed there");
-  std::string tag;
-  std::getline(is, tag);
+  std::string text((std::istreambuf_iterator<char>(is)), std::istreambuf_iterator<char>());
+  // Exactly "<tag>\n", as save() writes it.
+  const std::string tag = text.size() > 1 && text.back() == '\n' ? text.substr(0, text.size() - 1)
+                                                                   : std::string();
   try {
     check_tag(tag);
   } catch (const Error&) {
-    ZS_THROW(corrupted, "checkpoint: " << (path / "latest") << " names no tag ('" << tag << "')");
+    ZS_THROW(corrupted, "checkpoint: " << (path / "latest") << " names no tag ('" << text << "')");
   }
   if (!fs::exists(path / tag / "manifest.json", ec))
     ZS_THROW(corrupted, "checkpoint: " << (path / "latest") << " names tag '" << tag
@@ -405,12 +409,14 @@ std::filesystem::path resolve(const std::filesystem::path& path) {
 
 Manifest read_manifest(const std::filesystem::path& tag_dir) {
   const std::filesystem::path file = tag_dir / "manifest.json";
+  std::error_code ec;
+  const uintmax_t size = std::filesystem::file_size(file, ec);
+  if (ec) ZS_THROW(invalid_argument, "checkpoint: cannot open " << file << ": " << ec.message());
+  if (size > (uintmax_t(1) << 30)) ZS_THROW(corrupted, "checkpoint: " << file << " is over 1 GiB");
   std::ifstream is(file, std::ios::binary);
   if (!is) ZS_THROW(invalid_argument, "checkpoint: cannot open " << file);
   std::stringstream ss;
   ss << is.rdbuf();
-  if (ss.str().size() > (size_t(1) << 30))
-    ZS_THROW(corrupted, "checkpoint: " << file << " is over 1 GiB");
   return parse_manifest(ss.str(), file.string());
 }
 

@@ -45,6 +45,7 @@ void check_fits(const Engine& e, const Manifest& m, const std::string& at) {
   if (int(m.groups.size()) != e.num_groups())
     ZS_THROW(invalid_argument, at << ": the checkpoint has " << m.groups.size()
                                   << " parameter groups, this engine " << e.num_groups());
+
   for (const StateName& sn : state_names())
     if (e.has_state(sn.kind) &&
         std::find(m.states.begin(), m.states.end(), sn.name) == m.states.end())
@@ -89,7 +90,24 @@ void Engine::load(const std::filesystem::path& path) {
     dir = resolve(path);
     m = read_manifest(dir);
     check_fits(*this, m, at);
+    // Every group's hyperparameters as set_options() will take them, checked now: a refusal
+    // after the shards were written would leave the engine half loaded.
+    for (int g = 0; g < num_groups(); ++g) {
+      try {
+        impl.check_options(g, m.groups[size_t(g)], "the checkpoint's hyperparameters");
+      } catch (const Error& err) {
+        throw Error(ErrorCode::invalid_argument, at + ": " + err.what());
+      }
+    }
   });
+
+  // Every rank read the same save (another job may have replaced `latest` in between).
+  double ids[4] = {double(m.save_id >> 32), double(m.save_id & 0xffffffffu),
+                   -double(m.save_id >> 32), -double(m.save_id & 0xffffffffu)};
+  comm.all_reduce(ids, 4, ReduceOp::min, at + " (same checkpoint)")->wait();
+  if (ids[0] != -ids[2] || ids[1] != -ids[3])
+    ZS_THROW(invalid_argument, at << ": the ranks resolved different checkpoints (was `latest` "
+                                     "replaced during the load?); load a tag directory");
 
   // This rank's range of each unit's values, and the states this engine keeps.
   struct Span {
@@ -117,6 +135,12 @@ void Engine::load(const std::filesystem::path& path) {
     const int64_t budget = available_memory() / 4 / int64_t(kept.size());
     std::vector<std::exception_ptr> errors(kept.size());
     std::vector<std::thread> threads;
+    struct JoinAll {  // also when starting a thread fails part way
+      std::vector<std::thread>& ts;
+      ~JoinAll() {
+        for (std::thread& t : ts) t.join();
+      }
+    } join_all{threads};
     for (size_t t = 0; t < kept.size(); ++t)
       threads.emplace_back([&, t] {
         try {
@@ -137,6 +161,7 @@ void Engine::load(const std::filesystem::path& path) {
         }
       });
     for (std::thread& t : threads) t.join();
+    threads.clear();
     for (const std::exception_ptr& e : errors)
       if (e) std::rethrow_exception(e);
   });

@@ -1,11 +1,11 @@
 // Engine::load_safetensors: start from pretrained weights. Each rank reads, from the file, the
 // range of each unit its shard holds (converted to f32) and makes it the master weights; the
-// optimizer's moments and step are left as they are. Every name, shape and dtype is checked
-// against the model before any state changes.
+// optimizer's moments and step are left as they are. Every name, shape and dtype is checked,
+// and every shard read, before any state changes.
 #include "src/base/check.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/safetensors.hpp"
-#include "zeroshard/engine.hpp"
+#include "src/engine_impl.hpp"
 
 namespace zeroshard {
 
@@ -23,6 +23,10 @@ void Engine::load_safetensors(const std::filesystem::path& file) {
   std::unique_ptr<StReader> st;
   std::vector<const StTensor*> tensors;
   all_or_none(*communicator(), at + ": reading the header", [&] {
+    for (int u = 0; u < num_units(); ++u)
+      if (impl_->units[size_t(u)].gathered)
+        ZS_THROW(invalid_argument, at << ": unit '" << unit_name(u)
+                                      << "' is gathered; release every unit first");
     st = std::make_unique<StReader>(file);
     size_t k = 0;
     for (const UnitInfo& u : units)
@@ -42,6 +46,9 @@ void Engine::load_safetensors(const std::filesystem::path& file) {
         ++k;
       }
   });
+  // Every shard read before any is written: an I/O error part way changes nothing (the
+  // memory: this rank's f32 master shards, once).
+  std::vector<std::vector<float>> shards;
   all_or_none(*communicator(), at + ": reading shards", [&] {
     size_t k = 0;
     for (int u = 0; u < num_units(); ++u) {
@@ -57,9 +64,10 @@ void Engine::load_safetensors(const std::filesystem::path& file) {
         offset += n;
         ++k;
       }
-      write_shard(u, StateKind::master, shard);
+      shards.push_back(std::move(shard));
     }
   });
+  for (int u = 0; u < num_units(); ++u) write_shard(u, StateKind::master, shards[size_t(u)]);
   commit_shards();
 }
 

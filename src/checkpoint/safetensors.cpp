@@ -133,7 +133,9 @@ StReader::StReader(std::filesystem::path path)
   std::vector<const StTensor*> order;
   for (const StTensor& t : tensors_) order.push_back(&t);
   std::sort(order.begin(), order.end(),
-            [](const StTensor* a, const StTensor* b) { return a->begin < b->begin; });
+            [](const StTensor* a, const StTensor* b) {
+              return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+            });
   int64_t at = 0;
   for (const StTensor* t : order) {
     if (t->begin != at)

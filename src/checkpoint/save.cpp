@@ -13,10 +13,14 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <random>
+#include <system_error>
 #include <thread>
+#include <tuple>
 
 #include "src/base/check.hpp"
 #include "src/base/unique_fd.hpp"
@@ -62,6 +66,13 @@ void prepare(const fs::path& root, const std::string& tag, const fs::path& tmp) 
   fs::create_directory(tmp);
 }
 
+// Whether root/latest names `tag` (and nothing else).
+bool names_latest(const fs::path& root, const std::string& tag) {
+  std::ifstream is(root / "latest", std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(is)), std::istreambuf_iterator<char>());
+  return text == tag + "\n";
+}
+
 // Rank 0, once every rank's files are durable: the manifest, the tag's rename into place, and
 // `latest`, each made durable before the next.
 void publish(const fs::path& root, const fs::path& tmp, const std::string& tag,
@@ -75,21 +86,34 @@ void publish(const fs::path& root, const fs::path& tmp, const std::string& tag,
   fsync_path(root);
 }
 
-// Keeps the newest `keep` tags (by their manifests' write time) and the one `latest` names. A
-// failure here loses nothing and is reported on stderr, not thrown: the save itself succeeded.
+// Keeps the newest `keep` tags (by the step their manifests record, then their write time) and
+// the one `latest` names. A tag is renamed to a temporary name before it is removed, so that a
+// removal cut short leaves no half tag (the next save removes the rest). A failure here loses
+// nothing and is reported on stderr, not thrown: the save itself succeeded.
 void prune(const fs::path& root, const std::string& current, int keep) {
   if (keep <= 0) return;
   try {
-    std::vector<std::pair<fs::file_time_type, fs::path>> tags;
+    std::vector<std::tuple<int64_t, fs::file_time_type, fs::path>> tags;
     for (const fs::directory_entry& d : fs::directory_iterator(root)) {
       const std::string name = d.path().filename().string();
       if (name.rfind(kTempPrefix, 0) == 0 || !fs::exists(d.path() / "manifest.json")) continue;
-      tags.emplace_back(fs::last_write_time(d.path() / "manifest.json"), d.path());
+      int64_t step = -1;
+      try {
+        step = read_manifest(d.path()).step;
+      } catch (const Error&) {
+        continue;  // not a tag this code can read: left alone
+      }
+      tags.emplace_back(step, fs::last_write_time(d.path() / "manifest.json"), d.path());
     }
     std::sort(tags.rbegin(), tags.rend());
-    for (size_t i = size_t(keep); i < tags.size(); ++i)
-      if (tags[i].second.filename() != current) fs::remove_all(tags[i].second);
-    fsync_path(root);
+    for (size_t i = size_t(keep); i < tags.size(); ++i) {
+      const fs::path& dir = std::get<2>(tags[i]);
+      if (dir.filename() == current) continue;
+      const fs::path doomed = root / (kTempPrefix + dir.filename().string() + ".pruned");
+      fs::rename(dir, doomed);
+      fsync_path(root);
+      fs::remove_all(doomed);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zeroshard: checkpoint: pruning old tags in %s failed: %s\n",
                  root.c_str(), e.what());
@@ -193,15 +217,20 @@ fs::path finish(Engine& e, PendingSave& p, const std::optional<Error>& written) 
       if (written) throw *written;
     });
     all_or_none(comm, p.at + ": publishing", [&] {
-      if (e.rank() != 0) return;
-      publish(p.root, p.tmp, p.m.tag, p.m);
-      prune(p.root, p.m.tag, e.config().checkpoint_keep_last);
+      if (e.rank() == 0) publish(p.root, p.tmp, p.m.tag, p.m);
     });
   } catch (const Error&) {
+    // Nothing of a failed save stays: a tag renamed into place that `latest` does not name yet
+    // goes too, so that the same tag can be saved again.
     std::error_code ec;
-    if (e.rank() == 0) fs::remove_all(p.tmp, ec);
+    if (e.rank() == 0) {
+      fs::remove_all(p.tmp, ec);
+      if (!names_latest(p.root, p.m.tag)) fs::remove_all(p.root / p.m.tag, ec);
+    }
     throw;
   }
+  // After the agreement: a slow removal must not hold the other ranks in a timed collective.
+  if (e.rank() == 0) prune(p.root, p.m.tag, e.config().checkpoint_keep_last);
   return p.root / p.m.tag;
 }
 
@@ -237,42 +266,54 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
 void Engine::save_async(const std::filesystem::path& root, const std::string& tag) {
   finish_save();
   std::shared_ptr<PendingSave> p = start(*this, root, tag);
-  // The snapshot, now: this rank's ranges of every state, state after state.
-  const size_t total = size_t(p->mine) * p->states.size() * 4;
-  if (impl_->save_snapshot.bytes() != total)
-    impl_->save_snapshot =
-        Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
-  float* snap = impl_->save_snapshot.as<float>();
-  const std::optional<Error> copied = outcome([&] {
-    for (size_t i = 0; i < p->states.size(); ++i) {
-      int64_t at = 0;
-      for (const Range& rg : p->m.ranges[size_t(rank())]) {
-        const StateKind kind = state_names()[size_t(p->states[i])].kind;
-        const size_t bytes = size_t(rg.end - rg.begin) * 4;
-        const float* v = impl_->state->host_view(rg.unit, kind);
-        std::vector<float> copy;
-        if (!v) v = (copy = read_shard(rg.unit, kind)).data();
-        std::memcpy(snap + size_t(p->mine) * i + size_t(at), v, bytes);
-        at += rg.end - rg.begin;
+  // The snapshot, now: this rank's ranges of every state, state after state. Every rank
+  // learns whether every rank took its snapshot (a rank that cannot must not leave the others
+  // training while it waits in this save's agreement).
+  float* snap = nullptr;
+  try {
+    all_or_none(*communicator(), p->at + ": snapshot", [&] {
+      const size_t total = size_t(p->mine) * p->states.size() * 4;
+      if (impl_->save_snapshot.bytes() != total) {
+        impl_->save_snapshot = Buffer();
+        impl_->save_snapshot =
+            Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
       }
-    }
-  });
-  if (copied) {
-    finish(*this, *p, copied);  // throws the agreed error on every rank
-    return;
+      snap = impl_->save_snapshot.as<float>();
+      for (size_t i = 0; i < p->states.size(); ++i) {
+        int64_t at = 0;
+        for (const Range& rg : p->m.ranges[size_t(rank())]) {
+          const StateKind kind = state_names()[size_t(p->states[i])].kind;
+          const size_t bytes = size_t(rg.end - rg.begin) * 4;
+          const float* v = impl_->state->host_view(rg.unit, kind);
+          std::vector<float> copy;
+          if (!v) v = (copy = read_shard(rg.unit, kind)).data();
+          std::memcpy(snap + size_t(p->mine) * i + size_t(at), v, bytes);
+          at += rg.end - rg.begin;
+        }
+      }
+    });
+  } catch (const Error&) {
+    std::error_code ec;
+    if (rank() == 0) fs::remove_all(p->tmp, ec);
+    throw;
   }
   const int r = rank();
   PendingSave* raw = p.get();
-  p->writer = std::thread([raw, r, snap] {
-    std::vector<int64_t> at(raw->states.size(), 0);
-    raw->error = outcome([&] {
-      write_files(*raw, r, [&](size_t i, const Range& rg) {
-        const float* v = snap + size_t(raw->mine) * i + size_t(at[i]);
-        at[i] += rg.end - rg.begin;
-        return v;
+  // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
+  try {
+    p->writer = std::thread([raw, r, snap] {
+      std::vector<int64_t> at(raw->states.size(), 0);
+      raw->error = outcome([&] {
+        write_files(*raw, r, [&](size_t i, const Range& rg) {
+          const float* v = snap + size_t(raw->mine) * i + size_t(at[i]);
+          at[i] += rg.end - rg.begin;
+          return v;
+        });
       });
     });
-  });
+  } catch (const std::system_error& e) {
+    p->error = Error(ErrorCode::internal, p->at + ": cannot start its writer thread: " + e.what());
+  }
   impl_->pending_save = std::move(p);
 }
 
@@ -280,7 +321,7 @@ std::filesystem::path Engine::finish_save() {
   if (!impl_->pending_save) return {};
   std::shared_ptr<PendingSave> p = std::static_pointer_cast<PendingSave>(impl_->pending_save);
   impl_->pending_save.reset();
-  p->writer.join();
+  if (p->writer.joinable()) p->writer.join();
   return finish(*this, *p, p->error);
 }
 
