@@ -225,14 +225,8 @@ void DataFileReader::read(int64_t offset, int64_t n, float* out) {
 UnitReader::UnitReader(std::filesystem::path dir, const Manifest& m)
     : dir_(std::move(dir)), m_(m) {
   by_unit_.resize(m.units.size());
-  for (size_t r = 0; r < m.ranges.size(); ++r) {
-    int64_t n = 0;
-    for (const Range& rg : m.ranges[r]) {
-      by_unit_[size_t(rg.unit)].emplace_back(int(r), rg);
-      n += rg.end - rg.begin;
-    }
-    data_bytes_.push_back(n * 4);
-  }
+  for (size_t r = 0; r < m.ranges.size(); ++r)
+    for (const Range& rg : m.ranges[r]) by_unit_[size_t(rg.unit)].emplace_back(int(r), rg);
 }
 
 void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
@@ -248,9 +242,8 @@ void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
 DataFileReader& UnitReader::file(int r, int s) {
   std::unique_ptr<DataFileReader>& f = files_[{r, s}];
   if (!f)
-    f = std::make_unique<DataFileReader>(
-        dir_ / data_file_name(r, state_names()[size_t(s)].name),
-        FileHeader{m_.save_id, r, s, m_.block_bytes, data_bytes_[size_t(r)]});
+    f = std::make_unique<DataFileReader>(dir_ / data_file_name(r, state_names()[size_t(s)].name),
+                                         expected_header(m_, r, s));
   return *f;
 }
 

@@ -102,7 +102,6 @@ class UnitReader {
   std::filesystem::path dir_;
   const Manifest& m_;
   std::vector<std::vector<std::pair<int, Range>>> by_unit_;
-  std::vector<int64_t> data_bytes_;
   std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files_;
 };
 

@@ -202,6 +202,18 @@ OptimizerKind parse_kind(const Reader& r, const std::string& name, const std::st
 
 }  // namespace
 
+Range owned_by(const ShardInfo& s, int r) {
+  const int64_t b = std::min(int64_t(r) * s.shard_numel, s.numel);
+  const int64_t e = std::min(int64_t(r + 1) * s.shard_numel, s.numel);
+  return {0, b, e, 0};
+}
+
+FileHeader expected_header(const Manifest& m, int rank, int state) {
+  int64_t n = 0;
+  for (const Range& rg : m.ranges[size_t(rank)]) n += rg.end - rg.begin;
+  return {m.save_id, rank, state, m.block_bytes, n * 4};
+}
+
 std::string manifest_text(const Manifest& m) {
   json units = json::array();
   for (const UnitInfo& u : m.units) {

@@ -94,6 +94,12 @@ struct Manifest {
   std::vector<std::vector<Range>> ranges;  ///< per writing rank
 };
 
+/// Values [begin, end) of a unit that rank r's shard holds (empty when it holds only padding),
+/// as Range{0, begin, end, 0}.
+Range owned_by(const ShardInfo& s, int r);
+/// The header rank r's data file of state s (an index into state_names()) must carry.
+FileHeader expected_header(const Manifest& m, int rank, int state);
+
 /// The manifest as JSON text, with its own checksum.
 std::string manifest_text(const Manifest& m);
 /// Parses and validates a manifest (schema, every field's type and range, the ranges cover

@@ -44,21 +44,15 @@ int64_t verify_checkpoint(const std::filesystem::path& path,
                           const std::function<void(int64_t, int64_t)>& progress) {
   const std::filesystem::path dir = resolve(path);
   const Manifest m = read_manifest(dir);
-  std::vector<int64_t> bytes;
   int64_t total = 0;
-  for (const auto& list : m.ranges) {
-    int64_t n = 0;
-    for (const Range& r : list) n += (r.end - r.begin) * 4;
-    bytes.push_back(n);
-    total += n * int64_t(m.states.size());
-  }
+  for (int r = 0; r < m.world_size; ++r)
+    total += expected_header(m, r, 0).data_bytes * int64_t(m.states.size());
   int64_t done = 0;
   for (const std::string& state : m.states) {
     int s = 0;
     while (state_names()[size_t(s)].name != state) ++s;
     for (int r = 0; r < m.world_size; ++r) {
-      DataFileReader f(dir / data_file_name(r, state.c_str()),
-                       {m.save_id, r, s, m.block_bytes, bytes[size_t(r)]});
+      DataFileReader f(dir / data_file_name(r, state.c_str()), expected_header(m, r, s));
       f.verify_all([&](int64_t n) {
         done += n;
         if (progress) progress(done, total);

@@ -117,8 +117,8 @@ void Engine::load(const std::filesystem::path& path) {
   std::vector<Span> spans;
   for (int u = 0; u < num_units(); ++u) {
     const ShardInfo si = shard_info(u);
-    spans.push_back({si, std::min(si.shard_offset, si.numel),
-                     std::min(si.shard_offset + si.shard_numel, si.numel)});
+    const Range own = owned_by(si, rank());
+    spans.push_back({si, own.begin, own.end});
   }
   std::vector<int> states;
   for (size_t s = 0; s < state_names().size(); ++s)

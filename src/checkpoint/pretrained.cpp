@@ -53,8 +53,8 @@ void Engine::load_safetensors(const std::filesystem::path& file) {
     size_t k = 0;
     for (int u = 0; u < num_units(); ++u) {
       const ShardInfo si = shard_info(u);
-      const int64_t b = std::min(si.shard_offset, si.numel);
-      const int64_t e = std::min(si.shard_offset + si.shard_numel, si.numel);
+      const Range own = owned_by(si, rank());
+      const int64_t b = own.begin, e = own.end;
       std::vector<float> shard(size_t(si.shard_numel), 0.0f);
       int64_t offset = 0;  // of the parameter in the unit
       for (const ParamInfo& p : units[size_t(u)].params) {

@@ -46,13 +46,6 @@ void write_file(const fs::path& p, const std::string& text) {
   fsync_fd(fd.get(), p);
 }
 
-// Values [begin, end) of unit u that rank r's shard holds (empty when it holds only padding).
-Range owned_by(const ShardInfo& s, int r) {
-  const int64_t b = std::min(int64_t(r) * s.shard_numel, s.numel);
-  const int64_t e = std::min(int64_t(r + 1) * s.shard_numel, s.numel);
-  return {0, b, e, 0};
-}
-
 // Rank 0, before anything is written: the tag must be new; temporary directories of saves
 // that died are removed; this save's is created.
 void prepare(const fs::path& root, const std::string& tag, const fs::path& tmp) {
@@ -187,7 +180,7 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
       list.push_back(rg);
     }
   }
-  for (const Range& rg : m.ranges[size_t(e.rank())]) p->mine += rg.end - rg.begin;
+  p->mine = expected_header(m, e.rank(), 0).data_bytes / 4;
   return p;
 }
 
@@ -200,7 +193,7 @@ void write_files(const PendingSave& p, int rank, Values&& values) {
   for (int s : p.states)
     files.push_back(std::make_unique<DataFileWriter>(
         p.tmp / data_file_name(rank, state_names()[size_t(s)].name),
-        FileHeader{p.m.save_id, rank, int32_t(s), kBlockBytes, p.mine * 4}));
+        expected_header(p.m, rank, s)));
   for (const Range& rg : p.m.ranges[size_t(rank)])
     for (size_t i = 0; i < files.size(); ++i)
       files[i]->append(values(i, rg), size_t(rg.end - rg.begin) * 4);
