@@ -135,6 +135,9 @@ class StateTier {
   /// The same shard where the CPU can read it in place (f32 host memory, valid until the state
   /// next changes), else nullptr: checkpoints stream from it without a copy.
   virtual const float* host_view(int /*u*/, StateKind /*kind*/) const { return nullptr; }
+  /// Where a restore may write the same shard in place instead of write() (f32 host memory),
+  /// else nullptr: a load copies the checkpoint's values there, then calls commit().
+  virtual float* host_target(int /*u*/, StateKind /*kind*/) { return nullptr; }
   /// Replaces this rank's shard of one state of unit u (restore). Stage 0's whole state is
   /// completed by commit().
   virtual void write(int u, StateKind kind, const std::vector<float>& shard) = 0;

@@ -14,6 +14,7 @@ packages=(
   libtbb-dev
   liburing-dev
   fio
+  e2fsprogs
   nlohmann-json3-dev
   libgtest-dev
   libgmock-dev

@@ -25,6 +25,12 @@ uint64_t table_sum(const std::vector<uint64_t>& sums) {
 }
 }  // namespace
 
+BlockBuffer block_buffer(int64_t bytes) {
+  BlockBuffer b(static_cast<char*>(std::aligned_alloc(kAlign, size_t(bytes))), &std::free);
+  if (!b) throw std::bad_alloc();
+  return b;
+}
+
 struct DataFileWriter::Block {
   explicit Block(size_t bytes) : data(static_cast<char*>(std::aligned_alloc(kAlign, bytes))) {
     if (!data) throw std::bad_alloc();
@@ -44,19 +50,28 @@ DataFileWriter::DataFileWriter(std::filesystem::path path, const FileHeader& h)
   // then everything goes through the page cache).
   direct_fd_.reset(::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
   ZS_CHECK(h.block_bytes % int64_t(kAlign) == 0);
-  for (int i = 0; i < 3; ++i) free_.push_back(std::make_unique<Block>(size_t(h.block_bytes)));
+  for (size_t i = 0; i < kWriters + 2; ++i)
+    free_.push_back(std::make_unique<Block>(size_t(h.block_bytes)));
   filling_ = std::move(free_.back());
   free_.pop_back();
-  thread_ = std::thread([this] { run(); });
+  try {
+    for (size_t i = 0; i < kWriters; ++i) threads_.emplace_back([this] { run(); });
+  } catch (...) {  // the destructor does not run: stop the threads that started
+    stop();
+    throw;
+  }
 }
 
-DataFileWriter::~DataFileWriter() {
+DataFileWriter::~DataFileWriter() { stop(); }
+
+void DataFileWriter::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  for (std::thread& t : threads_) t.join();
+  threads_.clear();
 }
 
 void DataFileWriter::write_at(const void* data, size_t bytes, int64_t offset, bool direct) {
@@ -68,8 +83,9 @@ void DataFileWriter::rethrow() {
   if (error_) std::rethrow_exception(error_);
 }
 
-// Checksums and writes the queued blocks in order. A block shorter than the others (the last)
-// is written padded to the alignment; finish() then writes the table over the padding.
+// Checksums and writes queued blocks, kWriters of them at a time (each thread one). A block
+// shorter than the others (the last) is written padded to the alignment; finish() then writes
+// the table over the padding.
 void DataFileWriter::run() {
   for (;;) {
     std::unique_ptr<Block> b;
@@ -86,7 +102,8 @@ void DataFileWriter::run() {
       std::memset(b->data + b->len, 0, padded - b->len);
       write_at(b->data, padded, kHeaderBytes + b->index * h_.block_bytes, true);
       std::lock_guard<std::mutex> lock(mu_);
-      sums_.push_back(sum);
+      if (sums_.size() <= size_t(b->index)) sums_.resize(size_t(b->index) + 1);
+      sums_[size_t(b->index)] = sum;
     } catch (...) {
       std::lock_guard<std::mutex> lock(mu_);
       if (!error_) error_ = std::current_exception();
@@ -126,7 +143,7 @@ void DataFileWriter::finish() {
   if (filling_->len > 0) hand_over();
   {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return (queued_.empty() && free_.size() == 2) || error_; });
+    cv_.wait(lock, [&] { return (queued_.empty() && free_.size() == kWriters + 1) || error_; });
   }
   rethrow();
   std::vector<uint64_t> table = sums_;
@@ -168,9 +185,7 @@ DataFileReader::DataFileReader(std::filesystem::path path, const FileHeader& exp
   if (stored != table_sum(sums_))
     ZS_THROW(corrupted, "checkpoint: " << path_ << ": its checksum table is damaged (at offset "
                                        << kHeaderBytes + h_.data_bytes << ")");
-  block_.reset(static_cast<char*>(std::aligned_alloc(kAlign, size_t(h_.block_bytes))));
-  if (!block_) throw std::bad_alloc();
-  direct_fd_.reset(::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
+  block_.resize(size_t(h_.block_bytes));
 }
 
 void DataFileReader::read_at(void* data, size_t bytes, int64_t offset, const char* what) {
@@ -181,31 +196,51 @@ int64_t DataFileReader::block_len(int64_t b) const {
   return std::min(h_.block_bytes, h_.data_bytes - b * h_.block_bytes);
 }
 
-void DataFileReader::load_block(int64_t b) {
-  if (cached_ == b) return;
+void DataFileReader::check_block(const char* data, int64_t b) const {
+  const int64_t len = block_len(b);
+  if (offload::xxh64(data, size_t(len), uint64_t(b)) != sums_[size_t(b)])
+    ZS_THROW(corrupted, "checkpoint: " << path_ << ": block " << b << " (" << len
+                                       << " bytes at file offset " << kHeaderBytes + b * h_.block_bytes
+                                       << ") fails its checksum: the file is damaged");
+}
+
+const char* DataFileReader::load_block(int64_t b) {
+  if (auto k = kept_.find(b); k != kept_.end()) return k->second.get();
+  if (cached_ == b) return block_.data();
   cached_ = -1;
+  // The disk works on the next blocks (readahead started by the kernel, no copy) while this
+  // one is checked: a few reads in flight, as the disk needs to reach its bandwidth.
+  constexpr int64_t kAhead = 8;
+  ahead_ = std::max(ahead_, b + 1);
+  for (; ahead_ < std::min(blocks(), b + 1 + kAhead); ++ahead_)
+    ::posix_fadvise(fd_.get(), off_t(kHeaderBytes + ahead_ * h_.block_bytes),
+                    off_t(block_len(ahead_)), POSIX_FADV_WILLNEED);
+  read_at(block_.data(), size_t(block_len(b)), kHeaderBytes + b * h_.block_bytes, "data");
+  check_block(block_.data(), b);
+  cached_ = b;
+  return block_.data();
+}
+
+void DataFileReader::read_block(int64_t b, char* into) {
+  ZS_CHECK(b >= 0 && b < blocks());
+  if (!direct_fd_) direct_fd_.reset(::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
   const int64_t len = block_len(b), at = kHeaderBytes + b * h_.block_bytes;
-  if (direct_fd_) {
+  if (!direct_fd_) {  // the file system refuses O_DIRECT (tmpfs)
+    read_at(into, size_t(len), at, "data");
+  } else {
     // Aligned offset and length; the last block's read may stop short at the end of the file.
     const size_t padded = (size_t(len) + kAlign - 1) / kAlign * kAlign;
     size_t got = 0;
     while (got < size_t(len)) {
-      const ssize_t n = ::pread(direct_fd_.get(), block_.get() + got, padded - got,
-                                off_t(at + int64_t(got)));
+      const ssize_t n =
+          ::pread(direct_fd_.get(), into + got, padded - got, off_t(at + int64_t(got)));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) io_failure(path_, "reading", errno);
-      if (n == 0)
-        ZS_THROW(corrupted, "checkpoint: " << path_ << " ends inside block " << b);
+      if (n == 0) ZS_THROW(corrupted, "checkpoint: " << path_ << " ends inside block " << b);
       got += size_t(n);
     }
-  } else {
-    read_at(block_.get(), size_t(len), at, "data");
   }
-  if (offload::xxh64(block_.get(), size_t(len), uint64_t(b)) != sums_[size_t(b)])
-    ZS_THROW(corrupted, "checkpoint: " << path_ << ": block " << b << " (" << len
-                                       << " bytes at file offset " << at
-                                       << ") fails its checksum: the file is damaged");
-  cached_ = b;
+  check_block(into, b);
 }
 
 void DataFileReader::read(int64_t offset, int64_t n, float* out) {
@@ -215,9 +250,8 @@ void DataFileReader::read(int64_t offset, int64_t n, float* out) {
   char* dst = reinterpret_cast<char*>(out);
   while (byte < end) {
     const int64_t b = byte / h_.block_bytes, in = byte - b * h_.block_bytes;
-    load_block(b);
     const int64_t take = std::min(end - byte, block_len(b) - in);
-    std::memcpy(dst, block_.get() + in, size_t(take));
+    std::memcpy(dst, load_block(b) + in, size_t(take));
     dst += take, byte += take;
   }
 }
@@ -239,11 +273,35 @@ void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
   }
 }
 
+void UnitReader::blocks(int s, int u, int64_t b, int64_t e,
+                        std::vector<std::pair<int, int64_t>>& out) {
+  for (const auto& [r, rg] : by_unit_[size_t(u)]) {
+    const int64_t lo = std::max(b, rg.begin), hi = std::min(e, rg.end);
+    if (lo >= hi) continue;
+    const int64_t bytes = expected_header(m_, r, s).block_bytes;
+    const int64_t first = (rg.offset + (lo - rg.begin)) * 4 / bytes;
+    const int64_t last = ((rg.offset + (hi - rg.begin)) * 4 - 1) / bytes;
+    for (int64_t k = first; k <= last; ++k)
+      if (out.empty() || out.back() != std::pair<int, int64_t>{r, k}) out.emplace_back(r, k);
+  }
+}
+
+void UnitReader::keep(int r, int s, int64_t b, BlockBuffer data) {
+  auto f = files_.find({r, s});
+  if (f != files_.end()) f->second->keep(b, std::move(data));
+  else kept_[{r, s}].insert_or_assign(b, std::move(data));
+}
+
 DataFileReader& UnitReader::file(int r, int s) {
   std::unique_ptr<DataFileReader>& f = files_[{r, s}];
-  if (!f)
+  if (!f) {
     f = std::make_unique<DataFileReader>(dir_ / data_file_name(r, state_names()[size_t(s)].name),
                                          expected_header(m_, r, s));
+    if (auto k = kept_.find({r, s}); k != kept_.end()) {
+      for (auto& [b, data] : k->second) f->keep(b, std::move(data));
+      kept_.erase(k);
+    }
+  }
   return *f;
 }
 

@@ -19,8 +19,8 @@
 namespace zeroshard::ckpt {
 
 /// Writes through O_DIRECT where the file system allows it (the page cache would halve the
-/// disk's write bandwidth on a virtual disk), from aligned block buffers that a writer thread
-/// checksums and writes while the caller fills the next one.
+/// disk's write bandwidth on a virtual disk), from aligned block buffers that writer threads
+/// checksum and write, several at a time, while the caller fills the next one.
 class DataFileWriter {
  public:
   /// Creates `path` (which must not exist) for h.data_bytes of data.
@@ -37,7 +37,8 @@ class DataFileWriter {
  private:
   struct Block;
   void hand_over();  // the block being filled to the writer thread
-  void run();        // the writer thread
+  void run();        // a writer thread
+  void stop();       // ends the writer threads once the queue is empty
   void write_at(const void* data, size_t bytes, int64_t offset, bool direct);
   void rethrow();    // the writer thread's error, if any
 
@@ -53,9 +54,18 @@ class DataFileWriter {
   std::condition_variable cv_;
   bool stop_ = false;
   std::exception_ptr error_;
-  std::thread thread_;
+  static constexpr size_t kWriters = 2;  // blocks in flight to the disk
+  std::vector<std::thread> threads_;
 };
 
+/// A block-sized buffer aligned for O_DIRECT.
+using BlockBuffer = std::unique_ptr<char, void (*)(void*)>;
+BlockBuffer block_buffer(int64_t bytes);
+
+/// Reads a data file block by block, each block verified before any of its bytes is used. A
+/// load reads each block it needs twice: once to verify everything before any state changes
+/// (read_block(), from the disk, into buffers it may keep), then to apply it (read(), from the
+/// kept blocks, else from the disk, verified again).
 class DataFileReader {
  public:
   /// Opens `path` and checks its header against what the manifest expects of it, its size, and
@@ -71,19 +81,27 @@ class DataFileReader {
       done(block_len(b));
     }
   }
+  /// Block b into `into` (block_bytes, from block_buffer()) straight from the disk, verified.
+  void read_block(int64_t b, char* into);
+  /// read() takes block b from `data` (filled by read_block()) from now on.
+  void keep(int64_t b, BlockBuffer data) { kept_.insert_or_assign(b, std::move(data)); }
   int64_t blocks() const { return int64_t(sums_.size()); }
+  int64_t block_bytes() const { return h_.block_bytes; }
 
  private:
   int64_t block_len(int64_t b) const;
-  void load_block(int64_t b);
+  const char* load_block(int64_t b);
   void read_at(void* data, size_t bytes, int64_t offset, const char* what);
+  void check_block(const char* data, int64_t b) const;
 
   std::filesystem::path path_;
   FileHeader h_;
-  UniqueFd fd_, direct_fd_;  // blocks are read with O_DIRECT where the file system allows it
+  UniqueFd fd_, direct_fd_;  // direct_fd_: opened by read_block() (none where refused)
   std::vector<uint64_t> sums_;
-  std::unique_ptr<char, void (*)(void*)> block_{nullptr, &std::free};  // aligned
+  std::vector<char> block_;
   int64_t cached_ = -1;  // index of the block in block_
+  int64_t ahead_ = 0;    // blocks before this one were asked of the disk ahead of their read
+  std::map<int64_t, BlockBuffer> kept_;
 };
 
 /// Unit values out of a checkpoint's files, whichever ranks wrote them: one DataFileReader per
@@ -95,6 +113,10 @@ class UnitReader {
   /// Values [b, e) of unit u's state s (an index into state_names()) into out, every block
   /// verified.
   void read(int s, int u, int64_t b, int64_t e, float* out);
+  /// The blocks that read(s, u, b, e, ...) reads, as (file rank, block), added to `out`.
+  void blocks(int s, int u, int64_t b, int64_t e, std::vector<std::pair<int, int64_t>>& out);
+  /// read() takes block b of rank r's file of state s from `data` (read_block() verified it).
+  void keep(int r, int s, int64_t b, BlockBuffer data);
 
  private:
   DataFileReader& file(int r, int s);
@@ -103,6 +125,7 @@ class UnitReader {
   const Manifest& m_;
   std::vector<std::vector<std::pair<int, Range>>> by_unit_;
   std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files_;
+  std::map<std::pair<int, int>, std::map<int64_t, BlockBuffer>> kept_;  // files not yet opened
 };
 
 }  // namespace zeroshard::ckpt

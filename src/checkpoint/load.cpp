@@ -3,12 +3,16 @@
 // model against it (naming the first parameter that differs), every file's header and checksum
 // table, and then every block this rank will read, which is read a first time only to verify
 // it. Only once every rank found everything intact does the second pass write the shards. A
-// failed load therefore leaves the engine exactly as it was. What the first pass verified is kept
-// in memory for the second while it fits a quarter of the available memory; beyond that the
-// second pass reads (and verifies) again from the disk.
+// failed load therefore leaves the engine exactly as it was. The page cache keeps what the first
+// pass read for the second where memory allows; the second pass verifies again what it reads.
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
 #include <exception>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "src/base/check.hpp"
@@ -24,15 +28,48 @@ using namespace ckpt;
 
 namespace {
 
-// MemAvailable from /proc/meminfo, in bytes (0 if unknown).
-int64_t available_memory() {
+// The bytes the first pass may keep for the second: ZEROSHARD_LOAD_KEEP_BYTES, else a quarter
+// of MemAvailable (/proc/meminfo).
+int64_t keep_budget() {
+  if (const char* v = std::getenv("ZEROSHARD_LOAD_KEEP_BYTES")) {
+    char* end = nullptr;
+    errno = 0;
+    const long long n = std::strtoll(v, &end, 10);
+    if (errno != 0 || end == v || *end != '\0' || n < 0)
+      ZS_THROW(invalid_config, "ZEROSHARD_LOAD_KEEP_BYTES='" << v
+                                   << "': expected a number of bytes (0 keeps nothing)");
+    return int64_t(n);
+  }
   std::ifstream f("/proc/meminfo");
-  std::string key;
+  std::string key, unit;
   int64_t kib = 0;
-  std::string unit;
   while (f >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024;
+    if (key == "MemAvailable:") return kib * 1024 / 4;
   return 0;
+}
+
+// f(t) for every t in [0, n), each in a thread of its own; once all have ended, rethrows the
+// first error any of them threw.
+template <class F>
+void in_threads(size_t n, F&& f) {
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  try {
+    for (size_t t = 0; t < n; ++t)
+      threads.emplace_back([&, t] {
+        try {
+          f(t);
+        } catch (...) {
+          errors[t] = std::current_exception();
+        }
+      });
+  } catch (...) {  // a thread that could not start: the others end first
+    for (std::thread& t : threads) t.join();
+    throw;
+  }
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 // The manifest against this engine: same optimizer and groups, the states it needs, the same
@@ -124,67 +161,70 @@ void Engine::load(const std::filesystem::path& path) {
   for (size_t s = 0; s < state_names().size(); ++s)
     if (has_state(state_names()[s].kind)) states.push_back(int(s));
 
-  // The first pass verifies each state's files in threads of their own, two per state each
-  // taking half of the units, so that the disk has several reads in flight; it keeps what it
-  // verified while that fits a quarter of the memory available, so that the second pass reads
-  // the disk again only for the rest.
-  constexpr int kLanes = 2;
-  const int nu = num_units();
-  std::vector<std::map<int, std::vector<float>>> kept(states.size() * kLanes);
+  // The first pass reads every block this rank needs straight from the disk and verifies it,
+  // with several reads in flight (threads taking slices of each state's blocks), and keeps
+  // what it read while that fits a quarter of the memory available. The second pass, a thread
+  // per state, copies the kept blocks into the state (in place where the tier keeps it in host
+  // memory) and reads, and verifies, again only what was not kept.
+  std::vector<UnitReader> src;  // one per state
+  src.reserve(states.size());
+  std::vector<std::vector<std::pair<int, int64_t>>> need(states.size());  // (file rank, block)
+  for (size_t i = 0; i < states.size(); ++i) {
+    src.emplace_back(dir, m);
+    for (int u = 0; u < num_units(); ++u)
+      src[i].blocks(states[i], u, spans[size_t(u)].b, spans[size_t(u)].e, need[i]);
+  }
+  constexpr size_t kInFlight = 8;
+  const size_t lanes = (kInFlight + states.size() - 1) / states.size();
   all_or_none(comm, at + ": verifying", [&] {
-    const int64_t budget = available_memory() / 4 / int64_t(kept.size());
-    std::vector<std::exception_ptr> errors(kept.size());
-    std::vector<std::thread> threads;
-    struct JoinAll {  // also when starting a thread fails part way
-      std::vector<std::thread>& ts;
-      ~JoinAll() {
-        for (std::thread& t : ts) t.join();
-      }
-    } join_all{threads};
-    for (size_t t = 0; t < kept.size(); ++t)
-      threads.emplace_back([&, t] {
-        try {
-          const int s = states[t / kLanes], lane = int(t % kLanes);
-          UnitReader src(dir, m);
-          int64_t left = budget;
-          for (int u = nu * lane / kLanes; u < nu * (lane + 1) / kLanes; ++u) {
-            const Span& sp = spans[size_t(u)];
-            std::vector<float> v(size_t(sp.si.shard_numel), 0.0f);  // padding stays zero
-            src.read(s, u, sp.b, sp.e, v.data());
-            if (int64_t(v.size()) * 4 <= left) {
-              left -= int64_t(v.size()) * 4;
-              kept[t][u] = std::move(v);
-            }
-          }
-        } catch (...) {
-          errors[t] = std::current_exception();
+    std::atomic<int64_t> budget{keep_budget()};
+    std::vector<std::vector<std::pair<size_t, BlockBuffer>>> kept(states.size() * lanes);
+    in_threads(kept.size(), [&](size_t t) {
+      const size_t i = t / lanes, lane = t % lanes, n = need[i].size();
+      const int s = states[i];
+      std::map<int, std::unique_ptr<DataFileReader>> files;
+      BlockBuffer scratch(nullptr, &std::free);
+      for (size_t k = n * lane / lanes; k < n * (lane + 1) / lanes; ++k) {
+        const auto [r, b] = need[i][k];
+        std::unique_ptr<DataFileReader>& f = files[r];
+        if (!f)
+          f = std::make_unique<DataFileReader>(
+              dir / data_file_name(r, state_names()[size_t(s)].name), expected_header(m, r, s));
+        const int64_t bytes = f->block_bytes();
+        if (budget.fetch_sub(bytes) >= bytes) {
+          BlockBuffer data = block_buffer(bytes);
+          f->read_block(b, data.get());
+          kept[t].emplace_back(k, std::move(data));
+        } else {
+          if (!scratch) scratch = block_buffer(bytes);
+          f->read_block(b, scratch.get());
         }
-      });
-    for (std::thread& t : threads) t.join();
-    threads.clear();
-    for (const std::exception_ptr& e : errors)
-      if (e) std::rethrow_exception(e);
+      }
+    });
+    for (size_t t = 0; t < kept.size(); ++t)
+      for (auto& [k, data] : kept[t]) {
+        const size_t i = t / lanes;
+        src[i].keep(need[i][k].first, states[i], need[i][k].second, std::move(data));
+      }
   });
-  UnitReader src(dir, m);
   try {
     all_or_none(comm, at + ": reading shards", [&] {
-      for (int u = 0; u < num_units(); ++u)
-        for (size_t i = 0; i < states.size(); ++i) {
-          const StateKind kind = state_names()[size_t(states[i])].kind;
-          int lane = 0;
-          while (u >= nu * (lane + 1) / kLanes) ++lane;
-          auto& mine = kept[i * kLanes + size_t(lane)];
-          auto it = mine.find(u);
-          if (it != mine.end()) {
-            write_shard(u, kind, it->second);
-            mine.erase(it);
-            continue;
-          }
+      std::mutex mu;  // write_shard() for the states that the tier keeps elsewhere
+      in_threads(states.size(), [&](size_t i) {
+        const StateKind kind = state_names()[size_t(states[i])].kind;
+        std::vector<float> v;
+        for (int u = 0; u < num_units(); ++u) {
           const Span& sp = spans[size_t(u)];
-          std::vector<float> v(size_t(sp.si.shard_numel), 0.0f);
-          src.read(states[i], u, sp.b, sp.e, v.data());
+          float* dst = impl.state->host_target(u, kind);
+          if (!dst) v.resize(size_t(sp.si.shard_numel));
+          float* out = dst ? dst : v.data();
+          src[i].read(states[i], u, sp.b, sp.e, out);
+          std::fill(out + (sp.e - sp.b), out + sp.si.shard_numel, 0.0f);  // the padding
+          if (dst) continue;
+          std::lock_guard<std::mutex> lock(mu);
           write_shard(u, kind, v);
         }
+      });
     });
   } catch (const Error& e) {
     // Verified a moment ago: only an I/O error or a file changed since can get here.

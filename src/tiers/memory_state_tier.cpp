@@ -174,6 +174,10 @@ const float* MemoryStateTier::host_view(int u, StateKind kind) const {
   return compute_.device() == Device::cpu ? state(u, kind) : nullptr;
 }
 
+float* MemoryStateTier::host_target(int u, StateKind kind) {
+  return compute_.device() == Device::cpu ? state(u, kind) : nullptr;
+}
+
 void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& shard) {
   float* dst = state(u, kind);
   if (!dst)

@@ -36,6 +36,7 @@ class StagedStateTier final : public StateTier {
   const float* host_view(int u, StateKind kind) const override {
     return inner_->host_view(u, kind);
   }
+  float* host_target(int u, StateKind kind) override { return inner_->host_target(u, kind); }
   void write(int u, StateKind kind, const std::vector<float>& shard) override {
     inner_->write(u, kind, shard);
   }

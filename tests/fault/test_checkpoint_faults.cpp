@@ -1,11 +1,14 @@
-// A checkpoint save that runs out of disk for real: the root is a small tmpfs (mounted by rank 0,
-// shared by the ranks of this machine; root is needed, as CI has). The first save fits, the
-// second cannot: every rank gets Error(no_space), nothing of the failed save is left, `latest`
-// still names the first tag, and it loads into an engine that then holds the first save's state.
+// A checkpoint save that runs out of disk for real: the root is a small file system of 2 MiB
+// (mounted by rank 0, shared by the ranks of this machine; root is needed, as CI has): an ext4
+// image on a loop device, where the data files are written with O_DIRECT, and a tmpfs, which
+// refuses O_DIRECT so that they go through the page cache. The first save fits, the second
+// cannot: every rank gets Error(no_space), nothing of the failed save is left, `latest` still
+// names the first tag, and it loads into an engine that then holds the first save's state.
 #include <gtest/gtest.h>
 #include <sys/mount.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -37,22 +40,51 @@ std::vector<std::vector<float>> masters(const Engine& e) {
   return m;
 }
 
-}  // namespace
-
-TEST(CheckpointFaults, FullDiskFailsEveryRankAndKeepsThePreviousTag) {
+// Mounts a 2 MiB file system of `kind` ("ext4" on a loop device, or "tmpfs") at a new directory
+// on rank 0; returns it, or an empty path on every rank where that is refused.
+fs::path mount_small(const std::string& kind) {
   double id = world()->rank() == 0 ? double(::getpid()) : 0;
-  world()->all_reduce(&id, 1, ReduceOp::max, "tmpfs dir")->wait();
-  const fs::path root = "/tmp/zeroshard-ckpt-full-" + std::to_string(int64_t(id));
+  world()->all_reduce(&id, 1, ReduceOp::max, "full-disk dir")->wait();
+  const fs::path root = "/tmp/zeroshard-ckpt-full-" + kind + "-" + std::to_string(int64_t(id));
   double failed = 0;
   if (world()->rank() == 0) {
     fs::create_directories(root);
-    failed = ::mount("tmpfs", root.c_str(), "tmpfs", 0, "size=2m,mode=0755") == 0 ? 0 : 1;
+    if (kind == "tmpfs") {
+      failed = ::mount("tmpfs", root.c_str(), "tmpfs", 0, "size=2m,mode=0755") == 0 ? 0 : 1;
+    } else {
+      const std::string image = root.string() + ".img";
+      const std::string cmd = "truncate -s 2M " + image + " && mkfs.ext4 -q -F -O ^has_journal -m 0 " +
+                              image + " && mount -o loop " + image + " " + root.string();
+      failed = std::system((cmd + " 2>/dev/null").c_str()) == 0 ? 0 : 1;
+      fs::remove(image);  // the loop device holds it open while mounted
+    }
   }
-  world()->all_reduce(&failed, 1, ReduceOp::max, "tmpfs mounted")->wait();
+  world()->all_reduce(&failed, 1, ReduceOp::max, "full-disk mounted")->wait();
   if (failed > 0) {
     if (world()->rank() == 0) fs::remove(root);
-    GTEST_SKIP() << "mounting a tmpfs needs root (CI runs as root)";
+    return {};
   }
+  return root;
+}
+
+void unmount(const fs::path& root) {
+  world()->barrier("before unmount");
+  if (world()->rank() == 0) {
+    ::umount2(root.c_str(), MNT_DETACH);
+    fs::remove(root);
+  }
+}
+
+class CheckpointFaults : public ::testing::TestWithParam<std::string> {};
+
+}  // namespace
+
+TEST_P(CheckpointFaults, FullDiskFailsEveryRankAndKeepsThePreviousTag) {
+  const fs::path mnt = mount_small(GetParam());
+  if (mnt.empty())
+    GTEST_SKIP() << "mounting a " << GetParam()
+                 << " needs root (and loop devices and mkfs.ext4 for ext4; CI has them)";
+  const fs::path root = mnt / "run";  // ext4's root holds lost+found
 
   Engine e(config(), world());
   zs_test::register_model(e, model());
@@ -88,9 +120,8 @@ TEST(CheckpointFaults, FullDiskFailsEveryRankAndKeepsThePreviousTag) {
     EXPECT_EQ(std::memcmp(got[u].data(), first[u].data(), got[u].size() * 4), 0) << "unit " << u;
   EXPECT_EQ(back.step_count(), 1);
 
-  world()->barrier("before unmount");
-  if (world()->rank() == 0) {
-    ::umount2(root.c_str(), MNT_DETACH);
-    fs::remove(root);
-  }
+  unmount(mnt);
 }
+
+INSTANTIATE_TEST_SUITE_P(FileSystems, CheckpointFaults, ::testing::Values("ext4", "tmpfs"),
+                         [](const auto& p) { return p.param; });
