@@ -318,6 +318,7 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     Unit& w = units_[size_t(i)];
     char* base = swap_pool_.data(slot);
     std::vector<Piece> ps;
+    wait_unpinned(i, 1 - w.cur);
     store_.pieces(w.rec[1 - w.cur], base, &swap_pool_, true, ps);
     std::vector<std::shared_ptr<IoBatch>> out{
         space_.io().submit(std::move(ps), who() + "write of unit '" + ctx_.unit(i).layout.name +
@@ -403,12 +404,75 @@ void NvmeStateTier::write(int u, StateKind kind, const std::vector<float>& v) {
       std::move(ps), who() + "read of unit '" + name + "' (optimizer state) for write_shard()");
   space_.io().wait(*rd);
   std::memcpy(tmp.as<char>() + size_t(section) * L.sec, v.data(), v.size() * 4);
+  wait_unpinned(u, 1 - w.cur);
   ps.clear();
   store_.pieces(w.rec[1 - w.cur], tmp.as<char>(), nullptr, true, ps);
   auto wr = space_.io().submit(
       std::move(ps), who() + "write of unit '" + name + "' (optimizer state) for write_shard()");
   space_.io().wait(*wr);
   w.cur = 1 - w.cur;
+}
+
+// ---- snapshots ---------------------------------------------------------------------------------
+
+class NvmeStateTier::Snapshot final : public StateSnapshot {
+ public:
+  Snapshot(const NvmeStateTier& t) : store_(t.store_), pins_(t.pins_) {
+    size_t most = 0;
+    for (size_t u = 0; u < t.units_.size(); ++u) {
+      const Record L = t.record(int(u));
+      extent_.push_back(t.units_[u].rec[t.units_[u].cur]);
+      sec_.push_back(L.sec);
+      most = std::max(most, L.record);
+    }
+    record_ = Buffer(t.ctx_.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", most);
+    std::lock_guard<std::mutex> lock(pins_->mu);
+    for (size_t u = 0; u < t.units_.size(); ++u) pins_->slot[u] = t.units_[u].cur;
+  }
+  ~Snapshot() override { release(int(extent_.size())); }
+
+  const float* view(int u, StateKind kind) override {
+    ZS_CHECK(u >= released_ || u == viewed_);
+    if (u != viewed_) {
+      release(u);
+      store_.read_now(extent_[size_t(u)], record_.as<char>());
+      viewed_ = u;
+      release(u + 1);  // in record_ now: the tier may write over it
+    }
+    const int section = kind == StateKind::master ? 0 : kind == StateKind::state0 ? 1 : 2;
+    return reinterpret_cast<const float*>(record_.as<char>() + size_t(section) * sec_[size_t(u)]);
+  }
+
+ private:
+  void release(int below) {
+    {
+      std::lock_guard<std::mutex> lock(pins_->mu);
+      for (; released_ < below; ++released_) pins_->slot[size_t(released_)] = -1;
+    }
+    pins_->cv.notify_all();
+  }
+
+  const SwapStore& store_;
+  std::shared_ptr<Pins> pins_;
+  std::vector<int> extent_;   // each unit's committed record slot
+  std::vector<size_t> sec_;   // each unit's section bytes
+  Buffer record_;             // the unit viewed last
+  int viewed_ = -1, released_ = 0;
+};
+
+std::unique_ptr<StateSnapshot> NvmeStateTier::snapshot() {
+  {
+    std::lock_guard<std::mutex> lock(pins_->mu);
+    pins_->slot.resize(units_.size(), -1);
+    for (int s : pins_->slot)
+      if (s >= 0) ZS_THROW(internal, who() << "a second snapshot while one is being read");
+  }
+  return std::make_unique<Snapshot>(*this);
+}
+
+void NvmeStateTier::wait_unpinned(int u, int slot) {
+  std::unique_lock<std::mutex> lock(pins_->mu);
+  pins_->cv.wait(lock, [&] { return size_t(u) >= pins_->slot.size() || pins_->slot[size_t(u)] != slot; });
 }
 
 // The low-precision parameters rebuilt from the master weights on disk.

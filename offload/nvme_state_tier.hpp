@@ -14,9 +14,12 @@
 //   is taken when a unit's gradient is final, in the same chunks as in memory (bitwise parity).
 // - With the parameters on nvme too (stage 3), the update writes each unit's new
 //   low-precision shard into its record's slot, and it is written with the record.
+// - An asynchronous checkpoint reads the committed slots while the next steps run (snapshot()).
 
+#include <condition_variable>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -51,8 +54,22 @@ class NvmeStateTier final : public StateTier {
   void write(int u, StateKind kind, const std::vector<float>& shard) override;
   void commit(Communicator& comm, ParamSink& sink) override;
   std::vector<std::pair<void*, size_t>> dma_regions() const override;
+  /// The record slots of the last committed step, read by the snapshot's thread straight from
+  /// the swap files into one record's buffer. A step writes the other slots, so only the second
+  /// step after it would overwrite a pinned record: it waits for the snapshot to have read that
+  /// unit.
+  std::unique_ptr<StateSnapshot> snapshot() override;
 
  private:
+  class Snapshot;
+  // The record slot of each unit that a snapshot has not read yet (-1: none), shared with the
+  // snapshot's thread.
+  struct Pins {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<int> slot;
+  };
+  void wait_unpinned(int u, int slot);  // before record slot `slot` of unit u is written
   /// Byte layout of one unit in a swap pipeline slot; the record part matches the record extent.
   struct Record {
     size_t sec = 0;       // one f32 section: shard_numel × 4, rounded up to 4096
@@ -95,6 +112,7 @@ class NvmeStateTier final : public StateTier {
   std::optional<Error> deferred_;          // a failed gradient write or read, reported at step()
   InitialWrites init_writes_{swap_pool_};  // finalize()'s writes
   std::vector<std::unique_ptr<DiskCharge>> charges_;
+  std::shared_ptr<Pins> pins_ = std::make_shared<Pins>();
 };
 
 }  // namespace zeroshard::offload

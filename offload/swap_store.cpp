@@ -4,8 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 
+#include "offload/checksum.hpp"
 #include "src/base/check.hpp"
 
 namespace zeroshard::offload {
@@ -113,27 +117,59 @@ std::vector<std::string> SwapStore::file_names() const {
   return v;
 }
 
-void SwapStore::pieces(int id, char* buf, const PinnedPool* pool, bool write,
-                       std::vector<Piece>& out) {
-  Extent& e = extents_[size_t(id)];
+// f(k, file, offset, len, o): piece k of extent e, on stripe file `file` at `offset`, holding
+// the extent's logical bytes [o, o + len). Pieces end at stripe boundaries.
+template <class F>
+void SwapStore::each_piece(const Extent& e, F&& f) const {
   const uint64_t P = files_.size();
   size_t k = 0;
   for (uint64_t o = e.offset; o < e.offset + e.bytes; ++k) {
     const uint64_t stripe = o / block_, next = std::min(e.offset + e.bytes, (stripe + 1) * block_);
+    f(k, size_t(stripe % P), (stripe / P) * block_ + o % block_, uint32_t(next - o), o);
+    o = next;
+  }
+}
+
+void SwapStore::pieces(int id, char* buf, const PinnedPool* pool, bool write,
+                       std::vector<Piece>& out) {
+  Extent& e = extents_[size_t(id)];
+  const int P = int(files_.size());
+  each_piece(e, [&](size_t k, size_t file, uint64_t offset, uint32_t len, uint64_t o) {
     Piece p;
-    const size_t file = size_t(stripe % P);
     p.file = file_base_ + int(file);
-    p.fallback_file = file_base_ + int(P + file);
-    p.offset = (stripe / P) * block_ + o % block_;
-    p.len = uint32_t(next - o);
+    p.fallback_file = file_base_ + P + int(file);
+    p.offset = offset;
+    p.len = len;
     p.write = write;
     p.buf = buf + (o - e.offset);
     p.buf_index = pool ? pool->buf_index(p.buf, p.len) : -1;
     p.checksum = &e.sums[k];
     p.seed = o;
     out.push_back(p);
-    o = next;
-  }
+  });
+}
+
+void SwapStore::read_now(int id, char* buf) const {
+  const Extent& e = extents_[size_t(id)];
+  each_piece(e, [&](size_t k, size_t file, uint64_t offset, uint32_t len, uint64_t o) {
+    char* into = buf + (o - e.offset);
+    const bool aligned = (reinterpret_cast<uintptr_t>(into) | offset | len) % 4096 == 0;
+    const int fd = aligned ? files_[file].direct.get() : files_[file].buffered_fd();
+    for (uint32_t got = 0; got < len;) {
+      const ssize_t n = ::pread(fd, into + got, len - got, off_t(offset + got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0)
+        ZS_THROW(io_error, label_ << ": read of " << len << " bytes at offset " << offset
+                                  << " of " << paths_[file] << ": "
+                                  << (n < 0 ? std::strerror(errno) : "the file ends there"));
+      got += uint32_t(n);
+    }
+    if (xxh64(into, len, o) != e.sums[k])
+      ZS_THROW(corrupted, label_ << ": read of " << len << " bytes at offset " << offset << " of "
+                                 << paths_[file]
+                                 << ": checksum mismatch: the data read back is not what was "
+                                    "written (the swap file was corrupted)");
+  });
 }
 
 }  // namespace zeroshard::offload

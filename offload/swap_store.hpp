@@ -54,6 +54,12 @@ class SwapStore {
   /// `pool` (may be null) supplies registered-buffer indices.
   void pieces(int e, char* buf, const PinnedPool* pool, bool write, std::vector<Piece>& out);
 
+  /// Extent `e` into `buf` (4096-aligned) now, with positioned reads on the calling thread
+  /// instead of the I/O queue (for a thread of its own; the extent must not be written
+  /// meanwhile), each piece verified against its checksum. Throws Error(io_error) or
+  /// Error(corrupted) naming the file and offset.
+  void read_now(int e, char* buf) const;
+
   uint64_t extent_bytes(int e) const { return extents_[size_t(e)].bytes; }
   /// Bytes of all files together (what the tier occupies on disk).
   uint64_t file_bytes() const { return file_bytes_ * files_.size(); }
@@ -74,6 +80,8 @@ class SwapStore {
   };
   void swap(SwapStore& o) noexcept;
   void close_all() noexcept;
+  template <class F>
+  void each_piece(const Extent& e, F&& f) const;
 
   std::string label_, file_name_;
   std::vector<std::filesystem::path> paths_;

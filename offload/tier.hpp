@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -91,6 +92,17 @@ class ParamSink {
 };
 
 /// The optimizer side of every unit. See the file comment.
+/// A state frozen as it was when StateTier::snapshot() took it, which one other thread reads
+/// while training goes on.
+class StateSnapshot {
+ public:
+  virtual ~StateSnapshot() = default;
+  /// This rank's shard of one state of unit u (f32, shard_numel values), valid until a view of
+  /// another unit. Units are viewed in increasing order: viewing unit u gives every unit before
+  /// it back to the tier.
+  virtual const float* view(int u, StateKind kind) = 0;
+};
+
 class StateTier {
  public:
   virtual ~StateTier() = default;
@@ -138,6 +150,11 @@ class StateTier {
   /// Where a restore may write the same shard in place instead of write() (f32 host memory),
   /// else nullptr: a load copies the checkpoint's values there, then calls commit().
   virtual float* host_target(int /*u*/, StateKind /*kind*/) { return nullptr; }
+  /// The state as it is now, kept by the tier where it already lies instead of copied (the
+  /// nvme tier: the record slots of the last committed step, which the next steps write
+  /// around until the snapshot is done with them), or nullptr where the tier cannot: then a
+  /// caller copies it. At most one at a time.
+  virtual std::unique_ptr<StateSnapshot> snapshot() { return nullptr; }
   /// Replaces this rank's shard of one state of unit u (restore). Stage 0's whole state is
   /// completed by commit().
   virtual void write(int u, StateKind kind, const std::vector<float>& shard) = 0;

@@ -4,8 +4,9 @@
 // root as it was, plus a temporary directory the next save removes. A save never touches an
 // existing tag. Every rank streams the range of each unit its shard holds, unit by unit, so no
 // rank holds more than one unit's shard at a time and nothing is ever gathered.
-// save_async() copies those ranges into a snapshot (host memory, in the ledger) and a thread
-// writes the files while training goes on; finish_save() publishes the tag.
+// save_async() takes a snapshot (kept by the nvme tier in its record slots, else copied into
+// host memory; in the ledger either way) and a thread writes the files while training goes on;
+// finish_save() publishes the tag.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -245,9 +246,12 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
   finish_save();
   std::unique_ptr<PendingSave> p = start(*this, root, tag);
   std::vector<float> copy;  // a shard the tier cannot show in place
+  std::unique_ptr<StateSnapshot> frozen;  // the nvme tier's: each unit's record read once
   const std::optional<Error> written = outcome([&] {
+    frozen = impl_->state->snapshot();
     write_files(*p, rank(), [&](size_t i, const Range& rg) -> const float* {
       const StateKind kind = state_names()[size_t(p->states[i])].kind;
+      if (frozen) return frozen->view(rg.unit, kind);
       if (const float* v = impl_->state->host_view(rg.unit, kind)) return v;  // no copy
       copy = read_shard(rg.unit, kind);
       return copy.data();
@@ -259,19 +263,23 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
 void Engine::save_async(const std::filesystem::path& root, const std::string& tag) {
   finish_save();
   std::shared_ptr<PendingSave> p = start(*this, root, tag);
-  // The snapshot, now: this rank's ranges of every state, state after state. Every rank
-  // learns whether every rank took its snapshot (a rank that cannot must not leave the others
-  // training while it waits in this save's agreement).
-  float* snap = nullptr;
+  // The snapshot, now: kept by the tier where the state lies (nvme), else this rank's ranges of
+  // every state copied into host memory, state after state. Every rank learns whether every
+  // rank took its snapshot (a rank that cannot must not leave the others training while it
+  // waits in this save's agreement).
+  std::unique_ptr<StateSnapshot> frozen;
+  float* copied = nullptr;
   try {
     all_or_none(*communicator(), p->at + ": snapshot", [&] {
+      frozen = impl_->state->snapshot();
+      if (frozen) return;
       const size_t total = size_t(p->mine) * p->states.size() * 4;
       if (impl_->save_snapshot.bytes() != total) {
         impl_->save_snapshot = Buffer();
         impl_->save_snapshot =
             Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
       }
-      snap = impl_->save_snapshot.as<float>();
+      copied = impl_->save_snapshot.as<float>();
       for (size_t i = 0; i < p->states.size(); ++i) {
         int64_t at = 0;
         for (const Range& rg : p->m.ranges[size_t(rank())]) {
@@ -280,7 +288,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
           const float* v = impl_->state->host_view(rg.unit, kind);
           std::vector<float> copy;
           if (!v) v = (copy = read_shard(rg.unit, kind)).data();
-          std::memcpy(snap + size_t(p->mine) * i + size_t(at), v, bytes);
+          std::memcpy(copied + size_t(p->mine) * i + size_t(at), v, bytes);
           at += rg.end - rg.begin;
         }
       }
@@ -294,15 +302,17 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   PendingSave* raw = p.get();
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
   try {
-    p->writer = std::thread([raw, r, snap] {
+    p->writer = std::thread([raw, r, copied, frozen = std::move(frozen)]() mutable {
       std::vector<int64_t> at(raw->states.size(), 0);
       raw->error = outcome([&] {
-        write_files(*raw, r, [&](size_t i, const Range& rg) {
-          const float* v = snap + size_t(raw->mine) * i + size_t(at[i]);
+        write_files(*raw, r, [&](size_t i, const Range& rg) -> const float* {
+          if (frozen) return frozen->view(rg.unit, state_names()[size_t(raw->states[i])].kind);
+          const float* v = copied + size_t(raw->mine) * i + size_t(at[i]);
           at[i] += rg.end - rg.begin;
           return v;
         });
       });
+      frozen.reset();  // the tier may write over what it kept
     });
   } catch (const std::system_error& e) {
     p->error = Error(ErrorCode::internal, p->at + ": cannot start its writer thread: " + e.what());
