@@ -2,7 +2,7 @@
 // weights and both AdamW moments on the host tier (12 bytes of checkpoint data per parameter),
 // after one step so that the moments are not zero. Per round: save() a new tag (timed, fsyncs
 // included), drop the page cache (root), load() it into the same engine (timed: it verifies
-// every block before changing anything, keeping what it read for the second pass), and a step
+// every block before changing anything, then reads it again from the page cache), and a step
 // between rounds; then the step time while a save_async()
 // writes, against steps alone. ckpt_vs_fio.sh runs it against fio.
 //

@@ -25,11 +25,6 @@ uint64_t table_sum(const std::vector<uint64_t>& sums) {
 }
 }  // namespace
 
-BlockBuffer block_buffer(int64_t bytes) {
-  BlockBuffer b(static_cast<char*>(std::aligned_alloc(kAlign, size_t(bytes))), &std::free);
-  if (!b) throw std::bad_alloc();
-  return b;
-}
 
 struct DataFileWriter::Block {
   explicit Block(size_t bytes) : data(static_cast<char*>(std::aligned_alloc(kAlign, bytes))) {
@@ -196,16 +191,7 @@ int64_t DataFileReader::block_len(int64_t b) const {
   return std::min(h_.block_bytes, h_.data_bytes - b * h_.block_bytes);
 }
 
-void DataFileReader::check_block(const char* data, int64_t b) const {
-  const int64_t len = block_len(b);
-  if (offload::xxh64(data, size_t(len), uint64_t(b)) != sums_[size_t(b)])
-    ZS_THROW(corrupted, "checkpoint: " << path_ << ": block " << b << " (" << len
-                                       << " bytes at file offset " << kHeaderBytes + b * h_.block_bytes
-                                       << ") fails its checksum: the file is damaged");
-}
-
 const char* DataFileReader::load_block(int64_t b) {
-  if (auto k = kept_.find(b); k != kept_.end()) return k->second.get();
   if (cached_ == b) return block_.data();
   cached_ = -1;
   // The disk works on the next blocks (readahead started by the kernel, no copy) while this
@@ -215,32 +201,14 @@ const char* DataFileReader::load_block(int64_t b) {
   for (; ahead_ < std::min(blocks(), b + 1 + kAhead); ++ahead_)
     ::posix_fadvise(fd_.get(), off_t(kHeaderBytes + ahead_ * h_.block_bytes),
                     off_t(block_len(ahead_)), POSIX_FADV_WILLNEED);
-  read_at(block_.data(), size_t(block_len(b)), kHeaderBytes + b * h_.block_bytes, "data");
-  check_block(block_.data(), b);
+  const int64_t len = block_len(b), at = kHeaderBytes + b * h_.block_bytes;
+  read_at(block_.data(), size_t(len), at, "data");
+  if (offload::xxh64(block_.data(), size_t(len), uint64_t(b)) != sums_[size_t(b)])
+    ZS_THROW(corrupted, "checkpoint: " << path_ << ": block " << b << " (" << len
+                                       << " bytes at file offset " << at
+                                       << ") fails its checksum: the file is damaged");
   cached_ = b;
   return block_.data();
-}
-
-void DataFileReader::read_block(int64_t b, char* into) {
-  ZS_CHECK(b >= 0 && b < blocks());
-  if (!direct_fd_) direct_fd_.reset(::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
-  const int64_t len = block_len(b), at = kHeaderBytes + b * h_.block_bytes;
-  if (!direct_fd_) {  // the file system refuses O_DIRECT (tmpfs)
-    read_at(into, size_t(len), at, "data");
-  } else {
-    // Aligned offset and length; the last block's read may stop short at the end of the file.
-    const size_t padded = (size_t(len) + kAlign - 1) / kAlign * kAlign;
-    size_t got = 0;
-    while (got < size_t(len)) {
-      const ssize_t n =
-          ::pread(direct_fd_.get(), into + got, padded - got, off_t(at + int64_t(got)));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) io_failure(path_, "reading", errno);
-      if (n == 0) ZS_THROW(corrupted, "checkpoint: " << path_ << " ends inside block " << b);
-      got += size_t(n);
-    }
-  }
-  check_block(into, b);
 }
 
 void DataFileReader::read(int64_t offset, int64_t n, float* out) {
@@ -286,21 +254,11 @@ void UnitReader::blocks(int s, int u, int64_t b, int64_t e,
   }
 }
 
-void UnitReader::keep(int r, int s, int64_t b, BlockBuffer data) {
-  auto f = files_.find({r, s});
-  if (f != files_.end()) f->second->keep(b, std::move(data));
-  else kept_[{r, s}].insert_or_assign(b, std::move(data));
-}
-
 DataFileReader& UnitReader::file(int r, int s) {
   std::unique_ptr<DataFileReader>& f = files_[{r, s}];
   if (!f) {
     f = std::make_unique<DataFileReader>(dir_ / data_file_name(r, state_names()[size_t(s)].name),
                                          expected_header(m_, r, s));
-    if (auto k = kept_.find({r, s}); k != kept_.end()) {
-      for (auto& [b, data] : k->second) f->keep(b, std::move(data));
-      kept_.erase(k);
-    }
   }
   return *f;
 }

@@ -58,14 +58,12 @@ class DataFileWriter {
   std::vector<std::thread> threads_;
 };
 
-/// A block-sized buffer aligned for O_DIRECT.
-using BlockBuffer = std::unique_ptr<char, void (*)(void*)>;
-BlockBuffer block_buffer(int64_t bytes);
-
-/// Reads a data file block by block, each block verified before any of its bytes is used. A
-/// load reads each block it needs twice: once to verify everything before any state changes
-/// (read_block(), from the disk, into buffers it may keep), then to apply it (read(), from the
-/// kept blocks, else from the disk, verified again).
+/// Reads a data file block by block through the page cache, each block verified before any of
+/// its bytes is used, with the next blocks on their way from the disk (the kernel's readahead,
+/// asked for explicitly) while the caller checks the current one. A load reads each block it
+/// needs twice: once to verify everything before any state changes, then to apply it; the page
+/// cache keeps the first pass's blocks for the second where memory allows (whatever it evicted
+/// comes from the disk again, and is verified again).
 class DataFileReader {
  public:
   /// Opens `path` and checks its header against what the manifest expects of it, its size, and
@@ -73,6 +71,8 @@ class DataFileReader {
   DataFileReader(std::filesystem::path path, const FileHeader& expected);
   /// Data elements [offset, offset + n) (f32) into out, every block they touch verified.
   void read(int64_t offset, int64_t n, float* out);
+  /// Verifies block b.
+  void verify_block(int64_t b) { load_block(b); }
   /// Verifies every block; `done(bytes)` after each.
   template <class F>
   void verify_all(F&& done) {
@@ -81,27 +81,20 @@ class DataFileReader {
       done(block_len(b));
     }
   }
-  /// Block b into `into` (block_bytes, from block_buffer()) straight from the disk, verified.
-  void read_block(int64_t b, char* into);
-  /// read() takes block b from `data` (filled by read_block()) from now on.
-  void keep(int64_t b, BlockBuffer data) { kept_.insert_or_assign(b, std::move(data)); }
   int64_t blocks() const { return int64_t(sums_.size()); }
-  int64_t block_bytes() const { return h_.block_bytes; }
 
  private:
   int64_t block_len(int64_t b) const;
   const char* load_block(int64_t b);
   void read_at(void* data, size_t bytes, int64_t offset, const char* what);
-  void check_block(const char* data, int64_t b) const;
 
   std::filesystem::path path_;
   FileHeader h_;
-  UniqueFd fd_, direct_fd_;  // direct_fd_: opened by read_block() (none where refused)
+  UniqueFd fd_;
   std::vector<uint64_t> sums_;
   std::vector<char> block_;
   int64_t cached_ = -1;  // index of the block in block_
   int64_t ahead_ = 0;    // blocks before this one were asked of the disk ahead of their read
-  std::map<int64_t, BlockBuffer> kept_;
 };
 
 /// Unit values out of a checkpoint's files, whichever ranks wrote them: one DataFileReader per
@@ -115,8 +108,6 @@ class UnitReader {
   void read(int s, int u, int64_t b, int64_t e, float* out);
   /// The blocks that read(s, u, b, e, ...) reads, as (file rank, block), added to `out`.
   void blocks(int s, int u, int64_t b, int64_t e, std::vector<std::pair<int, int64_t>>& out);
-  /// read() takes block b of rank r's file of state s from `data` (read_block() verified it).
-  void keep(int r, int s, int64_t b, BlockBuffer data);
 
  private:
   DataFileReader& file(int r, int s);
@@ -125,7 +116,6 @@ class UnitReader {
   const Manifest& m_;
   std::vector<std::vector<std::pair<int, Range>>> by_unit_;
   std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files_;
-  std::map<std::pair<int, int>, std::map<int64_t, BlockBuffer>> kept_;  // files not yet opened
 };
 
 }  // namespace zeroshard::ckpt

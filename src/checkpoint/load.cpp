@@ -6,11 +6,7 @@
 // failed load therefore leaves the engine exactly as it was. The page cache keeps what the first
 // pass read for the second where memory allows; the second pass verifies again what it reads.
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <cstdlib>
 #include <exception>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -27,26 +23,6 @@ namespace fs = std::filesystem;
 using namespace ckpt;
 
 namespace {
-
-// The bytes the first pass may keep for the second: ZEROSHARD_LOAD_KEEP_BYTES, else a quarter
-// of MemAvailable (/proc/meminfo).
-int64_t keep_budget() {
-  if (const char* v = std::getenv("ZEROSHARD_LOAD_KEEP_BYTES")) {
-    char* end = nullptr;
-    errno = 0;
-    const long long n = std::strtoll(v, &end, 10);
-    if (errno != 0 || end == v || *end != '\0' || n < 0)
-      ZS_THROW(invalid_config, "ZEROSHARD_LOAD_KEEP_BYTES='" << v
-                                   << "': expected a number of bytes (0 keeps nothing)");
-    return int64_t(n);
-  }
-  std::ifstream f("/proc/meminfo");
-  std::string key, unit;
-  int64_t kib = 0;
-  while (f >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024 / 4;
-  return 0;
-}
 
 // f(t) for every t in [0, n), each in a thread of its own; once all have ended, rethrows the
 // first error any of them threw.
@@ -161,11 +137,12 @@ void Engine::load(const std::filesystem::path& path) {
   for (size_t s = 0; s < state_names().size(); ++s)
     if (has_state(state_names()[s].kind)) states.push_back(int(s));
 
-  // The first pass reads every block this rank needs straight from the disk and verifies it,
-  // with several reads in flight (threads taking slices of each state's blocks), and keeps
-  // what it read while that fits a quarter of the memory available. The second pass, a thread
-  // per state, copies the kept blocks into the state (in place where the tier keeps it in host
-  // memory) and reads, and verifies, again only what was not kept.
+  // The first pass reads every block this rank needs and verifies it, with many reads in
+  // flight (threads taking slices of each state's blocks, each reader asking for the blocks
+  // ahead of it). The page cache keeps what it read for the second pass, a thread per state,
+  // which reads and verifies again (a block evicted in between comes from the disk, and one
+  // changed in between is caught) and writes the state (in place where the tier keeps it in
+  // host memory).
   std::vector<UnitReader> src;  // one per state
   src.reserve(states.size());
   std::vector<std::vector<std::pair<int, int64_t>>> need(states.size());  // (file rank, block)
@@ -174,38 +151,22 @@ void Engine::load(const std::filesystem::path& path) {
     for (int u = 0; u < num_units(); ++u)
       src[i].blocks(states[i], u, spans[size_t(u)].b, spans[size_t(u)].e, need[i]);
   }
-  constexpr size_t kInFlight = 8;
-  const size_t lanes = (kInFlight + states.size() - 1) / states.size();
+  constexpr size_t kLanes = 8;  // threads, shared out among the states
+  const size_t lanes = (kLanes + states.size() - 1) / states.size();
   all_or_none(comm, at + ": verifying", [&] {
-    std::atomic<int64_t> budget{keep_budget()};
-    std::vector<std::vector<std::pair<size_t, BlockBuffer>>> kept(states.size() * lanes);
-    in_threads(kept.size(), [&](size_t t) {
+    in_threads(states.size() * lanes, [&](size_t t) {
       const size_t i = t / lanes, lane = t % lanes, n = need[i].size();
       const int s = states[i];
       std::map<int, std::unique_ptr<DataFileReader>> files;
-      BlockBuffer scratch(nullptr, &std::free);
       for (size_t k = n * lane / lanes; k < n * (lane + 1) / lanes; ++k) {
         const auto [r, b] = need[i][k];
         std::unique_ptr<DataFileReader>& f = files[r];
         if (!f)
           f = std::make_unique<DataFileReader>(
               dir / data_file_name(r, state_names()[size_t(s)].name), expected_header(m, r, s));
-        const int64_t bytes = f->block_bytes();
-        if (budget.fetch_sub(bytes) >= bytes) {
-          BlockBuffer data = block_buffer(bytes);
-          f->read_block(b, data.get());
-          kept[t].emplace_back(k, std::move(data));
-        } else {
-          if (!scratch) scratch = block_buffer(bytes);
-          f->read_block(b, scratch.get());
-        }
+        f->verify_block(b);
       }
     });
-    for (size_t t = 0; t < kept.size(); ++t)
-      for (auto& [k, data] : kept[t]) {
-        const size_t i = t / lanes;
-        src[i].keep(need[i][k].first, states[i], need[i][k].second, std::move(data));
-      }
   });
   try {
     all_or_none(comm, at + ": reading shards", [&] {

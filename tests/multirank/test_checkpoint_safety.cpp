@@ -130,31 +130,6 @@ TEST(CheckpointResume, BitwiseOnEveryStageAndTier) {
   cleanup(dir);
 }
 
-// A load that may keep nothing between its passes reads every block a second time from the disk
-// (verified again): the same values; a budget that is no number is refused on every rank.
-TEST(CheckpointResume, BitwiseWhenTheLoadKeepsNothingBetweenItsPasses) {
-  const fs::path dir = shared_dir("keep0");
-  Engine a(cfg_for(2, Tier::host), world());
-  a.add_group(a.options(0));
-  zs_test::register_model(a, zs_test::uneven_model(), 1);
-  train_some(a, 2);
-  a.save(dir, "t");
-  Engine b(cfg_for(1, Tier::host), world());
-  b.add_group(b.options(0));
-  zs_test::register_model(b, zs_test::uneven_model(), 1);
-  ::setenv("ZEROSHARD_LOAD_KEEP_BYTES", "many", 1);
-  EXPECT_THROW(b.load(dir), Error);
-  EXPECT_EQ(b.step_count(), 0);
-  ::setenv("ZEROSHARD_LOAD_KEEP_BYTES", "0", 1);
-  b.load(dir);
-  ::unsetenv("ZEROSHARD_LOAD_KEEP_BYTES");
-  EXPECT_TRUE(same(snapshot(a), snapshot(b)));
-  train_some(a, 2);
-  train_some(b, 2);
-  EXPECT_TRUE(same(snapshot(a), snapshot(b)));
-  cleanup(dir);
-}
-
 // A tag is never overwritten; keep_last prunes the oldest; a name that is no plain directory
 // name is refused; inspect and verify read a checkpoint without an engine.
 TEST(CheckpointTags, NeverOverwrittenAndPrunedByKeepLast) {
