@@ -191,26 +191,35 @@ int64_t DataFileReader::block_len(int64_t b) const {
   return std::min(h_.block_bytes, h_.data_bytes - b * h_.block_bytes);
 }
 
-const char* DataFileReader::load_block(int64_t b) {
-  if (cached_ == b) return block_.data();
-  cached_ = -1;
-  // The disk works on the next blocks (readahead started by the kernel, no copy) while this
-  // one is checked: a few reads in flight, as the disk needs to reach its bandwidth.
+// Reads block b into `into` and verifies it. The disk works on the next blocks meanwhile
+// (readahead started by the kernel, no copy): a few reads in flight, as the disk needs to reach
+// its bandwidth.
+void DataFileReader::read_block(int64_t b, char* into) {
   constexpr int64_t kAhead = 8;
   ahead_ = std::max(ahead_, b + 1);
   for (; ahead_ < std::min(blocks(), b + 1 + kAhead); ++ahead_)
     ::posix_fadvise(fd_.get(), off_t(kHeaderBytes + ahead_ * h_.block_bytes),
                     off_t(block_len(ahead_)), POSIX_FADV_WILLNEED);
   const int64_t len = block_len(b), at = kHeaderBytes + b * h_.block_bytes;
-  read_at(block_.data(), size_t(len), at, "data");
-  if (offload::xxh64(block_.data(), size_t(len), uint64_t(b)) != sums_[size_t(b)])
+  read_at(into, size_t(len), at, "data");
+  if (offload::xxh64(into, size_t(len), uint64_t(b)) != sums_[size_t(b)])
     ZS_THROW(corrupted, "checkpoint: " << path_ << ": block " << b << " (" << len
                                        << " bytes at file offset " << at
                                        << ") fails its checksum: the file is damaged");
-  cached_ = b;
+}
+
+const char* DataFileReader::load_block(int64_t b) {
+  if (cached_ != b) {
+    cached_ = -1;
+    read_block(b, block_.data());
+    cached_ = b;
+  }
   return block_.data();
 }
 
+// A block wholly inside the range is read straight into `out` and verified there (one copy
+// fewer); the ends of the range go through block_. On a checksum mismatch `out` may then hold
+// part of the damaged block.
 void DataFileReader::read(int64_t offset, int64_t n, float* out) {
   int64_t byte = offset * 4;
   const int64_t end = (offset + n) * 4;
@@ -219,7 +228,8 @@ void DataFileReader::read(int64_t offset, int64_t n, float* out) {
   while (byte < end) {
     const int64_t b = byte / h_.block_bytes, in = byte - b * h_.block_bytes;
     const int64_t take = std::min(end - byte, block_len(b) - in);
-    std::memcpy(dst, load_block(b) + in, size_t(take));
+    if (in == 0 && take == block_len(b) && cached_ != b) read_block(b, dst);
+    else std::memcpy(dst, load_block(b) + in, size_t(take));
     dst += take, byte += take;
   }
 }

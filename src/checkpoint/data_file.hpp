@@ -69,7 +69,8 @@ class DataFileReader {
   /// Opens `path` and checks its header against what the manifest expects of it, its size, and
   /// its checksum table's own checksum. Throws Error(corrupted) naming the file.
   DataFileReader(std::filesystem::path path, const FileHeader& expected);
-  /// Data elements [offset, offset + n) (f32) into out, every block they touch verified.
+  /// Data elements [offset, offset + n) (f32) into out, every block they touch verified (on
+  /// failure, out may hold part of the damaged block).
   void read(int64_t offset, int64_t n, float* out);
   /// Verifies block b.
   void verify_block(int64_t b) { load_block(b); }
@@ -85,7 +86,8 @@ class DataFileReader {
 
  private:
   int64_t block_len(int64_t b) const;
-  const char* load_block(int64_t b);
+  const char* load_block(int64_t b);  // block b in block_, verified
+  void read_block(int64_t b, char* into);
   void read_at(void* data, size_t bytes, int64_t offset, const char* what);
 
   std::filesystem::path path_;
