@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <exception>
 #include <map>
-#include <mutex>
 #include <thread>
 
 #include "src/base/check.hpp"
@@ -170,22 +169,27 @@ void Engine::load(const std::filesystem::path& path) {
   });
   try {
     all_or_none(comm, at + ": reading shards", [&] {
-      std::mutex mu;  // write_shard() for the states that the tier keeps elsewhere
-      in_threads(states.size(), [&](size_t i) {
+      // A thread per state where the tier keeps every state in host memory; else on this
+      // thread, which write_shard() needs (a GPU's current device is per thread).
+      bool in_place = true;
+      for (int u = 0; u < num_units(); ++u)
+        for (int s : states)
+          in_place &= impl.state->host_target(u, state_names()[size_t(s)].kind) != nullptr;
+      auto apply = [&](size_t i) {
         const StateKind kind = state_names()[size_t(states[i])].kind;
         std::vector<float> v;
         for (int u = 0; u < num_units(); ++u) {
           const Span& sp = spans[size_t(u)];
-          float* dst = impl.state->host_target(u, kind);
+          float* dst = in_place ? impl.state->host_target(u, kind) : nullptr;
           if (!dst) v.resize(size_t(sp.si.shard_numel));
           float* out = dst ? dst : v.data();
           src[i].read(states[i], u, sp.b, sp.e, out);
           std::fill(out + (sp.e - sp.b), out + sp.si.shard_numel, 0.0f);  // the padding
-          if (dst) continue;
-          std::lock_guard<std::mutex> lock(mu);
-          write_shard(u, kind, v);
+          if (!dst) write_shard(u, kind, v);
         }
-      });
+      };
+      if (in_place) in_threads(states.size(), apply);
+      else for (size_t i = 0; i < states.size(); ++i) apply(i);
     });
   } catch (const Error& e) {
     // Verified a moment ago: only an I/O error or a file changed since can get here.
