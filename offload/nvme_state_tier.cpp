@@ -454,9 +454,9 @@ class NvmeStateTier::Snapshot final : public StateSnapshot {
 
   const SwapStore& store_;
   std::shared_ptr<Pins> pins_;
-  std::vector<int> extent_;   // each unit's committed record slot
-  std::vector<size_t> sec_;   // each unit's section bytes
-  Buffer record_;             // the unit viewed last
+  std::vector<int> extent_;  // each unit's committed record slot
+  std::vector<size_t> sec_;  // each unit's section bytes
+  Buffer record_;            // the unit viewed last
   int viewed_ = -1, released_ = 0;
 };
 
@@ -472,7 +472,8 @@ std::unique_ptr<StateSnapshot> NvmeStateTier::snapshot() {
 
 void NvmeStateTier::wait_unpinned(int u, int slot) {
   std::unique_lock<std::mutex> lock(pins_->mu);
-  pins_->cv.wait(lock, [&] { return size_t(u) >= pins_->slot.size() || pins_->slot[size_t(u)] != slot; });
+  pins_->cv.wait(lock,
+                 [&] { return size_t(u) >= pins_->slot.size() || pins_->slot[size_t(u)] != slot; });
 }
 
 // The low-precision parameters rebuilt from the master weights on disk.

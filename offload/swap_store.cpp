@@ -159,8 +159,8 @@ void SwapStore::read_now(int id, char* buf) const {
       const ssize_t n = ::pread(fd, into + got, len - got, off_t(offset + got));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0)
-        ZS_THROW(io_error, label_ << ": read of " << len << " bytes at offset " << offset
-                                  << " of " << paths_[file] << ": "
+        ZS_THROW(io_error, label_ << ": read of " << len << " bytes at offset " << offset << " of "
+                                  << paths_[file] << ": "
                                   << (n < 0 ? std::strerror(errno) : "the file ends there"));
       got += uint32_t(n);
     }

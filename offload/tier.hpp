@@ -91,7 +91,6 @@ class ParamSink {
   virtual void restore(int u, const float* master) = 0;
 };
 
-/// The optimizer side of every unit. See the file comment.
 /// A state frozen as it was when StateTier::snapshot() took it, which one other thread reads
 /// while training goes on.
 class StateSnapshot {
@@ -103,6 +102,7 @@ class StateSnapshot {
   virtual const float* view(int u, StateKind kind) = 0;
 };
 
+/// The optimizer side of every unit. See the file comment.
 class StateTier {
  public:
   virtual ~StateTier() = default;

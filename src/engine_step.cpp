@@ -142,8 +142,8 @@ std::pair<double, bool> Engine::Impl::close_grads() {
 double Engine::clip_grad_norm(double max_norm) {
   Impl& m = *impl_;
   if (!(max_norm >= 0) || !std::isfinite(max_norm))
-    ZS_THROW(invalid_argument, "clip_grad_norm(): max_norm must be a finite number >= 0, got "
-                                   << max_norm);
+    ZS_THROW(invalid_argument,
+             "clip_grad_norm(): max_norm must be a finite number >= 0, got " << max_norm);
   const auto [sumsq, overflow] = m.close_grads();
   m.clip_now = max_norm;
   return overflow ? std::numeric_limits<double>::infinity() : std::sqrt(sumsq) * m.grad_scale();
@@ -190,9 +190,10 @@ StepResult Engine::Impl::step() {
     close_interval();
     return r;
   }
-  const double clip = clip_next > 0 && (cfg.gradient_clipping <= 0 || clip_next < cfg.gradient_clipping)
-                         ? clip_next
-                         : cfg.gradient_clipping;
+  const double clip =
+      clip_next > 0 && (cfg.gradient_clipping <= 0 || clip_next < cfg.gradient_clipping)
+          ? clip_next
+          : cfg.gradient_clipping;
   r.clip_factor = clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0;
   ++steps;
   const double t_update = now_s();

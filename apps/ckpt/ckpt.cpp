@@ -18,14 +18,15 @@ namespace zsckpt {
 namespace {
 
 void usage(std::FILE* out) {
-  std::fprintf(out,
-               "usage: zeroshard ckpt inspect PATH   print the manifest (tag, step, groups, "
-               "units)\n"
-               "       zeroshard ckpt verify PATH    check every block's checksum\n"
-               "       zeroshard ckpt export PATH OUT_DIR\n"
-               "                                     write OUT_DIR/model.safetensors (f32 weights)\n"
-               "                                     and OUT_DIR/optimizer.safetensors\n"
-               "PATH is a tag directory, or a checkpoint root (its latest tag is read).\n");
+  std::fprintf(
+      out,
+      "usage: zeroshard ckpt inspect PATH   print the manifest (tag, step, groups, "
+      "units)\n"
+      "       zeroshard ckpt verify PATH    check every block's checksum\n"
+      "       zeroshard ckpt export PATH OUT_DIR\n"
+      "                                     write OUT_DIR/model.safetensors (f32 weights)\n"
+      "                                     and OUT_DIR/optimizer.safetensors\n"
+      "PATH is a tag directory, or a checkpoint root (its latest tag is read).\n");
 }
 
 // A progress line on stderr ("verified 12.0 of 68.7 MiB"), redrawn at most 5 times a second
@@ -41,8 +42,8 @@ class Progress {
     if (done < total && now - last_ < std::chrono::milliseconds(200)) return;
     last_ = now;
     shown_ = true;
-    std::fprintf(stderr, "%s%s %.1f of %.1f MiB%s", tty_ ? "\r" : "", verb_,
-                 double(done) / 1048576, double(total) / 1048576, tty_ ? "" : "\n");
+    std::fprintf(stderr, "%s%s %.1f of %.1f MiB%s", tty_ ? "\r" : "", verb_, double(done) / 1048576,
+                 double(total) / 1048576, tty_ ? "" : "\n");
   }
 
  private:

@@ -52,10 +52,14 @@ int main(int argc, char** argv) {
   int rounds = 3, units = 16;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--dir") dir = v;
-    else if (k == "--size") size = bench::parse_size(v);
-    else if (k == "--rounds") rounds = std::stoi(v);
-    else if (k == "--units") units = std::stoi(v);
+    if (k == "--dir")
+      dir = v;
+    else if (k == "--size")
+      size = bench::parse_size(v);
+    else if (k == "--rounds")
+      rounds = std::stoi(v);
+    else if (k == "--units")
+      units = std::stoi(v);
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -111,9 +115,10 @@ int main(int argc, char** argv) {
     t = now();
     e.finish_save();
     const double wait = now() - t;
-    std::printf("async save %d: save_async() %.2f s; step %.3f s alone, %.3f s while the save "
-                "writes (%.2fx); finish_save() waited %.2f s more\n",
-                a, snap, alone, during, during / alone, wait);
+    std::printf(
+        "async save %d: save_async() %.2f s; step %.3f s alone, %.3f s while the save "
+        "writes (%.2fx); finish_save() waited %.2f s more\n",
+        a, snap, alone, during, during / alone, wait);
   }
   if (!cold) std::printf("(page cache not dropped: not root; loads may read from memory)\n");
   std::filesystem::remove_all(root);

@@ -2,11 +2,11 @@
 /// \file zeroshard.hpp
 /// Umbrella header: everything a trainer needs.
 
+#include "zeroshard/checkpoint.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/config_fields.hpp"
 #include "zeroshard/device.hpp"
-#include "zeroshard/checkpoint.hpp"
 #include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/export.hpp"

@@ -513,8 +513,7 @@ void def_state(nb::class_<PyEngine>& cls) {
       "Collective: save() from a snapshot taken now, written while training goes on; "
       "finish_save() publishes it.");
   cls.def(
-      "finish_save",
-      [](PyEngine& e) { return locked(e, [&] { return e.engine.finish_save(); }); },
+      "finish_save", [](PyEngine& e) { return locked(e, [&] { return e.engine.finish_save(); }); },
       "Collective: completes the pending save_async(); returns its path (empty if none).");
   cls.def(
       "load",

@@ -25,7 +25,6 @@ uint64_t table_sum(const std::vector<uint64_t>& sums) {
 }
 }  // namespace
 
-
 struct DataFileWriter::Block {
   explicit Block(size_t bytes) : data(static_cast<char*>(std::aligned_alloc(kAlign, bytes))) {
     if (!data) throw std::bad_alloc();
@@ -57,7 +56,9 @@ DataFileWriter::DataFileWriter(std::filesystem::path path, const FileHeader& h)
   }
 }
 
-DataFileWriter::~DataFileWriter() { stop(); }
+DataFileWriter::~DataFileWriter() {
+  stop();
+}
 
 void DataFileWriter::stop() {
   {
@@ -228,14 +229,15 @@ void DataFileReader::read(int64_t offset, int64_t n, float* out) {
   while (byte < end) {
     const int64_t b = byte / h_.block_bytes, in = byte - b * h_.block_bytes;
     const int64_t take = std::min(end - byte, block_len(b) - in);
-    if (in == 0 && take == block_len(b) && cached_ != b) read_block(b, dst);
-    else std::memcpy(dst, load_block(b) + in, size_t(take));
+    if (in == 0 && take == block_len(b) && cached_ != b)
+      read_block(b, dst);
+    else
+      std::memcpy(dst, load_block(b) + in, size_t(take));
     dst += take, byte += take;
   }
 }
 
-UnitReader::UnitReader(std::filesystem::path dir, const Manifest& m)
-    : dir_(std::move(dir)), m_(m) {
+UnitReader::UnitReader(std::filesystem::path dir, const Manifest& m) : dir_(std::move(dir)), m_(m) {
   by_unit_.resize(m.units.size());
   for (size_t r = 0; r < m.ranges.size(); ++r)
     for (const Range& rg : m.ranges[r]) by_unit_[size_t(rg.unit)].emplace_back(int(r), rg);
@@ -251,12 +253,12 @@ void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
   }
 }
 
-void UnitReader::blocks(int s, int u, int64_t b, int64_t e,
-                        std::vector<std::pair<int, int64_t>>& out) {
+void UnitReader::blocks(int u, int64_t b, int64_t e,
+                        std::vector<std::pair<int, int64_t>>& out) const {
   for (const auto& [r, rg] : by_unit_[size_t(u)]) {
     const int64_t lo = std::max(b, rg.begin), hi = std::min(e, rg.end);
     if (lo >= hi) continue;
-    const int64_t bytes = expected_header(m_, r, s).block_bytes;
+    const int64_t bytes = m_.block_bytes;
     const int64_t first = (rg.offset + (lo - rg.begin)) * 4 / bytes;
     const int64_t last = ((rg.offset + (hi - rg.begin)) * 4 - 1) / bytes;
     for (int64_t k = first; k <= last; ++k)
@@ -266,10 +268,9 @@ void UnitReader::blocks(int s, int u, int64_t b, int64_t e,
 
 DataFileReader& UnitReader::file(int r, int s) {
   std::unique_ptr<DataFileReader>& f = files_[{r, s}];
-  if (!f) {
+  if (!f)
     f = std::make_unique<DataFileReader>(dir_ / data_file_name(r, state_names()[size_t(s)].name),
                                          expected_header(m_, r, s));
-  }
   return *f;
 }
 

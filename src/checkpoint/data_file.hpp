@@ -7,10 +7,10 @@
 #include <exception>
 #include <filesystem>
 #include <map>
-#include <mutex>
-#include <thread>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "src/base/unique_fd.hpp"
@@ -40,7 +40,7 @@ class DataFileWriter {
   void run();        // a writer thread
   void stop();       // ends the writer threads once the queue is empty
   void write_at(const void* data, size_t bytes, int64_t offset, bool direct);
-  void rethrow();    // the writer thread's error, if any
+  void rethrow();  // the writer thread's error, if any
 
   std::filesystem::path path_;
   FileHeader h_;
@@ -108,8 +108,9 @@ class UnitReader {
   /// Values [b, e) of unit u's state s (an index into state_names()) into out, every block
   /// verified.
   void read(int s, int u, int64_t b, int64_t e, float* out);
-  /// The blocks that read(s, u, b, e, ...) reads, as (file rank, block), added to `out`.
-  void blocks(int s, int u, int64_t b, int64_t e, std::vector<std::pair<int, int64_t>>& out);
+  /// The blocks that read(s, u, b, e, ...) reads of any state s, as (file rank, block), added
+  /// to `out`.
+  void blocks(int u, int64_t b, int64_t e, std::vector<std::pair<int, int64_t>>& out) const;
 
  private:
   DataFileReader& file(int r, int s);

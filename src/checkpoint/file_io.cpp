@@ -30,8 +30,8 @@ void pwrite_all(int fd, const void* data, size_t bytes, int64_t offset,
   }
 }
 
-void pread_all(int fd, void* data, size_t bytes, int64_t offset,
-               const std::filesystem::path& path, const char* what) {
+void pread_all(int fd, void* data, size_t bytes, int64_t offset, const std::filesystem::path& path,
+               const char* what) {
   char* c = static_cast<char*>(data);
   while (bytes > 0) {
     const ssize_t n = ::pread(fd, c, bytes, off_t(offset));

@@ -17,8 +17,8 @@ void pwrite_all(int fd, const void* data, size_t bytes, int64_t offset,
 
 /// pread() until every byte is read; a file ending before `what` (e.g. "header") is
 /// Error(corrupted).
-void pread_all(int fd, void* data, size_t bytes, int64_t offset,
-               const std::filesystem::path& path, const char* what);
+void pread_all(int fd, void* data, size_t bytes, int64_t offset, const std::filesystem::path& path,
+               const char* what);
 
 /// fsync() of an open file or of a path (a directory, opened read-only for it).
 void fsync_fd(int fd, const std::filesystem::path& path);

@@ -355,7 +355,8 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
   std::vector<std::vector<std::pair<int64_t, int64_t>>> cover(m.units.size());
   for (size_t k = 0; k < ranks.size(); ++k) {
     const std::string p = "ranges[" + std::to_string(k) + "]";
-    if (!ranks[k].is_array() || ranks[k].size() > m.units.size()) r.bad(p, "is not a list of ranges");
+    if (!ranks[k].is_array() || ranks[k].size() > m.units.size())
+      r.bad(p, "is not a list of ranges");
     std::vector<Range> list;
     int64_t next = 0;
     for (size_t i = 0; i < ranks[k].size(); ++i) {
@@ -389,7 +390,8 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
   }
   // Last, so that a manifest edited by hand is told what is wrong with it first.
   if (r.string(j, "checksum", "") != hex64(checksum_of(j)))
-    ZS_THROW(corrupted, "checkpoint: " << file << ": checksum mismatch (the manifest was changed "
+    ZS_THROW(corrupted, "checkpoint: " << file
+                                       << ": checksum mismatch (the manifest was changed "
                                           "or damaged after it was written)");
   return m;
 }
@@ -406,8 +408,8 @@ std::filesystem::path resolve(const std::filesystem::path& path) {
                                                  "or no save completed there");
   std::string text((std::istreambuf_iterator<char>(is)), std::istreambuf_iterator<char>());
   // Exactly "<tag>\n", as save() writes it.
-  const std::string tag = text.size() > 1 && text.back() == '\n' ? text.substr(0, text.size() - 1)
-                                                                   : std::string();
+  const std::string tag =
+      text.size() > 1 && text.back() == '\n' ? text.substr(0, text.size() - 1) : std::string();
   try {
     check_tag(tag);
   } catch (const Error&) {

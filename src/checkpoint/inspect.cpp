@@ -26,8 +26,8 @@ std::string describe_checkpoint(const std::filesystem::path& path) {
   for (size_t g = 0; g < m.groups.size(); ++g) {
     const OptimizerOptions& o = m.groups[g];
     os << "  group " << g << "      lr " << o.lr << ", betas (" << o.beta1 << ", " << o.beta2
-       << "), eps " << o.eps << ", weight_decay " << o.weight_decay << ", momentum "
-       << o.momentum << (o.nesterov ? " (nesterov)" : "") << "\n";
+       << "), eps " << o.eps << ", weight_decay " << o.weight_decay << ", momentum " << o.momentum
+       << (o.nesterov ? " (nesterov)" : "") << "\n";
   }
   int64_t total = 0;
   for (const UnitInfo& u : m.units) total += u.numel;

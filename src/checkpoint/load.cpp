@@ -71,15 +71,15 @@ void check_fits(const Engine& e, const Manifest& m, const std::string& at) {
     if (got.name != e.unit_name(u) || got.params.size() != want.size())
       ZS_THROW(invalid_argument, at << ": the model differs at unit " << u << ": the checkpoint "
                                     << "has '" << got.name << "' with " << got.params.size()
-                                    << " parameters, this engine '" << e.unit_name(u)
-                                    << "' with " << want.size());
+                                    << " parameters, this engine '" << e.unit_name(u) << "' with "
+                                    << want.size());
     for (size_t i = 0; i < want.size(); ++i)
       if (got.params[i].name != want[i].name || got.params[i].shape != want[i].shape)
-        ZS_THROW(invalid_argument,
-                 at << ": the model differs at unit " << u << " ('" << e.unit_name(u)
-                    << "'), parameter " << i << ": the checkpoint has '" << got.params[i].name
-                    << "' " << shape_string(got.params[i].shape) << ", this engine '"
-                    << want[i].name << "' " << shape_string(want[i].shape));
+        ZS_THROW(invalid_argument, at << ": the model differs at unit " << u << " ('"
+                                      << e.unit_name(u) << "'), parameter " << i
+                                      << ": the checkpoint has '" << got.params[i].name << "' "
+                                      << shape_string(got.params[i].shape) << ", this engine '"
+                                      << want[i].name << "' " << shape_string(want[i].shape));
   }
 }
 
@@ -137,28 +137,26 @@ void Engine::load(const std::filesystem::path& path) {
     if (has_state(state_names()[s].kind)) states.push_back(int(s));
 
   // The first pass reads every block this rank needs and verifies it, with many reads in
-  // flight (threads taking slices of each state's blocks, each reader asking for the blocks
-  // ahead of it). The page cache keeps what it read for the second pass, a thread per state,
-  // which reads and verifies again (a block evicted in between comes from the disk, and one
-  // changed in between is caught) and writes the state (in place where the tier keeps it in
-  // host memory).
+  // flight (threads taking slices of each state's blocks, the same blocks in every state's
+  // files, each reader asking for the blocks ahead of it). The page cache keeps what it read for
+  // the second pass, a thread per state, which reads and verifies again (a block evicted in between
+  // comes from the disk, and one changed in between is caught) and writes the state (in place where
+  // the tier keeps it in host memory).
   std::vector<UnitReader> src;  // one per state
   src.reserve(states.size());
-  std::vector<std::vector<std::pair<int, int64_t>>> need(states.size());  // (file rank, block)
-  for (size_t i = 0; i < states.size(); ++i) {
-    src.emplace_back(dir, m);
-    for (int u = 0; u < num_units(); ++u)
-      src[i].blocks(states[i], u, spans[size_t(u)].b, spans[size_t(u)].e, need[i]);
-  }
+  for (size_t i = 0; i < states.size(); ++i) src.emplace_back(dir, m);
+  std::vector<std::pair<int, int64_t>> need;  // (file rank, block)
+  for (int u = 0; u < num_units(); ++u)
+    src.front().blocks(u, spans[size_t(u)].b, spans[size_t(u)].e, need);  // master: always
   constexpr size_t kLanes = 8;  // threads, shared out among the states
   const size_t lanes = (kLanes + states.size() - 1) / states.size();
   all_or_none(comm, at + ": verifying", [&] {
     in_threads(states.size() * lanes, [&](size_t t) {
-      const size_t i = t / lanes, lane = t % lanes, n = need[i].size();
+      const size_t i = t / lanes, lane = t % lanes, n = need.size();
       const int s = states[i];
       std::map<int, std::unique_ptr<DataFileReader>> files;
       for (size_t k = n * lane / lanes; k < n * (lane + 1) / lanes; ++k) {
-        const auto [r, b] = need[i][k];
+        const auto [r, b] = need[k];
         std::unique_ptr<DataFileReader>& f = files[r];
         if (!f)
           f = std::make_unique<DataFileReader>(
@@ -188,8 +186,10 @@ void Engine::load(const std::filesystem::path& path) {
           if (!dst) write_shard(u, kind, v);
         }
       };
-      if (in_place) in_threads(states.size(), apply);
-      else for (size_t i = 0; i < states.size(); ++i) apply(i);
+      if (in_place)
+        in_threads(states.size(), apply);
+      else
+        for (size_t i = 0; i < states.size(); ++i) apply(i);
     });
   } catch (const Error& e) {
     // Verified a moment ago: only an I/O error or a file changed since can get here.

@@ -25,16 +25,16 @@ void Engine::load_safetensors(const std::filesystem::path& file) {
   all_or_none(*communicator(), at + ": reading the header", [&] {
     for (int u = 0; u < num_units(); ++u)
       if (impl_->units[size_t(u)].gathered)
-        ZS_THROW(invalid_argument, at << ": unit '" << unit_name(u)
-                                      << "' is gathered; release every unit first");
+        ZS_THROW(invalid_argument,
+                 at << ": unit '" << unit_name(u) << "' is gathered; release every unit first");
     st = std::make_unique<StReader>(file);
     size_t k = 0;
     for (const UnitInfo& u : units)
       for (const ParamInfo& p : u.params) {
         const StTensor* t = st->find(names[k]);
         if (!t)
-          ZS_THROW(invalid_argument, at << ": no tensor '" << names[k] << "' (unit '" << u.name
-                                        << "') in the file");
+          ZS_THROW(invalid_argument,
+                   at << ": no tensor '" << names[k] << "' (unit '" << u.name << "') in the file");
         if (t->shape != p.shape)
           ZS_THROW(invalid_argument, at << ": tensor '" << names[k] << "' is "
                                         << shape_string(t->shape) << ", the model's "

@@ -51,7 +51,8 @@ StWriter::StWriter(std::filesystem::path path, const std::vector<std::string>& n
   for (size_t i = 0; i < names.size(); ++i) {
     int64_t n = 1;
     for (int64_t d : shapes[i]) n *= d;
-    h[names[i]] = {{"dtype", "F32"}, {"shape", shapes[i]}, {"data_offsets", {offset, offset + n * 4}}};
+    h[names[i]] = {
+        {"dtype", "F32"}, {"shape", shapes[i]}, {"data_offsets", {offset, offset + n * 4}}};
     offset += n * 4;
   }
   std::string text = h.dump();
@@ -79,8 +80,8 @@ void StWriter::finish() {
 StReader::StReader(std::filesystem::path path)
     : path_(std::move(path)), fd_(::open(path_.c_str(), O_RDONLY | O_CLOEXEC)) {
   const std::string file = path_.string();
-  if (!fd_) ZS_THROW(invalid_argument, "safetensors: cannot open " << file << ": "
-                                                                   << std::strerror(errno));
+  if (!fd_)
+    ZS_THROW(invalid_argument, "safetensors: cannot open " << file << ": " << std::strerror(errno));
   const off_t size = ::lseek(fd_.get(), 0, SEEK_END);
   uint64_t len = 0;
   if (size < 8) ZS_THROW(corrupted, "safetensors: " << file << " is too short for a header");
@@ -132,10 +133,9 @@ StReader::StReader(std::filesystem::path path)
   // Back to back from 0 to the end of the file, as the format requires.
   std::vector<const StTensor*> order;
   for (const StTensor& t : tensors_) order.push_back(&t);
-  std::sort(order.begin(), order.end(),
-            [](const StTensor* a, const StTensor* b) {
-              return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
-            });
+  std::sort(order.begin(), order.end(), [](const StTensor* a, const StTensor* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
   int64_t at = 0;
   for (const StTensor* t : order) {
     if (t->begin != at)

@@ -69,8 +69,7 @@ bool names_latest(const fs::path& root, const std::string& tag) {
 
 // Rank 0, once every rank's files are durable: the manifest, the tag's rename into place, and
 // `latest`, each made durable before the next.
-void publish(const fs::path& root, const fs::path& tmp, const std::string& tag,
-             const Manifest& m) {
+void publish(const fs::path& root, const fs::path& tmp, const std::string& tag, const Manifest& m) {
   write_file(tmp / "manifest.json", manifest_text(m));
   fsync_path(tmp);
   fs::rename(tmp, root / tag);
@@ -109,8 +108,8 @@ void prune(const fs::path& root, const std::string& current, int keep) {
       fs::remove_all(doomed);
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "zeroshard: checkpoint: pruning old tags in %s failed: %s\n",
-                 root.c_str(), e.what());
+    std::fprintf(stderr, "zeroshard: checkpoint: pruning old tags in %s failed: %s\n", root.c_str(),
+                 e.what());
   }
 }
 
@@ -122,7 +121,7 @@ struct PendingSave {
   std::string at;
   Manifest m;
   std::vector<int> states;
-  int64_t mine = 0;  // values of this rank's ranges
+  int64_t mine = 0;    // values of this rank's ranges
   std::thread writer;  // save_async(): writes from Engine::Impl::save_snapshot
   std::optional<Error> error;
   ~PendingSave() {
@@ -240,21 +239,26 @@ std::optional<Error> outcome(F&& f) {
   return std::nullopt;
 }
 
+// This rank's shard of one state of unit u: in place where the tier shows it, else copied into
+// `copy`.
+const float* shard_of(const StateTier& t, int u, StateKind kind, std::vector<float>& copy) {
+  if (const float* v = t.host_view(u, kind)) return v;
+  copy = t.read(u, kind);
+  return copy.data();
+}
+
 }  // namespace
 
 std::filesystem::path Engine::save(const std::filesystem::path& root, const std::string& tag) {
   finish_save();
   std::unique_ptr<PendingSave> p = start(*this, root, tag);
-  std::vector<float> copy;  // a shard the tier cannot show in place
+  std::vector<float> copy;                // a shard the tier cannot show in place
   std::unique_ptr<StateSnapshot> frozen;  // the nvme tier's: each unit's record read once
   const std::optional<Error> written = outcome([&] {
     frozen = impl_->state->snapshot();
     write_files(*p, rank(), [&](size_t i, const Range& rg) -> const float* {
       const StateKind kind = state_names()[size_t(p->states[i])].kind;
-      if (frozen) return frozen->view(rg.unit, kind);
-      if (const float* v = impl_->state->host_view(rg.unit, kind)) return v;  // no copy
-      copy = read_shard(rg.unit, kind);
-      return copy.data();
+      return frozen ? frozen->view(rg.unit, kind) : shard_of(*impl_->state, rg.unit, kind, copy);
     });
   });
   return finish(*this, *p, written);
@@ -284,11 +288,9 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
         int64_t at = 0;
         for (const Range& rg : p->m.ranges[size_t(rank())]) {
           const StateKind kind = state_names()[size_t(p->states[i])].kind;
-          const size_t bytes = size_t(rg.end - rg.begin) * 4;
-          const float* v = impl_->state->host_view(rg.unit, kind);
           std::vector<float> copy;
-          if (!v) v = (copy = read_shard(rg.unit, kind)).data();
-          std::memcpy(copied + size_t(p->mine) * i + size_t(at), v, bytes);
+          std::memcpy(copied + size_t(p->mine) * i + size_t(at),
+                      shard_of(*impl_->state, rg.unit, kind, copy), size_t(rg.end - rg.begin) * 4);
           at += rg.end - rg.begin;
         }
       }

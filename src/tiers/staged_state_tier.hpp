@@ -37,6 +37,7 @@ class StagedStateTier final : public StateTier {
     return inner_->host_view(u, kind);
   }
   float* host_target(int u, StateKind kind) override { return inner_->host_target(u, kind); }
+  std::unique_ptr<StateSnapshot> snapshot() override { return inner_->snapshot(); }
   void write(int u, StateKind kind, const std::vector<float>& shard) override {
     inner_->write(u, kind, shard);
   }

@@ -37,7 +37,8 @@ std::vector<zs_test::UnitSpec> model() {
 
 bool same_state(const Engine& a, const Engine& b) {
   for (int u = 0; u < a.num_units(); ++u)
-    for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
+    for (StateKind k :
+         {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
       const auto x = a.read_shard(u, k), y = b.read_shard(u, k);
       if (x.size() != y.size() || std::memcmp(x.data(), y.data(), x.size() * 4) != 0) return false;
     }

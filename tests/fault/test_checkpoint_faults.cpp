@@ -53,8 +53,9 @@ fs::path mount_small(const std::string& kind) {
       failed = ::mount("tmpfs", root.c_str(), "tmpfs", 0, "size=2m,mode=0755") == 0 ? 0 : 1;
     } else {
       const std::string image = root.string() + ".img";
-      const std::string cmd = "truncate -s 2M " + image + " && mkfs.ext4 -q -F -O ^has_journal -m 0 " +
-                              image + " && mount -o loop " + image + " " + root.string();
+      const std::string cmd = "truncate -s 2M " + image +
+                              " && mkfs.ext4 -q -F -O ^has_journal -m 0 " + image +
+                              " && mount -o loop " + image + " " + root.string();
       failed = std::system((cmd + " 2>/dev/null").c_str()) == 0 ? 0 : 1;
       fs::remove(image);  // the loop device holds it open while mounted
     }

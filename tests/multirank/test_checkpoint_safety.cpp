@@ -41,8 +41,8 @@ Config cfg_for(int stage, Tier tier = Tier::device) {
 fs::path shared_dir(const std::string& name) {
   double id = world()->rank() == 0 ? double(::getpid()) : 0;
   world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
-  const fs::path p = fs::temp_directory_path() /
-                     ("zeroshard-ckpt-" + name + "-" + std::to_string(int64_t(id)));
+  const fs::path p =
+      fs::temp_directory_path() / ("zeroshard-ckpt-" + name + "-" + std::to_string(int64_t(id)));
   world()->barrier("checkpoint dir made");
   if (world()->rank() == 0) fs::remove_all(p);
   world()->barrier("checkpoint dir clean");
@@ -237,8 +237,9 @@ std::string replace(std::string s, const std::string& from, const std::string& t
 TEST(CheckpointDamage, DataFiles) {
   const int last = world()->size() - 1;
   const std::string f0 = "rank00000.master", fl = ckpt::data_file_name(last, "state1");
-  expect_refused("flipped bit", [&](const fs::path& t) { flip_byte(t / f0, kData + 5); },
-                 ErrorCode::corrupted, "rank00000.master\": block 0");
+  expect_refused(
+      "flipped bit", [&](const fs::path& t) { flip_byte(t / f0, kData + 5); }, ErrorCode::corrupted,
+      "rank00000.master\": block 0");
   expect_refused(
       "zeroed block",
       [&](const fs::path& t) {
@@ -252,14 +253,15 @@ TEST(CheckpointDamage, DataFiles) {
   expect_refused(
       "truncated", [&](const fs::path& t) { fs::resize_file(t / f0, uintmax_t(kData + 8)); },
       ErrorCode::corrupted, "truncated");
-  expect_refused("header", [&](const fs::path& t) { flip_byte(t / fl, 20); },
-                 ErrorCode::corrupted, "header checksum mismatch");
   expect_refused(
-      "checksum table",
-      [&](const fs::path& t) { flip_byte(t / f0, size_of(t / f0) - 3); }, ErrorCode::corrupted,
-      "checksum table is damaged");
-  expect_refused("missing", [&](const fs::path& t) { fs::remove(t / fl); },
-                 ErrorCode::corrupted, "is missing");
+      "header", [&](const fs::path& t) { flip_byte(t / fl, 20); }, ErrorCode::corrupted,
+      "header checksum mismatch");
+  expect_refused(
+      "checksum table", [&](const fs::path& t) { flip_byte(t / f0, size_of(t / f0) - 3); },
+      ErrorCode::corrupted, "checksum table is damaged");
+  expect_refused(
+      "missing", [&](const fs::path& t) { fs::remove(t / fl); }, ErrorCode::corrupted,
+      "is missing");
 }
 
 TEST(CheckpointDamage, ManifestsAndPointers) {

@@ -267,9 +267,10 @@ class MpiCommunicator final : public Communicator {
       } catch (const Error& e) {
         std::string msg = e.what();
         if (msg.find("MPI_ERR_TRUNCATE") != std::string::npos)
-          msg += " -- the ranks called different collectives here (at ZeRO stage 3, a module "
-                 "that runs on some ranks only gathers its unit on those ranks only: run it on "
-                 "every rank, e.g. with its output weighted by zero)";
+          msg +=
+              " -- the ranks called different collectives here (at ZeRO stage 3, a module "
+              "that runs on some ranks only gathers its unit on those ranks only: run it on "
+              "every rank, e.g. with its output weighted by zero)";
         poison(msg);
         f.work->fail(e.code(), msg);
         flag = 1;
