@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/cpu/grad_passes.hpp"
 #include "kernels/cpu/update_tasks.hpp"
 #include "offload/io_backend.hpp"
 #include "offload/swap_pipeline.hpp"
@@ -200,31 +201,17 @@ void NvmeStateTier::read_back(int u, float* acc) {
 void NvmeStateTier::grad_reduced(int u, int micro, const void*) {
   Unit& w = units_[size_t(u)];
   const int64_t S = ctx_.shard(u);
-  const size_t pb = ctx_.pbytes;
-  const DType pdt = ctx_.pdt;
-  const cpu::Isa isa = arena_.isa();
   ZS_CHECK(w.gslot >= 0);
   char* slot = grad_cache_.data(w.gslot);
   if (ctx_.accumulation() == 1) {
-    w.sumsq = arena_.parallel_sum(S, [&](int64_t b, int64_t e) {
-      return cpu::sum_squares(isa, slot + size_t(b) * pb, pdt, e - b);
-    });
+    w.sumsq = cpu::parallel_sum_squares(arena_, slot, ctx_.pdt, S);
     return;
   }
   float* acc = reinterpret_cast<float*>(slot + grad_acc_off_);
-  if (micro == 0) {
-    arena_.parallel_chunks(S, [&](int64_t b, int64_t e) {
-      cpu::convert(isa, slot + size_t(b) * pb, pdt, acc + b, DType::f32, e - b);
-    });
-  } else {
-    if (w.grad_on_disk) read_back(u, acc);
-    arena_.parallel_chunks(S, [&](int64_t b, int64_t e) {
-      cpu::accumulate(isa, acc + b, slot + size_t(b) * pb, pdt, e - b);
-    });
-  }
-  if (micro + 1 == ctx_.accumulation())
-    w.sumsq = arena_.parallel_sum(
-        S, [&](int64_t b, int64_t e) { return cpu::sum_squares(isa, acc + b, DType::f32, e - b); });
+  if (micro > 0 && w.grad_on_disk) read_back(u, acc);
+  const bool final = micro + 1 == ctx_.accumulation();
+  const double s = cpu::fold_grad(arena_, acc, slot, ctx_.pdt, S, micro == 0, final);
+  if (final) w.sumsq = s;
 }
 
 std::optional<Error> NvmeStateTier::settle_grads() {

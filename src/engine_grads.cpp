@@ -70,6 +70,26 @@ void Engine::Impl::complete_reduction(int id) {
   ++u.micro_done;
 }
 
+// Hands the reductions that already finished to the state tier now, during backward, so that
+// step() finds their gradients folded and their share of the norm taken. Completing one is
+// local in stages 1–3, so each rank may do it whenever its own have landed; stage 0 completes
+// at the point issue_reductions() shares. A failed one is left for step() (or the trainer's
+// next need of the unit) to report, as every failed reduction is.
+void Engine::Impl::complete_finished() {
+  if (cfg.stage == 0) return;
+  while (!in_flight.empty()) {
+    Work& w = *units[size_t(in_flight.front())].reduction;
+    if (!w.done()) return;
+    try {
+      w.wait();  // done: returns at once, or throws its failure
+    } catch (const Error&) {
+      return;
+    }
+    complete_reduction(in_flight.front());
+    in_flight.pop_front();
+  }
+}
+
 // A gradient staging buffer for unit id (stages 2–3). When all are taken, the oldest reduction in
 // flight frees one (ranks decide alike); when the units holding them wait for their turn, the
 // pool grows by one: a trainer whose order differs from the engine's costs memory, never
@@ -175,6 +195,7 @@ void Engine::grads_ready(UnitId id) {
   u.grads_out = false;
   u.queued = true;
   m.issue_reductions();
+  m.complete_finished();
 }
 
 // Starts every waiting reduction whose turn has come.

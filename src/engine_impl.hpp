@@ -149,6 +149,7 @@ struct Engine::Impl final : ParamSink {
   void finish_reduction(int id);  // for the trainer: this unit's, and every one issued before
   void finish_in_order(int id);   // the same, at a point of the sequence every rank shares
   void complete_reduction(int id);
+  void complete_finished();  // the reductions already done, in order (stages 1–3)
 
   // engine_step.cpp
   StepResult step();

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "kernels/cpu/grad_passes.hpp"
 #include "src/base/check.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
@@ -49,12 +50,7 @@ class CpuCompute final : public Compute {
   }
   std::pair<double, bool> sum_squares(const std::vector<GradSpan>& spans) override {
     double s = 0.0;
-    for (const GradSpan& g : spans)
-      s += arena_.parallel_sum(g.n, [&](int64_t b, int64_t e) {
-        return cpu::sum_squares(arena_.isa(),
-                                static_cast<const char*>(g.data) + size_t(b) * dtype_size(g.dtype),
-                                g.dtype, e - b);
-      });
+    for (const GradSpan& g : spans) s += cpu::parallel_sum_squares(arena_, g.data, g.dtype, g.n);
     // A square of an inf or NaN makes the sum inf or NaN: no separate flag pass on the CPU.
     return {s, !std::isfinite(s)};
   }

@@ -2,9 +2,12 @@
 // reads the whole all-reduced gradient; the other stages keep this rank's shard.
 #include "src/tiers/memory_state_tier.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
+#include "kernels/cpu/grad_passes.hpp"
 #include "kernels/cpu/update_tasks.hpp"
 #include "src/base/check.hpp"
 #include "zeroshard/communicator.hpp"
@@ -14,7 +17,11 @@ namespace zeroshard {
 MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute,
                                  cpu::Arena& arena, const std::vector<float*>& master_alias,
                                  bool previews)
-    : ctx_(ctx), compute_(compute), arena_(arena), units_(ctx.units->size()) {
+    : ctx_(ctx),
+      compute_(compute),
+      arena_(arena),
+      on_cpu_(compute.device() == Device::cpu),
+      units_(ctx.units->size()) {
   const Config& cfg = *ctx.cfg;
   const bool pin = cfg.offload_optimizer.pin_memory;
   for (size_t i = 0; i < units_.size(); ++i) {
@@ -58,16 +65,43 @@ void MemoryStateTier::load_initial(int u, const float* whole) {
   compute_.synchronize();  // before `whole` is refilled
 }
 
-// Folds the micro-step into the f32 accumulator: acc = g on the first one (no zeroing pass).
+// Folds the micro-step into the f32 accumulator: acc = g on the first one (no zeroing pass). On
+// the CPU, the final micro-step also takes the unit's share of the norm, during backward and in
+// the pass that folds it when there is one, so that step() is the all-reduce and the update. A
+// GPU sums at step time instead, one launch per unit on its stream: a result waited for here
+// would stall the stream in the middle of backward.
 void MemoryStateTier::grad_reduced(int u, int micro, const void* whole) {
   Unit& s = units_[size_t(u)];
   s.whole_grad = whole;
-  if (ctx_.accumulation() == 1) return;
+  const int k = ctx_.accumulation();
+  const bool final = micro + 1 == k;
+  // This rank's share of the norm: its shard (stage 0 sums the same elements of its whole copy).
+  const int64_t own = ctx_.cfg->stage == 0 ? ctx_.rank * ctx_.shard(u) : 0;
+  const int64_t S = ctx_.shard(u), ext = ctx_.extent(u);
   const void* g = ctx_.cfg->stage == 0 ? whole : s.grad_shard.data();
-  if (micro == 0)
-    compute_.convert(g, ctx_.pdt, s.accum.data(), DType::f32, ctx_.extent(u));
-  else
-    compute_.accumulate(s.accum.as<float>(), g, ctx_.pdt, ctx_.extent(u));
+  if (!on_cpu_) {
+    if (k == 1) return;
+    if (micro == 0)
+      compute_.convert(g, ctx_.pdt, s.accum.data(), DType::f32, ext);
+    else
+      compute_.accumulate(s.accum.as<float>(), g, ctx_.pdt, ext);
+    return;
+  }
+  const char* gc = static_cast<const char*>(g);
+  if (k == 1) {
+    s.sumsq = cpu::parallel_sum_squares(arena_, gc + size_t(own) * ctx_.pbytes, ctx_.pdt, S);
+    return;
+  }
+  // Around the rank's own elements (stage 0's whole extent), the fold alone.
+  float* acc = s.accum.as<float>();
+  auto fold = [&](int64_t b, int64_t e, bool sum) {
+    return cpu::fold_grad(arena_, acc + b, gc + size_t(b) * ctx_.pbytes, ctx_.pdt, e - b,
+                          micro == 0, sum);
+  };
+  fold(0, own, false);
+  const double part = fold(own, own + S, final);
+  fold(own + S, ext, false);
+  if (final) s.sumsq = part;
 }
 
 std::pair<const void*, DType> MemoryStateTier::grad(int u) const {
@@ -76,18 +110,25 @@ std::pair<const void*, DType> MemoryStateTier::grad(int u) const {
   return {ctx_.cfg->stage == 0 ? s.whole_grad : s.grad_shard.data(), ctx_.pdt};
 }
 
-// The gradient each rank owns: its shard (stage 0 reads the same elements of its whole copy).
+// Summed in unit order either way: the CPU's shares taken in grad_reduced(), the GPU's here.
 double MemoryStateTier::sum_squares() {
-  std::vector<GradSpan> spans;
-  for (size_t i = 0; i < units_.size(); ++i) {
-    const int u = int(i);
-    auto [g, dt] = grad(u);
-    const int64_t base = ctx_.cfg->stage == 0 ? ctx_.rank * ctx_.shard(u) : 0;
-    spans.push_back(
-        {static_cast<const char*>(g) + size_t(base) * dtype_size(dt), dt, ctx_.shard(u)});
+  double sum = 0.0;
+  bool nonfinite = false;
+  if (on_cpu_) {
+    for (const Unit& s : units_) sum += s.sumsq;
+  } else {
+    std::vector<GradSpan> spans;
+    for (size_t i = 0; i < units_.size(); ++i) {
+      const int u = int(i);
+      auto [g, dt] = grad(u);
+      const int64_t base = ctx_.cfg->stage == 0 ? ctx_.rank * ctx_.shard(u) : 0;
+      spans.push_back(
+          {static_cast<const char*>(g) + size_t(base) * dtype_size(dt), dt, ctx_.shard(u)});
+    }
+    std::tie(sum, nonfinite) = compute_.sum_squares(spans);
   }
-  auto [sum, nonfinite] = compute_.sum_squares(spans);
-  return nonfinite ? std::numeric_limits<double>::infinity() : sum;
+  // A square of an inf or NaN makes the CPU's sum inf or NaN: no separate flag pass.
+  return nonfinite || !std::isfinite(sum) ? std::numeric_limits<double>::infinity() : sum;
 }
 
 cpu::UnitUpdate MemoryStateTier::unit_update(int u, float* master, float* s0, float* s1,

@@ -41,6 +41,7 @@ class MemoryStateTier final : public StateTier {
     float* state0 = nullptr;
     float* state1 = nullptr;
     const void* whole_grad = nullptr;  // stage 0: the all-reduced whole gradient
+    double sumsq = 0;                  // on the CPU: Σ g² of this rank's final gradient
   };
   /// The gradient the update reads, from element 0 of the extent, and its dtype.
   std::pair<const void*, DType> grad(int u) const;
@@ -50,6 +51,7 @@ class MemoryStateTier final : public StateTier {
   TierContext ctx_;
   Compute& compute_;
   cpu::Arena& arena_;
+  const bool on_cpu_;  // compute_ is the CPU's: the norm is taken as gradients arrive
   std::vector<Unit> units_;
   Buffer scratch_;  // preview(): per-thread copies of one chunk of master and moments
 };

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
 
 #include "tests/multirank/harness.hpp"
 
@@ -198,6 +200,48 @@ TEST(Clipping, NormAndFactorMatchReference) {
       }
     }
   }
+}
+
+// The norm is taken from each unit's final gradient as it arrives (inside the pass that folds the
+// last micro-step, when accumulating), not in step(). It must still be the norm of the mean over
+// every micro-step and rank, and bitwise the same at every stage and on the device and host
+// tiers: a unit of several 64 Ki-element chunks per shard makes stage 0 (which sums its own
+// elements inside the whole gradient) chunk exactly as the sharded stages do.
+TEST(Clipping, NormOfAccumulatedGradientsIsExactEverywhere) {
+  const int k = 3;
+  auto model = zs_test::uneven_model();
+  model.push_back({"wide", {{"w", {600, 701}}, {"b", {701}}}});
+  double sumsq = 0;
+  for (size_t u = 0; u < model.size(); ++u) {
+    const std::vector<float> init = unit_init(model, u);
+    for (size_t i = 0; i < init.size(); ++i) {
+      double g = 0;
+      for (int rk = 0; rk < world()->size(); ++rk)
+        for (int m = 0; m < k; ++m)
+          g += zs_test::synthetic_grad(init[i], int(u), int64_t(i), rk, m, 0);
+      g /= world()->size() * k;
+      sumsq += g * g;
+    }
+  }
+  const double norm = std::sqrt(sumsq);
+  std::optional<double> first;
+  for (int stage : {0, 1, 2, 3})
+    for (Tier tier : {Tier::device, Tier::host}) {
+      Config cfg = sgd_config(stage);
+      cfg.dtype = DType::f32;
+      cfg.gradient_accumulation_steps = k;
+      cfg.offload_optimizer.tier = tier;
+      Engine e(cfg, world());
+      zs_test::register_model(e, model);
+      zs_test::TrainOptions o;
+      o.steps = 1;
+      o.micro_batches = k;
+      const double got = zs_test::train(e, o)[0].grad_norm;
+      const std::string where = "stage " + std::to_string(stage) + ", " + tier_name(tier);
+      EXPECT_NEAR(got, norm, 1e-6 * norm) << where;
+      if (!first) first = got;
+      EXPECT_EQ(got, *first) << where << ": not bitwise the norm of stage 0 on the device tier";
+    }
 }
 
 // clip_grad_norm() before step() (torch.nn.utils.clip_grad_norm_'s place in a loop) returns the
