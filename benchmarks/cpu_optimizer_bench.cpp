@@ -9,7 +9,6 @@
 //   cpu_optimizer_bench [--n 100000000] [--threads T] [--isa scalar|avx2|avx512]
 //                       [--rounds 11] [--chunk 65536]
 
-#include <sys/mman.h>
 #include <tbb/blocked_range.h>
 #include <tbb/global_control.h>
 #include <tbb/info.h>
@@ -28,11 +27,16 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_util.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 
 namespace zc = zeroshard::cpu;
 using zeroshard::DType;
 using zeroshard::OptimizerKind;
+using zs_bench::Buffer;
+using zs_bench::hashed;
+using zs_bench::median;
+using zs_bench::seconds_since;
 
 namespace {
 
@@ -86,34 +90,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// A page-aligned buffer, backed by transparent huge pages where the kernel allows, so both
-// kernels see the same TLB behaviour.
-struct Buffer {
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<unsigned char, Free> mem;
-  explicit Buffer(size_t bytes) {
-    constexpr size_t kAlign = size_t{2} << 20;
-    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
-    mem.reset(static_cast<unsigned char*>(std::aligned_alloc(kAlign, rounded)));
-    if (!mem) usage("out of memory");
-    madvise(mem.get(), rounded, MADV_HUGEPAGE);
-  }
-  float* f32() const { return reinterpret_cast<float*>(mem.get()); }
-  uint16_t* u16() const { return reinterpret_cast<uint16_t*>(mem.get()); }
-};
-
-// Deterministic, cheap, well-spread values in [lo, hi): initialising 10^8 elements through
-// <random> would dominate start-up.
-float hashed(int64_t i, float lo, float hi) {
-  uint64_t x = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 32;
-  return lo + (hi - lo) * static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
-}
-
 // One side's arrays: master, two states and the bf16 copy-out. The update and the same-bytes
 // kernel each own a set (same-bytes writes bit patterns no optimizer should read back); the
 // gradients are read-only and shared.
@@ -132,17 +108,6 @@ struct Case {
 struct Row {
   double bytes_per_param, update_rate, same_rate, ratio_median, ratio_min, ratio_max;
 };
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// By value: the caller's per-round series stays in round order.
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t k = v.size() / 2;
-  return v.size() % 2 ? v[k] : 0.5 * (v[k - 1] + v[k]);
-}
 
 class Bench {
  public:
