@@ -90,31 +90,40 @@ void Engine::Impl::complete_finished() {
   }
 }
 
-// A gradient staging buffer for unit id (stages 2–3). When all are taken, the oldest reduction in
-// flight frees one (ranks decide alike); when the units holding them wait for their turn, the
-// pool grows by one: a trainer whose order differs from the engine's costs memory, never
-// correctness.
+// A gradient staging buffer for unit id (stages 2–3). When none holds it, the oldest reduction in
+// flight frees one (ranks decide alike). Slots are sized by the largest units (engine_setup.cpp):
+// a free slot too small for this unit, because the units out took the larger ones, grows to its
+// size (at most to what slots of the largest unit would hold). When the units holding them wait
+// for their turn, the pool grows by one: a trainer whose order differs from the engine's costs
+// memory, never correctness.
 int Engine::Impl::take_grad_staging(int id) {
   BufferPool& pool = res.grad_staging;
-  int slot = pool.acquire(id);
+  const size_t bytes = size_t(layout(id).padded_numel) * pbytes;
+  auto make = [&] {
+    return tier_ctx.buffer(Tier::device, MemKind::buffer, "grad_staging", bytes, false);
+  };
+  int slot = pool.acquire(id, bytes);
   for (size_t i = 0; slot < 0 && i < pool.owner.size(); ++i) {
     const int owner = pool.owner[i];
     if (owner >= 0 && units[size_t(owner)].reduction) {
       finish_reduction(owner);
-      slot = pool.acquire(id);
+      slot = pool.acquire(id, bytes);
     }
   }
+  for (size_t i = 0; slot < 0 && i < pool.owner.size(); ++i)
+    if (pool.owner[i] < 0) {
+      pool.buffers[i] = Buffer();  // freed first: the ledger's peak never holds both
+      pool.buffers[i] = make();
+      slot = pool.acquire(id, bytes);
+    }
   bool waiting = false;
   for (int owner : pool.owner) waiting |= owner >= 0 && units[size_t(owner)].queued;
   if (slot < 0 && waiting) {
-    pool.fill(1, [&] {
-      return tier_ctx.buffer(Tier::device, MemKind::buffer, "grad_staging",
-                             size_t(largest) * pbytes, false);
-    });
-    slot = pool.acquire(id);
+    pool.fill(1, make);
+    slot = pool.acquire(id, bytes);
   }
   if (slot < 0)
-    ZS_THROW(invalid_argument, "grads(): " << where(id) << ": all " << cfg.grad_buffers
+    ZS_THROW(invalid_argument, "grads(): " << where(id) << ": all " << pool.owner.size()
                                            << " gradient buffers hold units not yet marked ready "
                                               "(grad_buffers); call grads_ready() first");
   return slot;

@@ -78,7 +78,7 @@ struct Engine::Impl final : ParamSink {
   // is, counting down from the last registered unit in each micro-step.
   int reduce_next = 0;
   std::deque<int> in_flight;  // units whose reduction was issued and not yet completed, in order
-  int64_t largest = 0;        // elements of the largest padded unit (gradient staging buffers)
+  int64_t largest = 0;        // elements of the largest padded unit (stage-3 gather buffers)
   // The collectives issued since the last step, on every rank the same sequence whatever the
   // trainer's control flow, or step() finds out: (kind, unit) as kind * 2^24 + unit, and their
   // hash, compared across ranks in step()'s one all-reduce.

@@ -50,13 +50,24 @@ void Engine::Impl::make_tiers() {
       units[i].grad_buf =
           c.buffer(Tier::device, MemKind::grad, "grad", size_t(L.padded_numel) * pbytes, false);
   }
-  auto staging = [&](const char* name) {
-    return [&, name] {
-      return c.buffer(Tier::device, MemKind::buffer, name, size_t(largest) * pbytes, false);
-    };
-  };
-  if (st >= 2) res.grad_staging.fill(cfg.grad_buffers, staging("grad_staging"));
-  if (st == 3) res.gather.fill(cfg.max_live_units, staging("gather"));
+  // Gradient staging: one slot per unit that may be out at once, sized by the grad_buffers
+  // largest units (any grad_buffers units fit, each in the smallest free slot that holds it),
+  // so stage 2 never holds more gradient memory than stage 1, even when one unit is most of
+  // the model.
+  if (st >= 2) {
+    std::vector<int64_t> sizes;
+    for (size_t i = 0; i < units.size(); ++i) sizes.push_back(layout(int(i)).padded_numel);
+    std::sort(sizes.begin(), sizes.end(), std::greater<>());
+    sizes.resize(std::min(sizes.size(), size_t(cfg.grad_buffers)));
+    for (int64_t n : sizes)
+      res.grad_staging.fill(1, [&] {
+        return c.buffer(Tier::device, MemKind::buffer, "grad_staging", size_t(n) * pbytes, false);
+      });
+  }
+  if (st == 3)
+    res.gather.fill(cfg.max_live_units, [&] {
+      return c.buffer(Tier::device, MemKind::buffer, "gather", size_t(largest) * pbytes, false);
+    });
 
   if (topt == Tier::nvme || tpar == Tier::nvme)
     res.swap = std::make_unique<offload::SwapSpace>(rank);

@@ -60,7 +60,8 @@ def expected_cells(a, sizes, stage, world, topt, tpar_flag):
         cells[topt]["buffer"] += shard * p  # reduce-scatter output
     else:
         cells[topt]["grad"] += shard * p
-        cells["device"]["buffer"] += grad_buffers * largest * p  # gradient staging
+        # gradient staging: one slot per unit out at once, sized by the largest units
+        cells["device"]["buffer"] += sum(sorted(padded, reverse=True)[:grad_buffers]) * p
     if stage == 3:
         cells["device"]["buffer"] += live_units * largest * p  # gather buffers
     if a.accum > 1:
