@@ -131,29 +131,37 @@ int Engine::Impl::take_grad_staging(int id) {
 
 std::vector<TensorView> Engine::grads(UnitId id) {
   Impl& m = *impl_;
-  Unit& u = m.unit(id, "grads");
-  const size_t bytes = size_t(m.layout(id).padded_numel) * m.pbytes;
-  if (u.grads_out) return m.views(id, m.grad_buffer(id));
-  if (m.closed)
-    ZS_THROW(invalid_argument, "grads(): " << m.where(id)
+  m.unit(id, "grads");
+  return m.take_grads(id, 0);
+}
+
+// The unit's gradient buffer for the trainer, zeroed from element `zero_from` on (the copying
+// grads_ready() overwrites the parameters and zeroes only the padding after them).
+std::vector<TensorView> Engine::Impl::take_grads(int id, int64_t zero_from) {
+  Unit& u = units[size_t(id)];
+  if (u.grads_out) return views(id, grad_buffer(id));
+  if (closed)
+    ZS_THROW(invalid_argument, "grads(): " << where(id)
                                            << ": clip_grad_norm() closed this step's gradients; "
                                               "call step() (or zero_grad()) first");
   if (u.queued)
     ZS_THROW(invalid_argument,
-             "grads(): " << m.where(id) << ": its gradients of the last micro-step wait for unit '"
-                         << m.layout(m.reduce_next).name
+             "grads(): " << where(id) << ": its gradients of the last micro-step wait for unit '"
+                         << layout(reduce_next).name
                          << "' (reductions run from the last registered unit to the first, the "
                             "same on every rank); hand every unit over once per micro-step");
-  m.finish_reduction(id);
-  if (u.micro_done >= m.cfg.gradient_accumulation_steps)
+  finish_reduction(id);
+  if (u.micro_done >= cfg.gradient_accumulation_steps)
     ZS_THROW(invalid_argument,
-             "grads(): " << m.where(id) << " already has the gradients of " << u.micro_done
+             "grads(): " << where(id) << " already has the gradients of " << u.micro_done
                          << " micro-steps (gradient_accumulation_steps = "
-                         << m.cfg.gradient_accumulation_steps << "); call step() first");
-  if (m.cfg.stage >= 2) u.grad_slot = m.take_grad_staging(id);
-  m.res.dev->zero(m.grad_buffer(id), bytes);
+                         << cfg.gradient_accumulation_steps << "); call step() first");
+  if (cfg.stage >= 2) u.grad_slot = take_grad_staging(id);
+  const int64_t padded = layout(id).padded_numel;
+  res.dev->zero(static_cast<char*>(grad_buffer(id)) + size_t(zero_from) * pbytes,
+                size_t(padded - zero_from) * pbytes);
   u.grads_out = true;
-  return m.views(id, m.grad_buffer(id));
+  return views(id, grad_buffer(id));
 }
 
 void Engine::grads_ready(UnitId id, const std::vector<TensorView>& src) {
@@ -184,7 +192,9 @@ void Engine::grads_ready(UnitId id, const std::vector<TensorView>& src) {
                                     ? ""
                                     : " or " + device_string(dev.device(), dev.device_index())));
   }
-  std::vector<TensorView> dst = grads(id);
+  // The parameters are packed from element 0 and every one is copied: only the padding after
+  // them needs zeros.
+  std::vector<TensorView> dst = m.take_grads(id, m.layout(id).numel);
   bool from_host = false;
   for (size_t i = 0; i < ps.size(); ++i) {
     if (src[i].numel) m.res.dev->copy(dst[i].data, src[i].data, src[i].bytes());

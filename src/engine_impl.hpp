@@ -144,6 +144,7 @@ struct Engine::Impl final : ParamSink {
   // engine_grads.cpp
   void* grad_buffer(int id) const;  // the trainer's whole gradient of the unit
   int take_grad_staging(int id);
+  std::vector<TensorView> take_grads(int id, int64_t zero_from);
   void issue_reductions();
   void start_reduction(int id);
   void finish_reduction(int id);  // for the trainer: this unit's, and every one issued before

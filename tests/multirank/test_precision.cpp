@@ -244,6 +244,33 @@ TEST(Clipping, NormOfAccumulatedGradientsIsExactEverywhere) {
     }
 }
 
+// The copying grads_ready(unit, grads) zeroes only the padding after the parameters it copies:
+// a staging slot that held a larger unit before must still reduce zeros there. Its norms and
+// masters equal those of grads() filled in place, bitwise.
+TEST(Clipping, CopyingHandOverMatchesTheInPlaceOne) {
+  for (int stage : {1, 2, 3}) {
+    std::vector<StepResult> r[2];
+    std::vector<std::vector<float>> m[2];
+    for (int copying : {0, 1}) {
+      Config cfg = sgd_config(stage);
+      cfg.gradient_clipping = 0.5;
+      Engine e(cfg, world());
+      zs_test::register_model(e, zs_test::uneven_model());
+      zs_test::TrainOptions o;
+      o.steps = 3;
+      if (copying)  // the harness then writes gradients on the host and hands them over copied
+        o.download = [](void* host, const void* dev, size_t bytes) {
+          std::memcpy(host, dev, bytes);
+        };
+      r[copying] = zs_test::train(e, o);
+      m[copying] = masters(e);
+    }
+    for (size_t s = 0; s < r[0].size(); ++s)
+      EXPECT_EQ(r[0][s].grad_norm, r[1][s].grad_norm) << "stage " << stage << " step " << s;
+    EXPECT_TRUE(m[0] == m[1]) << "stage " << stage;
+  }
+}
+
 // clip_grad_norm() before step() (torch.nn.utils.clip_grad_norm_'s place in a loop) returns the
 // norm step() reports and trains bitwise like Config::gradient_clipping; it closes the step's
 // gradients (a further hand-over is refused) until step() or zero_grad().
