@@ -2,6 +2,7 @@
 /// \file zeroshard.hpp
 /// Umbrella header: everything a trainer needs.
 
+#include "zeroshard/calibration.hpp"
 #include "zeroshard/checkpoint.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/config.hpp"

@@ -80,5 +80,7 @@ OptimizerOptions coerce_optimizer(nb::handle h);
 void bind_errors(nb::module_& m);
 void bind_config(nb::module_& m);
 void bind_engine(nb::module_& m);
+/// SameBytes / same_bytes(): the memory-ceiling kernel the benchmarks compare the step against.
+void bind_kernels(nb::module_& m);
 
 }  // namespace zeroshard::py

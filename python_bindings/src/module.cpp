@@ -94,4 +94,5 @@ NB_MODULE(_core, m) {
   py::bind_errors(m);
   py::bind_config(m);
   py::bind_engine(m);
+  py::bind_kernels(m);
 }
