@@ -16,17 +16,19 @@ command -v fio >/dev/null || { echo "fio is not installed (scripts/setup.sh inst
 [[ -x "$bench" ]] || { echo "$bench not built (-DZEROSHARD_BUILD_BENCHMARKS=ON)" >&2; exit 1; }
 mkdir -p "$dir"
 fio_file="$dir/fio-ckpt.$$"
-trap 'rm -f "$fio_file"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/fio_common.sh"
+trap 'rm -f "$fio_file"; fio_iomem_restore' EXIT
 
 fio_mbs() {  # rw
   sync
   echo 3 > /proc/sys/vm/drop_caches
   fio --name=zs --filename="$fio_file" --size="$size" --rw="$1" --bs=4M --iodepth=8 \
-      --ioengine=io_uring --direct=1 --end_fsync=1 --output-format=json 2>/dev/null |
+      --ioengine=io_uring --direct=1 --end_fsync=1 --iomem="$FIO_IOMEM" --output-format=json 2>/dev/null |
     python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; d=j["write" if sys.argv[1]=="write" else "read"]; print("%.1f" % (d["bw_bytes"]/1e6))' "$1"
 }
 
-echo "fio $(fio --version) vs ckpt_bench: size $size, $rounds rounds, in $dir; load average $(cut -d' ' -f1 /proc/loadavg)"
+fio_iomem $(( (4 << 20) * 8 ))  # 4 MiB blocks, queue depth 8
+echo "fio $(fio --version) (buffers: $FIO_IOMEM) vs ckpt_bench: size $size, $rounds rounds, in $dir; load average $(cut -d' ' -f1 /proc/loadavg)"
 printf "%-6s %10s %10s %7s %10s %10s %7s\n" round fio_write save ratio fio_read load ratio
 wr=() rr=()
 for ((r = 1; r <= rounds; ++r)); do
@@ -42,5 +44,4 @@ for ((r = 1; r <= rounds; ++r)); do
   wr+=("$w") rr+=("$l")
   printf "%-6s %10s %10s %7s %10s %10s %7s\n" "$r" "$fw" "$sw" "$w" "$fr" "$sl" "$l"
 done
-median() { printf "%s\n" "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 echo "median checkpoint/fio: save $(median "${wr[@]}"), load $(median "${rr[@]}")"

@@ -18,16 +18,18 @@ command -v fio >/dev/null || { echo "fio is not installed (scripts/setup.sh inst
 [[ -x "$bench" ]] || { echo "$bench not built (-DZEROSHARD_BUILD_BENCHMARKS=ON)" >&2; exit 1; }
 mkdir -p "$dir"
 fio_file="$dir/fio-bench.$$"
-trap 'rm -f "$fio_file"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/fio_common.sh"
+trap 'rm -f "$fio_file"; fio_iomem_restore' EXIT
 
 # fio's bandwidth in MB/s (10^6 bytes) for one direction, from its JSON report.
 fio_mbs() {  # rw
   fio --name=zs --filename="$fio_file" --size="$size" --rw="$1" --bs="$bs" --iodepth="$qd" \
-      --ioengine=io_uring --direct=1 --fixedbufs --registerfiles --output-format=json 2>/dev/null |
+      --ioengine=io_uring --direct=1 --fixedbufs --registerfiles --iomem="$FIO_IOMEM" --output-format=json 2>/dev/null |
     python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; d=j["write" if sys.argv[1]=="write" else "read"]; print("%.1f" % (d["bw_bytes"]/1e6))' "$1"
 }
 
-echo "fio $(fio --version) vs swap_bench: size $size, block $bs, queue depth $qd, $rounds rounds, in $dir"
+fio_iomem $(( $(numfmt --from=iec "$bs") * qd ))
+echo "fio $(fio --version) (buffers: $FIO_IOMEM) vs swap_bench: size $size, block $bs, queue depth $qd, $rounds rounds, in $dir"
 # Both sides measure overwrites of a file written once before (swap files in steady state):
 # fio's first write here is untimed, as swap_bench's is inside the program.
 fio_mbs write >/dev/null
@@ -44,5 +46,4 @@ for ((r = 1; r <= rounds; ++r)); do
   wr+=("$w") rr+=("$rd")
   printf "%-6s %12s %12s %8s %12s %12s %8s\n" "$r" "$fw" "$sw" "$w" "$fr" "$sr" "$rd"
 done
-median() { printf "%s\n" "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 echo "median swapper/fio: write $(median "${wr[@]}"), read $(median "${rr[@]}")"
