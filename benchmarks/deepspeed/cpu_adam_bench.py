@@ -47,9 +47,9 @@ What each implementation does per training step, and the bytes per parameter it 
                       device tier of a CPU engine (the fused CPU update; an f32 model's master is
                       its parameters), one unit of N parameters:
       hand-over       Engine.grads_ready(unit, [grad]): the copy into the engine's gradient
-                      buffer (which grads() hands out zeroed), the one-rank reduce-scatter (a
-                      copy into the shard) and the norm, summed over the shard as it arrives
-                      (the CPU tiers take it there): 24 B (f32) / 12 B (bf16);
+                      buffer (only its padding is zeroed), the one-rank reduce-scatter (a copy
+                      into the shard) and the norm, summed over the shard as it arrives (the
+                      CPU tiers take it there): 20 B (f32) / 10 B (bf16);
       step            Engine.step(): the norm and overflow all-reduce (nothing to do on one
                       rank) and the fused update, which reads the f32 or bf16 gradient and
                       writes the bf16 copy in the same pass: 28 B.
@@ -393,8 +393,8 @@ def report(config, rounds, n):
         ("DeepSpeed ZeRO-Offload", "hand-over + step", "~102" if low else "~86", "ds total", "zs total"),
         ("zeroshard Engine", "step()", SAME_BYTES, "zs step", None),
         ("zeroshard Engine", "update alone (optimizer_s)", SAME_BYTES, "zs update", None),
-        ("zeroshard Engine", "hand-over: grads_ready()", 12 if low else 24, "zs hand", None),
-        ("zeroshard Engine", "grads_ready() + step()", 40 if low else 52, "zs total", None),
+        ("zeroshard Engine", "hand-over: grads_ready()", 10 if low else 20, "zs hand", None),
+        ("zeroshard Engine", "grads_ready() + step()", 38 if low else 48, "zs total", None),
     ]
     def ratio(num, den):
         r = [x / y for x, y in zip(series[num], series[den])]
