@@ -96,6 +96,8 @@ static constexpr size_t kAlign = 4096;
 // DMA and the CPU kernels take fewer TLB misses. Only staging asks for it: rounding up to 2 MiB
 // is nothing for a few slots but would be for thousands of mid-sized state buffers.
 static constexpr size_t kHugeAlign = size_t(2) << 20;
+// Buffers of at least this size are mapped zero pages of their own (see the constructor).
+static constexpr size_t kMapped = size_t(1) << 20;
 
 Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t bytes, bool pin,
                bool huge_pages)
@@ -104,10 +106,21 @@ Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t
   const bool huge = huge_pages && bytes >= kHugeAlign;
   const size_t align = huge ? kHugeAlign : kAlign;
   size_t rounded = (bytes + align - 1) / align * align;
-  data_ = std::aligned_alloc(align, rounded);
-  if (!data_) ZS_THROW(no_space, "cannot allocate " << bytes << " bytes for " << name_);
-  if (huge) (void)madvise(data_, rounded, MADV_HUGEPAGE);  // a hint: fine if refused
-  std::memset(data_, 0, rounded);
+  if (!huge && rounded >= kMapped) {
+    // Fresh anonymous pages read as zeros and take memory only when first written: the state
+    // a finalize() allocates grows as it is filled, unit by unit, and the moments and gradients
+    // only when a step first writes them (so a trainer's own copy of the model, freed after
+    // finalize(), and the engine's untouched buffers never peak together).
+    void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) ZS_THROW(no_space, "cannot map " << bytes << " bytes for " << name_);
+    data_ = p;
+    mapped_ = true;
+  } else {
+    data_ = std::aligned_alloc(align, rounded);
+    if (!data_) ZS_THROW(no_space, "cannot allocate " << bytes << " bytes for " << name_);
+    if (huge) (void)madvise(data_, rounded, MADV_HUGEPAGE);  // a hint: fine if refused
+    std::memset(data_, 0, rounded);
+  }
   bytes_ = bytes;
   // Pinning can fail under RLIMIT_MEMLOCK; the buffer then stays pageable and still works.
   if (pin && tier == Tier::host) pinned_ = mlock(data_, rounded) == 0;
@@ -132,7 +145,10 @@ Buffer::~Buffer() {
     alloc_->deallocate(data_);
   } else {
     if (pinned_) munlock(data_, rounded_);
-    std::free(data_);
+    if (mapped_)
+      munmap(data_, rounded_);
+    else
+      std::free(data_);
   }
   if (ledger_) ledger_->sub(tier_, kind_, name_, int64_t(bytes_));
 }
@@ -144,6 +160,7 @@ void Buffer::swap(Buffer& o) noexcept {
   std::swap(tier_, o.tier_);
   std::swap(kind_, o.kind_);
   std::swap(pinned_, o.pinned_);
+  std::swap(mapped_, o.mapped_);
   std::swap(rounded_, o.rounded_);
   std::swap(alloc_, o.alloc_);
   std::swap(name_, o.name_);

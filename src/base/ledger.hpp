@@ -37,7 +37,9 @@ class Allocator {
   virtual void deallocate(void* p) noexcept = 0;
 };
 
-/// Move-only, zero-filled, aligned host memory counted in a Ledger for its lifetime.
+/// Move-only, zero-filled, aligned host memory counted in a Ledger for its lifetime. Buffers
+/// of 1 MiB or more (except huge-page staging) are anonymous mappings whose pages take memory
+/// when first written; the ledger counts their whole size from the start.
 /// Tier::host buffers are page-locked (mlock) when `pin` is set, as the offload tier needs.
 /// With `huge_pages` (I/O staging), buffers of 2 MiB or more are 2 MiB-aligned and backed by
 /// transparent huge pages where the kernel allows.
@@ -75,6 +77,7 @@ class Buffer {
   Tier tier_ = Tier::device;
   MemKind kind_ = MemKind::buffer;
   bool pinned_ = false;
+  bool mapped_ = false;  // mmap'd zero pages (munmap), else the heap (free)
   Allocator* alloc_ = nullptr;
   std::string name_;
 };
