@@ -13,11 +13,8 @@
 //
 //   adamw_step_server --n N [--threads T] [--lr X] [--beta1 X] [--beta2 X] [--eps X] [--wd X]
 
-#include <tbb/blocked_range.h>
 #include <tbb/global_control.h>
 #include <tbb/info.h>
-#include <tbb/parallel_for.h>
-#include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
 
 #include <chrono>
@@ -28,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_util.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 
 namespace zc = zeroshard::cpu;
@@ -70,18 +68,7 @@ int main(int argc, char** argv) {
   tbb::task_arena arena(threads);
   const zc::Isa isa = zc::best_isa();
   constexpr int64_t kChunk = 1 << 16;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  auto for_chunks = [&](auto body) {
-    arena.execute([&] {
-      tbb::parallel_for(
-          tbb::blocked_range<int64_t>(0, chunks, 1),
-          [&](const tbb::blocked_range<int64_t>& r) {
-            for (int64_t c = r.begin(); c < r.end(); ++c)
-              body(c * kChunk, std::min(n, (c + 1) * kChunk));
-          },
-          tbb::simple_partitioner());
-    });
-  };
+  auto for_chunks = [&](auto body) { zs_bench::for_chunks(arena, n, kChunk, body); };
   const size_t count = static_cast<size_t>(n);
   std::vector<float> p(count), g(count), m(count), v(count);
   // Default contents (pages touched by the arena's threads, as the step will touch them).

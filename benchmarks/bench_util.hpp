@@ -3,6 +3,10 @@
 // median of a series, and wall and process-CPU clocks.
 
 #include <sys/mman.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
+#include <tbb/task_arena.h>
 #include <time.h>
 
 #include <algorithm>
@@ -62,6 +66,22 @@ inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t k = v.size() / 2;
   return v.size() % 2 ? v[k] : 0.5 * (v[k - 1] + v[k]);
+}
+
+/// Runs body(begin, end) over [0, n) in fixed chunks on `arena`, exactly one chunk per task:
+/// the engine's scheme (cpu::Arena::parallel_chunks), and the same for every kernel compared.
+template <class Body>
+void for_chunks(tbb::task_arena& arena, int64_t n, int64_t chunk, const Body& body) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  arena.execute([&] {
+    tbb::parallel_for(
+        tbb::blocked_range<int64_t>(0, chunks, 1),
+        [&](const tbb::blocked_range<int64_t>& r) {
+          for (int64_t c = r.begin(); c < r.end(); ++c)
+            body(c * chunk, std::min(n, (c + 1) * chunk));
+        },
+        tbb::simple_partitioner());
+  });
 }
 
 }  // namespace zs_bench

@@ -9,11 +9,8 @@
 //   cpu_optimizer_bench [--n 100000000] [--threads T] [--isa scalar|avx2|avx512]
 //                       [--rounds 11] [--chunk 65536]
 
-#include <tbb/blocked_range.h>
 #include <tbb/global_control.h>
 #include <tbb/info.h>
-#include <tbb/parallel_for.h>
-#include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
 
 #include <algorithm>
@@ -226,18 +223,7 @@ class Bench {
   // the same for both kernels.
   template <class Body>
   void for_chunks(const Body& body) {
-    const int64_t n = o_.n, chunk = o_.chunk;
-    const int64_t chunks = (n + chunk - 1) / chunk;
-    arena_.execute([&] {
-      tbb::parallel_for(
-          tbb::blocked_range<int64_t>(0, chunks, 1),
-          [&](const tbb::blocked_range<int64_t>& r) {
-            for (int64_t c = r.begin(); c < r.end(); ++c) {
-              body(c * chunk, std::min(n, (c + 1) * chunk));
-            }
-          },
-          tbb::simple_partitioner());  // exactly one chunk per task, never merged
-    });
+    zs_bench::for_chunks(arena_, o_.n, o_.chunk, body);
   }
 
   Options o_;

@@ -16,10 +16,7 @@
 //
 //   engine_step_bench [--n 100000000] [--unit 4000000] [--threads 2] [--rounds 21]
 
-#include <tbb/blocked_range.h>
 #include <tbb/global_control.h>
-#include <tbb/parallel_for.h>
-#include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
 
 #include <cmath>
@@ -151,16 +148,7 @@ class Bench {
  private:
   template <class Body>
   void for_chunks(const Body& body) {
-    const int64_t n = o_.n, chunks = (n + kChunk - 1) / kChunk;
-    arena_.execute([&] {
-      tbb::parallel_for(
-          tbb::blocked_range<int64_t>(0, chunks, 1),
-          [&](const tbb::blocked_range<int64_t>& r) {
-            for (int64_t c = r.begin(); c < r.end(); ++c)
-              body(c * kChunk, std::min(n, (c + 1) * kChunk));
-          },
-          tbb::simple_partitioner());
-    });
+    zs_bench::for_chunks(arena_, o_.n, kChunk, body);
   }
 
   void make_engine() {
