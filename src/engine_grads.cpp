@@ -52,6 +52,9 @@ void Engine::Impl::finish_in_order(int id) {
 // micro-step to the state tier.
 void Engine::Impl::complete_reduction(int id) {
   Unit& u = units[size_t(id)];
+  // Already waited for, and failed after (stage 0's all-gather), which was thrown then: the
+  // micro-step is missing, and step() says so.
+  if (!u.reduction) return;
   // On failure the handle stays, so the destructor can wait for it to settle.
   wait_for(*u.reduction);
   u.reduction.reset();
@@ -66,7 +69,14 @@ void Engine::Impl::complete_reduction(int id) {
     res.grad_staging.release(u.grad_slot);
     u.grad_slot = -1;
   }
-  state->grad_reduced(id, u.micro_done, cfg.stage == 0 ? u.grad_buf.data() : nullptr);
+  // A tier that fails to take the gradient (a GPU's copy down, a kernel launch) loses the step
+  // on every rank: the failure joins the step's agreed flags (reduce_norm_and_flags()) rather
+  // than being thrown here, on one rank, at a moment the others do not share.
+  try {
+    state->grad_reduced(id, u.micro_done, cfg.stage == 0 ? u.grad_buf.data() : nullptr);
+  } catch (const Error& e) {
+    if (!lost_grad) lost_grad = e;
+  }
   ++u.micro_done;
 }
 
@@ -78,12 +88,13 @@ void Engine::Impl::complete_reduction(int id) {
 void Engine::Impl::complete_finished() {
   if (cfg.stage == 0) return;
   while (!in_flight.empty()) {
-    Work& w = *units[size_t(in_flight.front())].reduction;
-    if (!w.done()) return;
-    try {
-      w.wait();  // done: returns at once, or throws its failure
-    } catch (const Error&) {
-      return;
+    if (Work* w = units[size_t(in_flight.front())].reduction.get()) {
+      if (!w->done()) return;
+      try {
+        w->wait();  // done: returns at once, or throws its failure
+      } catch (const Error&) {
+        return;
+      }
     }
     complete_reduction(in_flight.front());
     in_flight.pop_front();
@@ -92,10 +103,10 @@ void Engine::Impl::complete_finished() {
 
 // A gradient staging buffer for unit id (stages 2–3). When none holds it, the oldest reduction in
 // flight frees one (ranks decide alike). Slots are sized by the largest units (engine_setup.cpp):
-// a free slot too small for this unit, because the units out took the larger ones, grows to its
-// size (at most to what slots of the largest unit would hold). When the units holding them wait
-// for their turn, the pool grows by one: a trainer whose order differs from the engine's costs
-// memory, never correctness.
+// when only a slot too small for this unit is free (the units out took the larger ones), that
+// slot grows to its size, so the pool stays within grad_buffers × the largest unit. When the
+// units holding them wait for their turn, the pool grows by one: a trainer whose order differs
+// from the engine's costs memory, never correctness.
 int Engine::Impl::take_grad_staging(int id) {
   BufferPool& pool = res.grad_staging;
   const size_t bytes = size_t(layout(id).padded_numel) * pbytes;
@@ -110,12 +121,17 @@ int Engine::Impl::take_grad_staging(int id) {
       slot = pool.acquire(id, bytes);
     }
   }
-  for (size_t i = 0; slot < 0 && i < pool.owner.size(); ++i)
-    if (pool.owner[i] < 0) {
-      pool.buffers[i] = Buffer();  // freed first: the ledger's peak never holds both
-      pool.buffers[i] = make();
+  if (slot < 0) {  // the largest free slot grows (allocated first: a failure loses nothing)
+    int grow = -1;
+    for (size_t i = 0; i < pool.owner.size(); ++i)
+      if (pool.owner[i] < 0 &&
+          (grow < 0 || pool.buffers[i].bytes() > pool.buffers[size_t(grow)].bytes()))
+        grow = int(i);
+    if (grow >= 0) {
+      pool.buffers[size_t(grow)] = make();
       slot = pool.acquire(id, bytes);
     }
+  }
   bool waiting = false;
   for (int owner : pool.owner) waiting |= owner >= 0 && units[size_t(owner)].queued;
   if (slot < 0 && waiting) {
@@ -254,7 +270,7 @@ void Engine::zero_grad() {
   // Reductions in flight land, and are dropped with the rest (no stage-0 all-gather: their
   // results are forgotten anyway).
   for (int f : m.in_flight) {
-    m.wait_for(*m.units[size_t(f)].reduction);
+    if (m.units[size_t(f)].reduction) m.wait_for(*m.units[size_t(f)].reduction);
     m.units[size_t(f)].reduction.reset();
   }
   m.in_flight.clear();
@@ -269,6 +285,7 @@ void Engine::zero_grad() {
   m.reduce_next = int(m.units.size()) - 1;
   m.closed.reset();
   m.clip_now = 0;
+  m.lost_grad.reset();
   m.state->forget_grads();
 }
 

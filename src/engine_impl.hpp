@@ -94,6 +94,7 @@ struct Engine::Impl final : ParamSink {
 
   // clip_grad_norm() ran: this step's {sum of squares, overflow}, and its clipping bound.
   std::optional<std::pair<double, bool>> closed;
+  std::optional<Error> lost_grad;  // a reduced gradient the state tier failed to take
   double clip_now = 0;
 
   // Timing of the current step interval (StepResult's breakdown).

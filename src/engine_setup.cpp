@@ -52,8 +52,8 @@ void Engine::Impl::make_tiers() {
   }
   // Gradient staging: one slot per unit that may be out at once, sized by the grad_buffers
   // largest units (any grad_buffers units fit, each in the smallest free slot that holds it),
-  // so stage 2 never holds more gradient memory than stage 1, even when one unit is most of
-  // the model.
+  // so stage 2 starts with no more gradient memory than stage 1, even when one unit is most of
+  // the model (take_grad_staging() may grow a slot for a trainer that keeps units out).
   if (st >= 2) {
     std::vector<int64_t> sizes;
     for (size_t i = 0; i < units.size(); ++i) sizes.push_back(layout(int(i)).padded_numel);

@@ -102,11 +102,13 @@ void Engine::Impl::finish_micro_steps() {
 }
 
 // The step's one all-reduce: the sum of squares, the overflow flag, whether a gradient failed to
-// reach its tier (the nvme tier's disk) or come back from it, and the hash of this rank's
-// collectives since the last step (check_same_collectives()): a mix-up or a lost gradient is
-// found here, on every rank, before anything is applied. Returns {Σg², overflow}.
+// reach its tier (the nvme tier's disk, a GPU's copy down) or come back from it, and the hash of
+// this rank's collectives since the last step (check_same_collectives()): a mix-up or a lost
+// gradient is found here, on every rank, before anything is applied. Returns {Σg², overflow}.
 std::pair<double, bool> Engine::Impl::reduce_norm_and_flags() {
-  const std::optional<Error> grad_error = state->settle_grads();
+  std::optional<Error> grad_error = state->settle_grads();
+  if (!grad_error) grad_error = lost_grad;
+  lost_grad.reset();
   const double local = state->sum_squares();
   const double h = double(issued_hash & 0xfffff);
   double agg[5] = {local, std::isfinite(local) ? 0.0 : 1.0, grad_error ? 1.0 : 0.0, h, h * h};
@@ -118,7 +120,7 @@ std::pair<double, bool> Engine::Impl::reduce_norm_and_flags() {
     // Some rank lost a gradient shard: no rank may update. The state stays at the last step.
     state->forget_grads();
     std::optional<Error> e =
-        agree(*comm, grad_error, "step " + std::to_string(steps + 1) + " (gradient swap)");
+        agree(*comm, grad_error, "step " + std::to_string(steps + 1) + " (gradients)");
     ZS_CHECK(e.has_value());
     throw Error(e->code(), std::string(e->what()) + not_applied(steps + 1));
   }

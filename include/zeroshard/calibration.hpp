@@ -38,8 +38,8 @@ class ZS_API SameBytesPass {
   /// moves elements [b, e) of every stream, so all advance together as in the update (w-byte
   /// elements as 4-byte words, a stream's last odd half-word left out). Write streams are
   /// overwritten with meaningless bits; the same pointer in both lists is an in-place stream.
-  /// At most 8 read and 8 write streams of each element width. Throws Error (invalid_argument)
-  /// on bad streams.
+  /// At most 8 read and 8 write streams of each element width, and at least one write stream
+  /// of every width read. Throws Error (invalid_argument) on bad streams.
   double run(const std::vector<MemoryStream>& reads, const std::vector<MemoryStream>& writes,
              int64_t n);
 

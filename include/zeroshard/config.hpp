@@ -100,8 +100,10 @@ struct ZS_API Config {
   AioOptions aio;
   /// Shards are padded so each unit's flat buffer is a multiple of world_size × this many elements.
   int64_t shard_alignment = 128;
-  /// Stage 2/3: whole-unit gradient buffers the trainer writes into before reduction, sized by
-  /// the grad_buffers largest units (so never more than stage 1's whole gradients). With
+  /// Stage 2/3: whole-unit gradient buffers the trainer writes into before reduction, sized at
+  /// finalize() by the grad_buffers largest units (so never more than stage 1's whole
+  /// gradients); a trainer that keeps a small unit out while a larger one asks for a buffer
+  /// makes one grow, up to grad_buffers × the largest unit. With
   /// offload_optimizer nvme (any stage) also sizes the gradient-shard cache (grad_buffers + 1).
   int grad_buffers = 2;
   /// Stage 3: gathered-unit buffers (in use plus prefetched); must be at least 2.

@@ -9,13 +9,13 @@
 //   seconds = zeroshard._core.same_bytes(reads, writes, threads=2)   # one-off, same thing
 //
 // Streams are contiguous CPU tensors or arrays with one element count n between them (one
-// element per parameter), of any dtype: an update's bf16 gradient and its bf16 copy-out sit next
-// to its f32 master and moments. Chunk [b, e) of the n elements moves elements [b, e) of every
-// stream, so all streams advance together as in the update; a stream of w-byte elements is moved
-// as 4-byte words [b·w/4, e·w/4), rounded down at the end of the stream (an odd bf16 tail of 2
-// bytes is not moved). The kernel xors the words read and writes the result to every write
-// stream: what a write stream held is lost, so pass buffers that belong to nobody else. The same
-// tensor in both lists is an in-place stream, as the update's master and moments are.
+// element per parameter), of dtypes of 2, 4 or 8 bytes: an update's bf16 gradient and its bf16
+// copy-out sit next to its f32 master and moments. Chunk [b, e) of the n elements moves elements
+// [b, e) of every stream, so all streams advance together as in the update; a stream of w-byte
+// elements is moved as 4-byte words [b·w/4, e·w/4), rounded down at the end of the stream (an odd
+// bf16 tail of 2 bytes is not moved). The kernel xors the words read and writes the result to every
+// write stream: what a write stream held is lost, so pass buffers that belong to nobody else. The
+// same tensor in both lists is an in-place stream, as the update's master and moments are.
 //
 // The pass itself is the library's zeroshard::SameBytesPass (zeroshard/calibration.hpp).
 #include <nanobind/stl/string.h>
@@ -93,10 +93,10 @@ void bind_kernels(nb::module_& m) {
       "engine's default, ZEROSHARD_CPU_THREADS or cores / local ranks). run(reads, writes) reads "
       "every read stream and writes every write stream once, with no arithmetic, in 64 Ki-element "
       "chunks as the engine's CPU update runs, and returns the pass's wall time in seconds. "
-      "Streams: contiguous CPU tensors or arrays, one element count n between them, any dtype "
-      "(a w-byte stream moves n*w bytes, rounded down to 4); a tensor in both lists is an "
-      "in-place stream. Write streams are overwritten with meaningless bits. At most 8 read and "
-      "8 write streams per element width.")
+      "Streams: contiguous CPU tensors or arrays, one element count n between them, dtypes of 2, "
+      "4 or 8 bytes (a w-byte stream moves n*w bytes, rounded down to 4); a tensor in both lists "
+      "is an in-place stream. Write streams are overwritten with meaningless bits. At most 8 "
+      "read and 8 write streams per element width, and a write stream of every width read.")
       .def(nb::init<int>(), nb::arg("threads") = 0)
       .def_prop_ro("threads", &SameBytes::threads, "Threads of the arena.")
       .def_prop_ro("isa", &SameBytes::isa, "The kernel's ISA: 'scalar', 'avx2' or 'avx512'.")

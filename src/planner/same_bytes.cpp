@@ -50,12 +50,21 @@ double SameBytesPass::run(const std::vector<MemoryStream>& reads,
     check(s, "write");
     groups[s.element_bytes].writes.push_back(static_cast<float*>(s.data));
   }
-  for (auto& [width, g] : groups)
+  for (auto& [width, g] : groups) {
+    // The kernel writes what it read: reads of a width with nothing written would be dropped.
+    if (g.writes.empty())
+      ZS_THROW(invalid_argument, "SameBytesPass::run(): " << g.reads.size() << " read stream(s) of "
+                                                          << width
+                                                          << "-byte elements and no "
+                                                             "write stream of that width: give "
+                                                             "the pass one (their reads would "
+                                                             "be optimised away)");
     if (g.reads.size() > kMaxStreams || g.writes.size() > kMaxStreams)
       ZS_THROW(invalid_argument, "SameBytesPass::run(): " << g.reads.size() << " read and "
                                                           << g.writes.size() << " write streams of "
                                                           << width << "-byte elements; at most "
                                                           << kMaxStreams << " of each per width");
+  }
   cpu::Arena& arena = impl_->arena;
   const cpu::Isa isa = arena.isa();
   const auto t0 = std::chrono::steady_clock::now();

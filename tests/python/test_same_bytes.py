@@ -34,3 +34,8 @@ def test_bad_streams_are_refused():
         _core.same_bytes([a] * 9, [np.zeros(8, dtype=np.float32)], 1)
     with pytest.raises(_core.InvalidArgumentError, match="no streams"):
         _core.same_bytes([], [], 1)
+    # A bf16 gradient read with no bf16 stream written would be optimised away, not timed.
+    with pytest.raises(_core.InvalidArgumentError, match="no write stream of that width"):
+        _core.same_bytes([a, np.zeros(8, dtype=np.uint16)], [a], 1)
+    with pytest.raises(_core.InvalidArgumentError, match="elements"):
+        _core.same_bytes([np.zeros(8, dtype=np.uint8)], [np.zeros(8, dtype=np.uint8)], 1)
