@@ -24,7 +24,7 @@ NvmeParamTier::NvmeParamTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
     max_shard = std::max(max_shard, s);
     sum_shard += s;
   }
-  store_.open(testing::hooks().preallocate);
+  store_.open(!ctx.plan_only && testing::hooks().preallocate);
   pool_ = PinnedPool(ctx.ledger, "param_staging", cfg.offload_param.buffer_count,
                      size_t(max_shard) * ctx.pbytes, cfg.offload_param.pin_memory);
   // The ledger's nvme column: one slot of each shard (what the tier holds), and the rest of the

@@ -62,7 +62,7 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
     max_slot = std::max(max_slot, L.total);
     sum_shard += S;
   }
-  store_.open(testing::hooks().preallocate);
+  store_.open(!ctx.plan_only && testing::hooks().preallocate);
   const int count = cfg.offload_optimizer.buffer_count;
   const bool pin = cfg.offload_optimizer.pin_memory;
   swap_pool_ = PinnedPool(ctx.ledger, "swap_staging", count, max_slot, pin);

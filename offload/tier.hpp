@@ -47,6 +47,9 @@ struct TierContext {
   size_t pbytes = 4;
   int num_states = 0;  ///< optimizer moments per element: 0, 1 or 2
   Ledger* ledger = nullptr;
+  /// A plan (src/planner/plan_memory.cpp): the ledger counts buffers without memory behind
+  /// them, and swap files are created sparse (no space reserved) and never written.
+  bool plan_only = false;
   /// The engine's communicator (for failures all ranks must share, see src/base/agree.hpp).
   Communicator* comm = nullptr;
   /// A ledger-counted buffer of `bytes` on `tier`: device memory of the engine's device, or

@@ -29,6 +29,7 @@ void Engine::Impl::make_tiers() {
   c.pbytes = pbytes;
   c.num_states = num_states();
   c.ledger = &res.ledger;
+  c.plan_only = res.ledger.counting_only();
   c.comm = comm.get();
   // Device-tier memory comes from the device's backend; pinned host-tier memory from CUDA when
   // the device is a GPU (so copies are DMA), else from the heap, mlock'ed.
@@ -80,7 +81,7 @@ void Engine::Impl::make_tiers() {
     params = std::make_unique<MemoryParamTier>(c, tpar, *res.dev, *res.host);
   }
   // An f32 model's master weights are its parameters when both live in the same memory.
-  std::vector<float*> alias(units.size(), nullptr);
+  std::vector<std::optional<float*>> alias(units.size());
   master_is_param.assign(units.size(), false);
   for (size_t i = 0; i < units.size() && pdt == DType::f32 && topt == tpar && topt != Tier::nvme;
        ++i) {
@@ -96,6 +97,7 @@ void Engine::Impl::make_tiers() {
   // A GPU with the optimizer on the CPU: gradients come down, parameters go up.
   if (res.dev->device() != Device::cpu && topt != Tier::device)
     state = std::make_unique<StagedStateTier>(c, std::move(state), *res.dev);
+  if (c.plan_only) return;  // a plan: no memory to register, no I/O to start
   if (res.swap) res.swap->start(cfg.aio);
   for (auto [p, n] : state->dma_regions())
     if (auto h = res.dev->register_host(p, n)) dma.push_back(std::move(h));
@@ -104,6 +106,7 @@ void Engine::Impl::make_tiers() {
 // Initial values go through f32 once; the low-precision copy is rounded from the master, so every
 // stage starts from bitwise the same state.
 void Engine::Impl::load_initial_values() {
+  if (res.ledger.counting_only()) return;  // a plan holds no values
   std::vector<float> whole;
   for (size_t i = 0; i < units.size(); ++i) {
     Unit& u = units[i];

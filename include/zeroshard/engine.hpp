@@ -247,6 +247,7 @@ class ZS_API Engine {
   std::vector<std::string> swap_files() const;
 
  private:
+  friend struct PlanAccess;  // plan_memory() (zeroshard/planner.hpp) runs finalize() as a plan
   struct ZS_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -13,5 +13,6 @@
 #include "zeroshard/export.hpp"
 #include "zeroshard/memory.hpp"
 #include "zeroshard/param.hpp"
+#include "zeroshard/planner.hpp"
 #include "zeroshard/types.hpp"
 #include "zeroshard/version.hpp"

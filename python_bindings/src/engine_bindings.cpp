@@ -16,6 +16,7 @@
 
 #include "python_bindings/src/bindings.hpp"
 #include "zeroshard/checkpoint.hpp"
+#include "zeroshard/planner.hpp"
 
 namespace zeroshard::py {
 
@@ -604,8 +605,37 @@ void bind_checkpoint_tools(nb::module_& m) {
       "Writes out_dir/model.safetensors (f32 weights) and out_dir/optimizer.safetensors.");
 }
 
+void bind_plan(nb::module_& m) {
+  m.def(
+      "plan_memory",
+      [](const Config& cfg, const std::vector<std::pair<std::string, std::vector<PyParam*>>>& units,
+         int world, int rank, const std::vector<OptimizerOptions>& groups) {
+        std::vector<PlanUnit> us;
+        for (const auto& [name, params] : units) {
+          PlanUnit u{name, {}};
+          for (const PyParam* p : params) {
+            if (!p)
+              throw Error(ErrorCode::invalid_argument,
+                          "plan_memory(): unit '" + name + "' has a parameter None");
+            u.params.push_back(Param{p->name, p->shape, p->group, {}});
+          }
+          us.push_back(std::move(u));
+        }
+        nb::gil_scoped_release nogil;
+        return plan_memory(cfg, us, world, rank, groups);
+      },
+      nb::arg("config"), nb::arg("units"), nb::arg("world"), nb::arg("rank") = 0,
+      nb::arg("groups") = std::vector<OptimizerOptions>{},
+      "The MemoryReport rank `rank` of an engine with `config` on `world` ranks would have after "
+      "finalize(), computed by the engine's own setup with nothing allocated (equal to that "
+      "engine's memory()). units: a list of (name, [Param, ...]) as Engine.add_unit takes them "
+      "(initial values are ignored); groups: the parameter groups after the first. CPU engines "
+      "only.");
+}
+
 void bind_engine(nb::module_& m) {
   m.def("version", &version, "The library's version, e.g. '0.1.0'.");
+  bind_plan(m);
   bind_checkpoint_tools(m);
   bind_communicator(m);
   bind_results(m);

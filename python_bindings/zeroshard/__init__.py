@@ -50,6 +50,7 @@ from ._core import (  # noqa: F401  (re-exported API)
     export_checkpoint,
     make_mpi_communicator,
     make_self_communicator,
+    plan_memory,
     verify_checkpoint,
     version,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "launch_info",
     "make_mpi_communicator",
     "make_self_communicator",
+    "plan_memory",
     "verify_checkpoint",
     "version",
 ]

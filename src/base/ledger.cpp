@@ -103,6 +103,11 @@ Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t
                bool huge_pages)
     : ledger_(ledger), tier_(tier), kind_(kind), name_(std::move(name)) {
   if (bytes == 0) return;
+  if (ledger_ && ledger_->counting_only()) {  // a plan: counted, never allocated
+    bytes_ = bytes;
+    ledger_->add(tier_, kind_, name_, int64_t(bytes_));
+    return;
+  }
   const bool huge = huge_pages && bytes >= kHugeAlign;
   const size_t align = huge ? kHugeAlign : kAlign;
   size_t rounded = (bytes + align - 1) / align * align;
@@ -133,6 +138,11 @@ Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t
     : Buffer(alloc ? nullptr : ledger, tier, kind, std::move(name), alloc ? 0 : bytes) {
   if (!alloc || bytes == 0) return;
   ledger_ = ledger;
+  if (ledger_ && ledger_->counting_only()) {  // a plan: counted, never allocated
+    bytes_ = bytes;
+    ledger_->add(tier_, kind_, name_, int64_t(bytes_));
+    return;
+  }
   data_ = alloc->allocate(bytes, name_);
   alloc_ = alloc;
   bytes_ = rounded_ = bytes;
@@ -140,17 +150,16 @@ Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t
 }
 
 Buffer::~Buffer() {
-  if (!data_) return;
-  if (alloc_) {
+  if (data_ && alloc_) {
     alloc_->deallocate(data_);
-  } else {
+  } else if (data_) {
     if (pinned_) munlock(data_, rounded_);
     if (mapped_)
       munmap(data_, rounded_);
     else
       std::free(data_);
   }
-  if (ledger_) ledger_->sub(tier_, kind_, name_, int64_t(bytes_));
+  if (ledger_ && bytes_) ledger_->sub(tier_, kind_, name_, int64_t(bytes_));
 }
 
 void Buffer::swap(Buffer& o) noexcept {

@@ -19,8 +19,13 @@ class Ledger {
   void add(Tier tier, MemKind kind, const std::string& name, int64_t bytes);
   void sub(Tier tier, MemKind kind, const std::string& name, int64_t bytes);
   MemoryReport report() const;
+  /// From now on Buffers registering here are counted and not allocated (their data() is null):
+  /// a plan of what an engine would hold (src/planner/plan_memory.cpp).
+  void count_only() { count_only_ = true; }
+  bool counting_only() const { return count_only_; }
 
  private:
+  bool count_only_ = false;
   mutable std::mutex mu_;
   MemoryReport r_;
   std::map<std::pair<std::string, int>, NamedBuffer> named_;

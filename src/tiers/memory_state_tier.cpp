@@ -15,7 +15,8 @@
 namespace zeroshard {
 
 MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute,
-                                 cpu::Arena& arena, const std::vector<float*>& master_alias,
+                                 cpu::Arena& arena,
+                                 const std::vector<std::optional<float*>>& master_alias,
                                  bool previews)
     : ctx_(ctx),
       compute_(compute),
@@ -36,7 +37,7 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
     if (ctx.accumulation() > 1)
       s.accum = ctx.buffer(tier, MemKind::buffer, "grad_accum", ext * 4, pin);
     if (master_alias[i]) {
-      s.master = master_alias[i];
+      s.master = *master_alias[i];
     } else {
       s.master_buf = ctx.buffer(tier, MemKind::master, "master", ext * 4, pin);
       s.master = s.master_buf.as<float>();

@@ -4,6 +4,7 @@
 // the work done by the Compute backend that reaches it.
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "kernels/cpu/arena.hpp"
@@ -16,11 +17,12 @@ namespace zeroshard {
 class MemoryStateTier final : public StateTier {
  public:
   /// State on `tier` (device or host), worked on by `compute` (the device's backend for the
-  /// device tier, the CPU's for the host tier). master_alias[u], when not null, is unit u's f32
-  /// parameters in the same memory: they are the master weights, and no copy-out is made.
+  /// device tier, the CPU's for the host tier). master_alias[u], when set, is unit u's f32
+  /// parameters in the same memory (null in a plan): they are the master weights, and no
+  /// copy-out is made.
   /// `previews`: allocate the per-thread scratch preview() needs (CPU only, on `arena`).
   MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute, cpu::Arena& arena,
-                  const std::vector<float*>& master_alias, bool previews);
+                  const std::vector<std::optional<float*>>& master_alias, bool previews);
 
   void load_initial(int u, const float* whole) override;
   void* grad_target(int u) override { return units_[size_t(u)].grad_shard.data(); }

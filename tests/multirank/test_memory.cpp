@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <functional>
 
 #include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
 using zs_test::world;
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -164,6 +166,60 @@ TEST(Memory, StageTwoGradientsStayBelowStageOneWithOneLargeUnit) {
   }
   EXPECT_LT(grad_memory[1], grad_memory[0]) << "stage 2 holds more gradient memory than stage 1";
   EXPECT_TRUE(masters[0] == masters[1]) << "stage 2 trained differently from stage 1";
+}
+
+// plan_memory() is the engine's own setup with nothing allocated, so its report equals the
+// ledger of the engine it plans, cell by cell and buffer by buffer, on every rank: every stage,
+// optimizer tier and (stage 3) parameter tier, dtype, accumulation and world size 1-4.
+TEST(Memory, PlanEqualsLedger) {
+  const fs::path root = fs::temp_directory_path() / "zeroshard-plan-tests";
+  fs::create_directories(root / "a");
+  fs::create_directories(root / "b");
+  auto model = zs_test::uneven_model();
+  model.push_back({"wide", {{"w", {40, 97}}, {"b", {97}}}});
+  std::vector<PlanUnit> units;
+  for (const auto& u : model) {
+    PlanUnit pu{u.name, {}};
+    for (const auto& [name, shape] : u.params) pu.params.push_back(Param{name, shape});
+    units.push_back(pu);
+  }
+  int configs = 0;
+  for (int stage = 0; stage <= 3; ++stage)
+    for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
+      for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
+        if ((stage < 3 && par != Tier::device) || (stage == 0 && opt == Tier::nvme)) continue;
+        for (DType dt : {DType::bf16, DType::f32})
+          for (int k : {1, 2}) {
+            Config cfg;
+            cfg.stage = stage;
+            cfg.dtype = dt;
+            cfg.gradient_accumulation_steps = k;
+            cfg.shard_alignment = 8;
+            cfg.offload_optimizer.tier = opt;
+            cfg.offload_param.tier = par;
+            cfg.aio.block_size = 4096;
+            for (OffloadOptions* o : {&cfg.offload_optimizer, &cfg.offload_param})
+              o->nvme_paths = {(root / "a").string(), (root / "b").string()};
+            Engine e(cfg, world());
+            zs_test::register_model(e, model);
+            const MemoryReport real = e.memory();
+            const MemoryReport plan = plan_memory(cfg, units, e.world_size(), e.rank());
+            SCOPED_TRACE("stage " + std::to_string(stage) + ", optimizer " + tier_name(opt) +
+                         ", parameters " + tier_name(par) + ", " + dtype_name(dt) + ", k " +
+                         std::to_string(k));
+            for (int t = 0; t < kNumTiers; ++t)
+              for (int kd = 0; kd < kNumMemKinds; ++kd)
+                EXPECT_EQ(plan.bytes[t][kd], real.bytes[t][kd]) << "tier " << t << " kind " << kd;
+            ASSERT_EQ(plan.buffers.size(), real.buffers.size());
+            for (size_t i = 0; i < plan.buffers.size(); ++i) {
+              EXPECT_EQ(plan.buffers[i].name, real.buffers[i].name);
+              EXPECT_EQ(plan.buffers[i].bytes, real.buffers[i].bytes) << real.buffers[i].name;
+            }
+            EXPECT_GT(plan.total(), 0);
+            ++configs;
+          }
+      }
+  EXPECT_EQ(configs, 68);
 }
 
 TEST(Memory, HostOffloadMovesOptimizerStateToHostTier) {

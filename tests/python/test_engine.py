@@ -153,6 +153,34 @@ def test_memory_report():
     assert "optim_state" in str(m)
 
 
+def test_plan_memory_equals_the_ledger():
+    # The plan of an engine is its own setup with nothing allocated: every cell of the report
+    # matches the engine's, here with the optimizer on the host tier, two groups, and a plan of
+    # rank 3 of 4 differing from rank 0's only where the shards do.
+    cfg = zs.Config(stage=2, offload_optimizer="cpu", dtype="bf16")
+    bias = zs.OptimizerOptions(weight_decay=0.0)
+    units = [("embed", [zs.Param("w", shape=[300, 7])]),
+             ("head", [zs.Param("w", shape=[7, 300]), zs.Param("b", shape=[300], group=1)])]
+    e = zs.Engine(cfg, zs.make_self_communicator())
+    e.add_group(bias)
+    for name, params in units:
+        e.add_unit(name, params)
+    e.finalize()
+    plan = zs.plan_memory(cfg, units, world=1, groups=[bias])
+    assert plan.as_dict() == e.memory().as_dict() and plan.total() > 0
+    big = zs.plan_memory(cfg, units, world=4, rank=3, groups=[bias])
+    assert big.at(zs.Tier.host, zs.MemKind.optim_state) < plan.at(zs.Tier.host,
+                                                                    zs.MemKind.optim_state)
+    with pytest.raises(zs.InvalidArgumentError, match="rank 4 of 4"):
+        zs.plan_memory(cfg, units, world=4, rank=4)
+    # A model far larger than this machine's memory plans in no time and allocates nothing.
+    huge = [(f"layer{i}", [zs.Param("w", shape=[1 << 15, 1 << 15])]) for i in range(64)]
+    nvme = {"device": "nvme", "nvme_path": "/nonexistent/nvme"}
+    p = zs.plan_memory(zs.Config(stage=3, offload_optimizer=nvme, offload_param=nvme,
+                                 dtype="bf16"), huge, world=8)
+    assert p.at(zs.Tier.nvme, zs.MemKind.optim_state) == 2 * 4 * (64 << 30) // 8
+
+
 def test_step_releases_the_gil():
     # One engine with 16 M parameters, so that each step() takes tens of ms (4 M took under
     # 10 ms on a fast 2-core machine). While a worker thread runs step(), the main thread must

@@ -1,0 +1,126 @@
+// plan_memory() (zeroshard/planner.hpp): an engine built on a communicator that answers one
+// rank's collectives locally, finalized with a ledger that counts its buffers instead of
+// allocating them.
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+
+#include "src/base/check.hpp"
+#include "src/comm/work_state.hpp"
+#include "src/engine_impl.hpp"
+#include "zeroshard/planner.hpp"
+
+namespace zeroshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::shared_ptr<Work> done_work(std::string what) {
+  auto w = std::make_shared<WorkState>(std::move(what));
+  w->complete();
+  return w;
+}
+
+// Rank `rank` of `size` ranks that all hold what this one holds: a gather repeats its part, a
+// sum multiplies it, a broadcast keeps it. finalize() needs no more (the model check, the
+// agreement on a failure); gradients are never reduced in a plan.
+class PlanCommunicator final : public Communicator {
+ public:
+  PlanCommunicator(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::shared_ptr<Work> reduce_scatter(const void*, void*, int64_t, DType,
+                                       std::string what) override {
+    ZS_THROW(internal, "plan_memory(): a plan runs no " << what);
+  }
+  std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count, DType dtype,
+                                   std::string what) override {
+    const size_t bytes = size_t(count) * dtype_size(dtype);
+    for (int r = 0; r < size_; ++r)
+      if (static_cast<char*>(recv) + size_t(r) * bytes != send)
+        std::memmove(static_cast<char*>(recv) + size_t(r) * bytes, send, bytes);
+    return done_work(std::move(what));
+  }
+  std::shared_ptr<Work> all_reduce(double* x, int64_t n, ReduceOp op, std::string what) override {
+    if (op == ReduceOp::sum)
+      for (int64_t i = 0; i < n; ++i) x[i] *= size_;
+    return done_work(std::move(what));
+  }
+  std::shared_ptr<Work> broadcast(void*, int64_t, int, std::string what) override {
+    return done_work(std::move(what));
+  }
+  void barrier(std::string) override {}
+  void set_timeout(double) override {}
+
+ private:
+  int rank_, size_;
+};
+
+// A temporary directory for the plan's sparse swap files, removed with it.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "zeroshard-plan-XXXXXX").string();
+    if (!::mkdtemp(tmpl.data())) ZS_THROW(io_error, "plan_memory(): cannot create " << tmpl);
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// The configured nvme paths, each distinct one (as the swap space tells them apart) mapped to a
+// directory of its own under `tmp`: the files are striped over as many paths as configured.
+void redirect(std::vector<std::string>& paths, const fs::path& tmp,
+              std::map<std::string, std::string>& seen) {
+  for (std::string& p : paths) {
+    const std::string key = fs::path(p).lexically_normal().string();
+    auto it = seen.find(key);
+    if (it == seen.end()) {
+      const fs::path d = tmp / ("path" + std::to_string(seen.size()));
+      fs::create_directories(d);
+      it = seen.emplace(key, d.string()).first;
+    }
+    p = it->second;
+  }
+}
+
+}  // namespace
+
+struct PlanAccess {
+  static MemoryReport plan(Engine& e) {
+    Engine::Impl& m = *e.impl_;
+    m.res.ledger.count_only();
+    e.finalize();
+    return e.memory();
+  }
+};
+
+MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, int world, int rank,
+                         const std::vector<OptimizerOptions>& groups) {
+  if (world < 1 || rank < 0 || rank >= world)
+    ZS_THROW(invalid_argument, "plan_memory(): rank " << rank << " of " << world << " ranks");
+  if (cfg.device != Device::cpu)
+    ZS_THROW(invalid_argument,
+             "plan_memory(): only CPU engines are planned (Config::device "
+             "cpu); a GPU engine's plan needs its device's allocator");
+  Config c = cfg;
+  TempDir tmp;
+  std::map<std::string, std::string> seen;
+  redirect(c.offload_optimizer.nvme_paths, tmp.path, seen);
+  redirect(c.offload_param.nvme_paths, tmp.path, seen);
+  std::vector<PlanUnit> bare = units;
+  for (PlanUnit& u : bare)
+    for (Param& p : u.params) p.init = TensorView{};
+  Engine e(c, std::make_shared<PlanCommunicator>(rank, world));
+  for (const OptimizerOptions& g : groups) e.add_group(g);
+  for (PlanUnit& u : bare) e.add_unit(u.name, std::move(u.params));
+  return PlanAccess::plan(e);
+}
+
+}  // namespace zeroshard
