@@ -14,6 +14,7 @@
 
 #include "apps/ckpt/ckpt.hpp"
 #include "apps/demo.hpp"
+#include "apps/plan/plan.hpp"
 #include "zeroshard/version.hpp"
 
 namespace {
@@ -60,6 +61,8 @@ constexpr Command kCommands[] = {
      &zsdemo::run_demo},
     {"ckpt", "inspect or verify a checkpoint without launching ranks (ckpt --help)",
      &zsckpt::run_ckpt},
+    {"plan", "the memory per rank of every stage and offload choice for a GPT (plan --help)",
+     &zsplan::run_plan},
 };
 
 void usage(std::FILE* out) {

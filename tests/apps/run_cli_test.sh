@@ -31,4 +31,14 @@ expect 2 "not a multiple of --heads" demo --dim 100 --heads 3
 expect 2 "needs a value" demo --steps
 expect 2 "requires zero_optimization.stage = 3" demo --stage 1 --offload-param cpu
 expect 2 "configuration" demo --config /nonexistent/ds_config.json
+# plan: every stage and offload choice, against the memory given (a byte of device memory fits
+# nothing), and clear errors on bad flags.
+small=(--layers 2 --dim 64 --heads 4 --vocab 128 --seq 16 --ranks 2)
+expect 0 "--device-gib" plan --help
+expect 0 "^3     nvme      nvme" plan "${small[@]}"
+expect 0 "no (device)" plan "${small[@]}" --device-gib 0.000000001
+expect 0 "yes" plan "${small[@]}" --device-gib 1 --host-gib 1 --nvme-gib 1
+expect 2 "unknown flag --frob" plan --frob 1
+expect 2 "--dtype must be one of" plan --dtype fp8
+expect 2 "--ranks needs a positive integer" plan --ranks 0
 exit $fail

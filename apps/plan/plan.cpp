@@ -1,0 +1,191 @@
+// `zeroshard plan` (plan.hpp). For the GPT the demo trains (any size), every ZeRO stage and
+// offload choice on N ranks: the bytes one rank holds on each tier after finalize(), computed by
+// the engine's own setup with nothing allocated (so the figures are what Engine::memory() will
+// report), and whether they fit the memory given per rank.
+#include "apps/plan/plan.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "apps/model/gpt.hpp"
+#include "zeroshard/zeroshard.hpp"
+
+namespace zsplan {
+
+namespace {
+
+using namespace zeroshard;
+
+struct Options {
+  zsdemo::GptShape shape{50304, 1024, 768, 12, 12};  // GPT-2 small by default
+  int ranks = 1;
+  DType dtype = DType::bf16;
+  OptimizerKind optimizer = OptimizerKind::adamw;
+  double device_gib = 0, host_gib = 0, nvme_gib = 0;  // per rank; 0 = not checked
+};
+
+const char* kHelp =
+    "usage: zeroshard plan [--layers N] [--dim N] [--heads N] [--vocab N] [--seq N] [--ranks N]\n"
+    "                      [--dtype bf16|f16|f32] [--optimizer adamw|adam|lion|sgd]\n"
+    "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n\n"
+    "For a GPT (the demo's model: token and position embeddings, --layers blocks of width --dim,\n"
+    "an untied head; default GPT-2 small) on --ranks ranks, prints for every ZeRO stage and\n"
+    "offload choice the bytes one rank holds on each tier once the engine is finalized, computed\n"
+    "by the engine's own setup with nothing allocated (what Engine::memory() will report; rank 0,\n"
+    "or the largest rank where shards differ), and whether they fit --device-gib, --host-gib and\n"
+    "--nvme-gib per rank (0 or absent: not checked). CPU engines' layout; no step time yet.\n";
+
+[[noreturn]] void bad(const std::string& why) {
+  throw std::invalid_argument(why);
+}
+
+int64_t to_int(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end || x < 1) bad(flag + " needs a positive integer, got '" + v + "'");
+  return x;
+}
+
+double to_gib(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end || !(x >= 0)) bad(flag + " needs a size in GiB >= 0, got '" + v + "'");
+  return x;
+}
+
+Options parse(const std::vector<std::string>& args) {
+  Options o;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& f = args[i];
+    if (i + 1 >= args.size()) bad(f + " needs a value (zeroshard plan --help)");
+    const std::string& v = args[++i];
+    if (f == "--layers")
+      o.shape.layers = to_int(f, v);
+    else if (f == "--dim")
+      o.shape.dim = to_int(f, v);
+    else if (f == "--heads")
+      o.shape.heads = to_int(f, v);
+    else if (f == "--vocab")
+      o.shape.vocab = to_int(f, v);
+    else if (f == "--seq")
+      o.shape.seq = to_int(f, v);
+    else if (f == "--ranks")
+      o.ranks = int(to_int(f, v));
+    else if (f == "--device-gib")
+      o.device_gib = to_gib(f, v);
+    else if (f == "--host-gib")
+      o.host_gib = to_gib(f, v);
+    else if (f == "--nvme-gib")
+      o.nvme_gib = to_gib(f, v);
+    else if (f == "--dtype") {
+      if (v == "bf16")
+        o.dtype = DType::bf16;
+      else if (v == "f16")
+        o.dtype = DType::f16;
+      else if (v == "f32")
+        o.dtype = DType::f32;
+      else
+        bad("--dtype must be one of bf16, f16, f32, got '" + v + "'");
+    } else if (f == "--optimizer") {
+      bool found = false;
+      for (OptimizerKind k :
+           {OptimizerKind::adamw, OptimizerKind::adam, OptimizerKind::lion, OptimizerKind::sgd})
+        if (v == optimizer_name(k)) o.optimizer = k, found = true;
+      if (!found) bad("--optimizer must be one of adamw, adam, lion, sgd, got '" + v + "'");
+    } else {
+      bad("unknown flag " + f + " (zeroshard plan --help)");
+    }
+  }
+  if (o.shape.dim % o.shape.heads != 0) bad("--dim is not a multiple of --heads");
+  return o;
+}
+
+double gib(int64_t b) {
+  return double(b) / double(int64_t(1) << 30);
+}
+
+}  // namespace
+
+int run_plan(const std::vector<std::string>& args) {
+  if (std::find(args.begin(), args.end(), "--help") != args.end()) {
+    std::fputs(kHelp, stdout);
+    return 0;
+  }
+  Options o;
+  try {
+    o = parse(args);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "zeroshard plan: %s\n", e.what());
+    return 2;
+  }
+  std::vector<PlanUnit> units;
+  int64_t params = 0;
+  for (const zsdemo::UnitSpec& u : zsdemo::gpt_units(o.shape)) {
+    PlanUnit pu{u.name, {}};
+    for (const zsdemo::ParamSpec& p : u.params) {
+      pu.params.push_back(Param{p.name, p.shape, p.decay ? 0 : 1});
+      params += shape_numel(p.shape);
+    }
+    units.push_back(std::move(pu));
+  }
+  std::printf(
+      "GPT: %lld blocks of width %lld, vocab %lld, context %lld: %.3f G parameters, %s, "
+      "%s, %d rank(s)\n\n",
+      (long long)o.shape.layers, (long long)o.shape.dim, (long long)o.shape.vocab,
+      (long long)o.shape.seq, double(params) / 1e9, dtype_name(o.dtype),
+      optimizer_name(o.optimizer), o.ranks);
+  std::printf("%-5s %-9s %-9s %12s %12s %12s %14s  %s\n", "stage", "optimizer", "params",
+              "device GiB", "host GiB", "nvme GiB", "model states", "fits");
+  const char* names[] = {"device", "host", "nvme"};
+  for (int stage = 0; stage <= 3; ++stage)
+    for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
+      for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
+        if ((stage < 3 && par != Tier::device) || (stage == 0 && opt == Tier::nvme)) continue;
+        Config cfg;
+        cfg.stage = stage;
+        cfg.dtype = o.dtype;
+        cfg.optimizer.kind = o.optimizer;
+        cfg.offload_optimizer.tier = opt;
+        cfg.offload_param.tier = par;
+        for (OffloadOptions* off : {&cfg.offload_optimizer, &cfg.offload_param})
+          off->nvme_paths = {"/planned/nvme"};
+        OptimizerOptions no_decay = cfg.optimizer;
+        no_decay.weight_decay = 0;
+        // Rank 0 and the last rank: shards are equal but for where a unit's padding falls.
+        int64_t tier_bytes[kNumTiers] = {0, 0, 0};
+        int64_t states = 0;
+        try {
+          for (int r : {0, o.ranks - 1}) {
+            const MemoryReport m = plan_memory(cfg, units, o.ranks, r, {no_decay});
+            for (int t = 0; t < kNumTiers; ++t) {
+              int64_t sum = 0;
+              for (int k = 0; k < kNumMemKinds; ++k) sum += m.bytes[t][k];
+              tier_bytes[t] = std::max(tier_bytes[t], sum);
+            }
+            states = std::max(states, m.model_state_bytes());
+          }
+        } catch (const Error& e) {
+          std::printf("%-5d %-9s %-9s  refused: %s\n", stage, tier_name(opt), tier_name(par),
+                      e.what());
+          continue;
+        }
+        const double limit[kNumTiers] = {o.device_gib, o.host_gib, o.nvme_gib};
+        std::string fits = "yes";
+        for (int t = 0; t < kNumTiers; ++t)
+          if (limit[t] > 0 && gib(tier_bytes[t]) > limit[t])
+            fits = std::string("no (") + names[t] + ")";
+        if (limit[0] + limit[1] + limit[2] == 0) fits = "-";
+        std::printf("%-5d %-9s %-9s %12.3f %12.3f %12.3f %14.3f  %s\n", stage, tier_name(opt),
+                    stage == 3 ? tier_name(par) : "device", gib(tier_bytes[0]), gib(tier_bytes[1]),
+                    gib(tier_bytes[2]), gib(states), fits.c_str());
+      }
+  std::printf(
+      "\nBytes per rank once finalized (parameters, gradients, master weights, optimizer state,\n"
+      "gradient staging and gather buffers, swap staging and reserve); activations and the\n"
+      "trainer's own memory come on top. \"model states\" is the ZeRO paper's part of it.\n");
+  return 0;
+}
+
+}  // namespace zsplan
