@@ -8,12 +8,6 @@
 namespace zeroshard {
 namespace {
 
-std::shared_ptr<Work> done_work(std::string what) {
-  auto w = std::make_shared<WorkState>(std::move(what));
-  w->complete();
-  return w;
-}
-
 class SelfCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }

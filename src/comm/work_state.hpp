@@ -2,6 +2,7 @@
 // The Work handle shared by the communicators: a one-shot completion with an optional error.
 
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -38,5 +39,12 @@ class WorkState final : public Work {
   std::string message_;
   std::string what_;
 };
+
+/// A Work already complete: what a collective that ran synchronously returns.
+inline std::shared_ptr<Work> done_work(std::string what) {
+  auto w = std::make_shared<WorkState>(std::move(what));
+  w->complete();
+  return w;
+}
 
 }  // namespace zeroshard

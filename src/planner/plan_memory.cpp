@@ -19,12 +19,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::shared_ptr<Work> done_work(std::string what) {
-  auto w = std::make_shared<WorkState>(std::move(what));
-  w->complete();
-  return w;
-}
-
 // Rank `rank` of `size` ranks that all hold what this one holds: a gather repeats its part, a
 // sum multiplies it, a broadcast keeps it. finalize() needs no more (the model check, the
 // agreement on a failure); gradients are never reduced in a plan.
