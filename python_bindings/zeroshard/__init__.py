@@ -55,6 +55,7 @@ from ._core import (  # noqa: F401  (re-exported API)
     version,
 )
 from ._launch import default_communicator, launch_info  # noqa: F401
+from .plan import Estimate, estimate  # noqa: F401
 
 __version__ = _core.__version__
 
@@ -88,7 +89,9 @@ __all__ = [
     "StepResult",
     "StorageError",
     "Tier",
+    "Estimate",
     "default_communicator",
+    "estimate",
     "describe_checkpoint",
     "dtype_size",
     "export_checkpoint",

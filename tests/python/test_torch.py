@@ -419,3 +419,25 @@ def test_torchrun_launch_is_refused_with_advice():
     r = _run_clean("import zeroshard; print(zeroshard.default_communicator().size())",
                    RANK="0", WORLD_SIZE="1")
     assert r.returncode == 0 and r.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "none"), (1, "nvme")])
+def test_estimate_is_what_the_optimizer_then_holds(stage, offload, tmp_path):
+    # zeroshard.estimate() plans the model as ZeroOptimizer cuts it; on one rank its row for a
+    # stage and tier is the memory the optimizer's engine then reports, tier by tier.
+    model = make_model()
+    est = zs.estimate(model, world=1, device_gib=1, host_gib=1, nvme_gib=1)
+    assert est.parameters == sum(p.numel() for p in model.parameters())
+    assert len(est.rows) == 17 and all(r["fits"] is True for r in est.rows)
+    tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
+    row = next(r for r in est.rows
+               if r["stage"] == stage and r["optimizer"] == tier and r["params"] == "device")
+    kw = {"nvme_path": str(tmp_path)} if offload == "nvme" else {}
+    opt = zt.ZeroOptimizer(model, stage=stage, offload_optimizer=offload, **kw)
+    got = opt.memory().as_dict()
+    for t in ("device", "host", "nvme"):
+        assert row[t] == sum(c["bytes"] for c in got[t].values()), t
+    assert (row["deepspeed"] is not None) == (stage in (2, 3) and tier != "nvme")
+    assert "deepspeed" in str(est)
+    tiny = zs.estimate(make_model(), world=4, device_gib=1e-6)
+    assert any(r["fits"] == "device" for r in tiny.rows)

@@ -1,0 +1,140 @@
+"""What a model would hold per rank under every ZeRO stage and offload choice, before training.
+
+    est = zeroshard.estimate(model, world=8, ranks_per_node=8, device_gib=80, host_gib=1024)
+    print(est)          # a table, DeepSpeed's estimator beside it where it has an answer
+    est.rows            # the same as a list of dicts
+
+Each row comes from zeroshard.plan_memory(): the engine's own setup run with nothing allocated,
+so its bytes are what that engine's memory() will report (rank 0, or the larger of the first and
+last rank). The model is cut into units as ZeroOptimizer cuts it (zeroshard.torch's
+partition_units), or given as a list of (name, [Param, ...]) units. Activations and the
+trainer's own memory come on top. CPU engines' layout (the bytes of a GPU engine's tiers are the
+same but for its staging buffers). Stage 3 plans the default max_live_units gather buffers;
+ZeroOptimizer raises that number for modules nested inside other units' modules.
+
+DeepSpeed's estimate_zero2/3_model_states_mem_needs answer per GPU and per node, from the
+parameter count (and the largest layer) alone: they leave out padding, the gradient staging and
+gather buffers, the nvme tier and its swap reserve, and replace them by an
+additional_buffer_factor of 1.5 on the host side. Their answers are shown beside the plan where
+they apply (stages 2 and 3 with the optimizer on the GPU or the CPU), with that factor.
+"""
+from dataclasses import dataclass, field
+
+from . import _core
+
+_GIB = float(1 << 30)
+_TIERS = (("device", _core.Tier.device), ("host", _core.Tier.host), ("nvme", _core.Tier.nvme))
+_KINDS = ("param", "grad", "master", "optim_state")
+# The tiers as Config's offload options name them (the nvme path only shapes the plan's files).
+_OFFLOAD = {"device": "none", "host": "cpu",
+            "nvme": {"device": "nvme", "nvme_path": "/planned/nvme"}}
+
+
+@dataclass
+class Estimate:
+    """Rows of bytes per rank, one per stage and offload choice (see the module doc)."""
+    parameters: int
+    largest_unit: int
+    world: int
+    ranks_per_node: int
+    rows: list = field(default_factory=list)
+
+    def __str__(self):
+        head = (f"{self.parameters / 1e9:.3f} G parameters (largest unit {self.largest_unit / 1e6:.2f} M) "
+                f"on {self.world} rank(s), {self.ranks_per_node} per node; GiB per rank")
+        lines = [head, "",
+                 f"{'stage':<5} {'optimizer':<9} {'params':<7} {'device':>9} {'host':>9} "
+                 f"{'nvme':>9} {'states':>9}  {'fits':<12} deepspeed (gpu per rank, cpu per node)"]
+        for r in self.rows:
+            ds = r["deepspeed"]
+            ds = f"{ds['gpu'] / _GIB:9.3f} {ds['cpu'] / _GIB:9.3f}" if ds else ""
+            fits = {None: "-", True: "yes"}.get(r["fits"], f"no ({r['fits']})")
+            lines.append(f"{r['stage']:<5} {r['optimizer']:<9} {r['params']:<7} "
+                         f"{r['device'] / _GIB:9.3f} {r['host'] / _GIB:9.3f} "
+                         f"{r['nvme'] / _GIB:9.3f} {r['model_states'] / _GIB:9.3f}  {fits:<12} {ds}")
+        return "\n".join(lines)
+
+
+def _units_of(model, unit_numel):
+    """(units, dtype) of a torch module as ZeroOptimizer registers it, or of a unit list."""
+    if isinstance(model, (list, tuple)):
+        return list(model), None
+    from .torch import _TORCH_DTYPES, partition_units  # torch only when given a torch model
+    units = []
+    dtypes = set()
+    for name, _, named in partition_units(model, unit_numel):
+        units.append((name, [_core.Param(n, shape=list(p.shape)) for n, p in named]))
+        dtypes.update(p.dtype for _, p in named)
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _TORCH_DTYPES:
+        raise _core.InvalidArgumentError(
+            f"estimate(): the trainable parameters must share one dtype of float32, bfloat16 or "
+            f"float16, got {sorted(str(d) for d in dtypes)}")
+    return units, _TORCH_DTYPES[next(iter(dtypes))]
+
+
+def _deepspeed(stage, opt, par, total, largest, world, per_node):
+    """DeepSpeed 0.14's estimate_zero2/3_model_states_mem_needs (zero_init on), where they apply."""
+    if stage not in (2, 3) or opt == "nvme" or par == "nvme":
+        return None
+    nodes = max(1, world // per_node)
+    offload = opt == "host"
+    if stage == 2:
+        if offload:
+            return {"gpu": 2 * total, "cpu": total * max(4 * world, 16) * 1.5}
+        return {"gpu": 2 * total + int(18 * total / world), "cpu": total * 4 * per_node * 1.5}
+    layer = 4 * largest
+    if offload and par == "host":
+        return {"gpu": layer, "cpu": total * 18 / nodes * 1.5}
+    if offload:
+        return {"gpu": layer + int(2 * total / world), "cpu": total * 16 / nodes * 1.5}
+    if par == "host":
+        return None
+    return {"gpu": layer + int(18 * total / world), "cpu": largest * 4 * per_node * 1.5}
+
+
+def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adamw",
+             unit_numel=1 << 25, device_gib=None, host_gib=None, nvme_gib=None):
+    """An Estimate of `model` (a torch.nn.Module, or a list of (name, [Param]) units) on `world`
+    ranks: for every stage and offload choice, the bytes one rank holds on each tier once the
+    engine is finalized, and whether they fit the GiB given per rank. dtype: the parameters'
+    (a module's own by default, else "bf16"); optimizer: "adamw", "adam", "lion" or "sgd"."""
+    units, model_dtype = _units_of(model, unit_numel)
+    if not units:
+        raise _core.InvalidArgumentError("estimate(): the model has no trainable parameters")
+    per_node = ranks_per_node or world
+    numels = [sum(int(_numel(p.shape)) for p in ps) for _, ps in units]
+    est = Estimate(parameters=sum(numels), largest_unit=max(numels), world=world,
+                   ranks_per_node=per_node)
+    limits = {"device": device_gib, "host": host_gib, "nvme": nvme_gib}
+    tier_names = ("device", "host", "nvme")
+    for stage in range(4):
+        for opt in tier_names:
+            for par in tier_names:
+                if (stage < 3 and par != "device") or (stage == 0 and opt == "nvme"):
+                    continue
+                cfg = _core.Config(stage=stage, dtype=dtype or model_dtype or "bf16",
+                                   optimizer={"kind": optimizer},
+                                   offload_optimizer=_OFFLOAD[opt], offload_param=_OFFLOAD[par])
+                worst = {}
+                for rank in sorted({0, world - 1}):
+                    m = _core.plan_memory(cfg, units, world, rank)
+                    d = m.as_dict()
+                    for t, _ in _TIERS:
+                        worst[t] = max(worst.get(t, 0), sum(c["bytes"] for c in d[t].values()))
+                    states = sum(d[t][k]["bytes"] for t, _ in _TIERS for k in _KINDS)
+                    worst["model_states"] = max(worst.get("model_states", 0), states)
+                over = [t for t in tier_names if limits[t] and worst[t] / _GIB > limits[t]]
+                fits = None if not any(limits.values()) else (over[0] if over else True)
+                est.rows.append({
+                    "stage": stage, "optimizer": opt, "params": par if stage == 3 else "device",
+                    **worst, "fits": fits,
+                    "deepspeed": _deepspeed(stage, opt, par, est.parameters, est.largest_unit,
+                                            world, per_node)})
+    return est
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
