@@ -138,49 +138,21 @@ int run_plan(const std::vector<std::string>& args) {
       optimizer_name(o.optimizer), o.ranks);
   std::printf("%-5s %-9s %-9s %12s %12s %12s %14s  %s\n", "stage", "optimizer", "params",
               "device GiB", "host GiB", "nvme GiB", "model states", "fits");
-  const char* names[] = {"device", "host", "nvme"};
-  for (int stage = 0; stage <= 3; ++stage)
-    for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
-      for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
-        if ((stage < 3 && par != Tier::device) || (stage == 0 && opt == Tier::nvme)) continue;
-        Config cfg;
-        cfg.stage = stage;
-        cfg.dtype = o.dtype;
-        cfg.optimizer.kind = o.optimizer;
-        cfg.offload_optimizer.tier = opt;
-        cfg.offload_param.tier = par;
-        for (OffloadOptions* off : {&cfg.offload_optimizer, &cfg.offload_param})
-          off->nvme_paths = {"/planned/nvme"};
-        OptimizerOptions no_decay = cfg.optimizer;
-        no_decay.weight_decay = 0;
-        // Rank 0 and the last rank: shards are equal but for where a unit's padding falls.
-        int64_t tier_bytes[kNumTiers] = {0, 0, 0};
-        int64_t states = 0;
-        try {
-          for (int r : {0, o.ranks - 1}) {
-            const MemoryReport m = plan_memory(cfg, units, o.ranks, r, {no_decay});
-            for (int t = 0; t < kNumTiers; ++t) {
-              int64_t sum = 0;
-              for (int k = 0; k < kNumMemKinds; ++k) sum += m.bytes[t][k];
-              tier_bytes[t] = std::max(tier_bytes[t], sum);
-            }
-            states = std::max(states, m.model_state_bytes());
-          }
-        } catch (const Error& e) {
-          std::printf("%-5d %-9s %-9s  refused: %s\n", stage, tier_name(opt), tier_name(par),
-                      e.what());
-          continue;
-        }
-        const double limit[kNumTiers] = {o.device_gib, o.host_gib, o.nvme_gib};
-        std::string fits = "yes";
-        for (int t = 0; t < kNumTiers; ++t)
-          if (limit[t] > 0 && gib(tier_bytes[t]) > limit[t])
-            fits = std::string("no (") + names[t] + ")";
-        if (limit[0] + limit[1] + limit[2] == 0) fits = "-";
-        std::printf("%-5d %-9s %-9s %12.3f %12.3f %12.3f %14.3f  %s\n", stage, tier_name(opt),
-                    stage == 3 ? tier_name(par) : "device", gib(tier_bytes[0]), gib(tier_bytes[1]),
-                    gib(tier_bytes[2]), gib(states), fits.c_str());
-      }
+  Config cfg;
+  cfg.dtype = o.dtype;
+  cfg.optimizer.kind = o.optimizer;
+  OptimizerOptions no_decay = cfg.optimizer;
+  no_decay.weight_decay = 0;
+  const double limit[kNumTiers] = {o.device_gib, o.host_gib, o.nvme_gib};
+  for (const PlanChoice& c : plan_choices(cfg, units, o.ranks, {no_decay})) {
+    std::string fits = limit[0] + limit[1] + limit[2] == 0 ? "-" : "yes";
+    for (int t = kNumTiers - 1; t >= 0; --t)  // the first tier that overflows
+      if (limit[t] > 0 && gib(c.tier_bytes[t]) > limit[t])
+        fits = std::string("no (") + tier_name(Tier(t)) + ")";
+    std::printf("%-5d %-9s %-9s %12.3f %12.3f %12.3f %14.3f  %s\n", c.stage, tier_name(c.optimizer),
+                tier_name(c.params), gib(c.tier_bytes[0]), gib(c.tier_bytes[1]),
+                gib(c.tier_bytes[2]), gib(c.model_states), fits.c_str());
+  }
   std::printf(
       "\nBytes per rank once finalized (parameters, gradients, master weights, optimizer state,\n"
       "gradient staging and gather buffers, swap staging and reserve); activations and the\n"

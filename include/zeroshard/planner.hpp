@@ -30,4 +30,22 @@ struct PlanUnit {
 ZS_API MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, int world,
                                 int rank = 0, const std::vector<OptimizerOptions>& groups = {});
 
+/// One stage and offload choice, planned: bytes per tier (every kind) and the model states
+/// (parameters, gradients, master weights, optimizer state, on every tier), each of the rank
+/// that holds the most (rank 0 or rank world − 1: shards differ only where padding falls).
+struct PlanChoice {
+  int stage = 0;
+  Tier optimizer = Tier::device;  ///< offload_optimizer
+  Tier params = Tier::device;     ///< offload_param (stage 3; device below)
+  int64_t tier_bytes[kNumTiers] = {};
+  int64_t model_states = 0;
+};
+
+/// plan_memory() for every stage and offload choice (stages 0–3; optimizer state on the device,
+/// host or, from stage 1, nvme tier; at stage 3 parameters on each tier too), with `base`'s other
+/// settings: what `zeroshard plan` and zeroshard.estimate() print.
+ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanUnit>& units,
+                                            int world,
+                                            const std::vector<OptimizerOptions>& groups = {});
+
 }  // namespace zeroshard

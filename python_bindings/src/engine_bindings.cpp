@@ -605,22 +605,56 @@ void bind_checkpoint_tools(nb::module_& m) {
       "Writes out_dir/model.safetensors (f32 weights) and out_dir/optimizer.safetensors.");
 }
 
+using PyUnits = std::vector<std::pair<std::string, std::vector<PyParam*>>>;
+
+std::vector<PlanUnit> plan_units(const PyUnits& units) {
+  std::vector<PlanUnit> us;
+  for (const auto& [name, params] : units) {
+    PlanUnit u{name, {}};
+    for (const PyParam* p : params) {
+      if (!p)
+        throw Error(ErrorCode::invalid_argument,
+                    "plan_memory(): unit '" + name + "' has a parameter None");
+      u.params.push_back(Param{p->name, p->shape, p->group, {}});
+    }
+    us.push_back(std::move(u));
+  }
+  return us;
+}
+
 void bind_plan(nb::module_& m) {
   m.def(
-      "plan_memory",
-      [](const Config& cfg, const std::vector<std::pair<std::string, std::vector<PyParam*>>>& units,
-         int world, int rank, const std::vector<OptimizerOptions>& groups) {
-        std::vector<PlanUnit> us;
-        for (const auto& [name, params] : units) {
-          PlanUnit u{name, {}};
-          for (const PyParam* p : params) {
-            if (!p)
-              throw Error(ErrorCode::invalid_argument,
-                          "plan_memory(): unit '" + name + "' has a parameter None");
-            u.params.push_back(Param{p->name, p->shape, p->group, {}});
-          }
-          us.push_back(std::move(u));
+      "plan_choices",
+      [](const Config& cfg, const PyUnits& units, int world,
+         const std::vector<OptimizerOptions>& groups) {
+        const std::vector<PlanUnit> us = plan_units(units);
+        std::vector<PlanChoice> cs;
+        {
+          nb::gil_scoped_release nogil;
+          cs = plan_choices(cfg, us, world, groups);
         }
+        nb::list out;
+        for (const PlanChoice& c : cs) {
+          nb::dict d;
+          d["stage"] = c.stage;
+          d["optimizer"] = tier_name(c.optimizer);
+          d["params"] = tier_name(c.params);
+          for (int t = 0; t < kNumTiers; ++t) d[tier_name(Tier(t))] = c.tier_bytes[t];
+          d["model_states"] = c.model_states;
+          out.append(d);
+        }
+        return out;
+      },
+      nb::arg("config"), nb::arg("units"), nb::arg("world"),
+      nb::arg("groups") = std::vector<OptimizerOptions>{},
+      "plan_memory() for every stage and offload choice, with config's other settings: a list "
+      "of dicts (stage, optimizer, params, bytes on device/host/nvme and model_states, of the "
+      "rank that holds the most).");
+  m.def(
+      "plan_memory",
+      [](const Config& cfg, const PyUnits& units, int world, int rank,
+         const std::vector<OptimizerOptions>& groups) {
+        const std::vector<PlanUnit> us = plan_units(units);
         nb::gil_scoped_release nogil;
         return plan_memory(cfg, us, world, rank, groups);
       },

@@ -23,11 +23,6 @@ from dataclasses import dataclass, field
 from . import _core
 
 _GIB = float(1 << 30)
-_TIERS = (("device", _core.Tier.device), ("host", _core.Tier.host), ("nvme", _core.Tier.nvme))
-_KINDS = ("param", "grad", "master", "optim_state")
-# The tiers as Config's offload options name them (the nvme path only shapes the plan's files).
-_OFFLOAD = {"device": "none", "host": "cpu",
-            "nvme": {"device": "nvme", "nvme_path": "/planned/nvme"}}
 
 
 @dataclass
@@ -106,30 +101,13 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
     est = Estimate(parameters=sum(numels), largest_unit=max(numels), world=world,
                    ranks_per_node=per_node)
     limits = {"device": device_gib, "host": host_gib, "nvme": nvme_gib}
-    tier_names = ("device", "host", "nvme")
-    for stage in range(4):
-        for opt in tier_names:
-            for par in tier_names:
-                if (stage < 3 and par != "device") or (stage == 0 and opt == "nvme"):
-                    continue
-                cfg = _core.Config(stage=stage, dtype=dtype or model_dtype or "bf16",
-                                   optimizer={"kind": optimizer},
-                                   offload_optimizer=_OFFLOAD[opt], offload_param=_OFFLOAD[par])
-                worst = {}
-                for rank in sorted({0, world - 1}):
-                    m = _core.plan_memory(cfg, units, world, rank)
-                    d = m.as_dict()
-                    for t, _ in _TIERS:
-                        worst[t] = max(worst.get(t, 0), sum(c["bytes"] for c in d[t].values()))
-                    states = sum(d[t][k]["bytes"] for t, _ in _TIERS for k in _KINDS)
-                    worst["model_states"] = max(worst.get("model_states", 0), states)
-                over = [t for t in tier_names if limits[t] and worst[t] / _GIB > limits[t]]
-                fits = None if not any(limits.values()) else (over[0] if over else True)
-                est.rows.append({
-                    "stage": stage, "optimizer": opt, "params": par if stage == 3 else "device",
-                    **worst, "fits": fits,
-                    "deepspeed": _deepspeed(stage, opt, par, est.parameters, est.largest_unit,
-                                            world, per_node)})
+    cfg = _core.Config(dtype=dtype or model_dtype or "bf16", optimizer={"kind": optimizer})
+    for r in _core.plan_choices(cfg, units, world):
+        over = [t for t in ("device", "host", "nvme") if limits[t] and r[t] / _GIB > limits[t]]
+        r["fits"] = None if not any(limits.values()) else (over[0] if over else True)
+        r["deepspeed"] = _deepspeed(r["stage"], r["optimizer"], r["params"], est.parameters,
+                                    est.largest_unit, world, per_node)
+        est.rows.append(r)
     return est
 
 

@@ -3,6 +3,7 @@
 // allocating them.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -115,6 +116,36 @@ MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, 
   for (const OptimizerOptions& g : groups) e.add_group(g);
   for (PlanUnit& u : bare) e.add_unit(u.name, std::move(u.params));
   return PlanAccess::plan(e);
+}
+
+std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanUnit>& units,
+                                     int world, const std::vector<OptimizerOptions>& groups) {
+  std::vector<PlanChoice> out;
+  for (int stage = 0; stage <= 3; ++stage)
+    for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
+      for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
+        if ((stage < 3 && par != Tier::device) || (stage == 0 && opt == Tier::nvme)) continue;
+        Config cfg = base;
+        cfg.stage = stage;
+        cfg.offload_optimizer.tier = opt;
+        cfg.offload_param.tier = par;
+        // The plan lays swap files out in a directory of its own: any path stands for a disk.
+        for (OffloadOptions* o : {&cfg.offload_optimizer, &cfg.offload_param})
+          if (o->nvme_paths.empty()) o->nvme_paths = {"nvme"};
+        PlanChoice c{stage, opt, par, {}, 0};
+        for (int r : {0, world - 1}) {
+          const MemoryReport m = plan_memory(cfg, units, world, r, groups);
+          for (int t = 0; t < kNumTiers; ++t) {
+            int64_t sum = 0;
+            for (int k = 0; k < kNumMemKinds; ++k) sum += m.bytes[t][k];
+            c.tier_bytes[t] = std::max(c.tier_bytes[t], sum);
+          }
+          c.model_states = std::max(c.model_states, m.model_state_bytes());
+          if (world == 1) break;
+        }
+        out.push_back(c);
+      }
+  return out;
 }
 
 }  // namespace zeroshard
