@@ -25,8 +25,11 @@ class Rng {
   uint64_t below(uint64_t n) { return next() % n; }
   /// Uniform in [0, 1).
   double uniform() { return double(next() >> 11) * (1.0 / 9007199254740992.0); }
-  /// Standard normal (Box–Muller).
+  /// Standard normal (Box–Muller): two draws of next() per value.
   double normal();
+  /// Skips n draws of next(), in O(1) (the state is a counter): a generator that skipped 2·k
+  /// draws gives the normal() values a fresh one gives from the k-th on.
+  void discard(uint64_t n) { s_ += n * 0x9E3779B97F4A7C15ull; }
 
  private:
   uint64_t s_;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
 #include "apps/data/corpus.hpp"
 #include "apps/model/ops.hpp"
@@ -77,10 +79,21 @@ std::vector<std::vector<float>> gpt_init(const GptShape& s, const UnitSpec& unit
       // values of the others.
       uint64_t h = 1469598103934665603ull ^ seed;
       for (char ch : key) h = (h ^ uint8_t(ch)) * 1099511628211ull;
-      Rng r(h);
       double std = 0.02;
       if (p.name == "proj.w" || p.name == "fc2.w") std /= std::sqrt(2.0 * double(s.layers));
-      for (float& x : v) x = float(std * r.normal());
+      // On every core, each from its own place in the one stream: the same values as one pass
+      // (billions of parameters would otherwise take minutes to draw).
+      const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1,
+                                                  std::max<int64_t>(1, numel >> 20));
+      std::vector<std::thread> pool;
+      for (int64_t t = 0; t < threads; ++t)
+        pool.emplace_back([&v, h, std, numel, threads, t] {
+          const int64_t b = numel * t / threads, e = numel * (t + 1) / threads;
+          Rng r(h);
+          r.discard(2 * uint64_t(b));
+          for (int64_t i = b; i < e; ++i) v[size_t(i)] = float(std * r.normal());
+        });
+      for (std::thread& th : pool) th.join();
     }
     out.push_back(std::move(v));
   }

@@ -7,6 +7,7 @@
 #
 #   bash benchmarks/gpu/demo_capacity.sh ZEROSHARD_BIN [--out FILE] [--nvme-dir DIR]
 #                                        [--timeout SECONDS] [--tiers "cpu nvme"]
+#                                        [--sizes "L:D:H ..."]   (layers:dim:heads, ascending)
 #
 # What bounds each tier (the demo prints its ledger): host offload keeps about 16 bytes per
 # parameter in pinned host memory (master, two moments, gradient shard, upload buffer) and nvme
@@ -19,23 +20,24 @@ out="${OUT:-.}/demo_capacity.txt"
 nvme_dir="${TMPDIR:-/tmp}"
 limit=600
 tiers="cpu nvme"
+# layers:dim:heads, about 12·layers·dim² parameters: 0.4, 1.2, 2.3, 4.8, 9.7 billion.
+sizes=("8:2048:16" "24:2048:16" "24:2816:22" "24:4096:32" "48:4096:32")
 while (($#)); do
   case "$1" in
     --out) out="$2"; shift 2 ;;
     --nvme-dir) nvme_dir="$2"; shift 2 ;;
     --timeout) limit="$2"; shift 2 ;;
     --tiers) tiers="$2"; shift 2 ;;
+    --sizes) read -r -a sizes <<<"$2"; shift 2 ;;
     *) echo "demo_capacity: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 [[ -x "$bin" ]] || { echo "demo_capacity: $bin is not an executable" >&2; exit 2; }
 
-# layers:dim:heads, about 12·layers·dim² parameters: 0.4, 1.2, 2.5, 5.0, 10 billion.
-sizes=("8:2048:16" "24:2048:16" "24:2816:22" "24:4096:32" "48:4096:32")
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 {
-  echo "demo_capacity: $(date -u +%FT%TZ), one GPU, stage 3, bf16, 3 steps of batch 4 x 64 tokens"
+  echo "demo_capacity: $(date -u +%FT%TZ), one GPU, stage 3, bf16, 3 steps of batch 4 x 64 tokens, peak lr 1e-4"
   echo "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi: n/a')"
   echo "host memory: $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)," \
        "nvme dir $nvme_dir: $(df -h --output=avail "$nvme_dir" 2>/dev/null | tail -1 | tr -d ' ') free"
@@ -46,7 +48,7 @@ for tier in $tiers; do
   for size in "${sizes[@]}"; do
     IFS=: read -r layers dim heads <<<"$size"
     flags=(--device cuda --stage 3 --dtype bf16 --offload-optimizer "$tier" --layers "$layers"
-           --dim "$dim" --heads "$heads" --seq 64 --batch 4 --steps 3 --warmup 1 --sample 0
+           --dim "$dim" --heads "$heads" --seq 64 --batch 4 --steps 3 --warmup 1 --lr 1e-4 --sample 0
            --corpus-chars 200000 --no-dp-reference --quiet --report-json "$work/report.json")
     [[ "$tier" == nvme ]] && flags+=(--nvme-path "$nvme_dir")
     rm -f "$work/report.json"

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "benchmarks/io/parse_size.hpp"
+#include "zeroshard/calibration.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zs = zeroshard;
@@ -199,7 +200,37 @@ float bf16_to_float(uint16_t b) {
 }
 
 struct StepSample {
-  double step_s, optimizer_s, pcie_floor_s, h2d_gbs, d2h_gbs;
+  double step_s, optimizer_s, same_bytes_s, pcie_floor_s, h2d_gbs, d2h_gbs;
+};
+
+// The memory ceiling of the CPU update: the streams AdamW moves per parameter (f32 master, m, v
+// read and written in place, the bf16 gradient read, the bf16 parameter written: 28 B), over
+// one unit's worth of elements, passed once per unit, on the engine's threads and ISA.
+class UpdateCeiling {
+ public:
+  explicit UpdateCeiling(int64_t n)
+      : n_(n),
+        master_(size_t(n), 1.0f),
+        m_(size_t(n), 1.0f),
+        v_(size_t(n), 1.0f),
+        g_(size_t(n), 0x3C3C),
+        p_(size_t(n), 0) {}
+  double run(int64_t passes) {
+    const std::vector<zs::MemoryStream> reads = {
+        {master_.data(), 4}, {m_.data(), 4}, {v_.data(), 4}, {g_.data(), 2}};
+    const std::vector<zs::MemoryStream> writes = {
+        {master_.data(), 4}, {m_.data(), 4}, {v_.data(), 4}, {p_.data(), 2}};
+    double t = 0;
+    for (int64_t i = 0; i < passes; ++i) t += pass_.run(reads, writes, n_);
+    return t;
+  }
+  const zs::SameBytesPass& pass() const { return pass_; }
+
+ private:
+  int64_t n_;
+  std::vector<float> master_, m_, v_;
+  std::vector<uint16_t> g_, p_;
+  zs::SameBytesPass pass_;
 };
 
 int run(const Options& o) {
@@ -286,6 +317,8 @@ int run(const Options& o) {
   std::snprintf(line, sizeof line, "engine built and finalized in %.1f s\n\n", now_s() - t_build);
   say(line);
   const auto stream = static_cast<cudaStream_t>(e.stream());
+  UpdateCeiling ceiling(o.unit_params);
+  (void)ceiling.run(1);  // warm-up
 
   // ---- steps ----------------------------------------------------------------------------------
   // 0x3C in every byte: bf16 0x3C3C ≈ 0.0115, a finite non-zero gradient, so the step really
@@ -302,6 +335,7 @@ int run(const Options& o) {
       smp.h2d_gbs = h2d;
       smp.d2h_gbs = d2h;
       smp.pcie_floor_s = bytes_pcie / (d2h * 1e9) + bytes_pcie / (h2d * 1e9);
+      smp.same_bytes_s = ceiling.run(units);
     }
     const double t0 = now_s();
     for (int64_t u = 0; u < units; ++u) {
@@ -321,6 +355,9 @@ int run(const Options& o) {
     std::snprintf(line, sizeof line, "%s step %d: %.3f s, optimizer_s %.3f s%s\n",
                   measured ? "measured" : "warm-up", s + 1, smp.step_s, smp.optimizer_s,
                   measured ? "" : " (not counted)");
+    if (measured)
+      std::snprintf(line + std::strlen(line) - 1, sizeof line - std::strlen(line) + 1,
+                    ", same-bytes pass %.3f s\n", smp.same_bytes_s);
     say(line);
     if (measured) samples.push_back(smp);
   }
@@ -332,7 +369,7 @@ int run(const Options& o) {
   BENCH_CUDA(cudaMemcpy(&p0, pv.at(0).data, 2, cudaMemcpyDeviceToHost));
   const float first = bf16_to_float(p0);
 
-  std::vector<double> step_s, opt_s, pcie_s, h2d, d2h, r_pcie, r_max;
+  std::vector<double> step_s, opt_s, same_s, pcie_s, h2d, d2h, r_pcie, r_max, r_same, r_floor;
   for (const StepSample& x : samples) {
     step_s.push_back(x.step_s);
     opt_s.push_back(x.optimizer_s);
@@ -341,6 +378,9 @@ int run(const Options& o) {
     d2h.push_back(x.d2h_gbs);
     r_pcie.push_back(x.step_s / x.pcie_floor_s);
     r_max.push_back(x.step_s / std::max(x.pcie_floor_s, x.optimizer_s));
+    same_s.push_back(x.same_bytes_s);
+    r_same.push_back(x.optimizer_s / x.same_bytes_s);
+    r_floor.push_back(x.step_s / std::max(x.pcie_floor_s, x.same_bytes_s));
   }
   const double pcie_duplex =
       std::max(bytes_pcie / (median(d2h) * 1e9), bytes_pcie / (median(h2d) * 1e9));
@@ -353,14 +393,18 @@ int run(const Options& o) {
       "CPU-update floor (StepResult::optimizer_s): median %.3f s, %.2f Gparam/s\n"
       "step / PCIe floor: %.2f (median of per-step ratios)\n"
       "step / max(PCIe floor, CPU-update floor): %.2f (median of per-step ratios)\n"
+      "CPU memory floor (same-bytes pass of the update's 28 B/param, %d threads, %s): median "
+      "%.3f s; CPU update / same-bytes pass: %.2f; step / max(PCIe floor, same-bytes pass): "
+      "%.2f (medians of per-step ratios)\n"
       "check: grad norm %.4g (expected ~%.4g), first parameter after %d steps %.5g (starts at 0, "
       "expected about %.3g: AdamW moves it by lr against a constant gradient)\n",
       median(step_s), *std::min_element(step_s.begin(), step_s.end()),
       *std::max_element(step_s.begin(), step_s.end()), double(n) / median(step_s) / 1e9,
       median(pcie_s), bytes_pcie / 1e9, median(d2h), bytes_pcie / 1e9, median(h2d), pcie_duplex,
-      median(opt_s), double(n) / median(opt_s) / 1e9, median(r_pcie), median(r_max), last.grad_norm,
-      double(bf16_to_float(0x3C3C)) * std::sqrt(double(n)), 2 + o.steps, double(first),
-      -double(c.optimizer.lr) * (2 + o.steps));
+      median(opt_s), double(n) / median(opt_s) / 1e9, median(r_pcie), median(r_max),
+      ceiling.pass().threads(), ceiling.pass().isa(), median(same_s), median(r_same),
+      median(r_floor), last.grad_norm, double(bf16_to_float(0x3C3C)) * std::sqrt(double(n)),
+      2 + o.steps, double(first), -double(c.optimizer.lr) * (2 + o.steps));
   say(line);
   if (first == 0.0f || !std::isfinite(first))
     throw std::runtime_error("the parameters did not change: the step did not update");

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds zeroshard with CUDA on a GPU machine, runs the GPU tests (ctest label "gpu") and the GPU
 # benchmarks (fused_adamw_bench; torch_fused_adamw_bench.py where python3 has torch with CUDA,
-# joined with it into fused_adamw_vs_torch.txt; offload_step_bench; demo_capacity.sh), and writes
+# joined with it into fused_adamw_vs_torch.txt; offload_step_bench; demo_throughput.sh;
+# demo_capacity.sh), and writes
 # logs and figures to $OUT when set, else to benchmarks/gpu/results/. A part name (build, test,
 # python, bench, capacity) runs the build and that part only: each then fits a 10-minute command.
 #
@@ -18,8 +19,12 @@
 #   oneTBB, nlohmann_json   copied by `pack` (headers, CMake package files, libtbb*.so*; built
 #                           for glibc >= 2.36, which any current CUDA image has)
 #   GoogleTest              its source (/usr/src/googletest) copied by `pack`, built here
-#   Open MPI, liburing      switched off unless present: the build then has the one-rank
-#                           communicator and no NVMe tier, which the GPU tests do not need
+#   liburing                copied by `pack` (headers, libraries; a .pc file is written here)
+#   Open MPI                `pack` archives Debian's Open MPI and the libraries it needs; here,
+#                           where no mpirun exists, the archive is unpacked and each of its files
+#                           copied into / where no file of that name exists yet (nothing of the
+#                           machine's own is replaced), so that the multi-rank GPU tests run
+# Without either, the build has the one-rank communicator or no NVMe tier, and says so.
 # A dependency found on the machine itself is used instead of the packed one.
 # Environment: ZEROSHARD_GPU_DEPS (default .gpu-deps), ZEROSHARD_GPU_BUILD_DIR (default
 # build-gpu), ZEROSHARD_CUDA_ARCHS (default: the project's "80;90"), ZEROSHARD_GPU_PACKED_ONLY=1
@@ -49,6 +54,26 @@ pack() {
   cp -a /usr/lib/$arch/cmake/TBB "$deps/usr/lib/$arch/cmake/"
   cp -a /usr/lib/$arch/libtbb*.so* "$deps/usr/lib/$arch/"
   cp -a /usr/src/googletest "$deps/googletest-src"
+  if [[ -f /usr/include/liburing.h ]]; then
+    cp -a /usr/include/liburing.h /usr/include/liburing "$deps/usr/include/"
+    cp -a /usr/lib/$arch/liburing.so* "$deps/usr/lib/$arch/"
+    # CMake finds liburing through pkg-config, which a bare machine may lack too.
+    mkdir -p "$deps/pkgconf"
+    cp -a /usr/bin/pkgconf /usr/lib/$arch/libpkgconf.so* "$deps/pkgconf/"
+    printf '#!/bin/sh\nd="$(dirname "$0")"\nLD_LIBRARY_PATH="$d" exec "$d/pkgconf" "$@"\n' >"$deps/pkgconf/pkg-config"
+    chmod +x "$deps/pkgconf/pkg-config"
+  fi
+  if command -v mpirun >/dev/null; then
+    # Every file of Open MPI's packages and of the libraries they load, links followed (mpirun
+    # and mpicxx are links through /etc/alternatives), without documentation or Fortran modules.
+    local p pkgs="openmpi-bin openmpi-common libopenmpi3 libopenmpi-dev libpmix2 libhwloc15
+      libevent-core-2.1-7 libevent-pthreads-2.1-7 libfabric1 libibverbs1 ibverbs-providers
+      librdmacm1 libmunge2 libnl-3-200 libnl-route-3-200 libnuma1 libpsm-infinipath1 libpsm2-2 libucx0"
+    for p in $pkgs; do dpkg -L "$p" 2>/dev/null; done | grep -v -E '^/usr/share/(doc|man|lintian)/|/fortran/' |
+      sort -u | while read -r f; do [[ -f "$f" ]] && echo "$f"; done >"$deps/openmpi.files"
+    printf '%s\n' /usr/bin/mpirun /usr/bin/mpiexec /usr/bin/mpicc /usr/bin/mpicxx >>"$deps/openmpi.files"
+    tar -chJf "$deps/openmpi.tar.xz" -T "$deps/openmpi.files" 2>/dev/null
+  fi
   # Keep the default folder out of git (it travels only when carried).
   local exclude
   if [[ "$deps" == "$root/.gpu-deps" ]] && exclude="$(git -C "$root" rev-parse --git-path info/exclude 2>/dev/null)"; then
@@ -160,6 +185,29 @@ elif [[ ! -f /usr/local/cuda/include/nccl.h && ! -f /usr/include/nccl.h ]]; then
     die "NCCL not found: neither in the CUDA toolkit nor as python3's nvidia.nccl; set NCCL_ROOT"
   say "NCCL: $nccl_root"
   args+=("-DNCCL_ROOT=$nccl_root")
+fi
+# Open MPI from the packed archive where the machine has none (see the header).
+if ! command -v mpirun >/dev/null && [[ -f "$deps/openmpi.tar.xz" ]]; then
+  rm -rf "$deps/openmpi-root" && mkdir -p "$deps/openmpi-root"
+  tar -xJf "$deps/openmpi.tar.xz" -C "$deps/openmpi-root"
+  cp -rn "$deps/openmpi-root/." / && ldconfig
+  say "Open MPI: packed ($(mpirun --version 2>&1 | head -1))"
+fi
+if ! command -v pkg-config >/dev/null && [[ -x "$deps/pkgconf/pkg-config" ]]; then
+  export PATH="$deps/pkgconf:$PATH"
+fi
+if [[ -f "$deps/usr/include/liburing.h" ]] && ! pkg-config --exists liburing 2>/dev/null; then
+  mkdir -p "$deps/pkgconfig"
+  lib="$(ls -d "$deps"/usr/lib/*/liburing.so | head -1)"
+  cat >"$deps/pkgconfig/liburing.pc" <<PC
+Name: liburing
+Description: io_uring library (packed)
+Version: 2.3
+Libs: -L$(dirname "$lib") -luring
+Cflags: -I$deps/usr/include
+PC
+  export PKG_CONFIG_PATH="$deps/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  say "liburing: packed"
 fi
 mpi=OFF
 if command -v mpicxx >/dev/null && command -v mpirun >/dev/null; then mpi=ON; fi
@@ -293,6 +341,10 @@ fi
 "$build/benchmarks/gpu/offload_step_bench" --out "$out/offload_step_bench.txt" >"$out/offload_step_bench.log" 2>&1 ||
   { status=1; say "offload_step_bench failed; see $out/offload_step_bench.log"; }
 cat "$out/offload_step_bench.log"
+# The demo trainer's tokens/s at stage 0 and 3, and its ledger against ZeRO's formulas.
+bash "$root/benchmarks/gpu/demo_throughput.sh" "$build/apps/zeroshard" --out "$out/demo_throughput.txt" \
+  >"$out/demo_throughput.log" 2>&1 || { status=1; say "demo_throughput failed; see $out/demo_throughput.log"; }
+cat "$out/demo_throughput.log"
 fi
 if want capacity; then
 # The largest model the demo trains on this GPU with host and with nvme offload (the demo builds

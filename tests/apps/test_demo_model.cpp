@@ -97,6 +97,34 @@ TEST(DemoModel, ParameterCountIsTheGptFormula) {
   EXPECT_EQ(int64_t(gpt_units(s).size()), s.layers + 2);
 }
 
+// gpt_init draws a large matrix on several threads, each from its place in the parameter's one
+// stream: the values must be those of a single sequential pass (the stream's documented seed).
+TEST(DemoModel, InitOfALargeMatrixIsItsOneStreamOnAnyThreads) {
+  const GptShape s{33, 16, 1024, 1, 8};  // fc.w: 4 Mi elements, drawn by up to 4 threads
+  const std::vector<UnitSpec> units = gpt_units(s);
+  const UnitSpec& u = units.at(1);
+  const auto init = gpt_init(s, u, 42);
+  int checked = 0;
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    const ParamSpec& p = u.params[k];
+    if (p.shape.size() != 2 || p.name != "fc.w") continue;
+    uint64_t h = 1469598103934665603ull ^ 42;
+    for (char ch : u.name + "/" + p.name) h = (h ^ uint8_t(ch)) * 1099511628211ull;
+    Rng r(h);
+    const std::vector<float>& v = init[k];
+    ASSERT_GT(v.size(), size_t(2) << 20);
+    for (size_t i = 0; i < v.size(); ++i)
+      ASSERT_EQ(v[i], float(0.02 * r.normal())) << "element " << i << " of " << v.size();
+    ++checked;
+  }
+  EXPECT_EQ(checked, 1);
+  // discard() skips draws in O(1).
+  Rng a(5), b(5);
+  for (int i = 0; i < 7; ++i) (void)a.next();
+  b.discard(7);
+  EXPECT_EQ(a.next(), b.next());
+}
+
 TEST(DemoModel, LowPrecisionRoundingIsNearestEven) {
   EXPECT_EQ(f32_to_bf16(1.0f), 0x3F80);
   EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.00390625f)), 1.0f);       // tie: to even (down)
