@@ -10,6 +10,7 @@
 #include "src/engine_impl.hpp"
 #include "src/tiers/memory_param_tier.hpp"
 #include "src/tiers/memory_state_tier.hpp"
+#include "src/tiers/staged_param_tier.hpp"
 #include "src/tiers/staged_state_tier.hpp"
 
 namespace zeroshard {
@@ -80,6 +81,10 @@ void Engine::Impl::make_tiers() {
   } else {
     params = std::make_unique<MemoryParamTier>(c, tpar, *res.dev, *res.host);
   }
+  // A GPU with stage 3's shards off it: each gather copies its shard up first.
+  const bool on_gpu = res.dev->device() != Device::cpu;
+  if (on_gpu && tpar != Tier::device)
+    params = std::make_unique<StagedParamTier>(c, std::move(params), *res.dev);
   // An f32 model's master weights are its parameters when both live in the same memory.
   std::vector<std::optional<float*>> alias(units.size());
   master_is_param.assign(units.size(), false);
@@ -95,8 +100,8 @@ void Engine::Impl::make_tiers() {
     state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->two_phase());
   }
   // A GPU with the optimizer on the CPU: gradients come down, parameters go up.
-  if (res.dev->device() != Device::cpu && topt != Tier::device)
-    state = std::make_unique<StagedStateTier>(c, std::move(state), *res.dev);
+  if (on_gpu && topt != Tier::device)
+    state = std::make_unique<StagedStateTier>(c, std::move(state), *res.dev, tpar == Tier::device);
   if (c.plan_only) return;  // a plan: no memory to register, no I/O to start
   if (res.swap) res.swap->start(cfg.aio);
   for (auto [p, n] : state->dma_regions())

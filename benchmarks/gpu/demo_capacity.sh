@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
 # The largest model the demo trainer trains on one GPU with its optimizer state offloaded to the
-# host tier and to the nvme tier: for each tier, GPT sizes in increasing order, each trained for
+# host tier and to the nvme tier, and with the parameter shards offloaded too (a tier "OPT:PARAM"
+# passes --offload-param PARAM): for each tier, GPT sizes in increasing order, each trained for
 # a few steps at stage 3 in bf16 (`zeroshard demo --device cuda`), until one fails or runs out of
 # time. A size counts only if it trained every step with a finite loss. Writes one line per
 # attempt and a summary to $OUT/demo_capacity.txt (or the file given with --out).
 #
 #   bash benchmarks/gpu/demo_capacity.sh ZEROSHARD_BIN [--out FILE] [--nvme-dir DIR]
-#                                        [--timeout SECONDS] [--tiers "cpu nvme"]
+#                                        [--timeout SECONDS] [--tiers "cpu nvme cpu:cpu"]
 #                                        [--sizes "L:D:H ..."]   (layers:dim:heads, ascending)
 #
 # What bounds each tier (the demo prints its ledger): host offload keeps about 16 bytes per
 # parameter in pinned host memory (master, two moments, gradient shard, upload buffer) and nvme
 # offload 2 x 12 bytes per parameter on disk (double-buffered records) plus 2 for gradients; the
-# GPU itself holds the bf16 parameters (2 bytes per parameter) and a few units of buffers.
+# GPU itself holds the bf16 parameters (2 bytes per parameter) and a few units of buffers, or,
+# with the parameters offloaded, only the buffers (the parameters' 2 bytes go to host or disk).
 set -uo pipefail
 bin="${1:?usage: $0 ZEROSHARD_BIN [--out FILE] [--nvme-dir DIR] [--timeout S] [--tiers LIST]}"
 shift
 out="${OUT:-.}/demo_capacity.txt"
 nvme_dir="${TMPDIR:-/tmp}"
 limit=600
-tiers="cpu nvme"
+tiers="cpu nvme cpu:cpu"
 # layers:dim:heads, about 12·layers·dim² parameters: 0.4, 1.2, 2.3, 4.8, 9.7 billion.
 sizes=("8:2048:16" "24:2048:16" "24:2816:22" "24:4096:32" "48:4096:32")
 while (($#)); do
@@ -44,13 +46,15 @@ trap 'rm -rf "$work"' EXIT
 } | tee "$out"
 
 for tier in $tiers; do
+  IFS=: read -r opt par <<<"$tier"
   best="none"
   for size in "${sizes[@]}"; do
     IFS=: read -r layers dim heads <<<"$size"
-    flags=(--device cuda --stage 3 --dtype bf16 --offload-optimizer "$tier" --layers "$layers"
+    flags=(--device cuda --stage 3 --dtype bf16 --offload-optimizer "$opt" --layers "$layers"
            --dim "$dim" --heads "$heads" --seq 64 --batch 4 --steps 3 --warmup 1 --lr 1e-4 --sample 0
            --corpus-chars 200000 --no-dp-reference --quiet --report-json "$work/report.json")
-    [[ "$tier" == nvme ]] && flags+=(--nvme-path "$nvme_dir")
+    [[ -n "$par" ]] && flags+=(--offload-param "$par")
+    [[ "$opt" == nvme || "$par" == nvme ]] && flags+=(--nvme-path "$nvme_dir")
     rm -f "$work/report.json"
     start=$SECONDS
     timeout "$limit" "$bin" demo "${flags[@]}" >"$work/log.txt" 2>&1
@@ -77,5 +81,5 @@ EOF
       break
     fi
   done
-  echo "largest with --offload-optimizer $tier: $best" | tee -a "$out"
+  echo "largest with --offload-optimizer $opt${par:+ --offload-param $par}: $best" | tee -a "$out"
 done

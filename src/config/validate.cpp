@@ -106,14 +106,15 @@ void check_tiers(const Config& c) {
   }
 }
 
-// What the GPU engine does not move yet: the nvme tier's swap pipeline works on host memory
-// only, and stage 3's parameter shard must be in GPU memory for the all-gather.
+// What the GPU engine does not do: parameters off the GPU are updated where they live, by the
+// CPU, so the optimizer must be there too (a GPU update would write host memory).
 void check_cuda(const Config& c) {
   if (c.device != Device::cuda) return;
-  if (c.offload_param.tier != Tier::device)
-    fail(
-        "zeroshard.device = cuda takes offload_param.device none: stage 3's parameter shards "
-        "stay in GPU memory (parameter offload runs with zeroshard.device cpu)");
+  if (c.offload_param.tier != Tier::device && c.offload_optimizer.tier == Tier::device)
+    fail(std::string("zero_optimization.offload_param.device = ") +
+         config_detail::deepspeed_tier_name(c.offload_param.tier) +
+         " with zeroshard.device = cuda requires zero_optimization.offload_optimizer.device cpu "
+         "or nvme: the parameters off the GPU are updated by the CPU optimizer");
   if (c.offload_optimizer.tier == Tier::host && c.stage == 0)
     fail(
         "zero_optimization.offload_optimizer.device = cpu with zeroshard.device = cuda "

@@ -29,17 +29,19 @@ class StagedStateTier::Uploads final : public ParamSink {
 };
 
 StagedStateTier::StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTier> inner,
-                                 Compute& dev)
+                                 Compute& dev, bool params_on_device)
     : ctx_(ctx),
       inner_(std::move(inner)),
       dev_(dev),
       slot_of_(ctx.units->size(), -1),
-      host_target_(ctx.units->size(), nullptr) {
+      host_target_(ctx.units->size(), nullptr),
+      params_on_device_(params_on_device) {
   int64_t largest_shard = 0;
   for (size_t i = 0; i < ctx.units->size(); ++i) {
     largest_shard = std::max(largest_shard, ctx.shard(int(i)));
-    upload_.push_back(ctx.buffer(Tier::host, MemKind::buffer, "param_upload",
-                                 size_t(ctx.shard(int(i))) * ctx.pbytes, true));
+    if (params_on_device)
+      upload_.push_back(ctx.buffer(Tier::host, MemKind::buffer, "param_upload",
+                                   size_t(ctx.shard(int(i))) * ctx.pbytes, true));
   }
   slots_.fill(ctx.cfg->grad_buffers, [&] {
     return ctx.buffer(Tier::device, MemKind::buffer, "grad_shard_staging",
@@ -92,12 +94,14 @@ void StagedStateTier::wait_uploads() {
 void StagedStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                              ParamSink& sink) {
   wait_uploads();
+  if (!params_on_device_) return inner_->update(hyper, step, sink);
   Uploads up(*this, sink);
   inner_->update(hyper, step, up);
 }
 
 void StagedStateTier::commit(Communicator& comm, ParamSink& sink) {
   wait_uploads();
+  if (!params_on_device_) return inner_->commit(comm, sink);
   Uploads up(*this, sink);
   inner_->commit(comm, up);
   wait_uploads();  // restore is off the step path: the parameters are in place on return

@@ -2,7 +2,8 @@
 // GPU parameters with a CPU optimizer: the host or nvme tier under an engine on a GPU. The
 // reduce-scatter fills a GPU staging slot; the reduced shard comes down to the inner tier's
 // host memory once it is final (during backward, as the slots cycle); the CPU updates; and each
-// unit's new low-precision shard goes up while the next unit updates.
+// unit's new low-precision shard goes up while the next unit updates, unless the parameters
+// live off the GPU too (stage 3's offload_param: the update writes them where they are).
 
 #include <memory>
 #include <vector>
@@ -18,7 +19,10 @@ class StagedStateTier final : public StateTier {
  public:
   /// `inner` keeps the state in host memory (or on disk through it); `dev` is the GPU's
   /// backend; the grad_buffers staging slots of the largest shard come from `ctx.buffer`.
-  StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTier> inner, Compute& dev);
+  /// `params_on_device`: the parameter shards the update writes are in GPU memory (upload
+  /// buffers in pinned memory carry them up), else in host memory or on disk.
+  StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTier> inner, Compute& dev,
+                  bool params_on_device);
 
   void load_initial(int u, const float* whole) override { inner_->load_initial(u, whole); }
   void finish_load() override { inner_->finish_load(); }
@@ -59,6 +63,7 @@ class StagedStateTier final : public StateTier {
   std::vector<void*> host_target_;  // unit → the inner tier's grad_target()
   std::vector<Buffer> upload_;      // unit → its new low-precision shard on its way up
   bool uploads_pending_ = false;
+  bool params_on_device_;
 };
 
 }  // namespace zeroshard

@@ -35,13 +35,15 @@ struct Case {
   Tier optimizer_tier;
   int micro;
   double clip;
-  bool nccl;  // one rank over NCCL instead of MPI
+  bool nccl;                       // one rank over NCCL instead of MPI
+  Tier param_tier = Tier::device;  // stage 3's parameter shards (offload_param)
 };
 
 std::string name(const Case& c) {
   return "stage" + std::to_string(c.stage) + "_" + dtype_name(c.dtype) + "_" +
          tier_name(c.optimizer_tier) + "_k" + std::to_string(c.micro) +
-         (c.clip > 0 ? "_clip" : "") + (c.nccl ? "_nccl" : "_mpi");
+         (c.clip > 0 ? "_clip" : "") + (c.nccl ? "_nccl" : "_mpi") +
+         (c.param_tier != Tier::device ? std::string("_params_") + tier_name(c.param_tier) : "");
 }
 
 // Swap files go where TMPDIR points (a real disk, through io_uring), else /tmp.
@@ -58,6 +60,8 @@ Config config(const Case& c, Device d) {
   cfg.device_index = 0;
   cfg.offload_optimizer.tier = c.optimizer_tier;
   if (c.optimizer_tier == Tier::nvme) cfg.offload_optimizer.nvme_paths = {swap_dir()};
+  cfg.offload_param.tier = c.param_tier;
+  if (c.param_tier == Tier::nvme) cfg.offload_param.nvme_paths = {swap_dir()};
   cfg.gradient_accumulation_steps = c.micro;
   cfg.gradient_clipping = c.clip;
   cfg.optimizer.lr = 1e-2f;
@@ -81,7 +85,8 @@ TEST_P(GpuEngine, MatchesTheCpuEngine) {
   try {
     cpu_owner = std::make_unique<Engine>(config(c, Device::cpu), world());
   } catch (const Error& e) {
-    if (c.optimizer_tier == Tier::nvme && e.code() == ErrorCode::invalid_config)
+    if ((c.optimizer_tier == Tier::nvme || c.param_tier == Tier::nvme) &&
+        e.code() == ErrorCode::invalid_config)
       GTEST_SKIP() << e.what();  // a build without io_uring (a bare GPU machine)
     throw;
   }
@@ -152,6 +157,14 @@ std::vector<Case> cases() {
   out.push_back({3, DType::bf16, Tier::host, 1, 0.5, false});
   for (int stage : {0, 3}) out.push_back({stage, DType::bf16, Tier::device, 1, 0.0, true});
   out.push_back({2, DType::bf16, Tier::host, 1, 0.0, true});
+  // Stage 3's parameters off the GPU (ZeRO-Infinity's parameter tier): in host memory or on
+  // disk, with the optimizer in host memory or on disk; f32 on the host aliases master and
+  // parameters; accumulation; and over NCCL.
+  for (Tier p : {Tier::host, Tier::nvme})
+    for (Tier o : {Tier::host, Tier::nvme}) out.push_back({3, DType::bf16, o, 1, 0.0, false, p});
+  out.push_back({3, DType::f32, Tier::host, 1, 0.0, false, Tier::host});
+  out.push_back({3, DType::bf16, Tier::host, 2, 0.5, false, Tier::host});
+  out.push_back({3, DType::bf16, Tier::host, 1, 0.0, true, Tier::nvme});
   return out;
 }
 
@@ -203,7 +216,10 @@ TEST(GpuEngineConfig, RejectsWhatTheGpuEngineDoesNotDo) {
   c.device = Device::cuda;
   c.stage = 3;
   c.offload_param.tier = Tier::host;
-  EXPECT_ZS_ERROR(c.validate(), invalid_config, "zeroshard.device = cuda takes");
+  EXPECT_ZS_ERROR(c.validate(), invalid_config, "requires zero_optimization.offload_optimizer");
+  c.offload_optimizer.tier = Tier::host;
+  EXPECT_NO_THROW(c.validate());  // ZeRO-Infinity's parameter tier
+  c.offload_optimizer = {};
   c.offload_param = {};
   c.stage = 0;
   c.offload_optimizer.tier = Tier::host;

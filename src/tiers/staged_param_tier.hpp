@@ -1,0 +1,53 @@
+#pragma once
+// Stage 3's parameter shards off the GPU (offload_param cpu or nvme under an engine on a GPU:
+// ZeRO-Infinity's parameter tier). The inner tier keeps each rank's shard in host memory or on
+// disk, as on the CPU engine; a gather reads it there (from disk into pinned staging, ahead of
+// the recorded order), copies it up into one of two GPU staging slots on the device's stream,
+// and all-gathers from that slot into the unit's gather buffer. The optimizer, on the CPU,
+// writes the new shards straight into the inner tier: nothing goes up after the update.
+
+#include <memory>
+#include <vector>
+
+#include "offload/tier.hpp"
+#include "src/base/buffer_pool.hpp"
+#include "src/compute/compute.hpp"
+
+namespace zeroshard {
+
+class StagedParamTier final : public ParamTier {
+ public:
+  /// `inner` keeps the shards in host memory or on disk; `dev` is the GPU's backend; the two
+  /// staging slots (of the largest shard) come from `ctx.buffer` on the device tier.
+  StagedParamTier(const TierContext& ctx, std::unique_ptr<ParamTier> inner, Compute& dev);
+
+  void load_initial(int u, const float* whole) override { inner_->load_initial(u, whole); }
+  void finish_load() override { inner_->finish_load(); }
+  void* whole(int) override { return nullptr; }  // stage 3 only
+  void* own(int u) override { return inner_->own(u); }
+  const void* gather_source(int u) override;
+  void gathered(int u) override;
+  void released(int u) override;
+  void read_ahead(const std::vector<int>& order, size_t pos) override {
+    inner_->read_ahead(order, pos);
+  }
+  void drop_reads() override { inner_->drop_reads(); }
+  bool two_phase() const override { return inner_->two_phase(); }
+  void store_update(int64_t step, const std::function<void(int u, void* out)>& compute) override {
+    inner_->store_update(step, compute);
+  }
+  void commit_update() override { inner_->commit_update(); }
+  std::vector<float> read(int u) const override { return inner_->read(u); }
+  void restore(int u, const float* master) override { inner_->restore(u, master); }
+
+ private:
+  void free_slot(int u);
+
+  TierContext ctx_;
+  std::unique_ptr<ParamTier> inner_;
+  Compute& dev_;
+  BufferPool slots_;          // shards on the GPU, each the source of one all-gather in flight
+  std::vector<int> slot_of_;  // unit → its slot, or -1
+};
+
+}  // namespace zeroshard
