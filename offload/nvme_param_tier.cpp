@@ -211,4 +211,10 @@ void NvmeParamTier::restore(int u, const float* master) {
   w.cur = 1 - w.cur;
 }
 
+std::vector<std::pair<void*, size_t>> NvmeParamTier::dma_regions() const {
+  std::vector<std::pair<void*, size_t>> out;
+  for (int i = 0; i < pool_.count(); ++i) out.push_back({pool_.data(i), pool_.bytes()});
+  return out;
+}
+
 }  // namespace zeroshard::offload

@@ -42,6 +42,8 @@ class NvmeParamTier final : public ParamTier {
   void commit_update() override;
   std::vector<float> read(int u) const override;
   void restore(int u, const float* master) override;
+  /// The staging pool: a GPU engine copies shards up from it.
+  std::vector<std::pair<void*, size_t>> dma_regions() const override;
 
   /// The nvme state tier writes the new shards with its records: starts writing unit u's new
   /// shard at `data` (inside a slot of `pool`) to the uncommitted slot.

@@ -212,6 +212,9 @@ class ParamTier {
   virtual std::vector<float> read(int u) const = 0;
   /// Stage 3 restore: unit u's shard rounded from `master` (shard_numel f32 values).
   virtual void restore(int u, const float* master) = 0;
+  /// Host memory a GPU copies shards out of, for the engine to page-lock for DMA (StateTier's
+  /// likewise).
+  virtual std::vector<std::pair<void*, size_t>> dma_regions() const { return {}; }
 };
 
 }  // namespace zeroshard

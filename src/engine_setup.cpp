@@ -104,7 +104,9 @@ void Engine::Impl::make_tiers() {
     state = std::make_unique<StagedStateTier>(c, std::move(state), *res.dev, tpar == Tier::device);
   if (c.plan_only) return;  // a plan: no memory to register, no I/O to start
   if (res.swap) res.swap->start(cfg.aio);
-  for (auto [p, n] : state->dma_regions())
+  std::vector<std::pair<void*, size_t>> regions = state->dma_regions();
+  for (auto r : params->dma_regions()) regions.push_back(r);
+  for (auto [p, n] : regions)
     if (auto h = res.dev->register_host(p, n)) dma.push_back(std::move(h));
 }
 

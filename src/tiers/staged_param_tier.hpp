@@ -39,6 +39,9 @@ class StagedParamTier final : public ParamTier {
   void commit_update() override { inner_->commit_update(); }
   std::vector<float> read(int u) const override { return inner_->read(u); }
   void restore(int u, const float* master) override { inner_->restore(u, master); }
+  std::vector<std::pair<void*, size_t>> dma_regions() const override {
+    return inner_->dma_regions();
+  }
 
  private:
   void free_slot(int u);
