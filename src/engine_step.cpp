@@ -65,6 +65,7 @@ void Engine::Impl::drop_prefetches() {
 // of the last step). Parameters on disk with the state in memory are stored first: only once
 // every rank has the new shards on disk may the state change.
 void Engine::Impl::update(const std::vector<cpu::UpdateHyper>& hyper) {
+  drop_prefetches();  // one started after clip_grad_norm() (close_grads() dropped the earlier)
   params->drop_reads();
   const bool two_phase = params->two_phase();
   if (two_phase)

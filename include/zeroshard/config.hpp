@@ -80,7 +80,8 @@ struct ZS_API Config {
   /// The compute device ("zeroshard.device": "cpu" or "cuda"). Parameters, gradients and the
   /// device tier live in its memory, and the optimizer runs there when its state is on the
   /// device tier (on the CPU when offloaded to host or nvme). cuda needs a CUDA build and a GPU;
-  /// it takes every offload_optimizer tier (host and nvme from stage 1) and offload_param none.
+  /// it takes every offload_optimizer tier (host and nvme from stage 1), and at stage 3 every
+  /// offload_param tier, host or nvme ones with the optimizer on host or nvme too.
   Device device = Device::cpu;
   /// The GPU for device cuda; −1 picks the launcher's local rank modulo the number of GPUs.
   int device_index = -1;

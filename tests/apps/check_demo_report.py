@@ -71,10 +71,14 @@ def expected_cells(a, sizes, stage, world, topt, tpar_flag):
         cells[topt]["master"] += ext * 4
     cells[topt]["optim_state"] += states * ext * 4
     # A GPU with the optimizer on the CPU: reduce-scatter outputs land in GPU slots first, and
-    # each unit's updated shard waits in pinned memory for its upload.
+    # each unit's updated shard waits in pinned memory for its upload, unless the parameters
+    # are off the GPU too: then two GPU slots take each gather's shard on its way up.
     if a.device == "cuda" and topt != "device":
         cells["device"]["buffer"] += grad_buffers * (largest // world) * p
-        cells["host"]["buffer"] += shard * p
+        if tpar == "device":
+            cells["host"]["buffer"] += shard * p
+        else:
+            cells["device"]["buffer"] += 2 * (largest // world) * p
     # Cross-check against the ZeRO paper's closed forms for mixed-precision Adam on one tier.
     if a.dtype != "f32" and states == 2 and topt == tpar == "device" and a.accum == 1:
         model = sum(cells["device"][k] for k in ("param", "grad", "master", "optim_state"))

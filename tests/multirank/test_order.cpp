@@ -148,3 +148,40 @@ TEST(Order, WaitingUnitsNameTheUnitTheyWaitFor) {
   }
   EXPECT_FALSE(e.step().skipped);
 }
+
+// A gather between clip_grad_norm() and step() (a trainer logging a layer's weights, say)
+// prefetches the next unit with the parameters of before the update. step() must drop that
+// prefetch, or the next step's gather of that unit hands out stale values; on a GPU its copy
+// up would also still read staging the update frees. Bitwise as without the extra gather.
+TEST(Order, Stage3GatherBetweenClipAndStepLeavesNoStalePrefetch) {
+  for (Tier params : {Tier::device, Tier::host, Tier::nvme}) {
+    SCOPED_TRACE(std::string("parameters on ") + tier_name(params));
+    auto train = [&](bool peek) {
+      Config cfg = make_config(3, DType::bf16, 1);
+      cfg.offload_param.tier = params;
+      if (params != Tier::device) cfg.offload_optimizer.tier = Tier::host;
+      if (params == Tier::nvme) cfg.offload_param.nvme_paths = {"/tmp"};
+      Engine e(cfg, world());
+      zs_test::register_model(e, zs_test::uneven_model());
+      zs_test::TrainOptions opt;
+      opt.steps = 4;
+      if (peek)
+        opt.before_step = [](Engine& en) {
+          en.clip_grad_norm(1.0);
+          const int last = en.num_units() - 1;  // first in the recorded (backward) order
+          (void)en.gather(last);                // prefetches the next in that order
+          en.release(last);
+        };
+      for (const StepResult& r : zs_test::train(e, opt)) EXPECT_FALSE(r.skipped);
+      std::vector<std::vector<float>> out;
+      for (int u = 0; u < e.num_units(); ++u)
+        for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0})
+          out.push_back(e.read_shard(u, k));
+      return out;
+    };
+    const auto ref = train(false), peeked = train(true);
+    ASSERT_EQ(ref.size(), peeked.size());
+    for (size_t i = 0; i < ref.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(ref[i], peeked[i])) << "unit " << i / 3 << " state " << i % 3;
+  }
+}
