@@ -99,7 +99,8 @@ void Engine::Impl::make_tiers() {
     Compute& work = topt == Tier::device ? *res.dev : *res.host;
     state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->two_phase());
   }
-  // A GPU with the optimizer on the CPU: gradients come down, parameters go up.
+  // A GPU with the optimizer on the CPU: gradients come down, parameters go up (unless their
+  // shards live off the GPU too: the update then writes them where they are).
   if (on_gpu && topt != Tier::device)
     state = std::make_unique<StagedStateTier>(c, std::move(state), *res.dev, tpar == Tier::device);
   if (c.plan_only) return;  // a plan: no memory to register, no I/O to start
