@@ -14,6 +14,7 @@
 
 #include "apps/ckpt/ckpt.hpp"
 #include "apps/demo.hpp"
+#include "apps/plan/calibrate.hpp"
 #include "apps/plan/plan.hpp"
 #include "zeroshard/version.hpp"
 
@@ -63,6 +64,8 @@ constexpr Command kCommands[] = {
      &zsckpt::run_ckpt},
     {"plan", "the memory per rank of every stage and offload choice for a GPT (plan --help)",
      &zsplan::run_plan},
+    {"calibrate", "measure memory, CPU optimizer, collective and disk rates for the planner",
+     &zsplan::run_calibrate},
 };
 
 void usage(std::FILE* out) {

@@ -18,6 +18,9 @@ expect() {  # expect CODE PATTERN ARGS...: exit code and a pattern in stdout+std
   fi
 }
 expect 0 "demo" --help
+expect 0 "calibrate" --help
+expect 0 "same-bytes pass" calibrate --help
+expect 2 "needs a value" calibrate --out
 expect 0 "zeroshard " --version
 expect 2 "unknown command" frobnicate
 expect 2 "usage" # no command

@@ -1,0 +1,328 @@
+// `zeroshard calibrate` (calibrate.hpp). Every figure is measured here, through the library's
+// public API, on all ranks at once (the ranks share the machine's memory bandwidth and disk as
+// they will when training):
+// - memory: the same-bytes pass (SameBytesPass) over the streams of the mixed-precision and the
+//   f32 AdamW update, in GB/s of bytes moved;
+// - optimizer: an engine's update of one unit on the CPU (StepResult::optimizer_s), in
+//   parameters per second, and as a fraction of the same-bytes pass of its own bytes;
+// - collectives: reduce-scatter, all-gather and all-reduce over the launched ranks at sizes from
+//   4 KiB up: latency from the smallest, bandwidth from the two largest (time = latency +
+//   bytes / bandwidth);
+// - nvme: an engine step with its optimizer state on the nvme tier (io_uring swap files in
+//   --nvme-path), in parameters per second and in record bytes read and written per second.
+// Rank 0 prints a table and writes the JSON file (schema "zeroshard-calibration/1").
+#include "apps/plan/calibrate.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "zeroshard/calibration.hpp"
+#include "zeroshard/zeroshard.hpp"
+
+namespace zsplan {
+
+namespace {
+
+using namespace zeroshard;
+using nlohmann::json;
+
+struct Options {
+  std::string out = "zeroshard-calibration.json";
+  std::string nvme_path;        // empty: no nvme measurement
+  int64_t elements = 1 << 25;   // per optimizer and memory pass
+  int64_t max_bytes = 1 << 26;  // largest collective
+  int reps = 5;
+};
+
+const char* kHelp =
+    "usage: [mpirun -np N] zeroshard calibrate [--out FILE] [--nvme-path DIR] [--quick]\n\n"
+    "Measures this machine for the planner, on every rank at once: memory bandwidth (the\n"
+    "same-bytes pass of the optimizer's streams), the CPU optimizer's throughput (an engine's\n"
+    "update, f32 and bf16), the collectives over the launched ranks (latency and bandwidth of\n"
+    "reduce-scatter, all-gather and all-reduce), and with --nvme-path an engine step with its\n"
+    "optimizer state on the nvme tier there. Rank 0 writes FILE (default\n"
+    "zeroshard-calibration.json). --quick: smaller sizes (seconds, for tests); the figures are\n"
+    "then noisier. PCIe is not measured by this command (benchmarks/gpu/offload_step_bench\n"
+    "measures pinned bandwidth on a GPU machine).\n";
+
+[[noreturn]] void bad(const std::string& why) {
+  throw std::invalid_argument(why);
+}
+
+Options parse(const std::vector<std::string>& args) {
+  Options o;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& f = args[i];
+    if (f == "--quick") {
+      o.elements = 1 << 20;
+      o.max_bytes = 1 << 22;
+      o.reps = 3;
+      continue;
+    }
+    if (f != "--out" && f != "--nvme-path")
+      bad("unknown flag " + f + " (zeroshard calibrate --help)");
+    if (i + 1 >= args.size()) bad(f + " needs a value (zeroshard calibrate --help)");
+    (f == "--out" ? o.out : o.nvme_path) = args[++i];
+  }
+  return o;
+}
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t c = line.find(':');
+      return c == std::string::npos ? line : line.substr(c + 2);
+    }
+  return "unknown";
+}
+
+// The streams of one AdamW update per parameter: master, m, v read and written, the gradient
+// read, and (low precision) the parameter copy written. f32: 4 + 4·3·2 = 28 B (the master is
+// the parameter); bf16: 2 + 4·3·2 + 2 = 28 B.
+struct UpdateStreams {
+  explicit UpdateStreams(int64_t n)
+      : master(size_t(n), 1.0f),
+        m(size_t(n), 1.0f),
+        v(size_t(n), 1.0f),
+        g32(size_t(n), 1.0f),
+        g16(size_t(n), 0x3C00),
+        p16(size_t(n), 0) {}
+  std::vector<float> master, m, v, g32;
+  std::vector<uint16_t> g16, p16;
+  double bytes_per_param(DType) const { return 28.0; }
+  double pass(SameBytesPass& sb, DType d, int64_t n) {
+    std::vector<MemoryStream> r = {{master.data(), 4}, {m.data(), 4}, {v.data(), 4}};
+    std::vector<MemoryStream> w = r;
+    if (d == DType::f32) {
+      r.push_back({g32.data(), 4});
+    } else {
+      r.push_back({g16.data(), 2});
+      w.push_back({p16.data(), 2});
+    }
+    return sb.run(r, w, n);
+  }
+};
+
+// One engine of one unit of n parameters: the median of its update times over `reps` steps.
+double optimizer_seconds(const Config& cfg, int64_t n, int reps, double* step_s = nullptr) {
+  Engine e(cfg, make_self_communicator());
+  e.add_unit("calibrate", {Param{"w", {n}}});
+  e.finalize();
+  std::vector<double> opt, step;
+  std::vector<float> grad(size_t(n), 1e-3f);
+  for (int s = 0; s < reps + 1; ++s) {
+    for (const TensorView& g : e.grads(0))
+      convert(TensorView{grad.data(), g.numel, DType::f32, Device::cpu}, g);
+    const double t0 = now_s();
+    e.grads_ready(0);
+    const StepResult r = e.step();
+    if (s == 0) continue;  // first touch of the state, first file writes
+    opt.push_back(r.optimizer_s);
+    step.push_back(now_s() - t0);
+  }
+  if (step_s) *step_s = median(step);
+  return median(opt);
+}
+
+// time = latency + bytes / bandwidth: the latency is the smallest size's time, the bandwidth
+// the slope between the two largest sizes (a least-squares line would be all large sizes).
+// Points are (bytes per rank, seconds), in increasing size.
+json fit(const std::vector<std::pair<double, double>>& pts) {
+  const auto [x1, y1] = pts[pts.size() - 2];
+  const auto [x2, y2] = pts.back();
+  const double slope = y2 > y1 ? (y2 - y1) / (x2 - x1) : y2 / x2;
+  const double latency = pts.front().second;
+  json p = json::array();
+  for (auto [x, y] : pts) p.push_back({x, y});
+  return {{"latency_s", latency},
+          {"bandwidth_gbs", slope > 0 ? 1e-9 / slope : 0.0},
+          {"points_bytes_s", p}};
+}
+
+json collectives(Communicator& comm, const Options& o) {
+  const int world = comm.size();
+  json out = {{"world", world}};
+  if (world == 1) {
+    out["note"] = "one rank: no collective to measure (launch under mpirun -np N)";
+    return out;
+  }
+  std::vector<std::pair<double, double>> rs, ag, ar;
+  for (int64_t bytes = 4096; bytes <= o.max_bytes; bytes *= 4) {
+    const int64_t n = bytes / 2;  // bf16 elements per rank
+    std::vector<uint16_t> send(size_t(n * world), 0x3C00), recv(size_t(n * world));
+    std::vector<double> d(size_t(std::max<int64_t>(1, bytes / 8)), 1.0);
+    std::vector<double> t_rs, t_ag, t_ar;
+    for (int r = 0; r < o.reps + 1; ++r) {
+      comm.barrier("calibrate");
+      double t0 = now_s();
+      comm.reduce_scatter(send.data(), recv.data(), n, DType::bf16, "calibrate")->wait();
+      const double a = now_s() - t0;
+      comm.barrier("calibrate");
+      t0 = now_s();
+      comm.all_gather(recv.data(), send.data(), n, DType::bf16, "calibrate")->wait();
+      const double b = now_s() - t0;
+      comm.barrier("calibrate");
+      t0 = now_s();
+      comm.all_reduce(d.data(), int64_t(d.size()), ReduceOp::sum, "calibrate")->wait();
+      const double c = now_s() - t0;
+      if (r == 0) continue;
+      t_rs.push_back(a), t_ag.push_back(b), t_ar.push_back(c);
+    }
+    // The slowest rank's median: a collective ends when the last rank is done.
+    double m[3] = {median(t_rs), median(t_ag), median(t_ar)};
+    comm.all_reduce(m, 3, ReduceOp::max, "calibrate")->wait();
+    rs.push_back({double(bytes), m[0]});
+    ag.push_back({double(bytes), m[1]});
+    ar.push_back({double(bytes), m[2]});
+  }
+  out["reduce_scatter"] = fit(rs);  // bytes: each rank's output block
+  out["all_gather"] = fit(ag);      // bytes: each rank's input block
+  out["all_reduce"] = fit(ar);      // bytes: the buffer reduced
+  return out;
+}
+
+// The same value on every rank: the mean over ranks (each measured its own share at once).
+double mean_over(Communicator& comm, double x) {
+  comm.all_reduce(&x, 1, ReduceOp::sum, "calibrate")->wait();
+  return x / comm.size();
+}
+
+}  // namespace
+
+int run_calibrate(const std::vector<std::string>& args) {
+  if (std::find(args.begin(), args.end(), "--help") != args.end()) {
+    std::fputs(kHelp, stdout);
+    return 0;
+  }
+  Options o;
+  try {
+    o = parse(args);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "zeroshard calibrate: %s\n", e.what());
+    return 2;
+  }
+#ifdef ZSDEMO_HAVE_MPI
+  std::shared_ptr<Communicator> comm = make_mpi_communicator();
+#else
+  std::shared_ptr<Communicator> comm = make_self_communicator();
+#endif
+  const bool talk = comm->rank() == 0;
+  auto say = [&](const char* what) {
+    if (talk) std::fprintf(stderr, "calibrate: %s\n", what);
+  };
+  try {
+    json j = {{"schema", "zeroshard-calibration/1"}};
+    {
+      char date[32];
+      const std::time_t t = std::time(nullptr);
+      std::strftime(date, sizeof date, "%FT%TZ", std::gmtime(&t));
+      j["date"] = date;
+    }
+    SameBytesPass sb;
+    j["host"] = {{"cpu", cpu_model()},
+                 {"cores", int(std::thread::hardware_concurrency())},
+                 {"ranks", comm->size()},
+                 {"threads_per_rank", sb.threads()},
+                 {"isa", sb.isa()}};
+
+    say("memory and CPU optimizer (every rank at once)");
+    UpdateStreams st(o.elements);
+    json mem = json::object(), opt = json::object();
+    for (DType d : {DType::f32, DType::bf16}) {
+      (void)st.pass(sb, d, o.elements);  // first touch
+      std::vector<double> t;
+      comm->barrier("calibrate");
+      for (int r = 0; r < o.reps; ++r) t.push_back(st.pass(sb, d, o.elements));
+      const double gbs =
+          mean_over(*comm, st.bytes_per_param(d) * double(o.elements) / median(t) / 1e9);
+      mem[dtype_name(d)] = {{"same_bytes_gbs", gbs}, {"bytes_per_param", st.bytes_per_param(d)}};
+      Config c;
+      c.dtype = d;
+      comm->barrier("calibrate");
+      const double s = optimizer_seconds(c, o.elements, o.reps);
+      const double pps = mean_over(*comm, double(o.elements) / s);
+      opt[dtype_name(d)] = {{"params_per_s", pps},
+                            {"over_same_bytes", pps * st.bytes_per_param(d) / (gbs * 1e9)}};
+    }
+    j["memory"] = mem;
+    j["optimizer"] = {{"adamw", opt}};
+
+    say("collectives");
+    comm->set_timeout(300);
+    j["collectives"] = collectives(*comm, o);
+
+    if (!o.nvme_path.empty()) {
+      say("nvme tier (an engine step through the swap files)");
+      Config c;
+      c.stage = 1;
+      c.dtype = DType::bf16;
+      c.offload_optimizer.tier = Tier::nvme;
+      c.offload_optimizer.nvme_paths = {o.nvme_path};
+      comm->barrier("calibrate");
+      double step_s = 0;
+      const double opt_s = optimizer_seconds(c, o.elements, o.reps, &step_s);
+      // Each step reads and writes every record (f32 master and two moments: 12 B/param).
+      const double pps = mean_over(*comm, double(o.elements) / step_s);
+      j["nvme"] = {{"path", o.nvme_path},
+                   {"params", o.elements},
+                   {"step_params_per_s", pps},
+                   {"record_gbs", pps * 24.0 / 1e9},
+                   {"update_share", mean_over(*comm, opt_s / step_s)}};
+    } else {
+      j["nvme"] = nullptr;
+    }
+    j["pcie"] = nullptr;
+
+    if (talk) {
+      std::ofstream f(o.out);
+      f << j.dump(2) << "\n";
+      if (!f) throw std::runtime_error("cannot write " + o.out);
+      std::printf("calibration of %s (%d rank(s), %d threads each, %s) -> %s\n",
+                  j["host"]["cpu"].get<std::string>().c_str(), comm->size(), sb.threads(), sb.isa(),
+                  o.out.c_str());
+      for (const char* d : {"f32", "bf16"})
+        std::printf(
+            "  %-4s same-bytes %7.2f GB/s per rank; AdamW %7.3f Gparam/s per rank (%.2f of "
+            "its same-bytes pass)\n",
+            d, j["memory"][d]["same_bytes_gbs"].get<double>(),
+            j["optimizer"]["adamw"][d]["params_per_s"].get<double>() / 1e9,
+            j["optimizer"]["adamw"][d]["over_same_bytes"].get<double>());
+      const json& cl = j["collectives"];
+      for (const char* k : {"reduce_scatter", "all_gather", "all_reduce"})
+        if (cl.contains(k))
+          std::printf("  %-14s latency %8.1f us, bandwidth %7.2f GB/s\n", k,
+                      cl[k]["latency_s"].get<double>() * 1e6, cl[k]["bandwidth_gbs"].get<double>());
+      if (!j["nvme"].is_null())
+        std::printf("  nvme step     %7.3f Gparam/s per rank, records %.2f GB/s read+write\n",
+                    j["nvme"]["step_params_per_s"].get<double>() / 1e9,
+                    j["nvme"]["record_gbs"].get<double>());
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "zeroshard calibrate: rank %d: %s\n", comm->rank(), e.what());
+    return 1;
+  }
+}
+
+}  // namespace zsplan

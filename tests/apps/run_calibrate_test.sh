@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs the real `zeroshard calibrate --quick` on NP ranks (nvme through swap files in a temporary
+# directory) and checks the calibration file: every figure present, positive and plausible, the
+# collectives measured over NP ranks, and bad flags refused before MPI starts.
+# usage: run_calibrate_test.sh ZEROSHARD_BIN MPIEXEC NP   (MPIEXEC "none": one rank, no mpirun)
+set -euo pipefail
+bin="$1" mpiexec="$2" np="$3"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+launch=("$mpiexec" -np "$np")
+if [[ "$mpiexec" == none ]]; then launch=(); fi
+if "$bin" calibrate --frobnicate 2>"$work/err"; then
+  echo "FAIL: a bad flag was accepted"
+  exit 1
+fi
+grep -q "unknown flag --frobnicate" "$work/err"
+"${launch[@]}" "$bin" calibrate --quick --out "$work/c.json" --nvme-path "$work" | tee "$work/out.txt"
+grep -q "same-bytes" "$work/out.txt"
+/usr/bin/python3 - "$work/c.json" "$np" <<'PY'
+import json, sys
+c, np = json.load(open(sys.argv[1])), int(sys.argv[2])
+assert c["schema"] == "zeroshard-calibration/1", c["schema"]
+assert c["host"]["ranks"] == np and c["host"]["threads_per_rank"] >= 1, c["host"]
+for d in ("f32", "bf16"):
+    m, o = c["memory"][d], c["optimizer"]["adamw"][d]
+    assert m["bytes_per_param"] == 28 and 0.1 < m["same_bytes_gbs"] < 1e4, m
+    assert 1e6 < o["params_per_s"] < 1e12, o
+    # The update moves the same bytes as the pass: it cannot be many times faster or slower.
+    assert 0.2 < o["over_same_bytes"] < 5, o
+col = c["collectives"]
+assert col["world"] == np, col
+if np > 1:
+    for k in ("reduce_scatter", "all_gather", "all_reduce"):
+        f = col[k]
+        pts = f["points_bytes_s"]
+        assert len(pts) >= 4 and all(a[0] < b[0] for a, b in zip(pts, pts[1:])), (k, pts)
+        assert all(t > 0 for _, t in pts), (k, pts)
+        assert 0 < f["latency_s"] < 1 and 0.001 < f["bandwidth_gbs"] < 1e4, (k, f)
+        # Bigger collectives take longer: the largest at least the smallest's time.
+        assert pts[-1][1] > pts[0][1], (k, pts)
+n = c["nvme"]
+assert n is not None and n["params"] > 0 and 1e4 < n["step_params_per_s"] < 1e12, n
+assert abs(n["record_gbs"] - n["step_params_per_s"] * 24 / 1e9) < 1e-9 * n["record_gbs"] + 1e-12, n
+assert 0 < n["update_share"] <= 1.5, n
+print("calibration file checked:", sys.argv[1])
+PY
