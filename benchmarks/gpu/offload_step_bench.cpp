@@ -28,6 +28,7 @@
 // too short (also when the engine's allocation fails with a zeroshard::Error saying so).
 
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -38,6 +39,8 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <memory>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -210,16 +213,16 @@ class UpdateCeiling {
  public:
   explicit UpdateCeiling(int64_t n)
       : n_(n),
-        master_(size_t(n), 1.0f),
-        m_(size_t(n), 1.0f),
-        v_(size_t(n), 1.0f),
-        g_(size_t(n), 0x3C3C),
-        p_(size_t(n), 0) {}
+        master_(huge<float>(n, 1.0f)),
+        m_(huge<float>(n, 1.0f)),
+        v_(huge<float>(n, 1.0f)),
+        g_(huge<uint16_t>(n, 0x3C3C)),
+        p_(huge<uint16_t>(n, 0)) {}
   double run(int64_t passes) {
     const std::vector<zs::MemoryStream> reads = {
-        {master_.data(), 4}, {m_.data(), 4}, {v_.data(), 4}, {g_.data(), 2}};
+        {master_.get(), 4}, {m_.get(), 4}, {v_.get(), 4}, {g_.get(), 2}};
     const std::vector<zs::MemoryStream> writes = {
-        {master_.data(), 4}, {m_.data(), 4}, {v_.data(), 4}, {p_.data(), 2}};
+        {master_.get(), 4}, {m_.get(), 4}, {v_.get(), 4}, {p_.get(), 2}};
     double t = 0;
     for (int64_t i = 0; i < passes; ++i) t += pass_.run(reads, writes, n_);
     return t;
@@ -227,9 +230,27 @@ class UpdateCeiling {
   const zs::SameBytesPass& pass() const { return pass_; }
 
  private:
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  template <class T>
+  using Array = std::unique_ptr<T[], Free>;
+  // On transparent huge pages, as the engine's own large buffers are: 4 KiB pages cost the pass
+  // TLB misses the update does not have.
+  template <class T>
+  static Array<T> huge(int64_t n, T v) {
+    constexpr size_t kAlign = size_t{2} << 20;
+    const size_t bytes = (size_t(n) * sizeof(T) + kAlign - 1) / kAlign * kAlign;
+    Array<T> a(static_cast<T*>(std::aligned_alloc(kAlign, bytes)));
+    if (!a) throw std::bad_alloc();
+    (void)madvise(a.get(), bytes, MADV_HUGEPAGE);
+    std::fill(a.get(), a.get() + n, v);
+    return a;
+  }
+
   int64_t n_;
-  std::vector<float> master_, m_, v_;
-  std::vector<uint16_t> g_, p_;
+  Array<float> master_, m_, v_;
+  Array<uint16_t> g_, p_;
   zs::SameBytesPass pass_;
 };
 
