@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "apps/cli/subcommand.hpp"
 #include "zeroshard/calibration.hpp"
 #include "zeroshard/zeroshard.hpp"
 
@@ -229,17 +230,9 @@ double mean_over(Communicator& comm, double x) {
 }  // namespace
 
 int run_calibrate(const std::vector<std::string>& args) {
-  if (std::find(args.begin(), args.end(), "--help") != args.end()) {
-    std::fputs(kHelp, stdout);
-    return 0;
-  }
   Options o;
-  try {
-    o = parse(args);
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "zeroshard calibrate: %s\n", e.what());
-    return 2;
-  }
+  if (const int rc = zscli::start_subcommand("calibrate", kHelp, args, parse, o); rc >= 0)
+    return rc;
 #ifdef ZSDEMO_HAVE_MPI
   std::shared_ptr<Communicator> comm = make_mpi_communicator();
 #else

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "apps/cli/subcommand.hpp"
 #include "apps/model/gpt.hpp"
 #include "zeroshard/zeroshard.hpp"
 
@@ -109,17 +110,8 @@ double gib(int64_t b) {
 }  // namespace
 
 int run_plan(const std::vector<std::string>& args) {
-  if (std::find(args.begin(), args.end(), "--help") != args.end()) {
-    std::fputs(kHelp, stdout);
-    return 0;
-  }
   Options o;
-  try {
-    o = parse(args);
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "zeroshard plan: %s\n", e.what());
-    return 2;
-  }
+  if (const int rc = zscli::start_subcommand("plan", kHelp, args, parse, o); rc >= 0) return rc;
   std::vector<PlanUnit> units;
   int64_t params = 0;
   for (const zsdemo::UnitSpec& u : zsdemo::gpt_units(o.shape)) {
