@@ -57,18 +57,16 @@ def main():
     # ZeRO-Infinity (Rajbhandari et al. 2021): 1 T parameters (128 layers, hidden 25600, 12 h^2
     # each, tiled) on one DGX-2 node: 16 x 32 GB V100, 1.5 TB host memory, 30.72 TB of NVMe
     # (8 x 3.84 TB), all shared by 16 ranks.
+    dgx2 = dict(ranks_per_node=16, dtype="f16", optimizer="adam", device_gib=32 / 1.073741824,
+                host_gib=1500 / 16 / 1.073741824, nvme_gib=30720 / 16 / 1.073741824)
     h = 25600
-    inf = zs.estimate(layers(128, h, 12 * h, tiles=8), world=16, ranks_per_node=16,
-                      dtype="f16", optimizer="adam", device_gib=32 / 1.073741824,
-                      host_gib=1500 / 16 / 1.073741824, nvme_gib=30720 / 16 / 1.073741824)
+    inf = zs.estimate(layers(128, h, 12 * h, tiles=8), world=16, **dgx2)
     show("ZeRO-Infinity, 1 T parameters on one DGX-2 (16 x 32 GB, 1.5 TB host)", inf,
          [(3, "host", "host"), (3, "nvme", "nvme")],
          ["does not fit in host memory", "fits (offload to NVMe)"])
     # ZeRO-Infinity: 32 T parameters on 512 V100s (32 DGX-2 nodes): 128 layers of hidden 144 K.
     h = 147456
-    big = zs.estimate(layers(128, h, 12 * h, tiles=256), world=512, ranks_per_node=16,
-                      dtype="f16", optimizer="adam", device_gib=32 / 1.073741824,
-                      host_gib=1500 / 16 / 1.073741824, nvme_gib=30720 / 16 / 1.073741824)
+    big = zs.estimate(layers(128, h, 12 * h, tiles=256), world=512, **dgx2)
     show("ZeRO-Infinity, 32 T parameters on 512 V100s", big, [(3, "nvme", "nvme")],
          ["fits (offload to NVMe)"])
     # A current model: Llama-2-70B's shapes (80 layers of width 8192: q and o 8192 x 8192, k

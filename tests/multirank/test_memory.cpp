@@ -42,6 +42,16 @@ Sizes model_sizes(const std::vector<zs_test::UnitSpec>& model, int n, int64_t al
   return s;
 }
 
+// The configurations these tests sweep: stage, dtype and accumulation, shards aligned to 8.
+Config sweep_config(int stage, DType dt, int k) {
+  Config cfg;
+  cfg.stage = stage;
+  cfg.dtype = dt;
+  cfg.gradient_accumulation_steps = k;
+  cfg.shard_alignment = 8;
+  return cfg;
+}
+
 int64_t buffer(const MemoryReport& r, const std::string& name) {
   for (const auto& b : r.buffers)
     if (b.name == name) return b.bytes;
@@ -54,11 +64,7 @@ TEST(Memory, LedgerEqualsZeroFormulas) {
   for (DType dt : {DType::bf16, DType::f32}) {
     for (int stage = 0; stage <= 3; ++stage) {
       for (int k : {1, 2}) {
-        Config cfg;
-        cfg.stage = stage;
-        cfg.dtype = dt;
-        cfg.gradient_accumulation_steps = k;
-        cfg.shard_alignment = 8;
+        const Config cfg = sweep_config(stage, dt, k);
         Engine e(cfg, world());
         zs_test::register_model(e, model);
         const Sizes s = model_sizes(model, n, cfg.shard_alignment);
@@ -190,11 +196,7 @@ TEST(Memory, PlanEqualsLedger) {
         if ((stage < 3 && par != Tier::device) || (stage == 0 && opt == Tier::nvme)) continue;
         for (DType dt : {DType::bf16, DType::f32})
           for (int k : {1, 2}) {
-            Config cfg;
-            cfg.stage = stage;
-            cfg.dtype = dt;
-            cfg.gradient_accumulation_steps = k;
-            cfg.shard_alignment = 8;
+            Config cfg = sweep_config(stage, dt, k);
             cfg.offload_optimizer.tier = opt;
             cfg.offload_param.tier = par;
             cfg.aio.block_size = 4096;
