@@ -2,9 +2,8 @@
 // weights and both AdamW moments on the host tier (12 bytes of checkpoint data per parameter),
 // after one step so that the moments are not zero. Per round: save() a new tag (timed, fsyncs
 // included), drop the page cache (root), load() it into the same engine (timed: it verifies
-// every block before changing anything, then reads it again from the page cache), and a step
-// between rounds; then the step time while a save_async()
-// writes, against steps alone. ckpt_vs_fio.sh runs it against fio.
+// every block before changing anything, then reads it again into the state), and a step
+// between rounds; then the step time while a save_async() writes, against steps alone. ckpt_vs_fio.sh runs it against fio.
 //
 //   ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16]
 #include <unistd.h>

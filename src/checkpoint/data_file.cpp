@@ -192,10 +192,29 @@ DataFileReader::DataFileReader(std::filesystem::path path, const FileHeader& exp
     ZS_THROW(corrupted, "checkpoint: " << path_ << ": its checksum table is damaged (at offset "
                                        << kHeaderBytes + h_.data_bytes << ")");
   block_.resize(size_t(h_.block_bytes));
+  direct_fd_.reset(::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
 }
 
-void DataFileReader::read_at(void* data, size_t bytes, int64_t offset, const char* what) {
+void DataFileReader::read_at(void* data, size_t bytes, int64_t offset, const char* what) const {
   pread_all(fd_.get(), data, bytes, offset, path_, what);
+}
+
+void DataFileReader::verify(int64_t b, const char* data) const {
+  const int64_t len = block_len(b);
+  if (offload::xxh64(data, size_t(len), uint64_t(b)) != sums_[size_t(b)])
+    ZS_THROW(corrupted, "checkpoint: " << path_ << ": block " << b << " (" << len
+                                       << " bytes at file offset "
+                                       << kHeaderBytes + b * h_.block_bytes
+                                       << ") fails its checksum: the file is damaged");
+}
+
+void DataFileReader::fetch_block(int64_t b, char* into) const {
+  ZS_CHECK(b >= 0 && b < blocks() && reinterpret_cast<uintptr_t>(into) % kAlign == 0);
+  const int64_t len = block_len(b), at = kHeaderBytes + b * h_.block_bytes;
+  // O_DIRECT moves whole 4 KiB sectors: a last block of another length goes through the cache.
+  pread_all(direct_fd_ && len % int64_t(kAlign) == 0 ? direct_fd_.get() : fd_.get(), into,
+            size_t(len), at, path_, "data");
+  verify(b, into);
 }
 
 int64_t DataFileReader::block_len(int64_t b) const {
@@ -213,10 +232,7 @@ void DataFileReader::read_block(int64_t b, char* into) {
                     off_t(block_len(ahead_)), POSIX_FADV_WILLNEED);
   const int64_t len = block_len(b), at = kHeaderBytes + b * h_.block_bytes;
   read_at(into, size_t(len), at, "data");
-  if (offload::xxh64(into, size_t(len), uint64_t(b)) != sums_[size_t(b)])
-    ZS_THROW(corrupted, "checkpoint: " << path_ << ": block " << b << " (" << len
-                                       << " bytes at file offset " << at
-                                       << ") fails its checksum: the file is damaged");
+  verify(b, into);
 }
 
 const char* DataFileReader::load_block(int64_t b) {
@@ -263,16 +279,10 @@ void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
   }
 }
 
-void UnitReader::blocks(int u, int64_t b, int64_t e,
-                        std::vector<std::pair<int, int64_t>>& out) const {
+void UnitReader::pieces(int u, int64_t b, int64_t e, std::vector<Piece>& out) const {
   for (const auto& [r, rg] : by_unit_[size_t(u)]) {
     const int64_t lo = std::max(b, rg.begin), hi = std::min(e, rg.end);
-    if (lo >= hi) continue;
-    const int64_t bytes = m_.block_bytes;
-    const int64_t first = (rg.offset + (lo - rg.begin)) * 4 / bytes;
-    const int64_t last = ((rg.offset + (hi - rg.begin)) * 4 - 1) / bytes;
-    for (int64_t k = first; k <= last; ++k)
-      if (out.empty() || out.back() != std::pair<int, int64_t>{r, k}) out.emplace_back(r, k);
+    if (lo < hi) out.push_back({r, rg.offset + (lo - rg.begin), hi - lo, lo - b});
   }
 }
 

@@ -58,12 +58,11 @@ class DataFileWriter {
   std::vector<std::thread> threads_;
 };
 
-/// Reads a data file block by block through the page cache, each block verified before any of
-/// its bytes is used, with the next blocks on their way from the disk (the kernel's readahead,
-/// asked for explicitly) while the caller checks the current one. A load reads each block it
-/// needs twice: once to verify everything before any state changes, then to apply it; the page
-/// cache keeps the first pass's blocks for the second where memory allows (whatever it evicted
-/// comes from the disk again, and is verified again).
+/// Reads a data file block by block, each block verified before any of its bytes is used:
+/// through the page cache, with the next blocks on their way from the disk (the kernel's
+/// readahead, asked for explicitly) while the caller checks the current one, for a reader that
+/// goes front to back (read(), verify_all()); or a block at a time from many threads
+/// (fetch_block(), for block_read.hpp).
 class DataFileReader {
  public:
   /// Opens `path` and checks its header against what the manifest expects of it, its size, and
@@ -72,8 +71,6 @@ class DataFileReader {
   /// Data elements [offset, offset + n) (f32) into out, every block they touch verified (on
   /// failure, out may hold part of the damaged block).
   void read(int64_t offset, int64_t n, float* out);
-  /// Verifies block b.
-  void verify_block(int64_t b) { load_block(b); }
   /// Verifies every block; `done(bytes)` after each.
   template <class F>
   void verify_all(F&& done) {
@@ -83,16 +80,23 @@ class DataFileReader {
     }
   }
   int64_t blocks() const { return int64_t(sums_.size()); }
+  /// Bytes of data in block b (block_bytes but for the last).
+  int64_t block_len(int64_t b) const;
+  /// Block b into `into` (4096-aligned memory), verified. Safe to call from
+  /// many threads at once: it keeps no cache and asks for no readahead, for callers that keep
+  /// many reads in flight themselves. O_DIRECT where the file system allows it.
+  void fetch_block(int64_t b, char* into) const;
 
  private:
-  int64_t block_len(int64_t b) const;
   const char* load_block(int64_t b);  // block b in block_, verified
   void read_block(int64_t b, char* into);
-  void read_at(void* data, size_t bytes, int64_t offset, const char* what);
+  void verify(int64_t b, const char* data) const;
+  void read_at(void* data, size_t bytes, int64_t offset, const char* what) const;
 
   std::filesystem::path path_;
   FileHeader h_;
   UniqueFd fd_;
+  UniqueFd direct_fd_;  // O_DIRECT, or none where the file system refuses it
   std::vector<uint64_t> sums_;
   std::vector<char> block_;
   int64_t cached_ = -1;  // index of the block in block_
@@ -108,9 +112,13 @@ class UnitReader {
   /// Values [b, e) of unit u's state s (an index into state_names()) into out, every block
   /// verified.
   void read(int s, int u, int64_t b, int64_t e, float* out);
-  /// The blocks that read(s, u, b, e, ...) reads of any state s, as (file rank, block), added
-  /// to `out`.
-  void blocks(int u, int64_t b, int64_t e, std::vector<std::pair<int, int64_t>>& out) const;
+  /// Where read(s, u, b, e, out) takes its values from, in any state s: n values at element
+  /// `at` of file rank `rank`'s data go to out + to.
+  struct Piece {
+    int rank;
+    int64_t at, n, to;
+  };
+  void pieces(int u, int64_t b, int64_t e, std::vector<Piece>& out) const;
 
  private:
   DataFileReader& file(int r, int s);

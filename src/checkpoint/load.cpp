@@ -3,14 +3,12 @@
 // model against it (naming the first parameter that differs), every file's header and checksum
 // table, and then every block this rank will read, which is read a first time only to verify
 // it. Only once every rank found everything intact does the second pass write the shards. A
-// failed load therefore leaves the engine exactly as it was. The page cache keeps what the first
-// pass read for the second where memory allows; the second pass verifies again what it reads.
+// failed load therefore leaves the engine exactly as it was.
 #include <algorithm>
-#include <exception>
-#include <map>
-#include <thread>
+#include <string>
 
 #include "src/base/check.hpp"
+#include "src/checkpoint/block_read.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"
 #include "src/checkpoint/format.hpp"
@@ -22,30 +20,6 @@ namespace fs = std::filesystem;
 using namespace ckpt;
 
 namespace {
-
-// f(t) for every t in [0, n), each in a thread of its own; once all have ended, rethrows the
-// first error any of them threw.
-template <class F>
-void in_threads(size_t n, F&& f) {
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  try {
-    for (size_t t = 0; t < n; ++t)
-      threads.emplace_back([&, t] {
-        try {
-          f(t);
-        } catch (...) {
-          errors[t] = std::current_exception();
-        }
-      });
-  } catch (...) {  // a thread that could not start: the others end first
-    for (std::thread& t : threads) t.join();
-    throw;
-  }
-  for (std::thread& t : threads) t.join();
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
-}
 
 // The manifest against this engine: same optimizer and groups, the states it needs, the same
 // model unit by unit and parameter by parameter.
@@ -136,60 +110,36 @@ void Engine::load(const std::filesystem::path& path) {
   for (size_t s = 0; s < state_names().size(); ++s)
     if (has_state(state_names()[s].kind)) states.push_back(int(s));
 
-  // The first pass reads every block this rank needs and verifies it, with many reads in
-  // flight (threads taking slices of each state's blocks, the same blocks in every state's
-  // files, each reader asking for the blocks ahead of it). The page cache keeps what it read for
-  // the second pass, a thread per state, which reads and verifies again (a block evicted in between
-  // comes from the disk, and one changed in between is caught) and writes the state (in place where
-  // the tier keeps it in host memory).
-  std::vector<UnitReader> src;  // one per state
-  src.reserve(states.size());
-  for (size_t i = 0; i < states.size(); ++i) src.emplace_back(dir, m);
-  std::vector<std::pair<int, int64_t>> need;  // (file rank, block)
-  for (int u = 0; u < num_units(); ++u)
-    src.front().blocks(u, spans[size_t(u)].b, spans[size_t(u)].e, need);  // master: always
-  constexpr size_t kLanes = 8;  // threads, shared out among the states
-  const size_t lanes = (kLanes + states.size() - 1) / states.size();
-  all_or_none(comm, at + ": verifying", [&] {
-    in_threads(states.size() * lanes, [&](size_t t) {
-      const size_t i = t / lanes, lane = t % lanes, n = need.size();
-      const int s = states[i];
-      std::map<int, std::unique_ptr<DataFileReader>> files;
-      for (size_t k = n * lane / lanes; k < n * (lane + 1) / lanes; ++k) {
-        const auto [r, b] = need[k];
-        std::unique_ptr<DataFileReader>& f = files[r];
-        if (!f)
-          f = std::make_unique<DataFileReader>(
-              dir / data_file_name(r, state_names()[size_t(s)].name), expected_header(m, r, s));
-        f->verify_block(b);
-      }
-    });
-  });
+  // The first pass reads every block this rank needs, only to verify it; once every rank found
+  // everything intact the second reads them again and writes the shards: in place where the
+  // tier keeps every state in host memory, else through write_shard(), on this thread (a GPU's
+  // current device is per thread). The second pass verifies again what it reads, so a block
+  // changed in between is caught. Keeping the first pass's blocks for the second instead would
+  // take the rank's whole state in memory a second time.
+  std::vector<ReadTarget> targets;
+  bool in_place = true;
+  for (int s : states)
+    for (int u = 0; u < num_units(); ++u) {
+      float* out = impl.state->host_target(u, state_names()[size_t(s)].kind);
+      in_place &= out != nullptr;
+      targets.push_back({s, u, spans[size_t(u)].b, spans[size_t(u)].e, out});
+    }
+  all_or_none(comm, at + ": verifying", [&] { read_blocks(dir, m, targets, true); });
   try {
     all_or_none(comm, at + ": reading shards", [&] {
-      // A thread per state where the tier keeps every state in host memory; else on this
-      // thread, which write_shard() needs (a GPU's current device is per thread).
-      bool in_place = true;
-      for (int u = 0; u < num_units(); ++u)
-        for (int s : states)
-          in_place &= impl.state->host_target(u, state_names()[size_t(s)].kind) != nullptr;
-      auto apply = [&](size_t i) {
-        const StateKind kind = state_names()[size_t(states[i])].kind;
-        std::vector<float> v;
+      if (in_place) {
+        read_blocks(dir, m, targets, false);  // the padding past e stays zero
+        return;
+      }
+      UnitReader src(dir, m);
+      std::vector<float> v;
+      for (int s : states)
         for (int u = 0; u < num_units(); ++u) {
           const Span& sp = spans[size_t(u)];
-          float* dst = in_place ? impl.state->host_target(u, kind) : nullptr;
-          if (!dst) v.resize(size_t(sp.si.shard_numel));
-          float* out = dst ? dst : v.data();
-          src[i].read(states[i], u, sp.b, sp.e, out);
-          std::fill(out + (sp.e - sp.b), out + sp.si.shard_numel, 0.0f);  // the padding
-          if (!dst) write_shard(u, kind, v);
+          v.assign(size_t(sp.si.shard_numel), 0.0f);  // zeros: the padding
+          src.read(s, u, sp.b, sp.e, v.data());
+          write_shard(u, state_names()[size_t(s)].kind, v);
         }
-      };
-      if (in_place)
-        in_threads(states.size(), apply);
-      else
-        for (size_t i = 0; i < states.size(); ++i) apply(i);
     });
   } catch (const Error& e) {
     // Verified a moment ago: only an I/O error or a file changed since can get here.

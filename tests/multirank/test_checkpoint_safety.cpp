@@ -130,6 +130,38 @@ TEST(CheckpointResume, BitwiseOnEveryStageAndTier) {
   cleanup(dir);
 }
 
+// A load writes the state where it lies: the engine's memory is what it was before the load
+// (peaks included where the state is in memory: it is written in place, with no copy held), and
+// the state is the checkpoint's, at every stage (stage 0 keeps the whole state, gathered after
+// the load) and with the state in host memory or on the nvme tier (through its records).
+TEST(CheckpointResume, LoadTakesNoMemoryOfItsOwn) {
+  const fs::path dir = shared_dir("in-place");
+  for (int stage : {0, 1, 3})
+    for (Tier tier : {Tier::host, Tier::nvme}) {
+      if (stage == 0 && tier == Tier::nvme) continue;  // offload needs a stage >= 1
+      const Tier t = stage == 0 ? Tier::device : tier;
+      const std::string what = "stage " + std::to_string(stage) + ", " + tier_name(t) + " tier";
+      Engine a(cfg_for(stage, t), world()), b(cfg_for(stage, t), world());
+      zs_test::register_model(a, zs_test::uneven_model());
+      zs_test::register_model(b, zs_test::uneven_model());
+      train_some(a, 3);
+      train_some(b, 1);
+      a.save(dir, "s" + std::to_string(stage) + tier_name(t));
+      const MemoryReport held = b.memory();
+      b.load(dir);
+      const MemoryReport after = b.memory();
+      EXPECT_EQ(after.bytes, held.bytes) << what;
+      if (t != Tier::nvme) {  // the nvme tier's write() stages through buffers of its own
+        EXPECT_EQ(after.peak, held.peak) << what;
+      }
+      EXPECT_TRUE(same(snapshot(a), snapshot(b))) << what;
+      train_some(a, 1);
+      train_some(b, 1);
+      EXPECT_TRUE(same(snapshot(a), snapshot(b))) << what << ", a step later";
+    }
+  cleanup(dir);
+}
+
 // A tag is never overwritten; keep_last prunes the oldest; a name that is no plain directory
 // name is refused; inspect and verify read a checkpoint without an engine.
 TEST(CheckpointTags, NeverOverwrittenAndPrunedByKeepLast) {
@@ -193,30 +225,37 @@ TEST(CheckpointResume, LoadDropsStage3Prefetches) {
 namespace {
 
 // A fresh checkpoint of engine `a` in dir/<tag>, damaged by rank 0's `damage(tag_dir)`; then a
-// load into `b` must fail on every rank with `code` and `text`, leaving b unchanged.
+// load into `b` must fail on every rank with `code` and `text`, leaving b unchanged, its memory
+// included. With the state in host memory a load reads in one pass into memory of its own, on
+// the nvme tier in two passes (load.cpp): both are damaged.
 void expect_refused(const std::string& name, const std::function<void(const fs::path&)>& damage,
                     ErrorCode code, const std::string& text) {
-  const fs::path dir = shared_dir("damage");
-  Engine a(cfg_for(2), world()), b(cfg_for(2), world());
-  zs_test::register_model(a, zs_test::uneven_model());
-  zs_test::register_model(b, zs_test::uneven_model());
-  train_some(a, 2);
-  train_some(b, 1);
-  const fs::path tag = a.save(dir);
-  world()->barrier("saved");
-  if (world()->rank() == 0) damage(tag);
-  world()->barrier("damaged");
-  const Snapshot before = snapshot(b);
-  try {
-    b.load(dir);
-    ADD_FAILURE() << name << ": loaded a damaged checkpoint";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << name << ": " << e.what();
-    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << name << ": " << e.what();
+  for (Tier tier : {Tier::host, Tier::nvme}) {
+    const std::string what = name + " (" + tier_name(tier) + " tier)";
+    const fs::path dir = shared_dir("damage");
+    Engine a(cfg_for(2, tier), world()), b(cfg_for(2, tier), world());
+    zs_test::register_model(a, zs_test::uneven_model());
+    zs_test::register_model(b, zs_test::uneven_model());
+    train_some(a, 2);
+    train_some(b, 1);
+    const fs::path tag = a.save(dir);
+    world()->barrier("saved");
+    if (world()->rank() == 0) damage(tag);
+    world()->barrier("damaged");
+    const Snapshot before = snapshot(b);
+    const MemoryReport held = b.memory();
+    try {
+      b.load(dir);
+      ADD_FAILURE() << what << ": loaded a damaged checkpoint";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << what << ": " << e.what();
+    }
+    EXPECT_TRUE(same(before, snapshot(b))) << what << ": a failed load changed the engine";
+    EXPECT_EQ(b.step_count(), 1) << what;
+    EXPECT_EQ(b.memory().bytes, held.bytes) << what << ": a failed load kept memory";
+    cleanup(dir);
   }
-  EXPECT_TRUE(same(before, snapshot(b))) << name << ": a failed load changed the engine";
-  EXPECT_EQ(b.step_count(), 1) << name;
-  cleanup(dir);
 }
 
 const int64_t kData = ckpt::kHeaderBytes;  // first data byte of a data file
