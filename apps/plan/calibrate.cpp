@@ -179,6 +179,10 @@ json fit(const std::vector<std::pair<double, double>>& pts) {
           {"points_bytes_s", p}};
 }
 
+// Each collective at sizes from 4 KiB up, twice: on one buffer used again and again (warm: in
+// the caches up to their size, as the engine's reused staging and gather slots are) and on a
+// fresh buffer each time from a ring of 256 MiB (cold: as the engine's whole gradient and
+// parameter buffers of stages 0-2, which every unit has its own of).
 json collectives(Communicator& comm, const Options& o) {
   const int world = comm.size();
   json out = {{"world", world}};
@@ -186,39 +190,49 @@ json collectives(Communicator& comm, const Options& o) {
     out["note"] = "one rank: no collective to measure (launch under mpirun -np N)";
     return out;
   }
-  std::vector<std::pair<double, double>> rs, ag, ar;
+  constexpr int64_t kRing = int64_t(256) << 20;
+  std::vector<std::pair<double, double>> pts[2][3];  // [warm, cold][rs, ag, ar]
   for (int64_t bytes = 4096; bytes <= o.max_bytes; bytes *= 4) {
     const int64_t n = bytes / 2;  // bf16 elements per rank
-    std::vector<uint16_t> send(size_t(n * world), 0x3C00), recv(size_t(n * world));
-    std::vector<double> d(size_t(std::max<int64_t>(1, bytes / 8)), 1.0);
-    std::vector<double> t_rs, t_ag, t_ar;
-    for (int r = 0; r < o.reps + 1; ++r) {
-      comm.barrier("calibrate");
-      double t0 = now_s();
-      comm.reduce_scatter(send.data(), recv.data(), n, DType::bf16, "calibrate")->wait();
-      const double a = now_s() - t0;
-      comm.barrier("calibrate");
-      t0 = now_s();
-      comm.all_gather(recv.data(), send.data(), n, DType::bf16, "calibrate")->wait();
-      const double b = now_s() - t0;
-      comm.barrier("calibrate");
-      t0 = now_s();
-      comm.all_reduce(d.data(), int64_t(d.size()), ReduceOp::sum, "calibrate")->wait();
-      const double c = now_s() - t0;
-      if (r == 0) continue;
-      t_rs.push_back(a), t_ag.push_back(b), t_ar.push_back(c);
+    for (int cold = 0; cold < 2; ++cold) {
+      const int64_t k = cold ? std::max<int64_t>(1, kRing / (bytes * world)) : 1;
+      std::vector<uint16_t> send(size_t(n * world * k), 0x3C00), recv(size_t(n * world * k));
+      std::vector<double> d(size_t(std::max<int64_t>(1, bytes / 8) * k), 1.0);
+      std::vector<double> t[3];
+      for (int r = 0; r < o.reps + 1; ++r) {
+        const size_t at = size_t(cold ? r % k : 0);
+        uint16_t* sd = send.data() + at * size_t(n * world);
+        uint16_t* rv = recv.data() + at * size_t(n * world);
+        double* dd = d.data() + at * (d.size() / size_t(k));
+        double x[3];
+        comm.barrier("calibrate");
+        double t0 = now_s();
+        comm.reduce_scatter(sd, rv, n, DType::bf16, "calibrate")->wait();
+        x[0] = now_s() - t0;
+        comm.barrier("calibrate");
+        t0 = now_s();
+        comm.all_gather(rv, sd, n, DType::bf16, "calibrate")->wait();
+        x[1] = now_s() - t0;
+        comm.barrier("calibrate");
+        t0 = now_s();
+        comm.all_reduce(dd, int64_t(d.size() / size_t(k)), ReduceOp::sum, "calibrate")->wait();
+        x[2] = now_s() - t0;
+        if (r == 0) continue;
+        for (int c = 0; c < 3; ++c) t[c].push_back(x[c]);
+      }
+      // The slowest rank's median: a collective ends when the last rank is done.
+      double m[3] = {median(t[0]), median(t[1]), median(t[2])};
+      comm.all_reduce(m, 3, ReduceOp::max, "calibrate")->wait();
+      for (int c = 0; c < 3; ++c) pts[cold][c].push_back({double(bytes), m[c]});
     }
-    // The slowest rank's median: a collective ends when the last rank is done.
-    double m[3] = {median(t_rs), median(t_ag), median(t_ar)};
-    comm.all_reduce(m, 3, ReduceOp::max, "calibrate")->wait();
-    rs.push_back({double(bytes), m[0]});
-    ag.push_back({double(bytes), m[1]});
-    ar.push_back({double(bytes), m[2]});
   }
-  out["reduce_scatter"] = fit(rs);  // bytes: each rank's output block
-  out["all_gather"] = fit(ag);      // bytes: each rank's input block
-  out["all_reduce"] = fit(ar);      // bytes: the buffer reduced
-  return out;
+  const char* names[3] = {"reduce_scatter", "all_gather", "all_reduce"};
+  for (int c = 0; c < 3; ++c) {
+    out[names[c]] = fit(pts[0][c]);
+    out[names[c]]["cold"] = fit(pts[1][c]);
+  }
+  return out;  // bytes: a reduce-scatter's output block per rank, an all-gather's input block
+               // per rank, an all-reduce's buffer
 }
 
 // The same value on every rank: the mean over ranks (each measured its own share at once).

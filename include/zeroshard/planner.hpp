@@ -1,8 +1,9 @@
 #pragma once
 /// \file planner.hpp
-/// What an engine would hold, before anyone allocates it: the memory half of the planner.
+/// What an engine would hold, before anyone allocates it, and how long its step would take.
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zeroshard/config.hpp"
@@ -47,5 +48,58 @@ struct PlanChoice {
 ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanUnit>& units,
                                             int world,
                                             const std::vector<OptimizerOptions>& groups = {});
+
+/// The time of one collective call of `bytes`, as `zeroshard calibrate` counts them: a
+/// reduce-scatter's output block per rank, an all-gather's input block per rank, an
+/// all-reduce's whole buffer. Measured on buffers in the caches (`warm`: a buffer used again
+/// and again, as the engine's gradient staging and gather slots are) and on buffers that are not
+/// (`cold`: as the whole gradient and parameter buffers, one per unit): on a 2-core machine a
+/// 4 MiB reduce-scatter ran at 2.7x the bandwidth of a 64 MiB one. Between two measured sizes
+/// the time is interpolated; past the largest, bytes / bandwidth_gbs more; below the smallest,
+/// its time. With no points, latency_s + bytes / bandwidth_gbs.
+struct CollectiveRate {
+  double latency_s = 0;
+  double bandwidth_gbs = 0;  ///< 0: not measured (a prediction that needs it throws)
+  std::vector<std::pair<double, double>> warm, cold;  ///< (bytes, seconds), increasing bytes
+  double seconds(double bytes, bool cold_buffers) const;
+};
+
+/// What a step-time prediction takes of one machine, per rank, with every rank of a node at
+/// work at once: what `zeroshard calibrate` measures (read_calibration()).
+struct MachineRates {
+  /// The CPU optimizer update (AdamW) in parameters per second, for the engine's dtype.
+  double update_params_per_s = 0;
+  CollectiveRate reduce_scatter, all_gather;
+  /// A step of the nvme tier (records read, updated, written) in parameters per second; 0: not
+  /// measured.
+  double nvme_step_params_per_s = 0;
+  /// The trainer's own forward and backward per step (seconds; 0: none, as in a benchmark of
+  /// the engine alone): the window that gradient reductions and gathers can hide behind.
+  double compute_s = 0;
+};
+
+/// The rates of a calibration file (schema zeroshard-calibration/1) for an engine of `dtype`.
+/// Throws Error(invalid_argument) naming the file on a missing file, another schema, or a
+/// missing or mistyped field.
+ZS_API MachineRates read_calibration(const std::string& path, DType dtype);
+
+/// A step of a CPU engine (optimizer on the device or host tier, or nvme), in seconds, split as
+/// it is spent. Communication is what the trainer waits for: the reduction of the gradients
+/// (a reduce-scatter, and at stage 0 an all-gather of the reduced shards) and the stage-3 gathers
+/// (one per unit in forward and one in backward), beyond what compute_s hides of them, and the
+/// parameters' all-gather after the update (stages 1–2), which nothing hides.
+struct StepPrediction {
+  double compute_s = 0;
+  double comm_s = 0;       ///< exposed communication
+  double optimizer_s = 0;  ///< the CPU update in memory
+  double nvme_s = 0;       ///< the nvme tier's step (its update included)
+  double total_s = 0;
+};
+
+/// The step of rank 0 of an engine with `cfg` on `world` ranks, from the same unit layout the
+/// engine allocates with. Throws Error(invalid_argument) for a configuration it does not model
+/// (GPU engines, parameters offloaded) or a rate it needs that is 0.
+ZS_API StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
+                                   const MachineRates& rates);
 
 }  // namespace zeroshard

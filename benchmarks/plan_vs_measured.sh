@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The planner's step time against the engine's on this machine (issue 14's validation):
+# `zeroshard calibrate` under mpirun -np N for each rank count N, then plan_step_bench for each
+# configuration below, which measures the median step of an engine of PARAMS parameters in UNITS
+# units (synthetic gradients, no model math) and prints predict_step()'s figure from that
+# calibration beside it. Ends with the table and the largest |predicted / measured - 1|.
+#
+#   benchmarks/plan_vs_measured.sh BUILD_DIR NVME_DIR [PARAMS=64M] [UNITS=16] [STEPS=7]
+set -euo pipefail
+build=${1:?usage: $0 BUILD_DIR NVME_DIR [PARAMS] [UNITS] [STEPS]}
+nvme=${2:?usage: $0 BUILD_DIR NVME_DIR [PARAMS] [UNITS] [STEPS]}
+params=${3:-64M}
+units=${4:-16}
+steps=${5:-7}
+bench="$build/benchmarks/plan_step_bench"
+zs="$build/apps/zeroshard"
+for x in "$bench" "$zs"; do [[ -x "$x" ]] || { echo "$x is not built" >&2; exit 1; }; done
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_mpi_yield_when_idle=1
+mkdir -p "$nvme"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# ranks stage optimizer-tier
+configs=(
+  "2 0 device" "2 1 host" "2 2 host" "2 3 device" "2 2 nvme" "2 3 nvme"
+  "4 1 host" "4 2 device" "4 3 host" "4 2 nvme"
+)
+echo "plan_vs_measured: $params parameters in $units units, bf16, AdamW, $steps steps each;" \
+     "$(lscpu | sed -n 's/^Model name: *//p'), load average $(cut -d' ' -f1 /proc/loadavg)"
+for n in $(printf '%s\n' "${configs[@]}" | cut -d' ' -f1 | sort -u); do
+  mpirun -np "$n" "$zs" calibrate --out "$work/cal$n.json" --nvme-path "$nvme" >/dev/null
+done
+out="$work/rows"
+for c in "${configs[@]}"; do
+  read -r n stage tier <<<"$c"
+  mpirun -np "$n" "$bench" --calibration "$work/cal$n.json" --params "$params" --units "$units" \
+    --stage "$stage" --tier "$tier" --nvme-path "$nvme" --steps "$steps" | tee -a "$out"
+done
+python3 - "$out" <<'PY'
+import re, sys
+fields = [r"ranks (\d+)", r"stage (\d)", r"tier (\w+)", r"measured ([0-9.]+) s",
+          r"predicted ([0-9.]+) s", r"comm ([0-9.]+),", r"optimizer ([0-9.]+), nvme",
+          r"nvme ([0-9.]+)\)", r"predicted / measured ([0-9.]+)"]
+rows = [[re.search(f, l).group(1) for f in fields] for l in open(sys.argv[1]) if "predicted /" in l]
+print("\n| ranks | stage | optimizer | measured s | predicted s | comm | optimizer | nvme | predicted / measured |")
+print("|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    print("| " + " | ".join(r) + " |")
+worst = max(abs(float(r[-1]) - 1) for r in rows)
+print(f"\nlargest |predicted / measured - 1|: {worst:.3f} over {len(rows)} configurations")
+PY

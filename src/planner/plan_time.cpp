@@ -1,0 +1,124 @@
+// predict_step() and read_calibration() (zeroshard/planner.hpp): the step-time half of the
+// planner. Per unit, the engine's own layout (plan_unit()) gives the bytes each collective moves
+// and the elements this rank updates; the machine's rates turn them into seconds.
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "src/base/check.hpp"
+#include "src/base/layout.hpp"
+#include "zeroshard/planner.hpp"
+
+namespace zeroshard {
+
+double CollectiveRate::seconds(double bytes, bool cold_buffers) const {
+  if (!(bandwidth_gbs > 0))
+    ZS_THROW(invalid_argument, "predict_step(): a collective's bandwidth is not measured");
+  const std::vector<std::pair<double, double>>& points =
+      cold_buffers && !cold.empty() ? cold : warm;
+  if (points.empty()) return latency_s + bytes / (bandwidth_gbs * 1e9);
+  if (bytes <= points.front().first) return points.front().second;
+  for (size_t i = 1; i < points.size(); ++i) {
+    const auto [b0, t0] = points[i - 1];
+    const auto [b1, t1] = points[i];
+    if (bytes <= b1) return t0 + (t1 - t0) * (bytes - b0) / (b1 - b0);
+  }
+  return points.back().second + (bytes - points.back().first) / (bandwidth_gbs * 1e9);
+}
+
+namespace {
+
+// A collective's measured (bytes, seconds), in increasing size.
+std::vector<std::pair<double, double>> points(const nlohmann::json& c, const std::string& path,
+                                              const char* name) {
+  std::vector<std::pair<double, double>> p;
+  for (const nlohmann::json& pt : c.at("points_bytes_s"))
+    p.emplace_back(pt.at(0).get<double>(), pt.at(1).get<double>());
+  for (size_t i = 1; i < p.size(); ++i)
+    if (!(p[i].first > p[i - 1].first))
+      ZS_THROW(invalid_argument, "calibration file " << path << ": collectives." << name
+                                                     << ": measured sizes must increase");
+  return p;
+}
+
+}  // namespace
+
+MachineRates read_calibration(const std::string& path, DType dtype) {
+  using nlohmann::json;
+  std::ifstream f(path);
+  if (!f) ZS_THROW(invalid_argument, "calibration file " << path << " cannot be read");
+  const char* at = "";
+  try {
+    const json j = json::parse(f);
+    at = "schema";
+    if (j.at("schema").get<std::string>() != "zeroshard-calibration/1")
+      ZS_THROW(invalid_argument, "calibration file " << path << " has schema "
+                                                     << j.at("schema").dump()
+                                                     << ", not zeroshard-calibration/1");
+    MachineRates r;
+    at = "optimizer.adamw.<dtype>.params_per_s";
+    const char* d = dtype == DType::f32 ? "f32" : "bf16";  // f16 moves bf16's bytes
+    r.update_params_per_s = j.at("optimizer").at("adamw").at(d).at("params_per_s").get<double>();
+    at = "collectives";
+    const json& c = j.at("collectives");
+    for (auto [name, rate] :
+         {std::pair{"reduce_scatter", &r.reduce_scatter}, std::pair{"all_gather", &r.all_gather}})
+      if (c.contains(name)) {
+        rate->latency_s = c.at(name).at("latency_s").get<double>();
+        rate->bandwidth_gbs = c.at(name).at("bandwidth_gbs").get<double>();
+        rate->warm = points(c.at(name), path, name);
+        if (c.at(name).contains("cold")) rate->cold = points(c.at(name).at("cold"), path, name);
+      }
+    at = "nvme.step_params_per_s";
+    if (j.contains("nvme") && !j.at("nvme").is_null())
+      r.nvme_step_params_per_s = j.at("nvme").at("step_params_per_s").get<double>();
+    return r;
+  } catch (const json::exception& e) {
+    ZS_THROW(invalid_argument, "calibration file " << path << ": " << at << ": " << e.what());
+  }
+}
+
+StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
+                            const MachineRates& rates) {
+  if (cfg.device != Device::cpu)
+    ZS_THROW(invalid_argument, "predict_step(): CPU engines only (no GPU rates are calibrated)");
+  if (cfg.offload_param.tier != Tier::device)
+    ZS_THROW(invalid_argument, "predict_step(): parameters offloaded are not modelled yet");
+  if (world < 1) ZS_THROW(invalid_argument, "predict_step(): world " << world);
+  const bool nvme = cfg.offload_optimizer.tier == Tier::nvme;
+  if (nvme ? !(rates.nvme_step_params_per_s > 0) : !(rates.update_params_per_s > 0))
+    ZS_THROW(invalid_argument, "predict_step(): the " << (nvme ? "nvme step" : "CPU update")
+                                                      << " rate is not measured");
+  const double pbytes = double(dtype_size(cfg.dtype));
+  const int k = cfg.gradient_accumulation_steps;
+  double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
+  for (const PlanUnit& u : units) {
+    const UnitLayout L = plan_unit(u.name, u.params, world, cfg.shard_alignment);
+    const double shard = double(L.shard_numel) * pbytes;
+    updated += double(cfg.stage == 0 ? L.padded_numel : L.shard_numel);
+    if (world == 1) continue;  // a one-rank engine runs no collective
+    // Stages 0-1 reduce each unit's own whole gradient buffer (cold), and stage 0 gathers the
+    // reduced shards back into it; stages 2-3 reduce from reused staging slots (warm).
+    grads += k * rates.reduce_scatter.seconds(shard, cfg.stage <= 1);
+    if (cfg.stage == 0) grads += k * rates.all_gather.seconds(shard, true);
+    if (cfg.stage == 3)  // forward and backward, into reused gather slots
+      gathers += 2 * k * rates.all_gather.seconds(shard, false);
+    else if (cfg.stage >= 1)  // the new parameters into each unit's whole buffer
+      after += rates.all_gather.seconds(shard, true);
+  }
+  StepPrediction p;
+  p.compute_s = rates.compute_s;
+  // Reductions start as backward hands units over and stage-3 gathers are prefetched ahead of
+  // the unit that needs them: both can hide behind the trainer's compute, once. The all-gather
+  // after the update waits on it.
+  p.comm_s = std::max(0.0, grads + gathers - rates.compute_s) + after;
+  if (nvme)
+    p.nvme_s = updated / rates.nvme_step_params_per_s;
+  else
+    p.optimizer_s = updated / rates.update_params_per_s;
+  p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.nvme_s;
+  return p;
+}
+
+}  // namespace zeroshard
