@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The planner's step time against the engine's on this machine (issue 14's validation):
-# `zeroshard calibrate` under mpirun -np N for each rank count N, then plan_step_bench for each
-# configuration below, which measures the median step of an engine of PARAMS parameters in UNITS
+# The planner's step time against the engine's on this machine (issue 14's validation): for
+# each configuration below, `zeroshard calibrate` under mpirun -np N, then at once
+# plan_step_bench, which measures the median step of an engine of PARAMS parameters in UNITS
 # units (synthetic gradients, no model math) and prints predict_step()'s figure from that
-# calibration beside it. Ends with the table and the largest |predicted / measured - 1|.
+# calibration beside it, then a second calibration: its "drift" column is how far the
+# reduce-scatter and all-gather times (256 KiB to 16 MiB) of the two calibrations differ, the
+# machine's own noise (on the 2-core virtual machine of benchmarks/RESULTS.md they jump between
+# levels up to 3x apart from one minute to the next). Ends with the table, and how many
+# configurations came within 25 % of their measured step.
 #
 #   benchmarks/plan_vs_measured.sh BUILD_DIR NVME_DIR [PARAMS=64M] [UNITS=16] [STEPS=7]
 set -euo pipefail
@@ -28,25 +32,32 @@ configs=(
 )
 echo "plan_vs_measured: $params parameters in $units units, bf16, AdamW, $steps steps each;" \
      "$(lscpu | sed -n 's/^Model name: *//p'), load average $(cut -d' ' -f1 /proc/loadavg)"
-for n in $(printf '%s\n' "${configs[@]}" | cut -d' ' -f1 | sort -u); do
-  mpirun -np "$n" "$zs" calibrate --out "$work/cal$n.json" --nvme-path "$nvme" >/dev/null
-done
+drift() {  # calibration files a b: the largest relative difference of their collectives' times
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+a, b = (json.load(open(f))["collectives"] for f in sys.argv[1:3])
+print(f"{max(abs(x[1] / y[1] - 1) for k in ('reduce_scatter', 'all_gather') for x, y in zip(a[k]['points_bytes_s'], b[k]['points_bytes_s']) if 2**18 <= x[0] <= 2**24):.2f}")
+PY
+}
 out="$work/rows"
 for c in "${configs[@]}"; do
   read -r n stage tier <<<"$c"
-  mpirun -np "$n" "$bench" --calibration "$work/cal$n.json" --params "$params" --units "$units" \
-    --stage "$stage" --tier "$tier" --nvme-path "$nvme" --steps "$steps" | tee -a "$out"
+  mpirun -np "$n" "$zs" calibrate --out "$work/before.json" --nvme-path "$nvme" >/dev/null 2>&1
+  row=$(mpirun -np "$n" "$bench" --calibration "$work/before.json" --params "$params" \
+        --units "$units" --stage "$stage" --tier "$tier" --nvme-path "$nvme" --steps "$steps")
+  mpirun -np "$n" "$zs" calibrate --out "$work/after.json" --nvme-path "$nvme" >/dev/null 2>&1
+  echo "$row, drift $(drift "$work/before.json" "$work/after.json")" | tee -a "$out"
 done
 python3 - "$out" <<'PY'
 import re, sys
 fields = [r"ranks (\d+)", r"stage (\d)", r"tier (\w+)", r"measured ([0-9.]+) s",
           r"predicted ([0-9.]+) s", r"comm ([0-9.]+),", r"optimizer ([0-9.]+), nvme",
-          r"nvme ([0-9.]+)\)", r"predicted / measured ([0-9.]+)"]
+          r"nvme ([0-9.]+)\)", r"predicted / measured ([0-9.]+)", r"drift ([0-9.]+)"]
 rows = [[re.search(f, l).group(1) for f in fields] for l in open(sys.argv[1]) if "predicted /" in l]
-print("\n| ranks | stage | optimizer | measured s | predicted s | comm | optimizer | nvme | predicted / measured |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("\n| ranks | stage | optimizer | measured s | predicted s | comm | optimizer | nvme | predicted / measured | drift |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     print("| " + " | ".join(r) + " |")
-worst = max(abs(float(r[-1]) - 1) for r in rows)
-print(f"\nlargest |predicted / measured - 1|: {worst:.3f} over {len(rows)} configurations")
+within = sum(abs(float(r[-2]) - 1) <= 0.25 for r in rows)
+print(f"\n{within} of {len(rows)} configurations within 25 % of the measured step")
 PY

@@ -1,7 +1,8 @@
 // `zeroshard plan` (plan.hpp). For the GPT the demo trains (any size), every ZeRO stage and
 // offload choice on N ranks: the bytes one rank holds on each tier after finalize(), computed by
 // the engine's own setup with nothing allocated (so the figures are what Engine::memory() will
-// report), and whether they fit the memory given per rank.
+// report), whether they fit the memory given per rank, and with a calibration file the engine's
+// step time (predict_step()).
 #include "apps/plan/plan.hpp"
 
 #include <algorithm>
@@ -25,18 +26,27 @@ struct Options {
   DType dtype = DType::bf16;
   OptimizerKind optimizer = OptimizerKind::adamw;
   double device_gib = 0, host_gib = 0, nvme_gib = 0;  // per rank; 0 = not checked
+  std::string calibration;                            // empty: no step time
+  double compute_s = 0;                               // the trainer's forward + backward
+  MachineRates rates;                                 // read from `calibration`
 };
 
 const char* kHelp =
     "usage: zeroshard plan [--layers N] [--dim N] [--heads N] [--vocab N] [--seq N] [--ranks N]\n"
     "                      [--dtype bf16|f16|f32] [--optimizer adamw|adam|lion|sgd]\n"
-    "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n\n"
+    "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
+    "                      [--calibration FILE [--compute-s X]]\n\n"
     "For a GPT (the demo's model: token and position embeddings, --layers blocks of width --dim,\n"
     "an untied head; default GPT-2 small) on --ranks ranks, prints for every ZeRO stage and\n"
     "offload choice the bytes one rank holds on each tier once the engine is finalized, computed\n"
     "by the engine's own setup with nothing allocated (what Engine::memory() will report; rank 0,\n"
     "or the largest rank where shards differ), and whether they fit --device-gib, --host-gib and\n"
-    "--nvme-gib per rank (0 or absent: not checked). CPU engines' layout; no step time yet.\n";
+    "--nvme-gib per rank (0 or absent: not checked). CPU engines' layout.\n\n"
+    "With --calibration (a file `zeroshard calibrate` wrote, under the same number of ranks per\n"
+    "node), also the engine's step time per choice: the reductions and gathers the trainer\n"
+    "waits for beyond --compute-s (its own forward and backward per step, default 0), the\n"
+    "all-gather after the update, and the CPU update or the nvme tier's step. The trainer's\n"
+    "compute is added as given, not predicted.\n";
 
 [[noreturn]] void bad(const std::string& why) {
   throw std::invalid_argument(why);
@@ -49,11 +59,15 @@ int64_t to_int(const std::string& flag, const std::string& v) {
   return x;
 }
 
-double to_gib(const std::string& flag, const std::string& v) {
+double to_number(const std::string& flag, const std::string& v, const char* what) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end || !(x >= 0)) bad(flag + " needs a size in GiB >= 0, got '" + v + "'");
+  if (v.empty() || *end || !(x >= 0)) bad(flag + " needs " + what + " >= 0, got '" + v + "'");
   return x;
+}
+
+double to_gib(const std::string& flag, const std::string& v) {
+  return to_number(flag, v, "a size in GiB");
 }
 
 Options parse(const std::vector<std::string>& args) {
@@ -80,6 +94,10 @@ Options parse(const std::vector<std::string>& args) {
       o.host_gib = to_gib(f, v);
     else if (f == "--nvme-gib")
       o.nvme_gib = to_gib(f, v);
+    else if (f == "--calibration")
+      o.calibration = v;
+    else if (f == "--compute-s")
+      o.compute_s = to_number(f, v, "seconds");
     else if (f == "--dtype") {
       if (v == "bf16")
         o.dtype = DType::bf16;
@@ -100,6 +118,16 @@ Options parse(const std::vector<std::string>& args) {
     }
   }
   if (o.shape.dim % o.shape.heads != 0) bad("--dim is not a multiple of --heads");
+  if (!o.calibration.empty()) {
+    try {
+      o.rates = read_calibration(o.calibration, o.dtype);
+    } catch (const Error& e) {
+      bad(e.what());
+    }
+    o.rates.compute_s = o.compute_s;
+  } else if (o.compute_s > 0) {
+    bad("--compute-s needs --calibration");
+  }
   return o;
 }
 
@@ -128,27 +156,45 @@ int run_plan(const std::vector<std::string>& args) {
       (long long)o.shape.layers, (long long)o.shape.dim, (long long)o.shape.vocab,
       (long long)o.shape.seq, double(params) / 1e9, dtype_name(o.dtype),
       optimizer_name(o.optimizer), o.ranks);
-  std::printf("%-5s %-9s %-9s %12s %12s %12s %14s  %s\n", "stage", "optimizer", "params",
-              "device GiB", "host GiB", "nvme GiB", "model states", "fits");
   Config cfg;
   cfg.dtype = o.dtype;
   cfg.optimizer.kind = o.optimizer;
   OptimizerOptions no_decay = cfg.optimizer;
   no_decay.weight_decay = 0;
+  const bool timed = !o.calibration.empty();
+  std::printf("%-5s %-9s %-9s %12s %12s %12s %14s  %-10s", "stage", "optimizer", "params",
+              "device GiB", "host GiB", "nvme GiB", "model states", "fits");
+  if (timed) std::printf(" %8s %8s %8s %8s", "step s", "comm s", "update s", "nvme s");
+  std::printf("\n");
   const double limit[kNumTiers] = {o.device_gib, o.host_gib, o.nvme_gib};
   for (const PlanChoice& c : plan_choices(cfg, units, o.ranks, {no_decay})) {
     std::string fits = limit[0] + limit[1] + limit[2] == 0 ? "-" : "yes";
     for (int t = kNumTiers - 1; t >= 0; --t)  // the first tier that overflows
       if (limit[t] > 0 && gib(c.tier_bytes[t]) > limit[t])
         fits = std::string("no (") + tier_name(Tier(t)) + ")";
-    std::printf("%-5d %-9s %-9s %12.3f %12.3f %12.3f %14.3f  %s\n", c.stage, tier_name(c.optimizer),
-                tier_name(c.params), gib(c.tier_bytes[0]), gib(c.tier_bytes[1]),
-                gib(c.tier_bytes[2]), gib(c.model_states), fits.c_str());
+    std::printf("%-5d %-9s %-9s %12.3f %12.3f %12.3f %14.3f  %-10s", c.stage,
+                tier_name(c.optimizer), tier_name(c.params), gib(c.tier_bytes[0]),
+                gib(c.tier_bytes[1]), gib(c.tier_bytes[2]), gib(c.model_states), fits.c_str());
+    if (timed && c.params != Tier::device) {
+      std::printf(" %8s", "(params offloaded: not modelled)");
+    } else if (timed) {
+      Config k = cfg;
+      k.stage = c.stage;
+      k.offload_optimizer.tier = c.optimizer;
+      const StepPrediction p = predict_step(k, units, o.ranks, o.rates);
+      std::printf(" %8.3f %8.3f %8.3f %8.3f", p.total_s, p.comm_s, p.optimizer_s, p.nvme_s);
+    }
+    std::printf("\n");
   }
   std::printf(
       "\nBytes per rank once finalized (parameters, gradients, master weights, optimizer state,\n"
       "gradient staging and gather buffers, swap staging and reserve); activations and the\n"
       "trainer's own memory come on top. \"model states\" is the ZeRO paper's part of it.\n");
+  if (timed)
+    std::printf(
+        "Step: the engine's part (with --compute-s %.3f s of the trainer's compute added and\n"
+        "hiding what it can), from %s.\n",
+        o.compute_s, o.calibration.c_str());
   return 0;
 }
 

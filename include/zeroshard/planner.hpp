@@ -57,7 +57,7 @@ ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vecto
 /// 4 MiB reduce-scatter ran at 2.7x the bandwidth of a 64 MiB one. Between two measured sizes
 /// the time is interpolated; past the largest, bytes / bandwidth_gbs more; below the smallest,
 /// its time. With no points, latency_s + bytes / bandwidth_gbs.
-struct CollectiveRate {
+struct ZS_API CollectiveRate {
   double latency_s = 0;
   double bandwidth_gbs = 0;  ///< 0: not measured (a prediction that needs it throws)
   std::vector<std::pair<double, double>> warm, cold;  ///< (bytes, seconds), increasing bytes

@@ -11,6 +11,7 @@
 #include <new>
 #include <tuple>
 
+#include "src/base/check.hpp"
 #include "src/base/in_threads.hpp"
 #include "src/checkpoint/data_file.hpp"
 
@@ -73,6 +74,8 @@ void touch(char* p, int64_t bytes) {
 
 void read_blocks(const std::filesystem::path& dir, const Manifest& m,
                  const std::vector<ReadTarget>& targets, bool verify_only) {
+  if (!verify_only)
+    for (const ReadTarget& t : targets) ZS_CHECK(t.out);
   // Every block to read, in file order, each file opened (header and table checked) once.
   const UnitReader where(dir, m);
   std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files;  // (state, rank)
@@ -87,7 +90,7 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
         f = std::make_unique<DataFileReader>(
             dir / data_file_name(p.rank, state_names()[size_t(t.s)].name),
             expected_header(m, p.rank, t.s));
-      char* to = reinterpret_cast<char*>(t.out + p.to);
+      char* to = t.out ? reinterpret_cast<char*>(t.out + p.to) : nullptr;  // null: verify only
       for (int64_t byte = p.at * 4, end = (p.at + p.n) * 4; byte < end;) {
         const int64_t b = byte / m.block_bytes, in = byte - b * m.block_bytes;
         const int64_t take = std::min(end - byte, f->block_len(b) - in);
@@ -95,7 +98,8 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
         job.file = f.get();
         job.block = b;
         job.segments.push_back({in, take, to});
-        to += take, byte += take;
+        byte += take;
+        if (to) to += take;
       }
     }
   }

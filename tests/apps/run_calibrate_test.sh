@@ -30,8 +30,8 @@ for d in ("f32", "bf16"):
 col = c["collectives"]
 assert col["world"] == np, col
 if np > 1:
-    for k in ("reduce_scatter", "all_gather", "all_reduce"):
-        f = col[k]
+    for k, f in [(k, col[k]) for k in ("reduce_scatter", "all_gather", "all_reduce")] + \
+                [(k + ".cold", col[k]["cold"]) for k in ("reduce_scatter", "all_gather", "all_reduce")]:
         pts = f["points_bytes_s"]
         assert len(pts) >= 4 and all(a[0] < b[0] for a, b in zip(pts, pts[1:])), (k, pts)
         assert all(t > 0 for _, t in pts), (k, pts)
@@ -44,3 +44,16 @@ assert abs(n["record_gbs"] - n["step_params_per_s"] * 24 / 1e9) < 1e-9 * n["reco
 assert 0 < n["update_share"] <= 1.5, n
 print("calibration file checked:", sys.argv[1])
 PY
+
+# The planner reads it: the step time of every choice it models, and a damaged file refused.
+plan=(--layers 2 --dim 64 --heads 2 --vocab 100 --seq 16 --ranks "$np")
+"$bin" plan "${plan[@]}" --calibration "$work/c.json" --compute-s 0.5 >"$work/plan.txt"
+grep -q "step s" "$work/plan.txt" || { cat "$work/plan.txt"; echo "FAIL: no step column"; exit 1; }
+# Every modelled row's step is at least the trainer's 0.5 s of compute, and the nvme rows have
+# an nvme step.
+awk '$1 ~ /^[0-3]$/ && $9 != "(params" { if ($9 < 0.5) bad = 1; if ($2 == "nvme" && $12 <= 0) bad = 1 }
+     END { exit bad }' "$work/plan.txt" || { cat "$work/plan.txt"; echo "FAIL: step times"; exit 1; }
+echo '{"schema": "zeroshard-calibration/0"}' >"$work/bad.json"
+if "$bin" plan --calibration "$work/bad.json" 2>"$work/err"; then echo "FAIL: bad file taken"; exit 1; fi
+grep -q "zeroshard-calibration/0" "$work/err" || { cat "$work/err"; echo "FAIL: reason"; exit 1; }
+echo "the planner read the calibration"

@@ -1,0 +1,189 @@
+// predict_step() against the step written out by hand for small models, and read_calibration()
+// on good and bad files.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "zeroshard/zeroshard.hpp"
+
+using namespace zeroshard;
+
+namespace {
+
+// 1 GB/s and 10 us for both collectives, 1 G params/s update, 0.1 G params/s nvme step.
+MachineRates rates() {
+  MachineRates r;
+  r.update_params_per_s = 1e9;
+  r.reduce_scatter = {10e-6, 1.0, {}, {}};
+  r.all_gather = {10e-6, 1.0, {}, {}};
+  r.nvme_step_params_per_s = 1e8;
+  return r;
+}
+
+// Two units of 4096 and 1000 bf16 parameters (alignment 128): on 2 ranks, shards of 2048 and
+// 512 elements (the second padded from 1000 to 1024).
+std::vector<PlanUnit> model() {
+  return {{"a", {Param{"w", {64, 64}}}}, {"b", {Param{"v", {1000}}}}};
+}
+
+Config cfg(int stage, Tier tier = Tier::host) {
+  Config c;
+  c.stage = stage;
+  c.dtype = DType::bf16;
+  c.offload_optimizer.tier = tier;
+  return c;
+}
+
+double coll(double elements) {  // one collective over a bf16 shard of `elements`
+  return 10e-6 + elements * 2 / 1e9;
+}
+
+}  // namespace
+
+TEST(PlanTime, EachStageSumsItsCollectivesAndItsUpdate) {
+  const double shards = 2048 + 512;
+  // Stage 0: reduce-scatter and all-gather of the gradients, every rank updates everything.
+  StepPrediction p = predict_step(cfg(0, Tier::device), model(), 2, rates());
+  EXPECT_DOUBLE_EQ(p.comm_s, 2 * (coll(2048) + coll(512)));
+  EXPECT_DOUBLE_EQ(p.optimizer_s, 2 * shards / 1e9);
+  // Stages 1-2: reduce-scatter, then the new parameters all-gathered; the shard updated.
+  for (int stage : {1, 2}) {
+    p = predict_step(cfg(stage), model(), 2, rates());
+    EXPECT_DOUBLE_EQ(p.comm_s, 2 * (coll(2048) + coll(512))) << stage;
+    EXPECT_DOUBLE_EQ(p.optimizer_s, shards / 1e9) << stage;
+    EXPECT_DOUBLE_EQ(p.total_s, p.comm_s + p.optimizer_s) << stage;
+  }
+  // Stage 3: a gather in forward and one in backward, and the reduce-scatter; nothing after.
+  p = predict_step(cfg(3), model(), 2, rates());
+  EXPECT_DOUBLE_EQ(p.comm_s, 3 * (coll(2048) + coll(512)));
+  // One rank: no collective at all, the whole (padded) unit updated.
+  p = predict_step(cfg(2), model(), 1, rates());
+  EXPECT_EQ(p.comm_s, 0);
+  EXPECT_DOUBLE_EQ(p.optimizer_s, (4096 + 1024) / 1e9);
+}
+
+TEST(PlanTime, ComputeHidesReductionsAndGathersButNotTheGatherAfterTheUpdate) {
+  MachineRates r = rates();
+  const double reduce = coll(2048) + coll(512);
+  r.compute_s = reduce / 2;
+  StepPrediction p = predict_step(cfg(2), model(), 2, r);
+  EXPECT_DOUBLE_EQ(p.compute_s, r.compute_s);
+  EXPECT_DOUBLE_EQ(p.comm_s, reduce / 2 + reduce);
+  r.compute_s = 1;  // longer than every reduction: only the all-gather after the update shows
+  EXPECT_DOUBLE_EQ(predict_step(cfg(2), model(), 2, r).comm_s, reduce);
+  EXPECT_DOUBLE_EQ(predict_step(cfg(3), model(), 2, r).comm_s, 0);
+  EXPECT_DOUBLE_EQ(predict_step(cfg(3), model(), 2, r).total_s, 1 + 2560 / 1e9);
+}
+
+TEST(PlanTime, GradientAccumulationReducesEveryMicroStep) {
+  Config c = cfg(3);
+  c.gradient_accumulation_steps = 4;
+  EXPECT_DOUBLE_EQ(predict_step(c, model(), 2, rates()).comm_s, 4 * 3 * (coll(2048) + coll(512)));
+}
+
+TEST(PlanTime, NvmeStepReplacesTheUpdate) {
+  const StepPrediction p = predict_step(cfg(2, Tier::nvme), model(), 2, rates());
+  EXPECT_EQ(p.optimizer_s, 0);
+  EXPECT_DOUBLE_EQ(p.nvme_s, 2560 / 1e8);
+}
+
+TEST(PlanTime, MeasuredPointsAreInterpolatedAndExtended) {
+  CollectiveRate c{5e-6, 1.0, {{1000, 1e-3}, {2000, 3e-3}}, {{1000, 2e-3}, {2000, 6e-3}}};
+  EXPECT_DOUBLE_EQ(c.seconds(500, false), 1e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(1500, false), 2e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(1500, true), 4e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(3000, false), 3e-3 + 1000 / 1e9);
+  c.cold.clear();  // no cold measurement: the warm one
+  EXPECT_DOUBLE_EQ(c.seconds(1500, true), 2e-3);
+}
+
+TEST(PlanTime, RefusesWhatItDoesNotModel) {
+  Config gpu = cfg(2);
+  gpu.device = Device::cuda;
+  EXPECT_THROW(predict_step(gpu, model(), 2, rates()), Error);
+  Config params = cfg(3);
+  params.offload_param.tier = Tier::host;
+  EXPECT_THROW(predict_step(params, model(), 2, rates()), Error);
+  MachineRates none = rates();
+  none.all_gather.bandwidth_gbs = 0;
+  EXPECT_THROW(predict_step(cfg(2), model(), 2, none), Error);
+  none = rates();
+  none.nvme_step_params_per_s = 0;
+  EXPECT_THROW(predict_step(cfg(2, Tier::nvme), model(), 2, none), Error);
+  EXPECT_NO_THROW(predict_step(cfg(2), model(), 2, none));  // not needed off the nvme tier
+}
+
+namespace {
+
+// A file holding `text`, removed when this goes.
+struct TempFile {
+  explicit TempFile(const std::string& text) {
+    static int n = 0;
+    path = (std::filesystem::temp_directory_path() /
+            ("zs-cal-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
+               .string();
+    std::ofstream(path) << text;
+  }
+  ~TempFile() { std::filesystem::remove(path); }
+  std::string path;
+};
+
+const char* kGood = R"({"schema": "zeroshard-calibration/1",
+  "optimizer": {"adamw": {"f32": {"params_per_s": 2e9}, "bf16": {"params_per_s": 3e9}}},
+  "collectives": {
+    "reduce_scatter": {"latency_s": 1e-5, "bandwidth_gbs": 2, "points_bytes_s": [[4096, 1e-5], [8192, 3e-5]],
+                       "cold": {"latency_s": 2e-5, "bandwidth_gbs": 1, "points_bytes_s": [[4096, 2e-5], [8192, 5e-5]]}},
+    "all_gather": {"latency_s": 1e-5, "bandwidth_gbs": 4, "points_bytes_s": [[4096, 1e-5]]}},
+  "nvme": {"step_params_per_s": 5e7}})";
+
+std::string replace(std::string s, const std::string& from, const std::string& to) {
+  s.replace(s.find(from), from.size(), to);
+  return s;
+}
+
+void expect_refused(const std::string& text, const std::string& says) {
+  try {
+    read_calibration(TempFile(text).path, DType::bf16);
+    ADD_FAILURE() << "accepted a file that should say " << says;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(PlanTime, ReadsACalibrationFile) {
+  const TempFile file(kGood);
+  const std::string& p = file.path;
+  const MachineRates b = read_calibration(p, DType::bf16);
+  EXPECT_EQ(b.update_params_per_s, 3e9);
+  EXPECT_EQ(read_calibration(p, DType::f32).update_params_per_s, 2e9);
+  EXPECT_EQ(b.reduce_scatter.bandwidth_gbs, 2);
+  ASSERT_EQ(b.reduce_scatter.warm.size(), 2u);
+  ASSERT_EQ(b.reduce_scatter.cold.size(), 2u);
+  EXPECT_EQ(b.reduce_scatter.cold[1].second, 5e-5);
+  EXPECT_EQ(b.all_gather.bandwidth_gbs, 4);
+  EXPECT_TRUE(b.all_gather.cold.empty());
+  EXPECT_EQ(b.nvme_step_params_per_s, 5e7);
+  EXPECT_EQ(read_calibration(TempFile(replace(kGood, R"({"step_params_per_s": 5e7})", "null")).path,
+                             DType::bf16)
+                .nvme_step_params_per_s,
+            0);
+}
+
+TEST(PlanTime, RefusesBadCalibrationFiles) {
+  EXPECT_THROW(read_calibration("/nonexistent/zs-cal.json", DType::bf16), Error);
+  expect_refused("{", "calibration file");
+  expect_refused(replace(kGood, "zeroshard-calibration/1", "zeroshard-calibration/9"),
+                 "zeroshard-calibration/9");
+  expect_refused(replace(kGood, R"("bf16": {"params_per_s": 3e9})", R"("bf16": {})"),
+                 "optimizer.adamw");
+  expect_refused(replace(kGood, R"("bandwidth_gbs": 4)", R"("bandwidth_gbs": "fast")"),
+                 "collectives");
+  expect_refused(replace(kGood, "[8192, 3e-5]", "[2048, 3e-5]"), "sizes must increase");
+}
