@@ -626,13 +626,17 @@ void bind_plan(nb::module_& m) {
   m.def(
       "plan_choices",
       [](const Config& cfg, const PyUnits& units, int world,
-         const std::vector<OptimizerOptions>& groups) {
+         const std::vector<OptimizerOptions>& groups, const std::string& calibration,
+         double compute_s) {
         const std::vector<PlanUnit> us = plan_units(units);
         std::vector<PlanChoice> cs;
+        MachineRates rates;
         {
           nb::gil_scoped_release nogil;
           cs = plan_choices(cfg, us, world, groups);
+          if (!calibration.empty()) rates = read_calibration(calibration, cfg.dtype);
         }
+        rates.compute_s = compute_s;
         nb::list out;
         for (const PlanChoice& c : cs) {
           nb::dict d;
@@ -641,15 +645,33 @@ void bind_plan(nb::module_& m) {
           d["params"] = tier_name(c.params);
           for (int t = 0; t < kNumTiers; ++t) d[tier_name(Tier(t))] = c.tier_bytes[t];
           d["model_states"] = c.model_states;
+          d["step"] = nb::none();
+          if (!calibration.empty() && c.params == Tier::device && cfg.device == Device::cpu) {
+            Config k = cfg;
+            k.stage = c.stage;
+            k.offload_optimizer.tier = c.optimizer;
+            const StepPrediction p = predict_step(k, us, world, rates);
+            nb::dict st;
+            st["total_s"] = p.total_s;
+            st["compute_s"] = p.compute_s;
+            st["comm_s"] = p.comm_s;
+            st["optimizer_s"] = p.optimizer_s;
+            st["nvme_s"] = p.nvme_s;
+            d["step"] = st;
+          }
           out.append(d);
         }
         return out;
       },
       nb::arg("config"), nb::arg("units"), nb::arg("world"),
-      nb::arg("groups") = std::vector<OptimizerOptions>{},
+      nb::arg("groups") = std::vector<OptimizerOptions>{}, nb::arg("calibration") = "",
+      nb::arg("compute_s") = 0.0,
       "plan_memory() for every stage and offload choice, with config's other settings: a list "
       "of dicts (stage, optimizer, params, bytes on device/host/nvme and model_states, of the "
-      "rank that holds the most).");
+      "rank that holds the most). With `calibration` (a file `zeroshard calibrate` wrote), each "
+      "dict's `step` is predict_step()'s split of the engine's step in seconds (total_s, "
+      "compute_s as given, comm_s, optimizer_s, nvme_s), None where it is not modelled "
+      "(parameters offloaded).");
   m.def(
       "plan_memory",
       [](const Config& cfg, const PyUnits& units, int world, int rank,

@@ -39,14 +39,17 @@ class Estimate:
                 f"on {self.world} rank(s), {self.ranks_per_node} per node; GiB per rank")
         lines = [head, "",
                  f"{'stage':<5} {'optimizer':<9} {'params':<7} {'device':>9} {'host':>9} "
-                 f"{'nvme':>9} {'states':>9}  {'fits':<12} deepspeed (gpu per rank, cpu per node)"]
+                 f"{'nvme':>9} {'states':>9}  {'fits':<12} {'step s':>8} "
+                 f"deepspeed (gpu per rank, cpu per node)"]
         for r in self.rows:
             ds = r["deepspeed"]
             ds = f"{ds['gpu'] / _GIB:9.3f} {ds['cpu'] / _GIB:9.3f}" if ds else ""
             fits = {None: "-", True: "yes"}.get(r["fits"], f"no ({r['fits']})")
+            step = f"{r['step']['total_s']:8.3f}" if r.get("step") else f"{'-':>8}"
             lines.append(f"{r['stage']:<5} {r['optimizer']:<9} {r['params']:<7} "
                          f"{r['device'] / _GIB:9.3f} {r['host'] / _GIB:9.3f} "
-                         f"{r['nvme'] / _GIB:9.3f} {r['model_states'] / _GIB:9.3f}  {fits:<12} {ds}")
+                         f"{r['nvme'] / _GIB:9.3f} {r['model_states'] / _GIB:9.3f}  {fits:<12} "
+                         f"{step} {ds}")
         return "\n".join(lines)
 
 
@@ -88,11 +91,16 @@ def _deepspeed(stage, opt, par, total, largest, world, per_node):
 
 
 def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adamw",
-             unit_numel=1 << 25, device_gib=None, host_gib=None, nvme_gib=None):
+             unit_numel=1 << 25, device_gib=None, host_gib=None, nvme_gib=None,
+             calibration=None, compute_s=0.0):
     """An Estimate of `model` (a torch.nn.Module, or a list of (name, [Param]) units) on `world`
     ranks: for every stage and offload choice, the bytes one rank holds on each tier once the
     engine is finalized, and whether they fit the GiB given per rank. dtype: the parameters'
-    (a module's own by default, else "bf16"); optimizer: "adamw", "adam", "lion" or "sgd"."""
+    (a module's own by default, else "bf16"); optimizer: "adamw", "adam", "lion" or "sgd".
+    calibration: a file `zeroshard calibrate` wrote (with as many ranks per node): each row's
+    "step" is then the engine's predicted step in seconds, split (zeroshard::predict_step();
+    compute_s, the trainer's own forward and backward, is taken as given and hides what
+    communication it can)."""
     units, model_dtype = _units_of(model, unit_numel)
     if not units:
         raise _core.InvalidArgumentError("estimate(): the model has no trainable parameters")
@@ -102,7 +110,8 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
                    ranks_per_node=per_node)
     limits = {"device": device_gib, "host": host_gib, "nvme": nvme_gib}
     cfg = _core.Config(dtype=dtype or model_dtype or "bf16", optimizer={"kind": optimizer})
-    for r in _core.plan_choices(cfg, units, world):
+    for r in _core.plan_choices(cfg, units, world, calibration=str(calibration or ""),
+                                compute_s=float(compute_s)):
         over = [t for t in ("device", "host", "nvme") if limits[t] and r[t] / _GIB > limits[t]]
         r["fits"] = None if not any(limits.values()) else (over[0] if over else True)
         r["deepspeed"] = _deepspeed(r["stage"], r["optimizer"], r["params"], est.parameters,

@@ -1,6 +1,7 @@
 """The Engine binding on one rank: zero-copy views, the copying grads_ready form, tensor
 validation (never a silent copy), error translation, the GIL, and the memory report."""
 
+import json
 import threading
 import time
 
@@ -179,6 +180,42 @@ def test_plan_memory_equals_the_ledger():
     p = zs.plan_memory(zs.Config(stage=3, offload_optimizer=nvme, offload_param=nvme,
                                  dtype="bf16"), huge, world=8)
     assert p.at(zs.Tier.nvme, zs.MemKind.optim_state) == 2 * 4 * (64 << 30) // 8
+
+
+def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
+    # With a calibration file every row the model covers gets the engine's step split as
+    # predict_step() computes it: on 2 ranks stage 0 updates the whole unit, twice stage 1's
+    # shard; the nvme rows take the nvme tier's step instead of the update; offloaded
+    # parameters are not modelled. A file of another schema is refused by name.
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({
+        "schema": "zeroshard-calibration/1",
+        "optimizer": {"adamw": {"f32": {"params_per_s": 1e9}, "bf16": {"params_per_s": 1e9}}},
+        "collectives": {k: {"latency_s": 1e-5, "bandwidth_gbs": 1.0,
+                            "points_bytes_s": [[4096, 1e-5], [1 << 20, 1e-3]]}
+                        for k in ("reduce_scatter", "all_gather")},
+        "nvme": {"step_params_per_s": 1e8}}))
+    units = [(f"l{i}", [zs.Param("w", shape=[256, 256])]) for i in range(4)]
+    est = zs.estimate(units, world=2, dtype="bf16", calibration=cal, compute_s=0.25)
+    rows = {(r["stage"], r["optimizer"], r["params"]): r for r in est.rows}
+    for key, r in rows.items():
+        if key[2] != "device":
+            assert r["step"] is None, key
+            continue
+        st = r["step"]
+        assert st["compute_s"] == 0.25
+        assert st["total_s"] == pytest.approx(st["compute_s"] + st["comm_s"] + st["optimizer_s"]
+                                              + st["nvme_s"]), key
+        assert (st["nvme_s"] > 0) == (key[1] == "nvme") and (st["optimizer_s"] > 0) != (key[1] == "nvme")
+    s0, s1 = rows[(0, "device", "device")]["step"], rows[(1, "device", "device")]["step"]
+    assert s0["optimizer_s"] == pytest.approx(2 * s1["optimizer_s"])
+    assert s1["optimizer_s"] == pytest.approx(4 * 256 * 256 / 2 / 1e9)
+    assert rows[(2, "nvme", "device")]["step"]["nvme_s"] == pytest.approx(4 * 256 * 256 / 2 / 1e8)
+    assert "step s" in str(est)
+    assert all(r["step"] is None for r in zs.estimate(units, world=2).rows)
+    cal.write_text('{"schema": "zeroshard-calibration/7"}')
+    with pytest.raises(zs.InvalidArgumentError, match="zeroshard-calibration/7"):
+        zs.estimate(units, world=2, calibration=cal)
 
 
 def test_step_releases_the_gil():
