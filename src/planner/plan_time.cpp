@@ -111,7 +111,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   p.compute_s = rates.compute_s;
   // Reductions start as backward hands units over and stage-3 gathers are prefetched ahead of
   // the unit that needs them: both can hide behind the trainer's compute, once. The all-gather
-  // after the update waits on it.
+  // of the new parameters waits for the update and hides behind nothing.
   p.comm_s = std::max(0.0, grads + gathers - rates.compute_s) + after;
   if (nvme)
     p.nvme_s = updated / rates.nvme_step_params_per_s;
