@@ -92,11 +92,10 @@ int main(int argc, char** argv) {
           }
       for (int u = units - 1; u >= 0; --u) {
         for (const TensorView& g : e.grads(u)) {
-          uint16_t* h = static_cast<uint16_t*>(g.data);
           if (cfg.dtype == DType::f32)
-            std::fill(static_cast<float*>(g.data), static_cast<float*>(g.data) + g.numel, 1e-3f);
+            std::fill_n(static_cast<float*>(g.data), g.numel, 1e-3f);
           else
-            std::fill(h, h + g.numel, uint16_t(0x3a83));  // 1e-3 in bf16
+            std::fill_n(static_cast<uint16_t*>(g.data), g.numel, uint16_t(0x3a83));  // 1e-3
         }
         e.grads_ready(u);
       }

@@ -6,8 +6,8 @@
 // - optimizer: an engine's update of one unit on the CPU (StepResult::optimizer_s), in
 //   parameters per second, and as a fraction of the same-bytes pass of its own bytes;
 // - collectives: reduce-scatter, all-gather and all-reduce over the launched ranks at sizes from
-//   4 KiB up: latency from the smallest, bandwidth from the two largest (time = latency +
-//   bytes / bandwidth);
+//   4 KiB up, on buffers in the caches and (under "cold") on buffers that are not: every
+//   measured point, the latency of the smallest and the bandwidth between the two largest;
 // - nvme: an engine step with its optimizer state on the nvme tier (io_uring swap files in
 //   --nvme-path), in parameters per second and in record bytes read and written per second.
 // Rank 0 prints a table and writes the JSON file (schema "zeroshard-calibration/1").

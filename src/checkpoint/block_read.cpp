@@ -1,14 +1,10 @@
 // A load's passes over a checkpoint (block_read.hpp).
 #include "src/checkpoint/block_read.hpp"
 
-#include <sys/mman.h>
-
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
-#include <new>
 #include <tuple>
 
 #include "src/base/check.hpp"
@@ -39,22 +35,6 @@ struct Job {
     return segments.size() == 1 && s.in == 0 && s.bytes == file->block_len(block) &&
            reinterpret_cast<uintptr_t>(s.to) % kPage == 0;
   }
-};
-
-// A reader's buffer for the blocks that do not land whole: 2 MiB-aligned on huge pages, as the
-// writer's blocks (data_file.cpp).
-struct Bounce {
-  explicit Bounce(size_t bytes) {
-    constexpr size_t kHuge = size_t(2) << 20;
-    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
-    data = static_cast<char*>(std::aligned_alloc(kHuge, rounded));
-    if (!data) throw std::bad_alloc();
-    (void)madvise(data, rounded, MADV_HUGEPAGE);  // a hint: fine if refused
-  }
-  ~Bounce() { std::free(data); }
-  Bounce(const Bounce&) = delete;
-  Bounce& operator=(const Bounce&) = delete;
-  char* data;
 };
 
 // Writes the first byte of every page of [p, p + bytes) that begins inside it, and the first
@@ -124,7 +104,7 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
       return;
     }
     try {
-      std::unique_ptr<Bounce> bounce;
+      std::unique_ptr<BlockBuffer> bounce;  // for blocks that do not land whole
       for (size_t k; !failed.load(std::memory_order_relaxed) && (k = next++) < jobs.size();) {
         for (size_t seen; (seen = touched.load(std::memory_order_acquire)) <= k;)
           touched.wait(seen, std::memory_order_acquire);
@@ -134,7 +114,7 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
           job.file->fetch_block(job.block, job.segments.front().to);
           continue;
         }
-        if (!bounce) bounce = std::make_unique<Bounce>(size_t(m.block_bytes));
+        if (!bounce) bounce = std::make_unique<BlockBuffer>(size_t(m.block_bytes));
         job.file->fetch_block(job.block, bounce->data);
         if (!verify_only)
           for (const Segment& s : job.segments)

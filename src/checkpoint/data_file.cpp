@@ -26,21 +26,20 @@ uint64_t table_sum(const std::vector<uint64_t>& sums) {
 }
 }  // namespace
 
-// 2 MiB-aligned and backed by transparent huge pages where the kernel allows (as the swapper's
-// staging): an O_DIRECT write of a 4 MiB block is then a few physically contiguous segments, not
-// 1024 pages that the block layer splits into several requests (at fio's settings, huge pages
-// move 1.7x the bytes of 4 KiB ones on this project's disk: benchmarks/RESULTS.md).
-constexpr size_t kHugeAlign = size_t(2) << 20;
+BlockBuffer::BlockBuffer(size_t bytes) {
+  constexpr size_t kHugeAlign = size_t(2) << 20;
+  const size_t rounded = (bytes + kHugeAlign - 1) / kHugeAlign * kHugeAlign;
+  data = static_cast<char*>(std::aligned_alloc(kHugeAlign, rounded));
+  if (!data) throw std::bad_alloc();
+  (void)madvise(data, rounded, MADV_HUGEPAGE);  // a hint: fine if refused
+}
 
-struct DataFileWriter::Block {
-  explicit Block(size_t bytes) {
-    const size_t rounded = (bytes + kHugeAlign - 1) / kHugeAlign * kHugeAlign;
-    data = static_cast<char*>(std::aligned_alloc(kHugeAlign, rounded));
-    if (!data) throw std::bad_alloc();
-    (void)madvise(data, rounded, MADV_HUGEPAGE);  // a hint: fine if refused
-  }
-  ~Block() { std::free(data); }
-  char* data;
+BlockBuffer::~BlockBuffer() {
+  std::free(data);
+}
+
+struct DataFileWriter::Block : BlockBuffer {
+  using BlockBuffer::BlockBuffer;
   size_t len = 0;
   int64_t index = 0;
 };

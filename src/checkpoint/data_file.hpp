@@ -18,6 +18,19 @@
 
 namespace zeroshard::ckpt {
 
+/// `bytes` of memory for whole blocks of a data file, 2 MiB-aligned and backed by transparent
+/// huge pages where the kernel allows (as the swapper's staging): an O_DIRECT transfer of a
+/// 4 MiB block is then a few physically contiguous segments, not 1024 pages that the block layer
+/// splits into several requests (at fio's settings, huge pages move 1.7x the bytes of 4 KiB ones
+/// on this project's disk: benchmarks/RESULTS.md).
+struct BlockBuffer {
+  explicit BlockBuffer(size_t bytes);
+  ~BlockBuffer();
+  BlockBuffer(const BlockBuffer&) = delete;
+  BlockBuffer& operator=(const BlockBuffer&) = delete;
+  char* data;
+};
+
 /// Writes through O_DIRECT where the file system allows it (the page cache would halve the
 /// disk's write bandwidth on a virtual disk), from aligned block buffers that writer threads
 /// checksum and write, several at a time, while the caller fills the next one.
