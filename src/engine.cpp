@@ -168,7 +168,7 @@ UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
                                     << ", on the CPU)");
   }
   UnitShape s;
-  s.layout = plan_unit(name, params, m.world, m.cfg.shard_alignment);
+  s.layout = plan_unit(name, params, m.world, padding_grain(m.cfg));
   s.whole_runs = s.layout.runs(0, s.layout.padded_numel);
   const int64_t n = s.layout.shard_numel;
   s.shard_runs = s.layout.runs(m.rank * n, (m.rank + 1) * n);

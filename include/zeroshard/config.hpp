@@ -17,6 +17,20 @@ namespace zeroshard {
 enum class OptimizerKind : uint8_t { adam, adamw, sgd, lion };
 ZS_API const char* optimizer_name(OptimizerKind k);
 
+/// How the optimizer moments (Adam's m and v, Lion's and SGD's momentum) are stored, on every
+/// tier and in checkpoints; the master weights stay f32 whatever this says.
+/// - f32: IEEE binary32 (4 bytes per moment).
+/// - bf16: rounded to nearest even after every update (2 bytes). Exact: the update itself runs
+///   in f32 on the widened values.
+/// - q8 ("8bit"): blockwise 8-bit quantization with a dynamic (non-linear) code, as in
+///   Dettmers et al., "8-bit Optimizers via Block-wise Quantization": each block of
+///   Config::state_block elements keeps one f32 absmax and one byte per element, a code point
+///   of the signed dynamic map (first moment, momentum) or of the unsigned one (Adam's second
+///   moment), the nearest one to value / absmax. 1 byte per moment plus 4 per block.
+enum class StateFormat : uint8_t { f32, bf16, q8 };
+/// "f32", "bf16" or "8bit".
+ZS_API const char* state_format_name(StateFormat f);
+
 /// Hyperparameters of one parameter group. Group 0 is Config::optimizer; more groups are added
 /// with Engine::add_group(). Meaning per optimizer:
 /// - adam / adamw: lr, beta1, beta2, eps, weight_decay (adam adds wd·p to the gradient,
@@ -86,8 +100,15 @@ struct ZS_API Config {
   /// The GPU for device cuda; −1 picks the launcher's local rank modulo the number of GPUs.
   int device_index = -1;
   /// Element type of parameters and gradients the trainer sees ("fp16"/"bf16" enabled → f16/bf16).
-  /// Master weights and optimizer state are always f32.
+  /// Master weights are always f32; the optimizer moments as optimizer_state says.
   DType dtype = DType::f32;
+  /// Storage of the optimizer moments ("zeroshard.optimizer_state": "f32", "bf16", "8bit").
+  StateFormat optimizer_state = StateFormat::f32;
+  /// q8: elements per quantization block ("zeroshard.state_block"), a power of two from 64 to
+  /// 4096. Blocks are counted from each unit's element 0 and shards are padded to whole blocks
+  /// (the padding grain becomes a multiple of it), so a block never straddles two ranks and a
+  /// checkpoint loads at any world size without requantizing anything.
+  int64_t state_block = 2048;
   LossScaleOptions loss_scale;
   /// Global gradient-norm clipping threshold; 0 disables clipping.
   double gradient_clipping = 0.0;

@@ -31,7 +31,7 @@ namespace zeroshard {
 template <class S>
 using FieldMember = std::variant<bool S::*, int S::*, int64_t S::*, float S::*, double S::*,
                                  std::vector<std::string> S::*, DType S::*, Device S::*, Tier S::*,
-                                 OptimizerKind S::*, OptimizerOptions S::*, OffloadOptions S::*,
+                                 OptimizerKind S::*, StateFormat S::*, OptimizerOptions S::*, OffloadOptions S::*,
                                  LossScaleOptions S::*, AioOptions S::*>;
 
 /// One check validate() applies to a numeric field on its own: `ok(value)` must hold (written so

@@ -53,7 +53,8 @@ struct StepResult {
 /// Shard geometry of one unit on this rank, in elements.
 struct ShardInfo {
   int64_t numel = 0;         ///< parameters in the unit
-  int64_t padded_numel = 0;  ///< flat buffer length: a multiple of world_size × shard_alignment
+  int64_t padded_numel = 0;  ///< flat buffer length: a multiple of world_size × the padding grain
+                             ///< (shard_alignment; with 8-bit moments its lcm with state_block)
   int64_t shard_offset = 0;  ///< first element of this rank's shard in the flat buffer
   int64_t shard_numel = 0;   ///< padded_numel / world_size
 };

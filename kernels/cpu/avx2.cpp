@@ -74,6 +74,46 @@ struct Avx2Vec {
     _mm256_store_pd(lanes, _mm256_add_pd(acc.lo, acc.hi));
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   }
+
+  // q8: eight bytes widened to indices, then one gather from the 1 KiB code table.
+  static T gather(const float* code, const uint8_t* q) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_i32gather_ps(code, idx, 4);
+  }
+  static T abs(T x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+  // vmaxps returns its second operand when either is NaN or both are zero: a > b ? a : b.
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(T x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  // QuantCode::bucket() lane-wise, then the two table reads and the compare.
+  static void quantize(const QuantCode& c, T x, uint8_t* q) {
+    const __m256i u = _mm256_castps_si256(x);
+    __m256i mag =
+        _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), QuantCode::kKeyShift);
+    mag = _mm256_sub_epi32(mag, _mm256_set1_epi32(QuantCode::kMinKey));
+    mag = _mm256_min_epi32(_mm256_max_epi32(mag, _mm256_setzero_si256()),
+                           _mm256_set1_epi32(QuantCode::kBuckets - 1));
+    // The sign bit spread to a mask (arithmetic shift), selecting the negative half.
+    const __m256i neg = _mm256_srai_epi32(u, 31);
+    const __m256i key =
+        _mm256_add_epi32(mag, _mm256_and_si256(neg, _mm256_set1_epi32(QuantCode::kBuckets)));
+    const __m256i lo = _mm256_i32gather_epi32(c.lo, key, 4);
+    const __m256 mid = _mm256_i32gather_ps(c.mid, lo, 4);
+    // A true compare is all ones (−1): subtracting it adds one.
+    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(x, mid, _CMP_GT_OQ));
+    const __m256i idx = _mm256_sub_epi32(lo, up);
+    // The low byte of each lane, gathered into the low 4 bytes of each 128-bit half.
+    const __m256i bytes = _mm256_shuffle_epi8(
+        idx, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                              12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m128i packed =
+        _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q), packed);
+  }
 };
 
 }  // namespace

@@ -3,11 +3,12 @@
 // on every AVX-512 server since Skylake-SP.
 
 // GCC 12's AVX-512 headers self-initialise their "undefined" vectors (`__m512 __Y = __Y;`),
-// which trips -Wmaybe-uninitialized once inlined (GCC bug 105593); the warning is about the
-// header's idiom, not this code.
+// which trips -Wmaybe-uninitialized and -Wuninitialized once inlined (GCC bug 105593); the warning
+// is about the header's idiom, not this code.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 #if defined(__GNUC__) && !defined(__clang__)
@@ -82,6 +83,36 @@ struct Avx512Vec {
             _mm512_add_pd(acc.hi, _mm512_mul_pd(hi, hi))};
   }
   static double acc_total(Acc acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc.lo, acc.hi)); }
+
+  // q8: sixteen bytes widened to indices, then one gather from the 1 KiB code table.
+  static T gather(const float* code, const uint8_t* q) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    return _mm512_i32gather_ps(idx, code, 4);
+  }
+  static T abs(T x) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+  // vmaxps returns its second operand when either is NaN or both are zero: a > b ? a : b.
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(T x) { return _mm512_reduce_max_ps(x); }
+  // QuantCode::bucket() lane-wise, then the two table reads and the compare.
+  static void quantize(const QuantCode& c, T x, uint8_t* q) {
+    const __m512i u = _mm512_castps_si512(x);
+    __m512i mag =
+        _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), QuantCode::kKeyShift);
+    mag = _mm512_sub_epi32(mag, _mm512_set1_epi32(QuantCode::kMinKey));
+    mag = _mm512_min_epi32(_mm512_max_epi32(mag, _mm512_setzero_si512()),
+                           _mm512_set1_epi32(QuantCode::kBuckets - 1));
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    const __m512i key =
+        _mm512_mask_add_epi32(mag, neg, mag, _mm512_set1_epi32(QuantCode::kBuckets));
+    const __m512i lo = _mm512_i32gather_epi32(key, c.lo, 4);
+    const __m512 mid = _mm512_i32gather_ps(lo, c.mid, 4);
+    const __mmask16 up = _mm512_cmp_ps_mask(x, mid, _CMP_GT_OQ);
+    const __m512i idx = _mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(idx));
+  }
 };
 
 }  // namespace

@@ -46,17 +46,61 @@ struct UpdateHyper {
 ///          p -= lr*g
 ///   lion:  c = b1*m + (1-b1)*g; p = p - (lr*wd)*p; p -= lr*sign(c); m = b2*m + (1-b2)*g
 ///          (sign(0) = 0)
+/// The moments are stored as state_format says (Config::optimizer_state) and widened to f32
+/// for the update:
+///   f32:  float arrays.
+///   bf16: uint16_t arrays; rounded to nearest even when stored.
+///   q8:   uint8_t arrays of code indices (quant_code.hpp; state0 uses the signed map, state1
+///         the unsigned one) with one f32 absmax per `block` elements in absmax0/absmax1. The
+///         range starts at a block boundary and ends at one or at the end of the buffer, since
+///         a block is requantized whole: each block is dequantized (code × absmax) into f32
+///         scratch, updated, and requantized (absmax = max |value|, index = the nearest code
+///         point of value × (1 / absmax), an all-zero block to the code's 0).
 struct UpdateArgs {
   float* master = nullptr;
-  float* state0 = nullptr;
-  float* state1 = nullptr;
+  void* state0 = nullptr;
+  void* state1 = nullptr;
+  StateFormat state_format = StateFormat::f32;
+  float* absmax0 = nullptr;  ///< q8: one per block of state0
+  float* absmax1 = nullptr;  ///< q8: one per block of state1
+  int64_t block = 0;         ///< q8: elements per block (at most kMaxStateBlock)
   const void* grad = nullptr;
   DType grad_dtype = DType::f32;
   void* out = nullptr;
   DType out_dtype = DType::f32;
   int64_t n = 0;
 };
+/// Largest q8 block: a block's two moments are widened on the stack (32 KiB).
+inline constexpr int64_t kMaxStateBlock = 4096;
+/// Bytes per element of a moment stored as `f` (q8: without its absmax).
+inline size_t state_bytes(StateFormat f) {
+  return f == StateFormat::f32 ? 4 : f == StateFormat::bf16 ? 2 : 1;
+}
+
 void optimizer_update(Isa isa, const UpdateHyper& h, const UpdateArgs& a);
+
+/// Elements [begin, end) of an update's range that use the hyperparameters *h.
+struct UpdateSegment {
+  int64_t begin = 0, end = 0;
+  const UpdateHyper* h = nullptr;
+};
+/// A q8 update whose blocks hold several parameter groups (or padding): element i is updated
+/// with the segment containing it; elements in none keep their value (and are requantized
+/// with their block). Segments are ascending and disjoint, inside [0, a.n), of one optimizer
+/// kind.
+void optimizer_update_segments(Isa isa, const UpdateSegment* segments, int count,
+                               const UpdateArgs& a);
+
+/// q8 (de)quantization on its own, as the update does it: blocks of `block` elements from
+/// element 0 (the last one may be shorter), the signed or the unsigned dynamic map. For
+/// checkpoints and read_shard(), which see moments in f32. dequantize → quantize is the
+/// identity on a q8 state (codes and absmax bit for bit), also where a signed block's largest
+/// magnitude sits on the map's most negative point (−0.99297 × absmax): such a block's absmax
+/// is recovered rather than taken as max |x|.
+void quantize_blocks(Isa isa, const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q,
+                     float* absmax);
+void dequantize_blocks(Isa isa, const uint8_t* q, const float* absmax, int64_t n, int64_t block,
+                       bool is_signed, float* x);
 
 /// Σ float(x[i])², accumulated in double.
 double sum_squares(Isa isa, const void* x, DType dtype, int64_t n);

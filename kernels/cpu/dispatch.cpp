@@ -130,24 +130,100 @@ Isa best_isa() {
   return isa;
 }
 
-void optimizer_update(Isa isa, const UpdateHyper& h, const UpdateArgs& a) {
-  constexpr const char* call = "optimizer_update";
-  if (static_cast<int>(h.kind) > static_cast<int>(OptimizerKind::lion)) {
-    ZS_THROW(invalid_argument, call << ": unknown optimizer kind " << static_cast<int>(h.kind));
+namespace {
+
+void check_kind(const char* call, OptimizerKind kind) {
+  if (static_cast<int>(kind) > static_cast<int>(OptimizerKind::lion)) {
+    ZS_THROW(invalid_argument, call << ": unknown optimizer kind " << static_cast<int>(kind));
   }
+}
+
+// Everything but the hyperparameters; `h` says which moments the rule reads.
+void check_update_args(const char* call, const UpdateHyper& h, const UpdateArgs& a) {
   check_range(call, a.master, "master", a.n);
   check_range(call, a.grad, "grad", a.n);
   check_dtype(call, a.grad_dtype);
   if (a.out != nullptr) check_dtype(call, a.out_dtype);
+  const StateFormat f = a.state_format;
+  if (f != StateFormat::f32 && f != StateFormat::bf16 && f != StateFormat::q8) {
+    ZS_THROW(invalid_argument, call << ": invalid state format " << static_cast<int>(f));
+  }
   // The states each rule reads; a null one would only surface as a crash inside the loop.
   const bool adam = h.kind == OptimizerKind::adam || h.kind == OptimizerKind::adamw;
   const bool sgd_momentum = h.kind == OptimizerKind::sgd && h.momentum != 0;
-  if (adam || sgd_momentum || h.kind == OptimizerKind::lion) {
-    check_range(call, a.state0, "state0", a.n);
-  }
+  const bool one = adam || sgd_momentum || h.kind == OptimizerKind::lion;
+  if (one) check_range(call, a.state0, "state0", a.n);
   if (adam) check_range(call, a.state1, "state1", a.n);
+  if (f != StateFormat::q8) return;
+  if (a.block < 1 || a.block > kMaxStateBlock) {
+    ZS_THROW(invalid_argument,
+             call << ": q8 block of " << a.block << " elements (1.." << kMaxStateBlock << ")");
+  }
+  const int64_t blocks = (a.n + a.block - 1) / a.block;
+  if (one) check_range(call, a.absmax0, "absmax0", blocks);
+  if (adam) check_range(call, a.absmax1, "absmax1", blocks);
+}
+
+}  // namespace
+
+void optimizer_update(Isa isa, const UpdateHyper& h, const UpdateArgs& a) {
+  constexpr const char* call = "optimizer_update";
+  check_kind(call, h.kind);
+  check_update_args(call, h, a);
   if (a.n == 0) return;  // after the checks, so a bad call fails even on an empty shard
   table(isa).optimizer_update(h, a);
+}
+
+void optimizer_update_segments(Isa isa, const UpdateSegment* segments, int count,
+                               const UpdateArgs& a) {
+  constexpr const char* call = "optimizer_update_segments";
+  if (a.state_format != StateFormat::q8) {
+    ZS_THROW(invalid_argument, call << ": only q8 states are updated by segments");
+  }
+  if (count < 0 || (count > 0 && segments == nullptr)) {
+    ZS_THROW(invalid_argument, call << ": " << count << " segments at " << segments);
+  }
+  int64_t at = 0;
+  for (int s = 0; s < count; ++s) {
+    const UpdateSegment& g = segments[s];
+    if (g.h == nullptr) ZS_THROW(invalid_argument, call << ": segment " << s << " has no hyper");
+    if (g.begin < at || g.end < g.begin || g.end > a.n) {
+      ZS_THROW(invalid_argument, call << ": segment " << s << " [" << g.begin << ", " << g.end
+                                      << ") is not ascending inside [0, " << a.n << ")");
+    }
+    check_kind(call, g.h->kind);
+    if (g.h->kind != segments[0].h->kind) {
+      ZS_THROW(invalid_argument, call << ": segments of different optimizers");
+    }
+    check_update_args(call, *g.h, a);
+    at = g.end;
+  }
+  if (a.n == 0 || count == 0) return;
+  table(isa).optimizer_update_segments(segments, count, a);
+}
+
+namespace {
+
+void check_blocks(const char* call, int64_t n, int64_t block, const void* q, const void* absmax,
+                  const void* x) {
+  if (block < 1) ZS_THROW(invalid_argument, call << ": block of " << block << " elements");
+  check_range(call, x, "x", n);
+  check_range(call, q, "q", n);
+  check_range(call, absmax, "absmax", (n + block - 1) / block);
+}
+
+}  // namespace
+
+void quantize_blocks(Isa isa, const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q,
+                     float* absmax) {
+  check_blocks("quantize_blocks", n, block, q, absmax, x);
+  table(isa).quantize_blocks(x, n, block, is_signed, q, absmax);
+}
+
+void dequantize_blocks(Isa isa, const uint8_t* q, const float* absmax, int64_t n, int64_t block,
+                       bool is_signed, float* x) {
+  check_blocks("dequantize_blocks", n, block, q, absmax, x);
+  table(isa).dequantize_blocks(q, absmax, n, block, is_signed, x);
 }
 
 double sum_squares(Isa isa, const void* x, DType dtype, int64_t n) {

@@ -21,15 +21,6 @@ inline size_t elem_bytes(DType d) {
   return d == DType::f32 ? 4 : 2;
 }
 
-// Runs body.template operator()<U>(begin, end) over [0, n): full vectors with V, then the tail
-// with ScalarVec (skipped when V is the scalar type itself).
-template <class V, class Body>
-inline void split_tail(int64_t n, Body&& body) {
-  const int64_t full = n - n % V::kWidth;
-  body.template operator()<V>(int64_t{0}, full);
-  if constexpr (!std::is_same_v<V, ScalarVec>) body.template operator()<ScalarVec>(full, n);
-}
-
 // Widen to f32, narrow with round to nearest even: the one conversion path every pair shares.
 template <class V, DType S, DType D>
 void convert_typed(const void* src, void* dst, int64_t n) {

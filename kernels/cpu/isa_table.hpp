@@ -11,8 +11,11 @@ namespace {
 
 template <class V>
 constexpr KernelTable make_kernel_table() {
-  return KernelTable{&optimizer_update_impl<V>, &sum_squares_impl<V>, &convert_impl<V>,
-                     &accumulate_impl<V>,       &add_into_impl<V>,    &same_bytes_impl<V>};
+  return KernelTable{&optimizer_update_impl<V>, &optimizer_update_segments_impl<V>,
+                     &quantize_blocks_impl<V>,  &dequantize_blocks_impl<V>,
+                     &sum_squares_impl<V>,      &convert_impl<V>,
+                     &accumulate_impl<V>,       &add_into_impl<V>,
+                     &same_bytes_impl<V>};
 }
 
 }  // namespace

@@ -15,6 +15,11 @@ inline constexpr int kMaxSameBytesStreams = 8;
 
 struct KernelTable {
   void (*optimizer_update)(const UpdateHyper& h, const UpdateArgs& a);
+  void (*optimizer_update_segments)(const UpdateSegment* segments, int count, const UpdateArgs& a);
+  void (*quantize_blocks)(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q,
+                          float* absmax);
+  void (*dequantize_blocks)(const uint8_t* q, const float* absmax, int64_t n, int64_t block,
+                            bool is_signed, float* x);
   double (*sum_squares)(const void* x, DType dtype, int64_t n);
   void (*convert)(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n);
   void (*accumulate)(float* acc, const void* g, DType g_dtype, int64_t n);

@@ -7,12 +7,17 @@
 //   sqrt, sign    IEEE sqrt; sign(c) = +1 / -1 / +0 for c = ±0 / NaN for NaN
 //   zero, bit_xor same_bytes' data movement (bitwise, no arithmetic)
 //   Acc, acc_zero, acc_add_square, acc_total   double accumulation for sum_squares
+//   gather        code[q[lane]] for kWidth bytes q (q8 dequantization)
+//   abs, max, reduce_max   |x|; max(a, b) = a > b ? a : b (so NaN in a gives b); max of lanes
+//   quantize      stores the nearest code point's index of each lane (quant_code.hpp)
 // Anonymous namespace: see scalar_convert.hpp (each ISA file gets its own copy).
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "kernels/cpu/quant_code.hpp"
 #include "kernels/cpu/scalar_convert.hpp"
 
 namespace zeroshard::cpu {
@@ -47,7 +52,25 @@ struct ScalarVec {
     return acc + d * d;
   }
   static double acc_total(Acc acc) { return acc; }
+
+  static T gather(const float* code, const uint8_t* q) { return code[*q]; }
+  static T abs(T x) { return std::bit_cast<float>(std::bit_cast<uint32_t>(x) & 0x7FFFFFFFu); }
+  static T max(T a, T b) { return a > b ? a : b; }
+  static float reduce_max(T x) { return x; }
+  static void quantize(const QuantCode& c, T x, uint8_t* q) {
+    const int32_t lo = c.lo[QuantCode::bucket(std::bit_cast<uint32_t>(x))];
+    *q = uint8_t(lo + (x > c.mid[lo] ? 1 : 0));
+  }
 };
+
+// Runs body.template operator()<U>(begin, end) over [0, n): full vectors with V, then the tail
+// with ScalarVec (skipped when V is the scalar type itself).
+template <class V, class Body>
+inline void split_tail(int64_t n, Body&& body) {
+  const int64_t full = n - n % V::kWidth;
+  body.template operator()<V>(int64_t{0}, full);
+  if constexpr (!std::is_same_v<V, ScalarVec>) body.template operator()<ScalarVec>(full, n);
+}
 
 }  // namespace
 }  // namespace zeroshard::cpu

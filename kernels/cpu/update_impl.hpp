@@ -5,10 +5,13 @@
 // the same IEEE operations in the same order per lane, which is what makes it bitwise equal to
 // the scalar reference (the build adds -ffp-contract=off so no FMA sneaks in).
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/quant_code.hpp"
 #include "kernels/cpu/scalar_vec.hpp"
 #include "kernels/cpu/update_rules.hpp"
 #include "kernels/cpu/vec_io.hpp"
@@ -37,32 +40,34 @@ struct Broadcast {
 };
 
 // Elements [begin, end) with V; end - begin must be a multiple of V::kWidth. The formulas are
-// the ones documented in cpu_kernels.hpp, parenthesised exactly as C++ parses them there.
-template <class V, Rule R, DType G, Out O>
+// the ones documented in cpu_kernels.hpp, parenthesised exactly as C++ parses them there. The
+// moments are stored as S (f32 or bf16) and updated in f32.
+template <class V, Rule R, DType G, Out O, DType S>
 void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int64_t end) {
   using T = typename V::T;
   const Broadcast<V> k(c);
   // Local copies: the compiler cannot prove that stores through float* leave `a` unchanged.
   float* const master = a.master;
-  float* const s0 = a.state0;
-  float* const s1 = a.state1;
+  void* const s0 = a.state0;
+  void* const s1 = a.state1;
   // Element sizes for prefetch addressing (the out size is unused when O is none).
   const size_t grad_bytes = G == DType::f32 ? 4 : 2;
   const size_t out_bytes = O == Out::f32 ? 4 : 2;
+  const size_t state_bytes = S == DType::f32 ? 4 : 2;
   for (int64_t i = begin; i < end; i += V::kWidth) {
     // One prefetch per stream and cache line of f32 (half-width streams get two per line).
     if (V::kWidth >= kLineElems || i % kLineElems == 0) {
       prefetch_ahead(master, i, 4);
       prefetch_ahead(a.grad, i, grad_bytes);
-      if constexpr (R != Rule::sgd) prefetch_ahead(s0, i, 4);
-      if constexpr (R == Rule::adam || R == Rule::adamw) prefetch_ahead(s1, i, 4);
+      if constexpr (R != Rule::sgd) prefetch_ahead(s0, i, state_bytes);
+      if constexpr (R == Rule::adam || R == Rule::adamw) prefetch_ahead(s1, i, state_bytes);
       if constexpr (O != Out::none) prefetch_ahead(a.out, i, out_bytes);
     }
     T p = V::load_f32(master + i);
     T g = load_as<V, G>(a.grad, i) * k.grad_scale;
     if constexpr (R == Rule::adam || R == Rule::adamw) {
-      T m = V::load_f32(s0 + i);
-      T v = V::load_f32(s1 + i);
+      T m = load_as<V, S>(s0, i);
+      T v = load_as<V, S>(s1, i);
       // Adam folds decay into the gradient (L2); AdamW decays the weight itself, first.
       if constexpr (R == Rule::adam) {
         g = g + k.wd * p;
@@ -73,21 +78,21 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
       v = k.beta2 * v + k.omb2 * g * g;
       const T denom = V::sqrt(v / k.bc2) + k.eps;
       p = p - k.lr * (m / k.bc1) / denom;
-      V::store_f32(s0 + i, m);
-      V::store_f32(s1 + i, v);
+      store_as<V, S>(s0, i, m);
+      store_as<V, S>(s1, i, v);
     } else if constexpr (R == Rule::lion) {
       // The direction interpolates with beta1, the stored momentum decays with beta2.
-      T m = V::load_f32(s0 + i);
+      T m = load_as<V, S>(s0, i);
       const T dir = k.beta1 * m + k.omb1 * g;
       p = p - k.lr_wd * p;
       p = p - k.lr * V::sign(dir);
       m = k.beta2 * m + k.omb2 * g;
-      V::store_f32(s0 + i, m);
+      store_as<V, S>(s0, i, m);
     } else {
       g = g + k.wd * p;
       if constexpr (R == Rule::sgd_momentum || R == Rule::sgd_nesterov) {
-        const T buf = k.momentum * V::load_f32(s0 + i) + g;
-        V::store_f32(s0 + i, buf);
+        const T buf = k.momentum * load_as<V, S>(s0, i) + g;
+        store_as<V, S>(s0, i, buf);
         if constexpr (R == Rule::sgd_nesterov) {
           g = g + k.momentum * buf;
         } else {
@@ -105,11 +110,11 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
 }
 
 // Full vectors with V, then the remainder with the scalar lane type (same operations).
-template <class V, Rule R, DType G, Out O>
+template <class V, Rule R, DType G, Out O, DType S>
 void update_all(const UpdateConsts& c, const UpdateArgs& a) {
   const int64_t full = a.n - a.n % V::kWidth;
-  update_range<V, R, G, O>(c, a, 0, full);
-  if constexpr (!std::is_same_v<V, ScalarVec>) update_range<ScalarVec, R, G, O>(c, a, full, a.n);
+  update_range<V, R, G, O, S>(c, a, 0, full);
+  if constexpr (!std::is_same_v<V, ScalarVec>) update_range<ScalarVec, R, G, O, S>(c, a, full, a.n);
 }
 
 // momentum == 0 is plain SGD whatever `nesterov` says (torch rejects that pair; we ignore it),
@@ -117,18 +122,160 @@ void update_all(const UpdateConsts& c, const UpdateArgs& a) {
 
 // Run-time → compile-time switches: each combination becomes its own branch-free loop.
 
-/// The KernelTable entry: resolves rule × grad dtype × out dtype to one instantiation. The
-/// constants are folded here, once per call, so vector body and scalar tail share them.
+/// f32 or bf16 moments: resolves rule × grad dtype × out dtype × state dtype to one
+/// instantiation. The constants are folded here, once per call, so vector body and scalar tail
+/// share them.
 template <class V>
-void optimizer_update_impl(const UpdateHyper& h, const UpdateArgs& a) {
+void update_plain(const UpdateHyper& h, const UpdateArgs& a) {
   const UpdateConsts c = fold_consts(h);
+  const DType sd = a.state_format == StateFormat::bf16 ? DType::bf16 : DType::f32;
   with_rule(rule_of(h), [&](auto rule) {
     with_dtype(a.grad_dtype, [&](auto grad) {
       with_out(out_of(a), [&](auto out) {
-        update_all<V, decltype(rule)::value, decltype(grad)::value, decltype(out)::value>(c, a);
+        // Only f32 and bf16 reach here, so f16 state is not instantiated.
+        if (sd == DType::bf16) {
+          update_all<V, decltype(rule)::value, decltype(grad)::value, decltype(out)::value,
+                     DType::bf16>(c, a);
+        } else {
+          update_all<V, decltype(rule)::value, decltype(grad)::value, decltype(out)::value,
+                     DType::f32>(c, a);
+        }
       });
     });
   });
+}
+
+// ---- q8 moments: dequantize a block, update it in f32, requantize it ---------------------------
+
+// out[i] = code[q[i]] × absmax, elements [0, n).
+template <class V>
+void dequantize_block(const QuantCode& code, const uint8_t* q, float absmax, float* out,
+                      int64_t n) {
+  split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
+    const typename U::T scale = U::set1(absmax);
+    for (int64_t i = begin; i < end; i += U::kWidth)
+      U::store_f32(out + i, U::gather(code.code, q + i) * scale);
+  });
+}
+
+// q = the nearest code points of x[0, n) × (1 / absmax); absmax > 0.
+template <class V>
+void quantize_with(const QuantCode& code, const float* x, uint8_t* q, int64_t n, float absmax) {
+  // One reciprocal per block, a multiply per element: x × (1/absmax) may exceed 1 by an ulp,
+  // which the lookup's last bucket absorbs (it maps to ±1's nearest code point).
+  const float inv = 1.0f / absmax;
+  split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
+    const typename U::T s = U::set1(inv);
+    for (int64_t i = begin; i < end; i += U::kWidth)
+      U::quantize(code, U::load_f32(x + i) * s, q + i);
+  });
+}
+
+// Quantizes x[0, n) into q and returns the block's new absmax (max |x|, NaN ignored).
+template <class V>
+float quantize_block(const QuantCode& code, const float* x, uint8_t* q, int64_t n) {
+  float absmax = 0.0f;
+  split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
+    typename U::T acc = U::set1(absmax);
+    for (int64_t i = begin; i < end; i += U::kWidth) acc = U::max(U::abs(U::load_f32(x + i)), acc);
+    absmax = U::reduce_max(acc);
+  });
+  if (!(absmax > 0.0f)) {
+    for (int64_t i = 0; i < n; ++i) q[i] = code.zero;
+    return 0.0f;
+  }
+  quantize_with<V>(code, x, q, n, absmax);
+  return absmax;
+}
+
+template <class V>
+void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
+  const QuantCode& c0 = dynamic_code(true);
+  const QuantCode& c1 = dynamic_code(false);
+  // The moments the rule keeps (an SGD without momentum keeps none).
+  const Rule rule = rule_of(*segments[0].h);
+  auto* q0 = rule == Rule::sgd ? nullptr : static_cast<uint8_t*>(a.state0);
+  auto* q1 = rule == Rule::adam || rule == Rule::adamw ? static_cast<uint8_t*>(a.state1) : nullptr;
+  alignas(64) float m[kMaxStateBlock];
+  alignas(64) float v[kMaxStateBlock];
+  const size_t gbytes = a.grad_dtype == DType::f32 ? 4 : 2;
+  const size_t obytes = a.out_dtype == DType::f32 ? 4 : 2;
+  for (int64_t b = 0; b < a.n; b += a.block) {
+    const int64_t len = a.n - b < a.block ? a.n - b : a.block;
+    const int64_t blk = b / a.block;
+    if (q0) dequantize_block<V>(c0, q0 + b, a.absmax0[blk], m, len);
+    if (q1) dequantize_block<V>(c1, q1 + b, a.absmax1[blk], v, len);
+    for (int s = 0; s < count; ++s) {
+      const int64_t lo = segments[s].begin > b ? segments[s].begin : b;
+      const int64_t hi = segments[s].end < b + len ? segments[s].end : b + len;
+      if (lo >= hi) continue;
+      UpdateArgs p = a;
+      p.master = a.master + lo;
+      p.state0 = q0 ? m + (lo - b) : nullptr;
+      p.state1 = q1 ? v + (lo - b) : nullptr;
+      p.state_format = StateFormat::f32;
+      p.grad = static_cast<const char*>(a.grad) + size_t(lo) * gbytes;
+      p.out = a.out ? static_cast<char*>(a.out) + size_t(lo) * obytes : nullptr;
+      p.n = hi - lo;
+      update_plain<V>(*segments[s].h, p);
+    }
+    if (q0) a.absmax0[blk] = quantize_block<V>(c0, m, q0 + b, len);
+    if (q1) a.absmax1[blk] = quantize_block<V>(c1, v, q1 + b, len);
+  }
+}
+
+// Blocks that are exactly a dequantized block (code × A) come back as the same codes and A.
+// max |x| is A unless the largest magnitude sat on the signed map's most negative point
+// (−0.99297, there is no −1): then A is recovered from it, trying the neighbouring floats of
+// max |x| / |code[0]|, and kept only if the block then dequantizes to x bit for bit.
+template <class V>
+void quantize_blocks_impl(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q,
+                          float* absmax) {
+  const QuantCode& code = dynamic_code(is_signed);
+  alignas(64) float back[kMaxStateBlock];
+  for (int64_t b = 0; b < n; b += block) {
+    const int64_t len = n - b < block ? n - b : block;
+    float& a = absmax[b / block];
+    a = quantize_block<V>(code, x + b, q + b, len);
+    if (!is_signed || !(a > 0.0f) || len > kMaxStateBlock) continue;
+    auto restores = [&](float cand) {
+      dequantize_block<V>(code, q + b, cand, back, len);
+      return std::memcmp(back, x + b, size_t(len) * 4) == 0;
+    };
+    if (restores(a)) continue;
+    float guess = a / -code.code[0];
+    for (int k = 0; k < 3; ++k) guess = std::nextafter(guess, 0.0f);
+    bool found = false;
+    for (int k = 0; k < 7 && !found; ++k, guess = std::nextafter(guess, INFINITY)) {
+      quantize_with<V>(code, x + b, q + b, len, guess);
+      if (restores(guess)) a = guess, found = true;
+    }
+    if (!found) a = quantize_block<V>(code, x + b, q + b, len);  // not a dequantized block
+  }
+}
+
+template <class V>
+void dequantize_blocks_impl(const uint8_t* q, const float* absmax, int64_t n, int64_t block,
+                            bool is_signed, float* x) {
+  for (int64_t b = 0; b < n; b += block)
+    dequantize_block<V>(dynamic_code(is_signed), q + b, absmax[b / block], x + b,
+                        n - b < block ? n - b : block);
+}
+
+/// The KernelTable entries.
+template <class V>
+void optimizer_update_impl(const UpdateHyper& h, const UpdateArgs& a) {
+  if (a.state_format == StateFormat::q8) {
+    const UpdateSegment whole{0, a.n, &h};
+    update_q8<V>(&whole, 1, a);
+  } else {
+    update_plain<V>(h, a);
+  }
+}
+
+template <class V>
+void optimizer_update_segments_impl(const UpdateSegment* segments, int count, const UpdateArgs& a) {
+  update_q8<V>(segments, count, a);
 }
 
 }  // namespace

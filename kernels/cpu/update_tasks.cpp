@@ -4,28 +4,61 @@
 
 namespace zeroshard::cpu {
 
+UpdateArgs offset_args(const UpdateArgs& w, int64_t b) {
+  UpdateArgs a = w;
+  const size_t gsize = dtype_size(w.grad_dtype), osize = dtype_size(w.out_dtype);
+  const size_t ssize = state_bytes(w.state_format);
+  a.master = w.master + b;
+  a.state0 = w.state0 ? static_cast<char*>(w.state0) + size_t(b) * ssize : nullptr;
+  a.state1 = w.state1 ? static_cast<char*>(w.state1) + size_t(b) * ssize : nullptr;
+  if (w.state_format == StateFormat::q8) {
+    a.absmax0 = w.absmax0 ? w.absmax0 + b / w.block : nullptr;
+    a.absmax1 = w.absmax1 ? w.absmax1 + b / w.block : nullptr;
+  }
+  a.grad = static_cast<const char*>(w.grad) + size_t(b) * gsize;
+  a.out = w.out ? static_cast<char*>(w.out) + size_t(b) * osize : nullptr;
+  a.n = w.n - b;
+  return a;
+}
+
 void append_update_tasks(const std::vector<UpdateHyper>& hyper, const UnitUpdate& unit,
                          std::vector<UpdateTask>& tasks) {
   const UpdateArgs& w = unit.args;
-  const size_t gsize = dtype_size(w.grad_dtype), osize = dtype_size(w.out_dtype);
+  if (w.state_format == StateFormat::q8) {
+    // Blocks are requantized whole, so tasks split the extent at block boundaries (a chunk is
+    // a multiple of every block size) and carry the runs inside them.
+    static_assert(Arena::kChunk % kMaxStateBlock == 0);
+    for (int64_t b = 0; b < w.n; b += Arena::kChunk) {
+      UpdateTask t{nullptr, offset_args(w, b), {}};
+      t.a.n = std::min(w.n, b + Arena::kChunk) - b;
+      for (const GroupRun& run : *unit.runs) {
+        const int64_t lo = std::max(run.begin, b), hi = std::min(run.end, b + t.a.n);
+        if (lo < hi) t.segments.push_back({lo - b, hi - b, &hyper[size_t(run.group)]});
+      }
+      if (!t.segments.empty()) tasks.push_back(std::move(t));
+    }
+    return;
+  }
   for (const GroupRun& run : *unit.runs) {
     for (int64_t b = run.begin; b < run.end; b += Arena::kChunk) {
-      UpdateArgs a = w;
-      a.master = w.master + b;
-      a.state0 = w.state0 ? w.state0 + b : nullptr;
-      a.state1 = w.state1 ? w.state1 + b : nullptr;
-      a.grad = static_cast<const char*>(w.grad) + size_t(b) * gsize;
-      a.out = w.out ? static_cast<char*>(w.out) + size_t(b) * osize : nullptr;
+      UpdateArgs a = offset_args(w, b);
       a.n = std::min(run.end, b + Arena::kChunk) - b;
-      tasks.push_back({&hyper[size_t(run.group)], a});
+      tasks.push_back({&hyper[size_t(run.group)], a, {}});
     }
   }
 }
 
+void run_update_task(Isa isa, const UpdateTask& t) {
+  if (t.segments.empty()) {
+    optimizer_update(isa, *t.h, t.a);
+  } else {
+    optimizer_update_segments(isa, t.segments.data(), int(t.segments.size()), t.a);
+  }
+}
+
 void run_update_tasks(Arena& arena, const std::vector<UpdateTask>& tasks) {
-  arena.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
-    optimizer_update(arena.isa(), *tasks[size_t(t)].h, tasks[size_t(t)].a);
-  });
+  arena.parallel_for(int64_t(tasks.size()),
+                     [&](int64_t t) { run_update_task(arena.isa(), tasks[size_t(t)]); });
 }
 
 }  // namespace zeroshard::cpu

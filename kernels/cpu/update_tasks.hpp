@@ -16,11 +16,19 @@ struct UnitUpdate {
   UpdateArgs args;
 };
 
-/// One CPU task: at most Arena::kChunk elements of one run, with its group's hyperparameters.
+/// One CPU task: at most Arena::kChunk elements of one run, with its group's hyperparameters;
+/// for q8 moments, a block-aligned chunk of the extent with the segments of the runs in it.
 struct UpdateTask {
   const UpdateHyper* h;
   UpdateArgs a;
+  std::vector<UpdateSegment> segments;  ///< q8 only
 };
+
+/// `a` advanced by `b` elements (every array, including the q8 absmax at a block boundary).
+UpdateArgs offset_args(const UpdateArgs& a, int64_t b);
+
+/// Runs one task (single-threaded) with `isa`.
+void run_update_task(Isa isa, const UpdateTask& t);
 
 /// Appends `unit`'s tasks, so small units and big ones share the arena evenly.
 void append_update_tasks(const std::vector<UpdateHyper>& hyper, const UnitUpdate& unit,

@@ -250,6 +250,11 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
   // Every launch takes the same pointers; only the run table and the rule differ.
   const Out out = out_of(a);
   auto cu_stream = static_cast<cudaStream_t>(stream);
+  // The GPU kernels keep f32 moments; Config::validate() refuses the others on a GPU tier.
+  if (a.state_format != StateFormat::f32)
+    ZS_THROW(invalid_argument, "cuda::optimizer_update: moments stored as "
+                                   << state_format_name(a.state_format)
+                                   << " are not supported on the GPU (f32 only)");
   for (auto& [rule, list] : by_rule) {
     const bool needs_s0 = rule != Rule::sgd;
     const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
@@ -260,8 +265,8 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
     for (size_t first = 0; first < list.size(); first += kMaxRunsPerLaunch) {
       UpdateParams P{};
       P.master = a.master;
-      P.s0 = a.state0;
-      P.s1 = a.state1;
+      P.s0 = static_cast<float*>(a.state0);
+      P.s1 = static_cast<float*>(a.state1);
       P.grad = a.grad;
       P.out = a.out;
       P.num_runs = int(std::min<size_t>(kMaxRunsPerLaunch, list.size() - first));

@@ -121,6 +121,8 @@ void store(S& s, T& field, nb::handle v, const std::string& path) {
     field = parse_tier(v);
   } else if constexpr (std::is_same_v<T, OptimizerKind>) {
     field = parse_optimizer(v);
+  } else if constexpr (std::is_same_v<T, StateFormat>) {
+    field = parse_state_format(v);
   } else if constexpr (std::is_same_v<T, Device>) {
     // "cuda:N" (a torch.device's spelling) also sets Config::device_index.
     if constexpr (std::is_same_v<S, Config>) {
@@ -264,6 +266,12 @@ void bind_enums(nb::module_& m) {
       .value("adamw", OptimizerKind::adamw)
       .value("sgd", OptimizerKind::sgd)
       .value("lion", OptimizerKind::lion);
+  nb::enum_<StateFormat>(m, "StateFormat",
+                         "Storage of the optimizer moments (Config.optimizer_state): f32, bf16, "
+                         "or q8 (blockwise 8-bit, \"8bit\").")
+      .value("f32", StateFormat::f32)
+      .value("bf16", StateFormat::bf16)
+      .value("q8", StateFormat::q8);
 }
 
 }  // namespace

@@ -253,4 +253,13 @@ OptimizerKind parse_optimizer(nb::handle h) {
   bad_value("optimizer", h, "\"adam\", \"adamw\", \"sgd\", \"lion\"");
 }
 
+StateFormat parse_state_format(nb::handle h) {
+  StateFormat f;
+  if (nb::try_cast<StateFormat>(h, f, false)) return f;
+  const std::string s = spelled(h);
+  for (StateFormat v : {StateFormat::f32, StateFormat::bf16, StateFormat::q8})
+    if (s == state_format_name(v)) return v;
+  bad_value("optimizer_state", h, "\"f32\", \"bf16\", \"8bit\" (or StateFormat.*)");
+}
+
 }  // namespace zeroshard::py

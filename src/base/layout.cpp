@@ -2,11 +2,17 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 namespace zeroshard {
 
 int64_t round_up(int64_t n, int64_t multiple) {
   return (n + multiple - 1) / multiple * multiple;
+}
+
+int64_t padding_grain(const Config& cfg) {
+  if (cfg.optimizer_state != StateFormat::q8) return cfg.shard_alignment;
+  return std::lcm(cfg.shard_alignment, cfg.state_block);
 }
 
 UnitLayout plan_unit(std::string name, const std::vector<Param>& params, int world_size,

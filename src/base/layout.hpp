@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "zeroshard/config.hpp"
 #include "zeroshard/param.hpp"
 
 namespace zeroshard {
@@ -52,6 +53,11 @@ int64_t round_up(int64_t n, int64_t multiple);
 /// updates write only the elements of parameters, and a reused staging slot would otherwise hold
 /// what an earlier unit left there. Padding is zero everywhere (gather buffers, checkpoints).
 void zero_padding(const UnitShape& unit, char* shard, size_t esize);
+
+/// The element grain shards are padded to: Config::shard_alignment, or with q8 moments its
+/// least common multiple with Config::state_block, so that no quantization block straddles two
+/// ranks at any world size.
+int64_t padding_grain(const Config& cfg);
 
 /// Packs `params` back to back and pads for `world_size` shards of `alignment`-element grain.
 UnitLayout plan_unit(std::string name, const std::vector<Param>& params, int world_size,

@@ -32,6 +32,18 @@ const char* optimizer_name(OptimizerKind k) {
   return "unknown";
 }
 
+const char* state_format_name(StateFormat f) {
+  switch (f) {
+    case StateFormat::f32:
+      return "f32";
+    case StateFormat::bf16:
+      return "bf16";
+    case StateFormat::q8:
+      return "8bit";
+  }
+  return "unknown";
+}
+
 namespace {
 
 // The rules' texts are the messages users see (and tests check); the conditions are written so
@@ -176,6 +188,16 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
                   "must be >= 0, or -1 for the local rank's GPU"}}},
       // Set from DeepSpeed's fp16.enabled / bf16.enabled, read together (json.cpp).
       {.name = "dtype", .member = &C::dtype, .json_by_hand = true},
+      {.name = "optimizer_state",
+       .member = &C::optimizer_state,
+       .json = "zeroshard.optimizer_state"},
+      {.name = "state_block",
+       .member = &C::state_block,
+       .json = "zeroshard.state_block",
+       .rules = {{[](double v) {
+                    return v >= 64 && v <= 4096 && (int64_t(v) & (int64_t(v) - 1)) == 0;
+                  },
+                  "must be a power of two from 64 to 4096"}}},
       {.name = "loss_scale", .member = &C::loss_scale, .json = "fp16"},
       {.name = "gradient_clipping",
        .member = &C::gradient_clipping,
@@ -306,6 +328,9 @@ std::string show_value(Tier v) {
 }
 std::string show_value(OptimizerKind v) {
   return optimizer_name(v);
+}
+std::string show_value(StateFormat v) {
+  return state_format_name(v);
 }
 
 const char* deepspeed_tier_name(Tier t) {

@@ -51,6 +51,7 @@ std::string show_value(DType v);
 std::string show_value(Device v);
 std::string show_value(Tier v);
 std::string show_value(OptimizerKind v);
+std::string show_value(StateFormat v);
 
 /// DeepSpeed's spelling of a tier ("none", "cpu", "nvme"), which is what the user wrote.
 const char* deepspeed_tier_name(Tier t);

@@ -123,6 +123,13 @@ Device parse_device(const JsonField& f) {
   f.bad("= \"" + s + "\" is not one of \"cpu\", \"cuda\"");
 }
 
+StateFormat parse_state_format(const JsonField& f) {
+  const std::string s = f.string();
+  for (StateFormat v : {StateFormat::f32, StateFormat::bf16, StateFormat::q8})
+    if (s == state_format_name(v)) return v;
+  f.bad("= \"" + s + "\" is not one of \"f32\", \"bf16\", \"8bit\"");
+}
+
 template <class T>
 void read(const JsonField& f, T& out) {
   if constexpr (std::is_same_v<T, bool>) {
@@ -139,6 +146,8 @@ void read(const JsonField& f, T& out) {
     out = parse_tier(f);
   } else if constexpr (std::is_same_v<T, Device>) {
     out = parse_device(f);
+  } else if constexpr (std::is_same_v<T, StateFormat>) {
+    out = parse_state_format(f);
   } else {
     // DType and OptimizerKind have no one key: their rows must say json_by_hand.
     throw Error(ErrorCode::internal, "config: no JSON reader for the type of " + f.path());

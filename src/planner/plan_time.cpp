@@ -94,7 +94,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   const int k = cfg.gradient_accumulation_steps;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
   for (const PlanUnit& u : units) {
-    const UnitLayout L = plan_unit(u.name, u.params, world, cfg.shard_alignment);
+    const UnitLayout L = plan_unit(u.name, u.params, world, padding_grain(cfg));
     const double shard = double(L.shard_numel) * pbytes;
     updated += double(cfg.stage == 0 ? L.padded_numel : L.shard_numel);
     if (world == 1) continue;  // a one-rank engine runs no collective

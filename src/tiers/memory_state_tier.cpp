@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "kernels/cpu/grad_passes.hpp"
+#include "kernels/cpu/quant_code.hpp"
 #include "kernels/cpu/update_tasks.hpp"
 #include "src/base/check.hpp"
 #include "zeroshard/communicator.hpp"
@@ -22,6 +23,7 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
       compute_(compute),
       arena_(arena),
       on_cpu_(compute.device() == Device::cpu),
+      format_(ctx.cfg->optimizer_state),
       units_(ctx.units->size()) {
   const Config& cfg = *ctx.cfg;
   const bool pin = cfg.offload_optimizer.pin_memory;
@@ -42,18 +44,27 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
       s.master_buf = ctx.buffer(tier, MemKind::master, "master", ext * 4, pin);
       s.master = s.master_buf.as<float>();
     }
-    if (ctx.num_states >= 1) {
-      s.state0_buf = ctx.buffer(tier, MemKind::optim_state, "state0", ext * 4, pin);
-      s.state0 = s.state0_buf.as<float>();
-    }
-    if (ctx.num_states >= 2) {
-      s.state1_buf = ctx.buffer(tier, MemKind::optim_state, "state1", ext * 4, pin);
-      s.state1 = s.state1_buf.as<float>();
-    }
+    // Moments in their format; q8 adds one f32 absmax per block, and starts every element at
+    // the code's zero (a zero byte would be its most negative point).
+    const size_t sbytes = cpu::state_bytes(format_);
+    const size_t blocks = format_ == StateFormat::q8 ? size_t(ext) / size_t(cfg.state_block) : 0;
+    auto moment = [&](const char* name, const char* absmax_name, Buffer& buf, void*& data,
+                      Buffer& absmax_buf, float*& absmax, bool is_signed) {
+      buf = ctx.buffer(tier, MemKind::optim_state, name, ext * sbytes, pin);
+      data = buf.data();
+      if (format_ != StateFormat::q8) return;
+      absmax_buf = ctx.buffer(tier, MemKind::optim_state, absmax_name, blocks * 4, pin);
+      absmax = absmax_buf.as<float>();
+      if (!ctx.plan_only) std::memset(data, cpu::dynamic_code(is_signed).zero, ext);
+    };
+    if (ctx.num_states >= 1)
+      moment("state0", "state0_absmax", s.state0_buf, s.state0, s.absmax0_buf, s.absmax0, true);
+    if (ctx.num_states >= 2)
+      moment("state1", "state1_absmax", s.state1_buf, s.state1, s.absmax1_buf, s.absmax1, false);
   }
   if (previews)
     scratch_ = ctx.buffer(Tier::host, MemKind::buffer, "update_scratch",
-                          size_t(arena.threads()) * 3 * size_t(cpu::Arena::kChunk) * 4, false);
+                          size_t(arena.threads()) * preview_slot_bytes(), false);
 }
 
 // Initial values go through f32 once: the master is the extent of `whole`; the low-precision
@@ -132,14 +143,18 @@ double MemoryStateTier::sum_squares() {
   return nonfinite || !std::isfinite(sum) ? std::numeric_limits<double>::infinity() : sum;
 }
 
-cpu::UnitUpdate MemoryStateTier::unit_update(int u, float* master, float* s0, float* s1,
-                                             void* out) const {
+cpu::UnitUpdate MemoryStateTier::unit_update(int u, void* out) const {
+  const Unit& s = units_[size_t(u)];
   auto [g, dt] = grad(u);
   cpu::UnitUpdate w;
   w.runs = &ctx_.runs(u);
-  w.args.master = master;
-  w.args.state0 = s0;
-  w.args.state1 = s1;
+  w.args.master = s.master;
+  w.args.state0 = s.state0;
+  w.args.state1 = s.state1;
+  w.args.state_format = format_;
+  w.args.absmax0 = s.absmax0;
+  w.args.absmax1 = s.absmax1;
+  w.args.block = ctx_.cfg->state_block;
   w.args.grad = g;
   w.args.grad_dtype = dt;
   if (out) {
@@ -152,10 +167,8 @@ cpu::UnitUpdate MemoryStateTier::unit_update(int u, float* master, float* s0, fl
 
 void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t, ParamSink& sink) {
   std::vector<cpu::UnitUpdate> updates;
-  for (size_t i = 0; i < units_.size(); ++i) {
-    const Unit& s = units_[i];
-    updates.push_back(unit_update(int(i), s.master, s.state0, s.state1, sink.target(int(i))));
-  }
+  for (size_t i = 0; i < units_.size(); ++i)
+    updates.push_back(unit_update(int(i), sink.target(int(i))));
   if (sink.per_unit()) {
     // Unit by unit, so what done() starts (an upload) overlaps the next unit's update.
     for (size_t i = 0; i < units_.size(); ++i) {
@@ -168,64 +181,132 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
   for (size_t i = 0; i < units_.size(); ++i) sink.done(int(i));
 }
 
-// The same tasks as update(), each on copies of its chunk of master and moments: the state is
-// untouched, and the copy-out is bitwise what update() writes.
+// The same tasks as update(), each on copies of its chunk of master and moments (and absmax):
+// the state is untouched, and the copy-out is bitwise what update() writes.
 void MemoryStateTier::preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) {
   ZS_CHECK(!scratch_.empty());
-  const Unit& s = units_[size_t(u)];
   std::vector<cpu::UpdateTask> tasks;
-  cpu::append_update_tasks(hyper, unit_update(u, s.master, s.state0, s.state1, out), tasks);
-  float* scratch = scratch_.as<float>();
+  cpu::append_update_tasks(hyper, unit_update(u, out), tasks);
+  const size_t sb = cpu::state_bytes(format_);
   arena_.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
-    float* sc = scratch + size_t(arena_.slot()) * 3 * size_t(cpu::Arena::kChunk);
-    cpu::UpdateArgs a = tasks[size_t(t)].a;
-    const size_t bytes = size_t(a.n) * 4;
-    a.master = static_cast<float*>(std::memcpy(sc, a.master, bytes));
-    if (a.state0)
-      a.state0 = static_cast<float*>(std::memcpy(sc + cpu::Arena::kChunk, a.state0, bytes));
-    if (a.state1)
-      a.state1 = static_cast<float*>(std::memcpy(sc + 2 * cpu::Arena::kChunk, a.state1, bytes));
-    cpu::optimizer_update(arena_.isa(), *tasks[size_t(t)].h, a);
+    char* sc = scratch_.as<char>() + size_t(arena_.slot()) * preview_slot_bytes();
+    cpu::UpdateTask task = tasks[size_t(t)];
+    cpu::UpdateArgs& a = task.a;
+    const size_t n = size_t(a.n);
+    auto take = [&](auto*& p, size_t bytes) {
+      if (!p) return;
+      using P = std::remove_reference_t<decltype(p)>;
+      p = static_cast<P>(std::memcpy(sc, p, bytes));
+      sc += round_up(int64_t(bytes), 64);
+    };
+    take(a.master, n * 4);
+    take(a.state0, n * sb);
+    take(a.state1, n * sb);
+    if (format_ == StateFormat::q8) {
+      const size_t blocks = (n + size_t(a.block) - 1) / size_t(a.block);
+      take(a.absmax0, blocks * 4);
+      take(a.absmax1, blocks * 4);
+    }
+    cpu::run_update_task(arena_.isa(), task);
   });
 }
 
-float* MemoryStateTier::state(int u, StateKind kind) const {
-  const Unit& s = units_[size_t(u)];
-  float* base = kind == StateKind::master   ? s.master
-                : kind == StateKind::state0 ? s.state0
-                : kind == StateKind::state1 ? s.state1
-                                            : nullptr;
-  // This rank's shard: the f32 state is whole only in stage 0.
-  const int64_t off = ctx_.cfg->stage == 0 ? ctx_.rank * ctx_.shard(u) : 0;
-  return base ? base + off : nullptr;
+// One thread's copies: master, two moments, two absmax arrays, each started on a cache line.
+size_t MemoryStateTier::preview_slot_bytes() const {
+  const size_t chunk = size_t(cpu::Arena::kChunk);
+  const size_t blocks = chunk / size_t(ctx_.cfg->state_block) + 1;
+  return chunk * (4 + 2 * cpu::state_bytes(format_)) + 2 * blocks * 4 + 5 * 64;
 }
 
+// This rank's shard: the state is whole only in stage 0. A multiple of the q8 block, since
+// shards are padded to whole blocks.
+int64_t MemoryStateTier::shard_offset(int u) const {
+  return ctx_.cfg->stage == 0 ? ctx_.rank * ctx_.shard(u) : 0;
+}
+
+void MemoryStateTier::check_kind(const char* call, int u, StateKind kind) const {
+  const Unit& s = units_[size_t(u)];
+  const bool ok = kind == StateKind::master || (kind == StateKind::state0 && s.state0) ||
+                  (kind == StateKind::state1 && s.state1);
+  if (!ok)
+    ZS_THROW(invalid_argument, call << ": " << ctx_.where(u) << ": optimizer "
+                                    << optimizer_name(ctx_.cfg->optimizer.kind)
+                                    << " keeps no such state");
+}
+
+float* MemoryStateTier::master_at(int u, StateKind kind) const {
+  return kind == StateKind::master ? units_[size_t(u)].master + shard_offset(u) : nullptr;
+}
+
+// The moments widen to f32 here (bf16 exactly; q8 as code × absmax), so checkpoints and
+// read_shard() see every format alike.
 std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
-  const float* src = state(u, kind);
-  if (!src)
-    ZS_THROW(invalid_argument, "read_shard(): " << ctx_.where(u) << ": optimizer "
-                                                << optimizer_name(ctx_.cfg->optimizer.kind)
-                                                << " keeps no such state");
-  std::vector<float> out(size_t(ctx_.shard(u)));
-  compute_.copy(out.data(), src, out.size() * 4);
-  compute_.synchronize();
+  check_kind("read_shard()", u, kind);
+  const Unit& s = units_[size_t(u)];
+  const int64_t n = ctx_.shard(u), off = shard_offset(u);
+  std::vector<float> out(static_cast<size_t>(n));
+  if (float* m = master_at(u, kind)) {
+    compute_.copy(out.data(), m, out.size() * 4);
+    compute_.synchronize();
+    return out;
+  }
+  const bool first = kind == StateKind::state0;
+  const char* src = static_cast<const char*>(first ? s.state0 : s.state1);
+  const size_t sb = cpu::state_bytes(format_);
+  if (format_ == StateFormat::f32) {
+    compute_.copy(out.data(), src + size_t(off) * sb, out.size() * 4);
+    compute_.synchronize();
+  } else if (format_ == StateFormat::bf16) {
+    cpu::convert(arena_.isa(), src + size_t(off) * sb, DType::bf16, out.data(), DType::f32, n);
+  } else {
+    const int64_t block = ctx_.cfg->state_block;
+    cpu::dequantize_blocks(arena_.isa(), reinterpret_cast<const uint8_t*>(src) + off,
+                           (first ? s.absmax0 : s.absmax1) + off / block, n, block, first,
+                           out.data());
+  }
   return out;
 }
 
+// Only f32 state can be read or restored in place.
 const float* MemoryStateTier::host_view(int u, StateKind kind) const {
-  return compute_.device() == Device::cpu ? state(u, kind) : nullptr;
+  if (compute_.device() != Device::cpu) return nullptr;
+  if (kind == StateKind::master) return master_at(u, kind);
+  const Unit& s = units_[size_t(u)];
+  const void* m = kind == StateKind::state0   ? s.state0
+                  : kind == StateKind::state1 ? s.state1
+                                              : nullptr;
+  if (!m || format_ != StateFormat::f32) return nullptr;
+  return static_cast<const float*>(m) + shard_offset(u);
 }
 
 float* MemoryStateTier::host_target(int u, StateKind kind) {
-  return compute_.device() == Device::cpu ? state(u, kind) : nullptr;
+  return const_cast<float*>(host_view(u, kind));
 }
 
 void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& shard) {
-  float* dst = state(u, kind);
-  if (!dst)
-    ZS_THROW(invalid_argument, "write_shard(): " << ctx_.where(u) << ": no such writable state");
-  compute_.copy(dst, shard.data(), shard.size() * 4);
-  compute_.synchronize();
+  check_kind("write_shard()", u, kind);
+  ZS_CHECK(int64_t(shard.size()) == ctx_.shard(u));
+  Unit& s = units_[size_t(u)];
+  const int64_t n = ctx_.shard(u), off = shard_offset(u);
+  if (float* m = master_at(u, kind)) {
+    compute_.copy(m, shard.data(), shard.size() * 4);
+    compute_.synchronize();
+    return;
+  }
+  const bool first = kind == StateKind::state0;
+  char* dst = static_cast<char*>(first ? s.state0 : s.state1);
+  const size_t sb = cpu::state_bytes(format_);
+  if (format_ == StateFormat::f32) {
+    compute_.copy(dst + size_t(off) * sb, shard.data(), shard.size() * 4);
+    compute_.synchronize();
+  } else if (format_ == StateFormat::bf16) {
+    cpu::convert(arena_.isa(), shard.data(), DType::f32, dst + size_t(off) * sb, DType::bf16, n);
+  } else {
+    const int64_t block = ctx_.cfg->state_block;
+    cpu::quantize_blocks(arena_.isa(), shard.data(), n, block, first,
+                         reinterpret_cast<uint8_t*>(dst) + off,
+                         (first ? s.absmax0 : s.absmax1) + off / block);
+  }
 }
 
 void MemoryStateTier::commit(Communicator& comm, ParamSink& sink) {
@@ -235,8 +316,21 @@ void MemoryStateTier::commit(Communicator& comm, ParamSink& sink) {
     for (size_t i = 0; i < units_.size(); ++i) {
       const int64_t n = ctx_.shard(int(i)), off = ctx_.rank * n;
       const std::string what = "unit '" + ctx_.unit(int(i)).layout.name + "' (restored state)";
-      for (float* f : {units_[i].master, units_[i].state0, units_[i].state1})
-        if (f) works.push_back(comm.all_gather(f + off, f, n, DType::f32, what));
+      const Unit& s = units_[i];
+      works.push_back(comm.all_gather(s.master + off, s.master, n, DType::f32, what));
+      // Moments move as their bytes: bf16 elements, q8 codes two to an element of bf16 (a
+      // shard is a whole number of blocks, so even), and each absmax array as f32.
+      const DType wire = format_ == StateFormat::f32 ? DType::f32 : DType::bf16;
+      const int64_t wn = format_ == StateFormat::q8 ? n / 2 : n;
+      const size_t sb = cpu::state_bytes(format_);
+      for (void* m : {s.state0, s.state1}) {
+        if (!m) continue;
+        char* c = static_cast<char*>(m);
+        works.push_back(comm.all_gather(c + size_t(off) * sb, c, wn, wire, what));
+      }
+      const int64_t block = ctx_.cfg->state_block;
+      for (float* a : {s.absmax0, s.absmax1})
+        if (a) works.push_back(comm.all_gather(a + off / block, a, n / block, DType::f32, what));
     }
   }
   for (auto& w : works) w->wait();

@@ -38,22 +38,33 @@ class MemoryStateTier final : public StateTier {
 
  private:
   struct Unit {
-    Buffer grad_shard, accum, master_buf, state0_buf, state1_buf;
+    Buffer grad_shard, accum, master_buf, state0_buf, state1_buf, absmax0_buf, absmax1_buf;
     float* master = nullptr;  // master_buf, or the f32 parameters
-    float* state0 = nullptr;
-    float* state1 = nullptr;
+    void* state0 = nullptr;   // moments as Config::optimizer_state says
+    void* state1 = nullptr;
+    float* absmax0 = nullptr;  // q8: one per Config::state_block elements
+    float* absmax1 = nullptr;
     const void* whole_grad = nullptr;  // stage 0: the all-reduced whole gradient
     double sumsq = 0;                  // on the CPU: Σ g² of this rank's final gradient
   };
   /// The gradient the update reads, from element 0 of the extent, and its dtype.
   std::pair<const void*, DType> grad(int u) const;
-  float* state(int u, StateKind kind) const;
-  cpu::UnitUpdate unit_update(int u, float* master, float* s0, float* s1, void* out) const;
+  /// Unit u's update, writing the low-precision copy to `out` (null: none).
+  cpu::UnitUpdate unit_update(int u, void* out) const;
+  /// Where this rank's shard of one state starts: element `off` of the extent, so that the
+  /// state and, for q8, its absmax (off / state_block) can be addressed alike.
+  int64_t shard_offset(int u) const;
+  size_t preview_slot_bytes() const;
+  /// The f32 master when `kind` is master, else null; the moments are reached through
+  /// read_moment() / write_moment(), which widen or narrow them.
+  float* master_at(int u, StateKind kind) const;
+  void check_kind(const char* call, int u, StateKind kind) const;
 
   TierContext ctx_;
   Compute& compute_;
   cpu::Arena& arena_;
   const bool on_cpu_;  // compute_ is the CPU's: the norm is taken as gradients arrive
+  const StateFormat format_;
   std::vector<Unit> units_;
   Buffer scratch_;  // preview(): per-thread copies of one chunk of master and moments
 };

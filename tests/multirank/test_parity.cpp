@@ -19,11 +19,17 @@ struct Case {
   DType dtype;
   int micro;
   OptimizerKind opt;
+  StateFormat state = StateFormat::f32;
+  Tier tier = Tier::device;  // offload_optimizer
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
-  return std::string(dtype_name(i.param.dtype)) + "_k" + std::to_string(i.param.micro) + "_" +
-         optimizer_name(i.param.opt);
+  std::string name = std::string(dtype_name(i.param.dtype)) + "_k" + std::to_string(i.param.micro) +
+                     "_" + optimizer_name(i.param.opt);
+  if (i.param.state != StateFormat::f32)
+    name += std::string("_state") + state_format_name(i.param.state);
+  if (i.param.tier != Tier::device) name += std::string("_") + tier_name(i.param.tier);
+  return name;
 }
 
 Config make_config(const Case& c, int stage) {
@@ -42,6 +48,9 @@ Config make_config(const Case& c, int stage) {
   }
   cfg.shard_alignment = 4;  // small grain: shards cut through parameters, as they do in practice
   cfg.collective_timeout_s = 120;
+  cfg.optimizer_state = c.state;
+  cfg.state_block = 64;  // q8 blocks cut through parameters and groups too
+  cfg.offload_optimizer.tier = c.tier;
   return cfg;
 }
 
@@ -62,6 +71,20 @@ Snapshot run(const Case& c, int stage) {
   int taken = 0;
   for (auto& r : results) taken += !r.skipped;
   EXPECT_GE(taken, 15) << "most steps must update for the comparison to mean something";
+  // The moments are held in their format: bytes per element (q8: plus an f32 per 64).
+  int64_t elems = 0;
+  for (int u = 0; u < e.num_units(); ++u) {
+    const ShardInfo si = e.shard_info(u);
+    elems += stage == 0 ? si.padded_numel : si.shard_numel;
+    if (c.state == StateFormat::q8) {
+      EXPECT_EQ(si.shard_numel % 64, 0);
+    }
+  }
+  const int moments = c.opt == OptimizerKind::sgd || c.opt == OptimizerKind::lion ? 1 : 2;
+  const int64_t per = c.state == StateFormat::f32 ? 4 * elems
+                      : c.state == StateFormat::bf16 ? 2 * elems
+                                                     : elems + elems / 64 * 4;
+  EXPECT_EQ(e.memory().at(c.tier, MemKind::optim_state), moments * per);
   Snapshot s;
   bool has1 = c.opt == OptimizerKind::adam || c.opt == OptimizerKind::adamw;
   for (int u = 0; u < e.num_units(); ++u) {
@@ -116,6 +139,16 @@ INSTANTIATE_TEST_SUITE_P(Others, Parity,
                                            Case{DType::bf16, 2, OptimizerKind::lion},
                                            Case{DType::f32, 1, OptimizerKind::sgd}),
                          case_name);
+// Compact moments: blocks of 64 are global (counted from each unit's element 0, shards padded to
+// whole blocks), so every stage quantizes the same blocks as stage 0.
+INSTANTIATE_TEST_SUITE_P(
+    StateFormats, Parity,
+    ::testing::Values(Case{DType::bf16, 1, OptimizerKind::adamw, StateFormat::bf16},
+                      Case{DType::bf16, 1, OptimizerKind::adamw, StateFormat::q8},
+                      Case{DType::f32, 3, OptimizerKind::adam, StateFormat::q8, Tier::host},
+                      Case{DType::bf16, 2, OptimizerKind::lion, StateFormat::q8},
+                      Case{DType::bf16, 2, OptimizerKind::sgd, StateFormat::q8, Tier::host}),
+    case_name);
 
 // k micro-batches of gradients accumulated by the engine equal one step on their mean.
 // Bound: the merged run rounds the mean once to the gradient dtype, the accumulated one rounds
@@ -159,31 +192,34 @@ TEST(Accumulation, MicroBatchesEqualOneLargerBatch) {
 }  // namespace
 
 // A sharded state written back into a fresh engine continues bitwise like the original.
+// With compact moments too: read_shard() widens them to f32, write_shard() narrows them back to
+// the same bits (q8: the same codes and absmax).
 TEST(Restore, WriteShardCommitContinuesIdentically) {
-  for (int stage = 0; stage <= 3; ++stage) {
-    Case c{DType::bf16, 1, OptimizerKind::adamw};
-    Engine a(make_config(c, stage), world()), b(make_config(c, stage), world());
-    zs_test::register_model(a, zs_test::uneven_model());
-    zs_test::register_model(b, zs_test::uneven_model());
-    zs_test::TrainOptions o;
-    o.steps = 5;
-    zs_test::train(a, o);
-    for (int u = 0; u < a.num_units(); ++u)
-      for (StateKind k : {StateKind::master, StateKind::state0, StateKind::state1})
-        b.write_shard(u, k, a.read_shard(u, k));
-    b.commit_shards();
-    b.set_step_count(a.step_count());
-    b.set_loss_scale(a.loss_scale());
-    zs_test::train(a, o);
-    zs_test::train(b, o);
-    for (int u = 0; u < a.num_units(); ++u)
-      for (StateKind k :
-           {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1})
-        EXPECT_TRUE(bitwise_equal(a.read_shard(u, k), b.read_shard(u, k)))
-            << "stage " << stage << " unit " << u;
-    // Without the restore the fresh engine would differ (the check can fail).
-    EXPECT_GT(a.step_count(), 5);
-  }
+  for (int stage = 0; stage <= 3; ++stage)
+    for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
+      Case c{DType::bf16, 1, OptimizerKind::adamw, f};
+      Engine a(make_config(c, stage), world()), b(make_config(c, stage), world());
+      zs_test::register_model(a, zs_test::uneven_model());
+      zs_test::register_model(b, zs_test::uneven_model());
+      zs_test::TrainOptions o;
+      o.steps = 5;
+      zs_test::train(a, o);
+      for (int u = 0; u < a.num_units(); ++u)
+        for (StateKind k : {StateKind::master, StateKind::state0, StateKind::state1})
+          b.write_shard(u, k, a.read_shard(u, k));
+      b.commit_shards();
+      b.set_step_count(a.step_count());
+      b.set_loss_scale(a.loss_scale());
+      zs_test::train(a, o);
+      zs_test::train(b, o);
+      for (int u = 0; u < a.num_units(); ++u)
+        for (StateKind k :
+             {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1})
+          EXPECT_TRUE(bitwise_equal(a.read_shard(u, k), b.read_shard(u, k)))
+              << "stage " << stage << " unit " << u << " " << state_format_name(f);
+      // Without the restore the fresh engine would differ (the check can fail).
+      EXPECT_GT(a.step_count(), 5);
+    }
 }
 
 // Stage 3 prefetch across a step: a unit prefetched during one step's gathers must not be handed
