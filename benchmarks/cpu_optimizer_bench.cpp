@@ -7,7 +7,11 @@
 // figure of merit is the median over rounds of update throughput / same-bytes throughput.
 //
 //   cpu_optimizer_bench [--n 100000000] [--threads T] [--isa scalar|avx2|avx512]
-//                       [--rounds 11] [--chunk 65536]
+//                       [--rounds 11] [--chunk 65536] [--formats]
+//
+// --formats: AdamW with its moments stored as bf16 and as 8-bit blocks instead (bf16 gradient in,
+// bf16 copy out), each alternating with the f32-moment update and with the same-bytes pass of
+// its own streams.
 
 #include <tbb/global_control.h>
 #include <tbb/info.h>
@@ -43,12 +47,13 @@ struct Options {
   zc::Isa isa = zc::best_isa();
   int rounds = 11;
   int64_t chunk = 65536;
+  bool formats = false;  // --formats: the moment formats' table instead of the optimizers'
 };
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "%s\nusage: cpu_optimizer_bench [--n N] [--threads T] [--isa scalar|avx2|avx512] "
-               "[--rounds R>=7] [--chunk C]\n",
+               "[--rounds R>=7] [--chunk C] [--formats]\n",
                why);
   std::exit(2);
 }
@@ -60,6 +65,10 @@ Options parse(int argc, char** argv) {
   o.threads = tbb::info::default_concurrency();
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--formats") {
+      o.formats = true;
+      continue;
+    }
     if (i + 1 >= argc) usage(("missing value after " + arg).c_str());
     const char* val = argv[++i];
     if (arg == "--n") {
@@ -218,6 +227,129 @@ class Bench {
     return row;
   }
 
+  // AdamW, bf16 gradient in and bf16 copy out, with the moments stored as `f` (q8 in blocks of
+  // `block`), against the f32-moment update and against the same-bytes pass of f's own
+  // streams, all three alternating round by round. Returns the f rate and the two ratios.
+  struct FormatRow {
+    double rate, vs_f32_median, vs_f32_min, vs_f32_max, vs_same_median, bytes_per_param;
+  };
+  FormatRow run_format(zeroshard::StateFormat f, int64_t block) {
+    zc::UpdateHyper h;
+    h.kind = OptimizerKind::adamw;
+    h.lr = 1e-4f;
+    h.beta1 = 0.9f;
+    h.beta2 = 0.999f;
+    h.eps = 1e-8f;
+    h.weight_decay = 0.01f;
+    const int64_t n = o_.n;
+    // The compact moments live in the f32 update's m and v arrays' memory of the same-bytes
+    // side (sb_*), which is large enough; their absmax arrays are separate.
+    const size_t blocks = size_t((n + block - 1) / block) + 1;
+    std::vector<float> a0(blocks, 0.0f), a1(blocks, 0.0f);
+    auto* m8 = reinterpret_cast<unsigned char*>(sb_m_.f32());
+    auto* v8 = reinterpret_cast<unsigned char*>(sb_v_.f32());
+    const size_t sb = zc::state_bytes(f);
+    for_chunks([&](int64_t b, int64_t e) {
+      std::memset(m8 + size_t(b) * sb, 0, size_t(e - b) * sb);
+      std::memset(v8 + size_t(b) * sb, 0, size_t(e - b) * sb);
+    });
+    if (f == zeroshard::StateFormat::q8) {  // zero moments: the code's zero point
+      const std::vector<float> zeros(size_t(block), 0.0f);
+      for_chunks([&](int64_t b, int64_t e) {
+        for (int64_t k = b; k < e; k += block) {
+          const int64_t len = std::min(block, e - k);
+          zc::quantize_blocks(o_.isa, zeros.data(), len, block, true, m8 + k,
+                              &a0[size_t(k / block)]);
+          zc::quantize_blocks(o_.isa, zeros.data(), len, block, false, v8 + k,
+                              &a1[size_t(k / block)]);
+        }
+      });
+    }
+    auto args = [&](float* p, void* m, void* v, zeroshard::StateFormat sf, int64_t b, int64_t e) {
+      zc::UpdateArgs a;
+      a.master = p + b;
+      a.state0 = static_cast<char*>(m) + size_t(b) * zc::state_bytes(sf);
+      a.state1 = static_cast<char*>(v) + size_t(b) * zc::state_bytes(sf);
+      a.state_format = sf;
+      a.absmax0 = a0.data() + b / block;
+      a.absmax1 = a1.data() + b / block;
+      a.block = block;
+      a.grad = g16_.u16() + b;
+      a.grad_dtype = DType::bf16;
+      a.out = up_out_.u16() + b;
+      a.out_dtype = DType::bf16;
+      a.n = e - b;
+      return a;
+    };
+    int step = 0;
+    auto fold = [&] {
+      ++step;
+      h.bias_correction1 = static_cast<float>(1.0 - std::pow(0.9, step));
+      h.bias_correction2 = static_cast<float>(1.0 - std::pow(0.999, step));
+    };
+    auto time_f32 = [&] {
+      fold();
+      const auto t0 = std::chrono::steady_clock::now();
+      for_chunks([&](int64_t b, int64_t e) {
+        zc::optimizer_update(
+            o_.isa, h,
+            args(up_p_.f32(), up_m_.f32(), up_v_.f32(), zeroshard::StateFormat::f32, b, e));
+      });
+      return seconds_since(t0);
+    };
+    auto time_fmt = [&] {
+      const auto t0 = std::chrono::steady_clock::now();
+      for_chunks([&](int64_t b, int64_t e) {
+        zc::optimizer_update(o_.isa, h, args(sb_p_.f32(), m8, v8, f, b, e));
+      });
+      return seconds_since(t0);
+    };
+    // Same bytes: master r+w, both moments r+w at their width, bf16 grad in, bf16 copy out
+    // (moved as floats over the byte count; chunks are multiples of 8 elements).
+    auto time_same = [&] {
+      const auto t0 = std::chrono::steady_clock::now();
+      for_chunks([&](int64_t b, int64_t e) {
+        float* p = sb_p_.f32() + b;
+        const float* rp = p;
+        zc::same_bytes(o_.isa, &rp, 1, &p, 1, e - b);
+        const int64_t words = (e - b) * int64_t(sb) / 4;
+        float* m = reinterpret_cast<float*>(m8 + size_t(b) * sb);
+        float* v = reinterpret_cast<float*>(v8 + size_t(b) * sb);
+        const float* rd[2] = {m, v};
+        float* wr[2] = {m, v};
+        zc::same_bytes(o_.isa, rd, 2, wr, 2, words);
+        const float* g = reinterpret_cast<const float*>(g16_.u16() + b);
+        float* out = reinterpret_cast<float*>(sb_out_.u16() + b);
+        zc::same_bytes(o_.isa, &g, 1, &out, 1, (e - b) / 2);
+      });
+      return seconds_since(t0);
+    };
+    time_f32();
+    time_fmt();
+    time_same();
+    std::vector<double> t_fmt, vs32, vssame;
+    for (int r = 0; r < o_.rounds; ++r) {
+      double t32, tf, ts;
+      if (r % 2 == 0) {
+        t32 = time_f32(), tf = time_fmt(), ts = time_same();
+      } else {
+        ts = time_same(), tf = time_fmt(), t32 = time_f32();
+      }
+      t_fmt.push_back(tf);
+      vs32.push_back(t32 / tf);
+      vssame.push_back(ts / tf);
+    }
+    FormatRow row;
+    row.rate = double(n) / median(t_fmt);
+    row.vs_f32_median = median(vs32);
+    row.vs_f32_min = *std::min_element(vs32.begin(), vs32.end());
+    row.vs_f32_max = *std::max_element(vs32.begin(), vs32.end());
+    row.vs_same_median = median(vssame);
+    row.bytes_per_param = 8 + 2.0 * 2 * double(sb) + 4 +
+                          (f == zeroshard::StateFormat::q8 ? 2 * 2 * 4.0 / double(block) : 0);
+    return row;
+  }
+
  private:
   // Runs body(begin, end) over [0, n) in fixed chunks on the arena: the engine's scheme, and
   // the same for both kernels.
@@ -254,6 +386,25 @@ int main(int argc, char** argv) {
       "| optimizer | config | bytes/param | update Gparam/s | same-bytes Gparam/s | "
       "update GB/s | ratio median (min–max) |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
+  if (o.formats) {
+    std::printf(
+        "| moments | bytes/param | update Gparam/s | vs f32 moments median (min–max) | vs "
+        "same-bytes median |\n|---|---|---|---|---|\n");
+    struct F {
+      const char* name;
+      zeroshard::StateFormat f;
+      int64_t block;
+    };
+    for (const F& f : {F{"bf16", zeroshard::StateFormat::bf16, 2048},
+                       F{"8bit, block 2048", zeroshard::StateFormat::q8, 2048},
+                       F{"8bit, block 256", zeroshard::StateFormat::q8, 256}}) {
+      const auto r = bench.run_format(f.f, f.block);
+      std::printf("| %s | %.2f | %.3f | %.3f (%.3f–%.3f) | %.3f |\n", f.name, r.bytes_per_param,
+                  r.rate / 1e9, r.vs_f32_median, r.vs_f32_min, r.vs_f32_max, r.vs_same_median);
+      std::fflush(stdout);
+    }
+    return 0;
+  }
   for (const Case& c : cases) {
     for (bool low : {false, true}) {
       const Row r = bench.run(c, low);

@@ -36,6 +36,9 @@ constexpr Flag kFlags[] = {
     {"--dtype", "f32|bf16|f16",
      "parameter and gradient type (default bf16; f16 uses dynamic loss scaling)", "ZeRO engine"},
     {"--optimizer", "adamw|adam|sgd|lion", "optimizer (default adamw)", "ZeRO engine"},
+    {"--optimizer-state", "f32|bf16|8bit",
+     "storage of the optimizer moments (default f32; 8bit: blockwise dynamic quantization)",
+     "ZeRO engine"},
     {"--offload-optimizer", "none|cpu|nvme",
      "tier of optimizer state and master weights (default none)", "ZeRO engine"},
     {"--offload-param", "none|cpu|nvme", "tier of parameter shards, stage 3 only (default none)",
@@ -282,6 +285,12 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
       if (!has("--lr") && (kind != before || !has("--config"))) c.optimizer.lr = default_lr(kind);
       if (kind == OptimizerKind::sgd && !has("--config")) c.optimizer.momentum = 0.9f;
     }
+    if (has("--optimizer-state"))
+      c.optimizer_state =
+          one_of<zeroshard::StateFormat>("--optimizer-state", val("--optimizer-state"),
+                                         {{"f32", zeroshard::StateFormat::f32},
+                                          {"bf16", zeroshard::StateFormat::bf16},
+                                          {"8bit", zeroshard::StateFormat::q8}});
     if (has("--lr")) c.optimizer.lr = float(to_real("--lr", val("--lr"), 0, 10));
     if (has("--weight-decay"))
       c.optimizer.weight_decay = float(to_real("--weight-decay", val("--weight-decay"), 0, 10));

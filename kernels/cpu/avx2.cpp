@@ -102,7 +102,7 @@ struct Avx2Vec {
     const __m256i key =
         _mm256_add_epi32(mag, _mm256_and_si256(neg, _mm256_set1_epi32(QuantCode::kBuckets)));
     const __m256i lo = _mm256_i32gather_epi32(c.lo, key, 4);
-    const __m256 mid = _mm256_i32gather_ps(c.mid, lo, 4);
+    const __m256 mid = _mm256_i32gather_ps(c.lo_mid, key, 4);
     // A true compare is all ones (−1): subtracting it adds one.
     const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(x, mid, _CMP_GT_OQ));
     const __m256i idx = _mm256_sub_epi32(lo, up);

@@ -108,7 +108,7 @@ struct Avx512Vec {
     const __m512i key =
         _mm512_mask_add_epi32(mag, neg, mag, _mm512_set1_epi32(QuantCode::kBuckets));
     const __m512i lo = _mm512_i32gather_epi32(key, c.lo, 4);
-    const __m512 mid = _mm512_i32gather_ps(lo, c.mid, 4);
+    const __m512 mid = _mm512_i32gather_ps(key, c.lo_mid, 4);
     const __mmask16 up = _mm512_cmp_ps_mask(x, mid, _CMP_GT_OQ);
     const __m512i idx = _mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(idx));

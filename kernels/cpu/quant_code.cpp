@@ -70,6 +70,7 @@ QuantCode build(bool is_signed) {
       // At most one midpoint in the bucket: then one compare decides.
       ZS_CHECK(qb - qa <= 1);
       c.lo[sign * QuantCode::kBuckets + k] = qa;
+      c.lo_mid[sign * QuantCode::kBuckets + k] = c.mid[qa];
     }
   }
   return c;

@@ -8,8 +8,9 @@
 // the index of the nearest code point, ties going to the lower one. Rather than searching the
 // 255 midpoints, the top 16 bits of x's f32 pattern (sign, exponent and 7 mantissa bits) pick a
 // bucket in which at most one midpoint lies (checked when the table is built); the bucket
-// stores q at its lower end, so q(x) = lo + (x > mid[lo]). Magnitudes below 2^-24 share the
-// first bucket (no code point lies below 2^-21), NaN lands in the last one.
+// stores q at its lower end, so q(x) = lo + (x > mid[lo]), mid[lo] kept beside lo per bucket.
+// Magnitudes below 2^-24 share the first bucket (no code point lies below 2^-21), NaN lands in the
+// last one.
 
 #include <cstdint>
 
@@ -21,10 +22,12 @@ struct QuantCode {
   static constexpr int32_t kMinKey = 103 << 7;  ///< magnitude keys below 2^-24 clamp here
   static constexpr int32_t kBuckets = (127 - 103) * 128 + 1;  ///< per sign, up to key(1.0)
 
-  float code[256];           ///< ascending
-  float mid[256];            ///< mid[i] between code[i] and code[i+1]; mid[255] = +inf
-  int32_t lo[2 * kBuckets];  ///< q at each bucket's lower end: positive keys, then negative
-  uint8_t zero;              ///< the index of 0.0
+  float code[256];             ///< ascending
+  float mid[256];              ///< mid[i] between code[i] and code[i+1]; mid[255] = +inf
+  int32_t lo[2 * kBuckets];    ///< q at each bucket's lower end: positive keys, then negative
+  float lo_mid[2 * kBuckets];  ///< mid[lo[k]]: both reads of a lookup index by the key, so a
+                               ///< vector lookup issues its two gathers at once, not in a chain
+  uint8_t zero;                ///< the index of 0.0
 
   /// The bucket of x: kBuckets × sign + the clamped magnitude key.
   static int32_t bucket(uint32_t bits) {

@@ -186,3 +186,17 @@ def test_config_fields_include_the_ones_the_model_check_needs():
     assert off.tier == zs.Tier.host and off.nvme_paths == ["/tmp/zs_a"] and off.device == off.tier
     with pytest.raises(zs.ConfigError, match=r"did you mean 'buffer_count'"):
         zs.OffloadOptions(bufer_count=2)
+
+
+def test_optimizer_state_format_keywords_and_json():
+    c = zs.Config(optimizer_state="8bit", state_block=256)
+    assert c.optimizer_state == zs.StateFormat.q8 and c.state_block == 256
+    assert zs.Config(optimizer_state=zs.StateFormat.bf16).optimizer_state == zs.StateFormat.bf16
+    j = zs.Config.from_json('{"zeroshard": {"optimizer_state": "bf16"}}')
+    assert j.optimizer_state == zs.StateFormat.bf16
+    with pytest.raises(zs.ConfigError) as e:
+        zs.Config(optimizer_state="int8")
+    assert "optimizer_state" in str(e.value) and "8bit" in str(e.value)
+    with pytest.raises(zs.ConfigError) as e:
+        zs.Config.from_json('{"zeroshard": {"state_block": 1000}}').validate()
+    assert "zeroshard.state_block" in str(e.value) and "power of two" in str(e.value)

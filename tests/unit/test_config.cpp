@@ -452,5 +452,28 @@ TEST(Config, FromJsonFile) {
   }
 }
 
+TEST(Config, OptimizerStateFormats) {
+  const Config c =
+      Config::from_json(R"({"zeroshard": {"optimizer_state": "8bit", "state_block": 256}})");
+  EXPECT_EQ(c.optimizer_state, StateFormat::q8);
+  EXPECT_EQ(c.state_block, 256);
+  EXPECT_THAT(parse_error(R"({"zeroshard": {"optimizer_state": "int8"}})"),
+              AllOf(HasSubstr("zeroshard.optimizer_state"), HasSubstr("\"8bit\"")));
+  EXPECT_THAT(parse_error(R"({"zeroshard": {"state_block": 1000}})"),
+              AllOf(HasSubstr("zeroshard.state_block"), HasSubstr("power of two")));
+  // Where f32 moments are all there is yet: the nvme tier's records, the GPU's own update.
+  Config nvme = c;
+  nvme.stage = 2;
+  nvme.offload_optimizer.tier = Tier::nvme;
+  nvme.offload_optimizer.nvme_paths = {"/tmp"};
+  EXPECT_THAT(validate_error(nvme), AllOf(HasSubstr("8bit"), HasSubstr("nvme")));
+  Config gpu = c;
+  gpu.stage = 1;
+  gpu.device = Device::cuda;
+  EXPECT_THAT(validate_error(gpu), HasSubstr("the GPU update keeps f32 moments"));
+  gpu.offload_optimizer.tier = Tier::host;
+  EXPECT_NO_THROW(gpu.validate());
+}
+
 }  // namespace
 }  // namespace zeroshard
