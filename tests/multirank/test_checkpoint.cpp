@@ -16,9 +16,11 @@ using zs_test::world;
 
 namespace {
 
-Config cfg_for(int stage) {
+Config cfg_for(int stage, StateFormat moments = StateFormat::f32) {
   Config c;
   c.stage = stage;
+  c.optimizer_state = moments;
+  c.state_block = 64;
   c.dtype = DType::bf16;
   c.optimizer.lr = 1e-2f;
   c.shard_alignment = 4;
@@ -44,50 +46,55 @@ std::vector<float> whole(Engine& e, int u, StateKind k) {
   return all;
 }
 
+// Every moment format: bf16 and 8-bit moments are saved widened to f32 and narrowed back on load,
+// which gives the same bits (8-bit: the same codes and absmax, blocks being global).
 TEST(Checkpoint, LoadsAtAnotherStageAndWorldSize) {
-  auto dir = shared_dir("a");
-  Engine a(cfg_for(3), world());
-  zs_test::register_model(a, zs_test::uneven_model());
-  zs_test::TrainOptions o;
-  o.steps = 4;
-  zs_test::train(a, o);
-  EXPECT_EQ(a.save(dir), dir / "step00000004");
-  ASSERT_TRUE(std::filesystem::exists(dir / "step00000004" / "manifest.json"));
-  ASSERT_TRUE(std::filesystem::exists(dir / "latest"));
+  for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
+    SCOPED_TRACE(state_format_name(f));
+    auto dir = shared_dir((std::string("a") + state_format_name(f)).c_str());
+    Engine a(cfg_for(3, f), world());
+    zs_test::register_model(a, zs_test::uneven_model());
+    zs_test::TrainOptions o;
+    o.steps = 4;
+    zs_test::train(a, o);
+    EXPECT_EQ(a.save(dir), dir / "step00000004");
+    ASSERT_TRUE(std::filesystem::exists(dir / "step00000004" / "manifest.json"));
+    ASSERT_TRUE(std::filesystem::exists(dir / "latest"));
 
-  // Same ranks, stage 1: continues bitwise like the original.
-  Engine b(cfg_for(1), world());
-  zs_test::register_model(b, zs_test::uneven_model());
-  b.load(dir);
-  EXPECT_EQ(b.step_count(), a.step_count());
-  zs_test::train(a, o);
-  zs_test::train(b, o);
-  for (int u = 0; u < a.num_units(); ++u)
-    for (StateKind k :
-         {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
-      auto x = a.read_shard(u, k), y = b.read_shard(u, k);
-      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0) << "unit " << u;
-    }
+    // Same ranks, stage 1: continues bitwise like the original.
+    Engine b(cfg_for(1, f), world());
+    zs_test::register_model(b, zs_test::uneven_model());
+    b.load(dir);
+    EXPECT_EQ(b.step_count(), a.step_count());
+    zs_test::train(a, o);
+    zs_test::train(b, o);
+    for (int u = 0; u < a.num_units(); ++u)
+      for (StateKind k :
+           {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1}) {
+        auto x = a.read_shard(u, k), y = b.read_shard(u, k);
+        EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0) << "unit " << u;
+      }
 
-  // World size 1 (rank 0 alone, stage 0) reads every range back: the states equal the gathered
-  // ones of the 4-step checkpoint, whatever world size wrote it.
-  Engine c(cfg_for(3), world());
-  zs_test::register_model(c, zs_test::uneven_model());
-  c.load(dir);
-  std::vector<std::vector<float>> ref;
-  for (int u = 0; u < c.num_units(); ++u) ref.push_back(whole(c, u, StateKind::state1));
-  if (world()->rank() == 0) {
-    Engine solo(cfg_for(0), make_self_communicator());
-    zs_test::register_model(solo, zs_test::uneven_model());
-    solo.load(dir);
-    for (int u = 0; u < solo.num_units(); ++u) {
-      auto v = solo.read_shard(u, StateKind::state1);
-      v.resize(ref[size_t(u)].size());
-      EXPECT_EQ(std::memcmp(v.data(), ref[size_t(u)].data(), v.size() * 4), 0) << "unit " << u;
+    // World size 1 (rank 0 alone, stage 0) reads every range back: the states equal the gathered
+    // ones of the 4-step checkpoint, whatever world size wrote it.
+    Engine c(cfg_for(3, f), world());
+    zs_test::register_model(c, zs_test::uneven_model());
+    c.load(dir);
+    std::vector<std::vector<float>> ref;
+    for (int u = 0; u < c.num_units(); ++u) ref.push_back(whole(c, u, StateKind::state1));
+    if (world()->rank() == 0) {
+      Engine solo(cfg_for(0, f), make_self_communicator());
+      zs_test::register_model(solo, zs_test::uneven_model());
+      solo.load(dir);
+      for (int u = 0; u < solo.num_units(); ++u) {
+        auto v = solo.read_shard(u, StateKind::state1);
+        v.resize(ref[size_t(u)].size());
+        EXPECT_EQ(std::memcmp(v.data(), ref[size_t(u)].data(), v.size() * 4), 0) << "unit " << u;
+      }
     }
+    world()->barrier("checkpoint test");
+    if (world()->rank() == 0) std::filesystem::remove_all(dir);
   }
-  world()->barrier("checkpoint test");
-  if (world()->rank() == 0) std::filesystem::remove_all(dir);
 }
 
 // An f16 run's loss scaler goes on from a checkpoint exactly: its counters (overflows still
