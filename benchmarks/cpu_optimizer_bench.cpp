@@ -30,6 +30,7 @@
 
 #include "benchmarks/bench_util.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/quant_code.hpp"
 
 namespace zc = zeroshard::cpu;
 using zeroshard::DType;
@@ -253,16 +254,10 @@ class Bench {
       std::memset(m8 + size_t(b) * sb, 0, size_t(e - b) * sb);
       std::memset(v8 + size_t(b) * sb, 0, size_t(e - b) * sb);
     });
-    if (f == zeroshard::StateFormat::q8) {  // zero moments: the code's zero point
-      const std::vector<float> zeros(size_t(block), 0.0f);
+    if (f == zeroshard::StateFormat::q8) {  // zero moments: the code's zero point, absmax 0
       for_chunks([&](int64_t b, int64_t e) {
-        for (int64_t k = b; k < e; k += block) {
-          const int64_t len = std::min(block, e - k);
-          zc::quantize_blocks(o_.isa, zeros.data(), len, block, true, m8 + k,
-                              &a0[size_t(k / block)]);
-          zc::quantize_blocks(o_.isa, zeros.data(), len, block, false, v8 + k,
-                              &a1[size_t(k / block)]);
-        }
+        std::memset(m8 + b, zc::dynamic_code(true).zero, size_t(e - b));
+        std::memset(v8 + b, zc::dynamic_code(false).zero, size_t(e - b));
       });
     }
     auto args = [&](float* p, void* m, void* v, zeroshard::StateFormat sf, int64_t b, int64_t e) {

@@ -195,10 +195,12 @@ void optimizer_update_segments(Isa isa, const UpdateSegment* segments, int count
     if (g.h->kind != segments[0].h->kind) {
       ZS_THROW(invalid_argument, call << ": segments of different optimizers");
     }
-    check_update_args(call, *g.h, a);
     at = g.end;
   }
-  if (a.n == 0 || count == 0) return;
+  if (count == 0) return;
+  // One kind for all segments, so the first says which moments are read.
+  check_update_args(call, *segments[0].h, a);
+  if (a.n == 0) return;
   table(isa).optimizer_update_segments(segments, count, a);
 }
 
