@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "kernels/cpu/grad_passes.hpp"
+#include "kernels/cpu/quant_code.hpp"
 #include "kernels/cpu/update_tasks.hpp"
 #include "offload/io_backend.hpp"
 #include "offload/swap_pipeline.hpp"
@@ -19,6 +20,13 @@ size_t a4k(size_t n) {
   return (n + 4095) / 4096 * 4096;
 }
 
+// q8: one f32 per block of a moment (shards are whole blocks, see padding_grain()).
+size_t moment_absmax_bytes(StateFormat f, size_t n, int64_t block) {
+  if (f != StateFormat::q8) return 0;
+  ZS_CHECK(n % size_t(block) == 0);
+  return n / size_t(block) * 4;
+}
+
 void erase_id(std::deque<int>& d, int id) {
   auto it = std::find(d.begin(), d.end(), id);
   if (it != d.end()) d.erase(it);
@@ -29,8 +37,11 @@ void erase_id(std::deque<int>& d, int id) {
 NvmeStateTier::Record NvmeStateTier::record(int u) const {
   Record r;
   const size_t S = size_t(ctx_.shard(u));
+  const StateFormat f = ctx_.cfg->optimizer_state;
   r.sec = a4k(S * 4);
-  r.record = r.sec * size_t(1 + ctx_.num_states);
+  r.absmax_off = S * cpu::state_bytes(f);
+  r.msec = a4k(r.absmax_off + moment_absmax_bytes(f, S, ctx_.cfg->state_block));
+  r.record = r.sec + r.msec * size_t(ctx_.num_states);
   r.grad_off = r.record;
   r.grad_sec = a4k(S * (ctx_.accumulation() > 1 ? 4 : ctx_.pbytes));
   r.lowp_off = r.grad_off + r.grad_sec;
@@ -50,7 +61,7 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
   const size_t gbytes = ctx.accumulation() > 1 ? 4 : ctx.pbytes;
   store_ = SwapStore("optimizer state", "optim.swap", space.dirs(cfg.offload_optimizer.nvme_paths),
                      cfg.aio.block_size);
-  int64_t max_shard = 0, sum_shard = 0;
+  int64_t max_shard = 0, sum_shard = 0, moment_bytes = 0;
   size_t max_slot = 0;
   for (size_t i = 0; i < units_.size(); ++i) {
     const Record L = record(int(i));
@@ -61,6 +72,8 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
     max_shard = std::max(max_shard, S);
     max_slot = std::max(max_slot, L.total);
     sum_shard += S;
+    moment_bytes += int64_t(L.absmax_off +
+                            moment_absmax_bytes(cfg.optimizer_state, size_t(S), cfg.state_block));
   }
   store_.open(!ctx.plan_only && testing::hooks().preallocate);
   const int count = cfg.offload_optimizer.buffer_count;
@@ -82,7 +95,7 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
     logical += bytes;
   };
   charge(MemKind::master, "master", sum_shard * 4);
-  charge(MemKind::optim_state, "optim_state", int64_t(ctx.num_states) * sum_shard * 4);
+  charge(MemKind::optim_state, "optim_state", int64_t(ctx.num_states) * moment_bytes);
   charge(MemKind::grad, "grad", sum_shard * int64_t(gbytes));
   charge(MemKind::buffer, "swap_reserve", int64_t(store_.file_bytes()) - logical);
   space.add(&store_);
@@ -98,13 +111,18 @@ std::vector<std::pair<void*, size_t>> NvmeStateTier::dma_regions() const {
 }
 
 // Initial values go through f32 once, as in memory: the record's master is the shard of
-// `whole`, its optimizer state zero. Writes overlap (one per free staging slot).
+// `whole`, its optimizer state zero (q8: the code's zero, absmax 0). Writes overlap (one per
+// free staging slot).
 void NvmeStateTier::load_initial(int u, const float* whole) {
   const int s = init_writes_.slot(space_.io());
   const int64_t S = ctx_.shard(u);
+  const Record L = record(u);
   char* b = swap_pool_.data(s);
-  std::memset(b, 0, record(u).record);
+  std::memset(b, 0, L.record);
   if (whole) std::memcpy(b, whole + ctx_.rank * S, size_t(S) * 4);
+  if (ctx_.cfg->optimizer_state == StateFormat::q8)
+    for (int k = 0; k < ctx_.num_states; ++k)
+      std::memset(b + L.sec + size_t(k) * L.msec, cpu::dynamic_code(k == 0).zero, size_t(S));
   std::vector<Piece> ps;
   store_.pieces(units_[size_t(u)].rec[0], b, &swap_pool_, true, ps);
   const std::string what = "rank " + std::to_string(ctx_.rank) +
@@ -278,8 +296,19 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     cpu::UnitUpdate uu;
     uu.runs = &ctx_.unit(i).shard_runs;
     uu.args.master = reinterpret_cast<float*>(base);
-    uu.args.state0 = ctx_.num_states >= 1 ? reinterpret_cast<float*>(base + L.sec) : nullptr;
-    uu.args.state1 = ctx_.num_states >= 2 ? reinterpret_cast<float*>(base + 2 * L.sec) : nullptr;
+    uu.args.state_format = ctx_.cfg->optimizer_state;
+    uu.args.block = ctx_.cfg->state_block;
+    const bool q8 = uu.args.state_format == StateFormat::q8;
+    if (ctx_.num_states >= 1) {
+      char* m = base + L.offset(StateKind::state0);
+      uu.args.state0 = m;
+      if (q8) uu.args.absmax0 = reinterpret_cast<float*>(m + L.absmax_off);
+    }
+    if (ctx_.num_states >= 2) {
+      char* m = base + L.offset(StateKind::state1);
+      uu.args.state1 = m;
+      if (q8) uu.args.absmax1 = reinterpret_cast<float*>(m + L.absmax_off);
+    }
     uu.args.grad = w.gslot >= 0
                        ? grad_cache_.data(w.gslot) + (ctx_.accumulation() > 1 ? grad_acc_off_ : 0)
                        : base + L.grad_off;
@@ -353,14 +382,32 @@ void NvmeStateTier::preview(const std::vector<cpu::UpdateHyper>&, int, void*) {
 
 // ---- state access ------------------------------------------------------------------------------
 
-std::vector<float> NvmeStateTier::read(int u, StateKind kind) const {
-  const Unit& w = units_[size_t(u)];
+void NvmeStateTier::check_kind(const char* call, int u, StateKind kind) const {
+  const int moment = kind == StateKind::state0 ? 1 : kind == StateKind::state1 ? 2 : 0;
+  if (kind == StateKind::param || moment > ctx_.num_states)
+    ZS_THROW(invalid_argument, call << ": " << ctx_.where(u) << ": optimizer "
+                                    << optimizer_name(ctx_.cfg->optimizer.kind)
+                                    << " keeps no such state");
+}
+
+void NvmeStateTier::widen(int u, const char* rec, StateKind kind, float* out) const {
+  const Record L = record(u);
   const int64_t S = ctx_.shard(u);
-  const int section = kind == StateKind::master ? 0 : kind == StateKind::state0 ? 1 : 2;
-  if (kind == StateKind::param || section > ctx_.num_states)
-    ZS_THROW(invalid_argument, "read_shard(): " << ctx_.where(u) << ": optimizer "
-                                                << optimizer_name(ctx_.cfg->optimizer.kind)
-                                                << " keeps no such state");
+  const char* p = rec + L.offset(kind);
+  const StateFormat f = ctx_.cfg->optimizer_state;
+  if (kind == StateKind::master) {
+    std::memcpy(out, p, size_t(S) * 4);
+    return;
+  }
+  const float* absmax =
+      f == StateFormat::q8 ? reinterpret_cast<const float*>(p + L.absmax_off) : nullptr;
+  cpu::widen_moment(arena_.isa(), f, p, absmax, S, ctx_.cfg->state_block, kind == StateKind::state0,
+                    out);
+}
+
+std::vector<float> NvmeStateTier::read(int u, StateKind kind) const {
+  check_kind("read_shard()", u, kind);
+  const Unit& w = units_[size_t(u)];
   const Record L = record(u);
   // A transient buffer, but a byte held all the same.
   Buffer tmp(ctx_.ledger, Tier::host, MemKind::buffer, "swap_readback", L.record);
@@ -370,18 +417,18 @@ std::vector<float> NvmeStateTier::read(int u, StateKind kind) const {
                                                  "' (optimizer state, slot " +
                                                  std::to_string(w.cur) + ")");
   space_.io().wait(*b);
-  std::vector<float> out(static_cast<size_t>(S));
-  std::memcpy(out.data(), tmp.as<char>() + size_t(section) * L.sec, size_t(S) * 4);
+  std::vector<float> out(static_cast<size_t>(ctx_.shard(u)));
+  widen(u, tmp.as<char>(), kind, out.data());
   return out;
 }
 
 // Restoring one state of one unit: the record is rewritten whole into the other slot and that
-// unit's slot flipped, so a failure leaves the unit as it was.
+// unit's slot flipped, so a failure leaves the unit as it was. Moments are narrowed to their
+// format (q8: the shard's blocks requantized, which gives a read_shard()'s bits back).
 void NvmeStateTier::write(int u, StateKind kind, const std::vector<float>& v) {
+  check_kind("write_shard()", u, kind);
+  ZS_CHECK(int64_t(v.size()) == ctx_.shard(u));
   Unit& w = units_[size_t(u)];
-  const int section = kind == StateKind::master ? 0 : kind == StateKind::state0 ? 1 : 2;
-  if (kind == StateKind::param || section > ctx_.num_states)
-    ZS_THROW(invalid_argument, "write_shard(): " << ctx_.where(u) << ": no such writable state");
   const Record L = record(u);
   Buffer tmp(ctx_.ledger, Tier::host, MemKind::buffer, "swap_readback", L.record);
   const std::string name = ctx_.unit(u).layout.name;
@@ -390,7 +437,14 @@ void NvmeStateTier::write(int u, StateKind kind, const std::vector<float>& v) {
   auto rd = space_.io().submit(
       std::move(ps), who() + "read of unit '" + name + "' (optimizer state) for write_shard()");
   space_.io().wait(*rd);
-  std::memcpy(tmp.as<char>() + size_t(section) * L.sec, v.data(), v.size() * 4);
+  char* p = tmp.as<char>() + L.offset(kind);
+  const StateFormat f = ctx_.cfg->optimizer_state;
+  if (kind == StateKind::master)
+    std::memcpy(p, v.data(), v.size() * 4);
+  else
+    cpu::narrow_moment(arena_.isa(), f, v.data(), int64_t(v.size()), ctx_.cfg->state_block,
+                       kind == StateKind::state0, p,
+                       f == StateFormat::q8 ? reinterpret_cast<float*>(p + L.absmax_off) : nullptr);
   wait_unpinned(u, 1 - w.cur);
   ps.clear();
   store_.pieces(w.rec[1 - w.cur], tmp.as<char>(), nullptr, true, ps);
@@ -404,15 +458,18 @@ void NvmeStateTier::write(int u, StateKind kind, const std::vector<float>& v) {
 
 class NvmeStateTier::Snapshot final : public StateSnapshot {
  public:
-  Snapshot(const NvmeStateTier& t) : store_(t.store_), pins_(t.pins_) {
-    size_t most = 0;
+  Snapshot(const NvmeStateTier& t) : t_(t), pins_(t.pins_) {
+    size_t most = 0, most_shard = 0;
     for (size_t u = 0; u < t.units_.size(); ++u) {
-      const Record L = t.record(int(u));
       extent_.push_back(t.units_[u].rec[t.units_[u].cur]);
-      sec_.push_back(L.sec);
-      most = std::max(most, L.record);
+      most = std::max(most, t.record(int(u)).record);
+      most_shard = std::max(most_shard, size_t(t.ctx_.shard(int(u))));
     }
     record_ = Buffer(t.ctx_.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", most);
+    if (t.ctx_.cfg->optimizer_state != StateFormat::f32)  // the moments seen in f32
+      for (int k = 0; k < t.ctx_.num_states; ++k)
+        wide_[k] = Buffer(t.ctx_.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot",
+                          most_shard * 4);
     std::lock_guard<std::mutex> lock(pins_->mu);
     for (size_t u = 0; u < t.units_.size(); ++u) pins_->slot[u] = t.units_[u].cur;
   }
@@ -422,12 +479,18 @@ class NvmeStateTier::Snapshot final : public StateSnapshot {
     ZS_CHECK(u >= released_ || u == viewed_);
     if (u != viewed_) {
       release(u);
-      store_.read_now(extent_[size_t(u)], record_.as<char>());
+      t_.store_.read_now(extent_[size_t(u)], record_.as<char>());
       viewed_ = u;
+      widened_[0] = widened_[1] = false;
       release(u + 1);  // in record_ now: the tier may write over it
     }
-    const int section = kind == StateKind::master ? 0 : kind == StateKind::state0 ? 1 : 2;
-    return reinterpret_cast<const float*>(record_.as<char>() + size_t(section) * sec_[size_t(u)]);
+    const char* rec = record_.as<char>();
+    const int k = kind == StateKind::state1 ? 1 : 0;
+    if (kind == StateKind::master || wide_[k].empty())
+      return reinterpret_cast<const float*>(rec + t_.record(u).offset(kind));
+    if (!widened_[k]) t_.widen(u, rec, kind, wide_[k].as<float>());
+    widened_[k] = true;
+    return wide_[k].as<float>();
   }
 
  private:
@@ -439,11 +502,12 @@ class NvmeStateTier::Snapshot final : public StateSnapshot {
     pins_->cv.notify_all();
   }
 
-  const SwapStore& store_;
+  const NvmeStateTier& t_;  // its layout and store only: those do not change while it trains
   std::shared_ptr<Pins> pins_;
   std::vector<int> extent_;  // each unit's committed record slot
-  std::vector<size_t> sec_;  // each unit's section bytes
   Buffer record_;            // the unit viewed last
+  Buffer wide_[2];           // compact moments: state0 and state1 of that unit in f32
+  bool widened_[2] = {false, false};
   int viewed_ = -1, released_ = 0;
 };
 

@@ -2,9 +2,11 @@
 // The optimizer state on nvme (offload_optimizer = nvme).
 //
 // - fp32 master weights and optimizer state: on disk, one *record* per unit (master | state0 |
-//   state1, each section 4096-aligned), in two slots. A step reads slot cur, writes slot 1−cur,
-//   and flips every unit's cur only after every write of the step (on every rank) succeeded:
-//   a failed step leaves the last committed step intact on disk (2× disk space for this).
+//   state1, each section 4096-aligned; the moments in Config::optimizer_state's format, so
+//   compact moments shrink the record and every step's bytes), in two slots. A step reads slot cur,
+//   writes slot 1−cur, and flips every unit's cur only after every write of the step (on every
+//   rank) succeeded: a failed step leaves the last committed step intact on disk (2× disk space for
+//   this).
 // - gradient shards follow the optimizer to nvme, through a write-back cache: the reduce-scatter
 //   lands in one of grad_buffers + 1 pinned slots; when the slots run out the oldest unit's
 //   gradient (or its f32 accumulation) is written to its grad extent and read back at step()
@@ -71,15 +73,26 @@ class NvmeStateTier final : public StateTier {
   };
   void wait_unpinned(int u, int slot);  // before record slot `slot` of unit u is written
   /// Byte layout of one unit in a swap pipeline slot; the record part matches the record extent.
+  /// Each moment's section holds its elements in Config::optimizer_state's format and, for q8,
+  /// its absmax array after them.
   struct Record {
-    size_t sec = 0;       // one f32 section: shard_numel × 4, rounded up to 4096
-    size_t record = 0;    // master + states
-    size_t grad_off = 0;  // gradient shard (pdt, or f32 under accumulation)
+    size_t sec = 0;         // the f32 master: shard_numel × 4, rounded up to 4096
+    size_t msec = 0;        // one moment, rounded up to 4096
+    size_t absmax_off = 0;  // q8: the moment's absmax array, from its section's start
+    size_t record = 0;      // master + moments
+    size_t grad_off = 0;    // gradient shard (pdt, or f32 under accumulation)
     size_t grad_sec = 0;
     size_t lowp_off = 0;  // low-precision parameter shard (parameters on nvme)
     size_t lowp_sec = 0;
     size_t total = 0;
+    /// Where `kind` starts in the record (master, state0, state1).
+    size_t offset(StateKind kind) const {
+      return kind == StateKind::master ? 0 : kind == StateKind::state0 ? sec : sec + msec;
+    }
   };
+  /// One moment of a record held in memory, widened to f32 (`out`, shard_numel values).
+  void widen(int u, const char* record, StateKind kind, float* out) const;
+  void check_kind(const char* call, int u, StateKind kind) const;
   struct Unit {
     int rec[2] = {-1, -1};                // record extents (two slots)
     int grad = -1;                        // gradient extent

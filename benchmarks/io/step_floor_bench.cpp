@@ -11,7 +11,6 @@
 //   step_floor_bench --dir DIR --params 128M --units 16 [--rounds 5] [--bs 1M] [--qd 8]
 //                    [--buffers 4] [--stage 1|2|3] [--dtype bf16|f32]
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -19,21 +18,19 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/io/parse_size.hpp"
+#include "benchmarks/io/step_model.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
 #include "offload/swap_store.hpp"
-#include "benchmarks/io/parse_size.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 using namespace zeroshard;
 
 namespace {
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
+using zeroshard::bench::now;
 using zeroshard::bench::parse_size;
 
 // The swapper's sequential write and read bandwidth (bytes/s) through the engine's path (pinned
@@ -124,37 +121,6 @@ Config make_config(const Options& o, Tier tier) {
   return c;
 }
 
-void build(Engine& e, const Options& o) {
-  const int64_t per = o.params / o.units;
-  for (int u = 0; u < o.units; ++u) e.add_unit("layer" + std::to_string(u), {Param{"w", {per}}});
-  e.finalize();
-}
-
-// The backward pass's output: the same deterministic gradients for both engines, last unit first.
-void backward(Engine& e, int round) {
-  for (int u = e.num_units() - 1; u >= 0; --u) {
-    e.gather(u);
-    std::vector<TensorView> g = e.grads(u);
-    for (TensorView& t : g) {
-      if (t.dtype == DType::f32) {
-        float* p = t.as<float>();
-        for (int64_t i = 0; i < t.numel; ++i)
-          p[i] = float((i * 7 + u + round) % 13) * 1e-3f - 6e-3f;
-      } else {
-        uint16_t* p = t.as<uint16_t>();  // bf16 of small values: the top half of their f32
-        for (int64_t i = 0; i < t.numel; ++i) {
-          float f = float((i * 7 + u + round) % 13) * 1e-3f - 6e-3f;
-          uint32_t b;
-          std::memcpy(&b, &f, 4);
-          p[i] = uint16_t(b >> 16);
-        }
-      }
-    }
-    e.grads_ready(u);
-    e.release(u);
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -193,26 +159,26 @@ int main(int argc, char** argv) {
   try {
     auto comm = make_self_communicator();
     Engine mem(make_config(o, Tier::host), comm), nvme(make_config(o, Tier::nvme), comm);
-    build(mem, o);
-    build(nvme, o);
+    bench::build_units(mem, o.params, o.units);
+    bench::build_units(nvme, o.params, o.units);
     std::printf(
         "step_floor_bench: %lld parameters in %d units, %s, stage %d, block %lld, depth %d, %d "
         "buffers (read-ahead %d)\n",
         (long long)o.params, o.units, dtype_name(o.dtype), o.stage, (long long)o.bs, o.qd,
         o.buffers, std::max(1, o.buffers - 2));
     // Warm-up: first steps touch fresh memory and fresh file blocks.
-    backward(mem, 0);
+    bench::synthetic_backward(mem, 0);
     mem.step();
-    backward(nvme, 0);
+    bench::synthetic_backward(nvme, 0);
     nvme.step();
     std::printf("%-6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %7s %7s\n", "round", "read_GB",
                 "write_GB", "rd_GB/s", "wr_GB/s", "mem_s", "floor_s", "mixed_s", "nvme_s", "wait_s",
                 "ratio", "shared");
     std::vector<double> ratios, shared;
     for (int r = 1; r <= o.rounds; ++r) {
-      backward(mem, r);
+      bench::synthetic_backward(mem, r);
       const double mem_s = mem.step().optimizer_s;
-      backward(nvme, r);
+      bench::synthetic_backward(nvme, r);
       const SwapStats s0 = nvme.swap_stats();
       const double t0 = now();
       nvme.step();

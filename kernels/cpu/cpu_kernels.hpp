@@ -102,6 +102,15 @@ void quantize_blocks(Isa isa, const float* x, int64_t n, int64_t block, bool is_
 void dequantize_blocks(Isa isa, const uint8_t* q, const float* absmax, int64_t n, int64_t block,
                        bool is_signed, float* x);
 
+/// One moment of n elements stored as `f` (its absmax too for q8), widened to f32 or narrowed
+/// from it: f32 copies, bf16 converts (round to nearest even), q8 (de)quantizes blocks from
+/// element 0 (quantize_blocks()). For read_shard(), write_shard() and checkpoints, on every
+/// tier alike; narrow(widen(x)) gives x's bits back.
+void widen_moment(Isa isa, StateFormat f, const void* data, const float* absmax, int64_t n,
+                  int64_t block, bool is_signed, float* out);
+void narrow_moment(Isa isa, StateFormat f, const float* in, int64_t n, int64_t block,
+                   bool is_signed, void* data, float* absmax);
+
 /// Σ float(x[i])², accumulated in double.
 double sum_squares(Isa isa, const void* x, DType dtype, int64_t n);
 /// dst[i] = convert(src[i]) (any pair of dtypes; same dtype is a copy).

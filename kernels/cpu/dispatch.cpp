@@ -228,6 +228,21 @@ void dequantize_blocks(Isa isa, const uint8_t* q, const float* absmax, int64_t n
   table(isa).dequantize_blocks(q, absmax, n, block, is_signed, x);
 }
 
+void widen_moment(Isa isa, StateFormat f, const void* data, const float* absmax, int64_t n,
+                  int64_t block, bool is_signed, float* out) {
+  if (f == StateFormat::q8)
+    return dequantize_blocks(isa, static_cast<const uint8_t*>(data), absmax, n, block, is_signed,
+                             out);
+  convert(isa, data, f == StateFormat::bf16 ? DType::bf16 : DType::f32, out, DType::f32, n);
+}
+
+void narrow_moment(Isa isa, StateFormat f, const float* in, int64_t n, int64_t block,
+                   bool is_signed, void* data, float* absmax) {
+  if (f == StateFormat::q8)
+    return quantize_blocks(isa, in, n, block, is_signed, static_cast<uint8_t*>(data), absmax);
+  convert(isa, in, DType::f32, data, f == StateFormat::bf16 ? DType::bf16 : DType::f32, n);
+}
+
 double sum_squares(Isa isa, const void* x, DType dtype, int64_t n) {
   check_range("sum_squares", x, "x", n);
   check_dtype("sum_squares", dtype);

@@ -106,21 +106,14 @@ void check_tiers(const Config& c) {
   }
 }
 
-// Where compact moments are not kept yet: the GPU's own update and the nvme tier's records hold
-// f32 moments.
+// Where compact moments are not kept yet: the GPU's own update holds f32 moments.
 void check_state_format(const Config& c) {
   if (c.optimizer_state == StateFormat::f32) return;
-  const std::string what =
-      std::string("zeroshard.optimizer_state = \"") + state_format_name(c.optimizer_state) + "\"";
   if (c.device == Device::cuda && c.offload_optimizer.tier == Tier::device)
-    fail(what +
-         " with zeroshard.device = cuda requires zero_optimization.offload_optimizer.device "
-         "cpu: the GPU update keeps f32 moments (the CPU update, on offloaded state, "
+    fail(std::string("zeroshard.optimizer_state = \"") + state_format_name(c.optimizer_state) +
+         "\" with zeroshard.device = cuda requires zero_optimization.offload_optimizer.device "
+         "cpu or nvme: the GPU update keeps f32 moments (the CPU update, on offloaded state, "
          "keeps every format)");
-  if (c.offload_optimizer.tier == Tier::nvme)
-    fail(what +
-         " is not supported with zero_optimization.offload_optimizer.device = nvme yet "
-         "(its swap records hold f32 moments); use \"f32\", or device cpu");
 }
 
 // What the GPU engine does not do: parameters off the GPU are updated where they live, by the

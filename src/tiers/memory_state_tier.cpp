@@ -251,18 +251,16 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
     return out;
   }
   const bool first = kind == StateKind::state0;
-  const char* src = static_cast<const char*>(first ? s.state0 : s.state1);
   const size_t sb = cpu::state_bytes(format_);
-  if (format_ == StateFormat::f32) {
-    compute_.copy(out.data(), src + size_t(off) * sb, out.size() * 4);
+  const char* src = static_cast<const char*>(first ? s.state0 : s.state1) + size_t(off) * sb;
+  if (format_ == StateFormat::f32) {  // where compute_ reaches it (a GPU's memory too)
+    compute_.copy(out.data(), src, out.size() * 4);
     compute_.synchronize();
-  } else if (format_ == StateFormat::bf16) {
-    cpu::convert(arena_.isa(), src + size_t(off) * sb, DType::bf16, out.data(), DType::f32, n);
   } else {
     const int64_t block = ctx_.cfg->state_block;
-    cpu::dequantize_blocks(arena_.isa(), reinterpret_cast<const uint8_t*>(src) + off,
-                           (first ? s.absmax0 : s.absmax1) + off / block, n, block, first,
-                           out.data());
+    const float* a = first ? s.absmax0 : s.absmax1;  // q8 only
+    cpu::widen_moment(arena_.isa(), format_, src, a ? a + off / block : nullptr, n, block, first,
+                      out.data());
   }
   return out;
 }
@@ -294,18 +292,16 @@ void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& sha
     return;
   }
   const bool first = kind == StateKind::state0;
-  char* dst = static_cast<char*>(first ? s.state0 : s.state1);
   const size_t sb = cpu::state_bytes(format_);
+  char* dst = static_cast<char*>(first ? s.state0 : s.state1) + size_t(off) * sb;
   if (format_ == StateFormat::f32) {
-    compute_.copy(dst + size_t(off) * sb, shard.data(), shard.size() * 4);
+    compute_.copy(dst, shard.data(), shard.size() * 4);
     compute_.synchronize();
-  } else if (format_ == StateFormat::bf16) {
-    cpu::convert(arena_.isa(), shard.data(), DType::f32, dst + size_t(off) * sb, DType::bf16, n);
   } else {
     const int64_t block = ctx_.cfg->state_block;
-    cpu::quantize_blocks(arena_.isa(), shard.data(), n, block, first,
-                         reinterpret_cast<uint8_t*>(dst) + off,
-                         (first ? s.absmax0 : s.absmax1) + off / block);
+    float* a = first ? s.absmax0 : s.absmax1;  // q8 only
+    cpu::narrow_moment(arena_.isa(), format_, shard.data(), n, block, first, dst,
+                       a ? a + off / block : nullptr);
   }
 }
 

@@ -42,12 +42,13 @@ struct TierCase {
   DType dtype;
   int micro;
   int buffers = 3;  // offload_optimizer.buffer_count and offload_param.buffer_count
+  StateFormat state = StateFormat::f32;
 };
 
 std::string name_of(const TierCase& c) {
   return "stage" + std::to_string(c.stage) + "_opt_" + tier_name(c.opt) + "_param_" +
          tier_name(c.par) + "_" + dtype_name(c.dtype) + "_k" + std::to_string(c.micro) + "_buf" +
-         std::to_string(c.buffers);
+         std::to_string(c.buffers) + "_state_" + state_format_name(c.state);
 }
 
 Config make_config(const TierCase& c) {
@@ -73,6 +74,8 @@ Config make_config(const TierCase& c) {
     cfg.offload_param.nvme_paths = {(root / "b").string(), (root / "a").string()};
   cfg.aio.block_size = 4096;
   cfg.aio.queue_depth = 4;
+  cfg.optimizer_state = c.state;
+  cfg.state_block = 64;  // q8 blocks cut through parameters and groups
   return cfg;
 }
 
@@ -167,6 +170,31 @@ TEST(Offload, AccumulationAndDtypesMatchDeviceTierBitwise) {
   }
 }
 
+// Compact moments on every tier: the nvme records hold them (and q8's absmax) as the memory
+// tiers do, so the same kernel on the same bytes gives the same bits; and the records shrink,
+// which the ledger's nvme column shows (one copy of each moment: codes plus an f32 per 64).
+TEST(Offload, CompactStateMatchesDeviceTierBitwise) {
+  for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {
+    for (int stage : {1, 3}) {
+      const TierCase dev{stage, Tier::device, Tier::device, DType::bf16, 2, 3, f};
+      const Snapshot ref = run(dev);
+      expect_moved(ref);
+      std::vector<TierCase> cases = {{stage, Tier::nvme, Tier::device, DType::bf16, 2, 3, f},
+                                     {stage, Tier::host, Tier::device, DType::bf16, 2, 3, f}};
+      if (stage == 3) cases.push_back({stage, Tier::nvme, Tier::nvme, DType::bf16, 2, 2, f});
+      for (const TierCase& c : cases) expect_same(ref, run(c), name_of(c));
+    }
+    TierCase c{2, Tier::nvme, Tier::device, DType::bf16, 1, 3, f};
+    Engine e(make_config(c), world());
+    zs_test::register_model(e, model());
+    int64_t elems = 0;
+    for (int u = 0; u < e.num_units(); ++u) elems += e.shard_info(u).shard_numel;
+    const int64_t per = f == StateFormat::bf16 ? 2 * elems : elems + elems / 64 * 4;
+    EXPECT_EQ(e.memory().at(Tier::nvme, MemKind::optim_state), 2 * per) << name_of(c);
+    EXPECT_EQ(e.memory().at(Tier::nvme, MemKind::master), 4 * elems) << name_of(c);
+  }
+}
+
 // The pipeline's depth changes only the timing: two slots (no read-ahead beyond the next unit,
 // writes must finish before reads can reuse a slot) and six (read-ahead 4) give the same bits.
 TEST(Offload, PipelineDepthDoesNotChangeResults) {
@@ -238,29 +266,34 @@ TEST(Offload, CheckpointsMoveStateBetweenTiers) {
   world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
   const fs::path dir =
       fs::temp_directory_path() / ("zeroshard-offload-ckpt-" + std::to_string(int64_t(id)));
-  const TierCase on_disk{3, Tier::nvme, Tier::nvme, DType::bf16, 1},
-      in_memory{2, Tier::device, Tier::device, DType::bf16, 1};
-  for (bool from_disk : {true, false}) {
-    Engine a(make_config(from_disk ? on_disk : in_memory), world());
-    Engine b(make_config(from_disk ? in_memory : on_disk), world());
-    zs_test::register_model(a, model());
-    zs_test::register_model(b, model());
-    zs_test::TrainOptions o;
-    o.steps = 4;
-    zs_test::train(a, o);
-    b.load(a.save(dir, from_disk ? "from-disk" : "from-memory"));
-    zs_test::train(a, o);
-    zs_test::train(b, o);
-    for (int u = 0; u < a.num_units(); ++u)
-      for (StateKind k :
-           {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1})
-        EXPECT_TRUE(same(a.read_shard(u, k), b.read_shard(u, k)))
-            << (from_disk ? "nvme → memory" : "memory → nvme") << " unit " << u;
-    EXPECT_EQ(a.step_count(), 8);
-    EXPECT_EQ(b.step_count(), 8);
-    world()->barrier("checkpoint test");
-    if (world()->rank() == 0) fs::remove_all(dir);
-    world()->barrier("checkpoint test");
+  // Compact moments too: the nvme snapshot widens them to f32 for the file, and each tier
+  // narrows them back to the same bits.
+  for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
+    const TierCase on_disk{3, Tier::nvme, Tier::nvme, DType::bf16, 1, 3, f},
+        in_memory{2, Tier::device, Tier::device, DType::bf16, 1, 3, f};
+    for (bool from_disk : {true, false}) {
+      Engine a(make_config(from_disk ? on_disk : in_memory), world());
+      Engine b(make_config(from_disk ? in_memory : on_disk), world());
+      zs_test::register_model(a, model());
+      zs_test::register_model(b, model());
+      zs_test::TrainOptions o;
+      o.steps = 4;
+      zs_test::train(a, o);
+      b.load(a.save(dir, from_disk ? "from-disk" : "from-memory"));
+      zs_test::train(a, o);
+      zs_test::train(b, o);
+      for (int u = 0; u < a.num_units(); ++u)
+        for (StateKind k :
+             {StateKind::param, StateKind::master, StateKind::state0, StateKind::state1})
+          EXPECT_TRUE(same(a.read_shard(u, k), b.read_shard(u, k)))
+              << (from_disk ? "nvme → memory" : "memory → nvme") << " unit " << u << " "
+              << state_format_name(f);
+      EXPECT_EQ(a.step_count(), 8);
+      EXPECT_EQ(b.step_count(), 8);
+      world()->barrier("checkpoint test");
+      if (world()->rank() == 0) fs::remove_all(dir);
+      world()->barrier("checkpoint test");
+    }
   }
 }
 

@@ -461,17 +461,20 @@ TEST(Config, OptimizerStateFormats) {
               AllOf(HasSubstr("zeroshard.optimizer_state"), HasSubstr("\"8bit\"")));
   EXPECT_THAT(parse_error(R"({"zeroshard": {"state_block": 1000}})"),
               AllOf(HasSubstr("zeroshard.state_block"), HasSubstr("power of two")));
-  // Where f32 moments are all there is yet: the nvme tier's records, the GPU's own update.
+  // Every tier the CPU updates keeps every format; the GPU's own update keeps f32 moments.
   Config nvme = c;
   nvme.stage = 2;
   nvme.offload_optimizer.tier = Tier::nvme;
   nvme.offload_optimizer.nvme_paths = {"/tmp"};
-  EXPECT_THAT(validate_error(nvme), AllOf(HasSubstr("8bit"), HasSubstr("nvme")));
+  EXPECT_NO_THROW(nvme.validate());
   Config gpu = c;
   gpu.stage = 1;
   gpu.device = Device::cuda;
   EXPECT_THAT(validate_error(gpu), HasSubstr("the GPU update keeps f32 moments"));
   gpu.offload_optimizer.tier = Tier::host;
+  EXPECT_NO_THROW(gpu.validate());
+  gpu.offload_optimizer.tier = Tier::nvme;
+  gpu.offload_optimizer.nvme_paths = {"/tmp"};
   EXPECT_NO_THROW(gpu.validate());
 }
 
