@@ -89,7 +89,7 @@ struct Avx2Vec {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
-  // QuantCode::bucket() lane-wise, then the two table reads and the compare.
+  // QuantCode::lookup() lane-wise: the bucket, its entry, the compare of the low bits.
   static void quantize(const QuantCode& c, T x, uint8_t* q) {
     const __m256i u = _mm256_castps_si256(x);
     __m256i mag =
@@ -101,11 +101,12 @@ struct Avx2Vec {
     const __m256i neg = _mm256_srai_epi32(u, 31);
     const __m256i key =
         _mm256_add_epi32(mag, _mm256_and_si256(neg, _mm256_set1_epi32(QuantCode::kBuckets)));
-    const __m256i lo = _mm256_i32gather_epi32(c.lo, key, 4);
-    const __m256 mid = _mm256_i32gather_ps(c.lo_mid, key, 4);
-    // A true compare is all ones (−1): subtracting it adds one.
-    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(x, mid, _CMP_GT_OQ));
-    const __m256i idx = _mm256_sub_epi32(lo, up);
+    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(c.entry), key, 4);
+    const __m256i low = _mm256_and_si256(_mm256_xor_si256(u, neg), _mm256_set1_epi32(0xFFFF));
+    // Both sides below 2^16: the signed compare is the unsigned one. A true compare is all ones
+    // (−1): subtracting it adds one, in the low byte (q ≤ 254 where it can hold).
+    const __m256i up = _mm256_cmpgt_epi32(low, _mm256_srli_epi32(e, 8));
+    const __m256i idx = _mm256_sub_epi32(e, up);
     // The low byte of each lane, gathered into the low 4 bytes of each 128-bit half.
     const __m256i bytes = _mm256_shuffle_epi8(
         idx, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,

@@ -96,7 +96,7 @@ struct Avx512Vec {
   // vmaxps returns its second operand when either is NaN or both are zero: a > b ? a : b.
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
   static float reduce_max(T x) { return _mm512_reduce_max_ps(x); }
-  // QuantCode::bucket() lane-wise, then the two table reads and the compare.
+  // QuantCode::lookup() lane-wise: the bucket, its entry, the compare of the low bits.
   static void quantize(const QuantCode& c, T x, uint8_t* q) {
     const __m512i u = _mm512_castps_si512(x);
     __m512i mag =
@@ -104,13 +104,14 @@ struct Avx512Vec {
     mag = _mm512_sub_epi32(mag, _mm512_set1_epi32(QuantCode::kMinKey));
     mag = _mm512_min_epi32(_mm512_max_epi32(mag, _mm512_setzero_si512()),
                            _mm512_set1_epi32(QuantCode::kBuckets - 1));
-    const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    const __m512i neg = _mm512_srai_epi32(u, 31);
     const __m512i key =
-        _mm512_mask_add_epi32(mag, neg, mag, _mm512_set1_epi32(QuantCode::kBuckets));
-    const __m512i lo = _mm512_i32gather_epi32(key, c.lo, 4);
-    const __m512 mid = _mm512_i32gather_ps(key, c.lo_mid, 4);
-    const __mmask16 up = _mm512_cmp_ps_mask(x, mid, _CMP_GT_OQ);
-    const __m512i idx = _mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1));
+        _mm512_add_epi32(mag, _mm512_and_si512(neg, _mm512_set1_epi32(QuantCode::kBuckets)));
+    const __m512i e = _mm512_i32gather_epi32(key, c.entry, 4);
+    const __m512i low = _mm512_and_si512(_mm512_xor_si512(u, neg), _mm512_set1_epi32(0xFFFF));
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(low, _mm512_srli_epi32(e, 8));
+    // q ≤ 254 where the compare can hold: adding 1 stays in the low byte, which vpmovdb keeps.
+    const __m512i idx = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(idx));
   }
 };

@@ -67,10 +67,17 @@ QuantCode build(bool is_signed) {
       float lo_mag = std::bit_cast<float>(first), hi_mag = std::bit_cast<float>(last);
       const float xa = sign ? -hi_mag : lo_mag, xb = sign ? -lo_mag : hi_mag;
       const int qa = count_below(c, xa), qb = count_below(c, xb);
-      // At most one midpoint in the bucket: then one compare decides.
+      // At most one midpoint in the bucket: then one compare decides. It lies inside, so its
+      // top 16 bits are the bucket's (never so in the clamped first and last buckets).
       ZS_CHECK(qb - qa <= 1);
-      c.lo[sign * QuantCode::kBuckets + k] = qa;
-      c.lo_mid[sign * QuantCode::kBuckets + k] = c.mid[qa];
+      uint32_t t = 0xFFFFu;
+      if (qb > qa) {
+        const uint32_t m = std::bit_cast<uint32_t>(c.mid[qa]);
+        ZS_CHECK(k > 0 && k < QuantCode::kBuckets - 1 &&
+                 QuantCode::bucket(m) == QuantCode::bucket(std::bit_cast<uint32_t>(xa)));
+        t = QuantCode::low_bits(m);
+      }
+      c.entry[sign * QuantCode::kBuckets + k] = uint32_t(qa) | t << 8;
     }
   }
   return c;

@@ -7,10 +7,12 @@
 //   q(x) = #{ i < 255 : mid[i] < x },   mid[i] = (code[i] + code[i+1]) / 2 in f32,
 // the index of the nearest code point, ties going to the lower one. Rather than searching the
 // 255 midpoints, the top 16 bits of x's f32 pattern (sign, exponent and 7 mantissa bits) pick a
-// bucket in which at most one midpoint lies (checked when the table is built); the bucket
-// stores q at its lower end, so q(x) = lo + (x > mid[lo]), mid[lo] kept beside lo per bucket.
-// Magnitudes below 2^-24 share the first bucket (no code point lies below 2^-21), NaN lands in the
-// last one.
+// bucket in which at most one midpoint lies (checked when the table is built). One 32-bit entry
+// per bucket holds q at the bucket's lower end and, where a midpoint lies inside, the low 16
+// bits of its pattern (its top 16 are the bucket's): within a bucket, x > mid compares those
+// low bits alone (reversed for negative x, whose order runs against their magnitude's). So a
+// lookup is one table read and one integer compare. Magnitudes below 2^-24 share the first
+// bucket (no code point lies below 2^-21), NaN lands in the last one; neither holds a midpoint.
 
 #include <cstdint>
 
@@ -22,18 +24,28 @@ struct QuantCode {
   static constexpr int32_t kMinKey = 103 << 7;  ///< magnitude keys below 2^-24 clamp here
   static constexpr int32_t kBuckets = (127 - 103) * 128 + 1;  ///< per sign, up to key(1.0)
 
-  float code[256];             ///< ascending
-  float mid[256];              ///< mid[i] between code[i] and code[i+1]; mid[255] = +inf
-  int32_t lo[2 * kBuckets];    ///< q at each bucket's lower end: positive keys, then negative
-  float lo_mid[2 * kBuckets];  ///< mid[lo[k]]: both reads of a lookup index by the key, so a
-                               ///< vector lookup issues its two gathers at once, not in a chain
-  uint8_t zero;                ///< the index of 0.0
+  float code[256];  ///< ascending
+  float mid[256];   ///< mid[i] between code[i] and code[i+1]; mid[255] = +inf
+  /// Per bucket (positive keys, then negative): q at its lower end in bits 0–7, and in bits
+  /// 8–23 the threshold t that x's low 16 bits (complemented when x < 0) must exceed for
+  /// q + 1; t = 0xFFFF (never) where no midpoint lies in the bucket.
+  uint32_t entry[2 * kBuckets];
+  uint8_t zero;  ///< the index of 0.0
 
   /// The bucket of x: kBuckets × sign + the clamped magnitude key.
   static int32_t bucket(uint32_t bits) {
     int32_t mag = int32_t((bits & 0x7FFFFFFFu) >> kKeyShift) - kMinKey;
     mag = mag < 0 ? 0 : (mag > kBuckets - 1 ? kBuckets - 1 : mag);
     return int32_t(bits >> 31) * kBuckets + mag;
+  }
+  /// x's low 16 bits in the bucket's order: complemented when x is negative.
+  static uint32_t low_bits(uint32_t bits) {
+    return (bits ^ uint32_t(int32_t(bits) >> 31)) & 0xFFFFu;
+  }
+  /// The index of x's nearest code point.
+  uint8_t lookup(uint32_t bits) const {
+    const uint32_t e = entry[bucket(bits)];
+    return uint8_t((e & 0xFFu) + (low_bits(bits) > (e >> 8) ? 1u : 0u));
   }
 };
 

@@ -58,8 +58,7 @@ struct ScalarVec {
   static T max(T a, T b) { return a > b ? a : b; }
   static float reduce_max(T x) { return x; }
   static void quantize(const QuantCode& c, T x, uint8_t* q) {
-    const int32_t k = QuantCode::bucket(std::bit_cast<uint32_t>(x));
-    *q = uint8_t(c.lo[k] + (x > c.lo_mid[k] ? 1 : 0));
+    *q = c.lookup(std::bit_cast<uint32_t>(x));
   }
 };
 
