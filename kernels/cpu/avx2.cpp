@@ -76,7 +76,9 @@ struct Avx2Vec {
   }
 
   // q8: eight bytes widened to indices, then one gather from the 1 KiB code table.
-  static T gather(const float* code, const uint8_t* q) {
+  using CodeTable = const float*;
+  static CodeTable code_table(const float* code) { return code; }
+  static T gather(CodeTable code, const uint8_t* q) {
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     return _mm256_i32gather_ps(code, idx, 4);
   }

@@ -84,10 +84,26 @@ struct Avx512Vec {
   }
   static double acc_total(Acc acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc.lo, acc.hi)); }
 
-  // q8: sixteen bytes widened to indices, then one gather from the 1 KiB code table.
-  static T gather(const float* code, const uint8_t* q) {
+  // q8: the 256 code points in sixteen registers, and no gather (slow on some cores): each
+  // pair of registers is a 32-entry table for vpermt2ps (index bits 0–4), and bits 5, 6 and 7
+  // pick among the eight results.
+  struct CodeTable {
+    __m512 r[16];
+  };
+  static CodeTable code_table(const float* code) {
+    CodeTable t;
+    for (int i = 0; i < 16; ++i) t.r[i] = _mm512_loadu_ps(code + 16 * i);
+    return t;
+  }
+  static T gather(const CodeTable& t, const uint8_t* q) {
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    return _mm512_i32gather_ps(idx, code, 4);
+    __m512 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = _mm512_permutex2var_ps(t.r[2 * i], idx, t.r[2 * i + 1]);
+    for (int bit = 5, n = 8; bit < 8; ++bit, n /= 2) {
+      const __mmask16 hi = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(1 << bit));
+      for (int i = 0; i < n / 2; ++i) v[i] = _mm512_mask_blend_ps(hi, v[2 * i], v[2 * i + 1]);
+    }
+    return v[0];
   }
   static T abs(T x) {
     return _mm512_castsi512_ps(

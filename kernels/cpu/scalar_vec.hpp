@@ -7,6 +7,7 @@
 //   sqrt, sign    IEEE sqrt; sign(c) = +1 / -1 / +0 for c = ±0 / NaN for NaN
 //   zero, bit_xor same_bytes' data movement (bitwise, no arithmetic)
 //   Acc, acc_zero, acc_add_square, acc_total   double accumulation for sum_squares
+//   CodeTable     the 256 code points as the ISA's lookup wants them (code_table(code))
 //   gather        code[q[lane]] for kWidth bytes q (q8 dequantization)
 //   abs, max, reduce_max   |x|; max(a, b) = a > b ? a : b (so NaN in a gives b); max of lanes
 //   quantize      stores the nearest code point's index of each lane (quant_code.hpp)
@@ -53,7 +54,9 @@ struct ScalarVec {
   }
   static double acc_total(Acc acc) { return acc; }
 
-  static T gather(const float* code, const uint8_t* q) { return code[*q]; }
+  using CodeTable = const float*;
+  static CodeTable code_table(const float* code) { return code; }
+  static T gather(CodeTable code, const uint8_t* q) { return code[*q]; }
   static T abs(T x) { return std::bit_cast<float>(std::bit_cast<uint32_t>(x) & 0x7FFFFFFFu); }
   static T max(T a, T b) { return a > b ? a : b; }
   static float reduce_max(T x) { return x; }

@@ -153,8 +153,9 @@ void dequantize_block(const QuantCode& code, const uint8_t* q, float absmax, flo
                       int64_t n) {
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
     const typename U::T scale = U::set1(absmax);
+    const typename U::CodeTable table = U::code_table(code.code);
     for (int64_t i = begin; i < end; i += U::kWidth)
-      U::store_f32(out + i, U::gather(code.code, q + i) * scale);
+      U::store_f32(out + i, U::gather(table, q + i) * scale);
   });
 }
 

@@ -151,6 +151,26 @@ TEST(StateFormats, BlockQuantizationBitwiseAcrossIsas) {
   }
 }
 
+// Every code index, in every lane position, dequantizes to its code point × absmax on every ISA
+// (AVX-512 looks codes up by register permutes and blends, one bit of the index at a time).
+TEST(StateFormats, EveryCodeDequantizesToItsPoint) {
+  const int64_t n = 256 * 17;  // index i at lane i % 16 and, shifted by one each round, others
+  std::vector<uint8_t> q(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) q[size_t(i)] = uint8_t((i + i / 256) % 256);
+  const float absmax[] = {0.75f};
+  for (bool is_signed : {true, false}) {
+    const QuantCode& c = dynamic_code(is_signed);
+    for (Isa isa : kIsas) {
+      if (!isa_supported(isa)) continue;
+      std::vector<float> x(static_cast<size_t>(n));
+      dequantize_blocks(isa, q.data(), absmax, n, n, is_signed, x.data());
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(x[size_t(i)], c.code[q[size_t(i)]] * 0.75f)
+            << isa_name(isa) << " index " << int(q[size_t(i)]) << " at " << i;
+    }
+  }
+}
+
 UpdateHyper hyper(OptimizerKind kind, float momentum = 0.0f) {
   UpdateHyper h;
   h.kind = kind;
