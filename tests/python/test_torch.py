@@ -441,3 +441,80 @@ def test_estimate_is_what_the_optimizer_then_holds(stage, offload, tmp_path):
     assert "deepspeed" in str(est)
     tiny = zs.estimate(make_model(), world=4, device_gib=1e-6)
     assert any(r["fits"] == "device" for r in tiny.rows)
+
+
+def _dynamic_code(signed):
+    """The 8-bit dynamic map as zeroshard builds it (kernels/cpu/quant_code.cpp): the published
+    construction in double, rounded to f32 once, ascending; and its f32 midpoints."""
+    points = []
+    for i in range(7):
+        items = (2 ** i if signed else 2 ** (i + 1)) + 1
+        scale = 10.0 ** (i - 6)
+        for j in range(items - 1):
+            a = 0.1 + 0.9 * j / (items - 1)
+            b = 0.1 + 0.9 * (j + 1) / (items - 1)
+            points.append(scale * (a + b) / 2.0)
+            if signed:
+                points.append(-scale * (a + b) / 2.0)
+    code = torch.tensor(sorted(points + [0.0, 1.0]), dtype=torch.float64).float()
+    return code, (code[:-1] + code[1:]) / 2
+
+
+def _requantize(flat, block, signed):
+    """flat's values after one trip through 8-bit blocks: absmax = max |x| per block, index =
+    the count of midpoints below x * (1 / absmax) (the nearest code point), value = code x absmax,
+    all in f32, as the CPU kernels do it."""
+    code, mid = _dynamic_code(signed)
+    out = torch.zeros_like(flat)
+    for b in range(0, flat.numel(), block):
+        x = flat[b:b + block]
+        absmax = x.abs().max()
+        if absmax > 0:
+            q = torch.searchsorted(mid, x * (torch.tensor(1.0) / absmax))
+            out[b:b + block] = code[q] * absmax
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_compact_state_matches_adamw_with_its_moments_stored_alike(fmt):
+    # The reference is torch.optim.AdamW whose moments are rounded after every step as the
+    # format stores them: bf16 to nearest even, 8-bit through the dynamic code in blocks of 64
+    # counted from each unit's first element (parameters in registration order, the padding's
+    # moments zero). The engine's step uses the unrounded new moments and stores them rounded,
+    # and so does this reference.
+    # Bound: as BOUND, plus the rare moment that the two sides compute one f32 ulp apart on the
+    # two sides of a rounding boundary, and so store one format step apart (2^-8 of itself in
+    # bf16, up to 0.9/64 of its block's absmax in 8-bit). Its effect on p is at most lr x that
+    # relative step x |m|/(sqrt(v) + eps) (below 1 here) for each of the ~1/(1 - beta1) = 10
+    # steps it decays over: lr x 0.014 x 10 = 1.4e-3 for 8-bit, 4e-4 for bf16. Storing the
+    # moments in f32 instead (the format ignored) moves the parameters by more (checked).
+    model, data = make_model(), batches(20)
+    block = 64
+    opt = zero(model, 1, optimizer_state=fmt, state_block=block)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
+    named = dict(ref.named_parameters())
+    units = [[named[n] for n in names] for _, names in opt.units]
+    for tokens, labels in data:
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ropt.step()
+        for params in units:
+            for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                states = [ropt.state[p][key] for p in params]
+                flat = torch.cat([s.flatten() for s in states])
+                if fmt == "bf16":
+                    flat = flat.bfloat16().float()
+                else:
+                    flat = _requantize(flat, block, signed)
+                at = 0
+                for s in states:
+                    s.copy_(flat[at:at + s.numel()].view_as(s))
+                    at += s.numel()
+    train_zero(opt, model, data, 0, 1)
+    got = opt.model_state_dict()
+    bound = 1.4e-3 if fmt == "8bit" else 4e-4
+    assert max_abs_diff(got, ref.state_dict()) <= bound
+    plain = train_reference(model, data)  # f32 moments
+    assert max_abs_diff(got, plain.state_dict()) > bound
