@@ -18,14 +18,23 @@
 // same tensor in both lists is an in-place stream, as the update's master and moments are.
 //
 // The pass itself is the library's zeroshard::SameBytesPass (zeroshard/calibration.hpp).
+//
+// Also the 8-bit blockwise quantization of the q8 optimizer state (zeroshard/quantize.hpp), on
+// arrays the caller allocates:
+//   zeroshard._core.quantize_8bit(x_f32, codes_u8, absmax_f32, block, signed)
+//   zeroshard._core.dequantize_8bit(codes_u8, absmax_f32, x_f32, block, signed)
+//   zeroshard._core.dynamic_code_points(signed)            # the 256 code points
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "python_bindings/src/bindings.hpp"
 #include "zeroshard/calibration.hpp"
+#include "zeroshard/quantize.hpp"
 
 namespace zeroshard::py {
 
@@ -84,6 +93,45 @@ class SameBytes {
   SameBytesPass pass_;
 };
 
+// An array of `numel` elements of `width` bytes each (numel < 0: any count), for the 8-bit calls.
+Imported import_elements(nb::handle h, const std::string& what, int width, int64_t numel,
+                         bool writable) {
+  Imported t = import_tensor(h, TensorRequest{what, /*any_dtype=*/true}, writable);
+  if (t.nbytes != t.view.numel * width)
+    throw Error(ErrorCode::invalid_argument, what + " must have " + std::to_string(width) +
+                                                 "-byte elements (" +
+                                                 (width == 1 ? "uint8" : "float32") + ")");
+  if (numel >= 0 && t.view.numel != numel)
+    throw Error(ErrorCode::invalid_argument, what + " has " + std::to_string(t.view.numel) +
+                                                 " elements, not " + std::to_string(numel));
+  return t;
+}
+
+int64_t blocks_of(int64_t n, int64_t block) {
+  if (block < 1)
+    throw Error(ErrorCode::invalid_argument, "block must be at least 1, got " + std::to_string(block));
+  return (n + block - 1) / block;
+}
+
+void quantize(nb::handle x, nb::handle codes, nb::handle absmax, int64_t block, bool is_signed) {
+  const Imported xi = import_elements(x, "quantize_8bit(): x", 4, -1, false);
+  const int64_t n = xi.view.numel;
+  Imported q = import_elements(codes, "quantize_8bit(): codes", 1, n, true);
+  Imported a = import_elements(absmax, "quantize_8bit(): absmax", 4, blocks_of(n, block), true);
+  quantize_8bit(static_cast<const float*>(xi.view.data), n, block, is_signed,
+                static_cast<uint8_t*>(q.view.data), static_cast<float*>(a.view.data));
+}
+
+void dequantize(nb::handle codes, nb::handle absmax, nb::handle x, int64_t block, bool is_signed) {
+  const Imported q = import_elements(codes, "dequantize_8bit(): codes", 1, -1, false);
+  const int64_t n = q.view.numel;
+  const Imported a =
+      import_elements(absmax, "dequantize_8bit(): absmax", 4, blocks_of(n, block), false);
+  Imported xi = import_elements(x, "dequantize_8bit(): x", 4, n, true);
+  dequantize_8bit(static_cast<const uint8_t*>(q.view.data), static_cast<const float*>(a.view.data),
+                  n, block, is_signed, static_cast<float*>(xi.view.data));
+}
+
 }  // namespace
 
 void bind_kernels(nb::module_& m) {
@@ -110,6 +158,23 @@ void bind_kernels(nb::module_& m) {
       nb::arg("reads"), nb::arg("writes"), nb::arg("threads") = 0,
       "One SameBytes(threads).run(reads, writes) on a new arena (its threads start inside the "
       "timed pass: keep a SameBytes to time repeated passes).");
+  m.def(
+      "dynamic_code_points",
+      [](bool is_signed) {
+        const std::array<float, 256> c = dynamic_code_points(is_signed);
+        return std::vector<float>(c.begin(), c.end());
+      },
+      nb::arg("signed"),
+      "The 256 points of the 8-bit dynamic code (ascending) that optimizer_state='8bit' uses.");
+  m.def("quantize_8bit", &quantize, nb::arg("x"), nb::arg("codes"), nb::arg("absmax"),
+        nb::arg("block"), nb::arg("signed"),
+        "Blockwise 8-bit quantization as optimizer_state='8bit' stores moments: x (float32, n) "
+        "into codes (uint8, n) and absmax (float32, ceil(n / block)), arrays the caller "
+        "allocates. Index of the nearest code point of x * (1 / absmax), absmax = max |x| per "
+        "block.");
+  m.def("dequantize_8bit", &dequantize, nb::arg("codes"), nb::arg("absmax"), nb::arg("x"),
+        nb::arg("block"), nb::arg("signed"),
+        "x[i] = code[codes[i]] * absmax[i // block] (x: float32, allocated by the caller).");
 }
 
 }  // namespace zeroshard::py

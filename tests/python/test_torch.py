@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 import zeroshard as zs  # noqa: E402
 import zeroshard.torch as zt  # noqa: E402
 from zs_testutil import (  # noqa: E402
-    CLIP, EPS, LR, batches, groups, make_model, max_abs_diff, train_reference, train_zero)
+    CLIP, EPS, LR, batches, groups, make_model, max_abs_diff, requantize, train_reference,
+    train_zero)
 
 # See mpi/test_parity.py for the derivation of this bound; one rank sees the same sources of
 # rounding difference except the cross-rank gradient sum.
@@ -443,38 +444,6 @@ def test_estimate_is_what_the_optimizer_then_holds(stage, offload, tmp_path):
     assert any(r["fits"] == "device" for r in tiny.rows)
 
 
-def _dynamic_code(signed):
-    """The 8-bit dynamic map as zeroshard builds it (kernels/cpu/quant_code.cpp): the published
-    construction in double, rounded to f32 once, ascending; and its f32 midpoints."""
-    points = []
-    for i in range(7):
-        items = (2 ** i if signed else 2 ** (i + 1)) + 1
-        scale = 10.0 ** (i - 6)
-        for j in range(items - 1):
-            a = 0.1 + 0.9 * j / (items - 1)
-            b = 0.1 + 0.9 * (j + 1) / (items - 1)
-            points.append(scale * (a + b) / 2.0)
-            if signed:
-                points.append(-scale * (a + b) / 2.0)
-    code = torch.tensor(sorted(points + [0.0, 1.0]), dtype=torch.float64).float()
-    return code, (code[:-1] + code[1:]) / 2
-
-
-def _requantize(flat, block, signed):
-    """flat's values after one trip through 8-bit blocks: absmax = max |x| per block, index =
-    the count of midpoints below x * (1 / absmax) (the nearest code point), value = code x absmax,
-    all in f32, as the CPU kernels do it."""
-    code, mid = _dynamic_code(signed)
-    out = torch.zeros_like(flat)
-    for b in range(0, flat.numel(), block):
-        x = flat[b:b + block]
-        absmax = x.abs().max()
-        if absmax > 0:
-            q = torch.searchsorted(mid, x * (torch.tensor(1.0) / absmax))
-            out[b:b + block] = code[q] * absmax
-    return out
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
 def test_compact_state_matches_adamw_with_its_moments_stored_alike(fmt):
     # The reference is torch.optim.AdamW whose moments are rounded after every step as the
@@ -507,7 +476,7 @@ def test_compact_state_matches_adamw_with_its_moments_stored_alike(fmt):
                 if fmt == "bf16":
                     flat = flat.bfloat16().float()
                 else:
-                    flat = _requantize(flat, block, signed)
+                    flat = requantize(flat, block, signed)
                 at = 0
                 for s in states:
                     s.copy_(flat[at:at + s.numel()].view_as(s))

@@ -116,3 +116,35 @@ def agree(comm, ok):
 def world():
     c = zeroshard.default_communicator()
     return c, c.rank(), c.size()
+
+
+def dynamic_code(signed):
+    """The 8-bit dynamic map as zeroshard builds it (kernels/cpu/quant_code.cpp): the published
+    construction in double, rounded to f32 once, ascending; and its f32 midpoints."""
+    points = []
+    for i in range(7):
+        items = (2 ** i if signed else 2 ** (i + 1)) + 1
+        scale = 10.0 ** (i - 6)
+        for j in range(items - 1):
+            a = 0.1 + 0.9 * j / (items - 1)
+            b = 0.1 + 0.9 * (j + 1) / (items - 1)
+            points.append(scale * (a + b) / 2.0)
+            if signed:
+                points.append(-scale * (a + b) / 2.0)
+    code = torch.tensor(sorted(points + [0.0, 1.0]), dtype=torch.float64).float()
+    return code, (code[:-1] + code[1:]) / 2
+
+
+def requantize(flat, block, signed):
+    """flat's values after one trip through 8-bit blocks: absmax = max |x| per block, index =
+    the count of midpoints below x * (1 / absmax) (the nearest code point), value = code x absmax,
+    all in f32, as the CPU kernels do it."""
+    code, mid = dynamic_code(signed)
+    out = torch.zeros_like(flat)
+    for b in range(0, flat.numel(), block):
+        x = flat[b:b + block]
+        absmax = x.abs().max()
+        if absmax > 0:
+            q = torch.searchsorted(mid, x * (torch.tensor(1.0) / absmax))
+            out[b:b + block] = code[q] * absmax
+    return out
