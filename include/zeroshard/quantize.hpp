@@ -23,8 +23,8 @@ ZS_API std::array<float, 256> dynamic_code_points(bool is_signed);
 /// x[0, n) → codes[0, n) and absmax[0, ceil(n / block)). block ≥ 1. Quantizing a dequantized
 /// block gives its codes and absmax back, bit for bit. Throws Error (invalid_argument) on a
 /// null pointer with n > 0 or a block below 1.
-ZS_API void quantize_8bit(const float* x, int64_t n, int64_t block, bool is_signed,
-                          uint8_t* codes, float* absmax);
+ZS_API void quantize_8bit(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* codes,
+                          float* absmax);
 /// codes[0, n) and absmax → x[0, n) = code[codes[i]] × absmax[i / block].
 ZS_API void dequantize_8bit(const uint8_t* codes, const float* absmax, int64_t n, int64_t block,
                             bool is_signed, float* x);

@@ -109,7 +109,8 @@ Imported import_elements(nb::handle h, const std::string& what, int width, int64
 
 int64_t blocks_of(int64_t n, int64_t block) {
   if (block < 1)
-    throw Error(ErrorCode::invalid_argument, "block must be at least 1, got " + std::to_string(block));
+    throw Error(ErrorCode::invalid_argument,
+                "block must be at least 1, got " + std::to_string(block));
   return (n + block - 1) / block;
 }
 
