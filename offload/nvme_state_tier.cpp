@@ -20,13 +20,6 @@ size_t a4k(size_t n) {
   return (n + 4095) / 4096 * 4096;
 }
 
-// q8: one f32 per block of a moment (shards are whole blocks, see padding_grain()).
-size_t moment_absmax_bytes(StateFormat f, size_t n, int64_t block) {
-  if (f != StateFormat::q8) return 0;
-  ZS_CHECK(n % size_t(block) == 0);
-  return n / size_t(block) * 4;
-}
-
 void erase_id(std::deque<int>& d, int id) {
   auto it = std::find(d.begin(), d.end(), id);
   if (it != d.end()) d.erase(it);
@@ -39,8 +32,12 @@ NvmeStateTier::Record NvmeStateTier::record(int u) const {
   const size_t S = size_t(ctx_.shard(u));
   const StateFormat f = ctx_.cfg->optimizer_state;
   r.sec = a4k(S * 4);
+  const size_t block = size_t(ctx_.cfg->state_block);
   r.absmax_off = S * cpu::state_bytes(f);
-  r.msec = a4k(r.absmax_off + moment_absmax_bytes(f, S, ctx_.cfg->state_block));
+  // q8: one f32 per block (shards are whole blocks, see padding_grain()).
+  if (f == StateFormat::q8) ZS_CHECK(S % block == 0);
+  r.mbytes = r.absmax_off + (f == StateFormat::q8 ? S / block * 4 : 0);
+  r.msec = a4k(r.mbytes);
   r.record = r.sec + r.msec * size_t(ctx_.num_states);
   r.grad_off = r.record;
   r.grad_sec = a4k(S * (ctx_.accumulation() > 1 ? 4 : ctx_.pbytes));
@@ -72,8 +69,7 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
     max_shard = std::max(max_shard, S);
     max_slot = std::max(max_slot, L.total);
     sum_shard += S;
-    moment_bytes += int64_t(L.absmax_off +
-                            moment_absmax_bytes(cfg.optimizer_state, size_t(S), cfg.state_block));
+    moment_bytes += int64_t(L.mbytes);
   }
   store_.open(!ctx.plan_only && testing::hooks().preallocate);
   const int count = cfg.offload_optimizer.buffer_count;

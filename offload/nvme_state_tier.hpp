@@ -77,8 +77,9 @@ class NvmeStateTier final : public StateTier {
   /// its absmax array after them.
   struct Record {
     size_t sec = 0;         // the f32 master: shard_numel × 4, rounded up to 4096
-    size_t msec = 0;        // one moment, rounded up to 4096
     size_t absmax_off = 0;  // q8: the moment's absmax array, from its section's start
+    size_t mbytes = 0;      // one moment's bytes (q8: codes and absmax)
+    size_t msec = 0;        // mbytes rounded up to 4096
     size_t record = 0;      // master + moments
     size_t grad_off = 0;    // gradient shard (pdt, or f32 under accumulation)
     size_t grad_sec = 0;

@@ -15,21 +15,17 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/io/parse_size.hpp"
 #include "benchmarks/io/step_model.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 using namespace zeroshard;
 using zeroshard::bench::now;
-using zeroshard::bench::parse_size;
 
 namespace {
 
-struct Options {
-  std::string dir;
-  int64_t params = 256000000;
-  int units = 16, rounds = 5, qd = 8, buffers = 4, stage = 1, block = 2048;
-  int64_t bs = 1 << 20;
+struct Options : bench::StepOptions {
+  Options() { params = 256000000; }
+  int block = 2048;
   std::vector<StateFormat> formats = {StateFormat::f32, StateFormat::bf16, StateFormat::q8};
 };
 
@@ -54,23 +50,8 @@ Options parse(int argc, char** argv) {
     const std::string k = argv[i];
     if (i + 1 >= argc) usage("missing value after " + k);
     const std::string v = argv[i + 1];
-    if (k == "--dir")
-      o.dir = v;
-    else if (k == "--params")
-      o.params = parse_size(v);
-    else if (k == "--units")
-      o.units = std::atoi(v.c_str());
-    else if (k == "--rounds")
-      o.rounds = std::atoi(v.c_str());
-    else if (k == "--bs")
-      o.bs = parse_size(v, true);
-    else if (k == "--qd")
-      o.qd = std::atoi(v.c_str());
-    else if (k == "--buffers")
-      o.buffers = std::atoi(v.c_str());
-    else if (k == "--stage")
-      o.stage = std::atoi(v.c_str());
-    else if (k == "--block")
+    if (bench::take_step_option(o, k, v)) continue;
+    if (k == "--block")
       o.block = std::atoi(v.c_str());
     else if (k == "--formats") {
       o.formats.clear();

@@ -18,7 +18,6 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/io/parse_size.hpp"
 #include "benchmarks/io/step_model.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
@@ -31,7 +30,6 @@ using namespace zeroshard;
 namespace {
 
 using zeroshard::bench::now;
-using zeroshard::bench::parse_size;
 
 // The swapper's sequential write and read bandwidth (bytes/s) through the engine's path (pinned
 // staging, O_DIRECT, checksums, same block size and depth), and the seconds it takes to read
@@ -100,11 +98,7 @@ Bandwidth swapper_bandwidth(const std::string& dir, int64_t rd, int64_t wr, int6
   return out;
 }
 
-struct Options {
-  std::string dir;
-  int64_t params = 128000000;
-  int units = 16, rounds = 5, qd = 8, buffers = 4, stage = 1;
-  int64_t bs = 1 << 20;
+struct Options : bench::StepOptions {
   DType dtype = DType::bf16;
 };
 
@@ -127,23 +121,8 @@ int main(int argc, char** argv) {
   Options o;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--dir")
-      o.dir = v;
-    else if (k == "--params")
-      o.params = parse_size(v);
-    else if (k == "--units")
-      o.units = std::atoi(v.c_str());
-    else if (k == "--rounds")
-      o.rounds = std::atoi(v.c_str());
-    else if (k == "--bs")
-      o.bs = parse_size(v, true);
-    else if (k == "--qd")
-      o.qd = std::atoi(v.c_str());
-    else if (k == "--buffers")
-      o.buffers = std::atoi(v.c_str());
-    else if (k == "--stage")
-      o.stage = std::atoi(v.c_str());
-    else if (k == "--dtype")
+    if (bench::take_step_option(o, k, v)) continue;
+    if (k == "--dtype")
       o.dtype = v == "f32" ? DType::f32 : DType::bf16;
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());

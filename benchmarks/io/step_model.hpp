@@ -1,16 +1,50 @@
 #pragma once
-// Shared by the nvme step benchmarks: a model of equal units of one parameter each, and the
-// deterministic gradients a backward pass hands over (the same for every engine and format).
+// Shared by the nvme step benchmarks: the options they share, a model of equal units of one
+// parameter each, and the deterministic gradients a backward pass hands over (the same for
+// every engine and format).
 
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "benchmarks/io/parse_size.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zeroshard::bench {
+
+/// What an nvme step benchmark is told: the swap directory, the model, the rounds, the swapper.
+struct StepOptions {
+  std::string dir;
+  int64_t params = 128000000;
+  int units = 16, rounds = 5, qd = 8, buffers = 4, stage = 1;
+  int64_t bs = 1 << 20;
+};
+
+/// Takes `--key value` into `o` when the key is one of StepOptions'; false otherwise.
+inline bool take_step_option(StepOptions& o, const std::string& k, const std::string& v) {
+  if (k == "--dir")
+    o.dir = v;
+  else if (k == "--params")
+    o.params = parse_size(v);
+  else if (k == "--units")
+    o.units = std::atoi(v.c_str());
+  else if (k == "--rounds")
+    o.rounds = std::atoi(v.c_str());
+  else if (k == "--bs")
+    o.bs = parse_size(v, true);
+  else if (k == "--qd")
+    o.qd = std::atoi(v.c_str());
+  else if (k == "--buffers")
+    o.buffers = std::atoi(v.c_str());
+  else if (k == "--stage")
+    o.stage = std::atoi(v.c_str());
+  else
+    return false;
+  return true;
+}
 
 inline double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -258,9 +258,9 @@ void quantize_blocks_impl(const float* x, int64_t n, int64_t block, bool is_sign
 template <class V>
 void dequantize_blocks_impl(const uint8_t* q, const float* absmax, int64_t n, int64_t block,
                             bool is_signed, float* x) {
+  const QuantCode& code = dynamic_code(is_signed);
   for (int64_t b = 0; b < n; b += block)
-    dequantize_block<V>(dynamic_code(is_signed), q + b, absmax[b / block], x + b,
-                        n - b < block ? n - b : block);
+    dequantize_block<V>(code, q + b, absmax[b / block], x + b, n - b < block ? n - b : block);
 }
 
 /// The KernelTable entries.
