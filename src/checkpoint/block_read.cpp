@@ -10,6 +10,7 @@
 #include "src/base/check.hpp"
 #include "src/base/in_threads.hpp"
 #include "src/checkpoint/data_file.hpp"
+#include "src/checkpoint/encoding.hpp"
 
 namespace zeroshard::ckpt {
 
@@ -63,7 +64,9 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
   std::vector<UnitReader::Piece> pieces;
   for (const ReadTarget& t : targets) {
     pieces.clear();
-    where.pieces(t.u, t.b, t.e, pieces);
+    // Values land as they lie in the file: only an f32 state can be read in place.
+    ZS_CHECK(verify_only || encoding_of(m, t.s).format == StateFormat::f32);
+    where.pieces(t.s, t.u, t.b, t.e, pieces);
     for (const UnitReader::Piece& p : pieces) {
       std::unique_ptr<DataFileReader>& f = files[{t.s, p.rank}];
       if (!f)
@@ -71,7 +74,7 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
             dir / data_file_name(p.rank, state_names()[size_t(t.s)].name),
             expected_header(m, p.rank, t.s));
       char* to = t.out ? reinterpret_cast<char*>(t.out + p.to) : nullptr;  // null: verify only
-      for (int64_t byte = p.at * 4, end = (p.at + p.n) * 4; byte < end;) {
+      for (int64_t byte = p.at, end = p.at + p.bytes; byte < end;) {
         const int64_t b = byte / m.block_bytes, in = byte - b * m.block_bytes;
         const int64_t take = std::min(end - byte, f->block_len(b) - in);
         Job& job = by_block[{t.s, p.rank, b}];

@@ -19,9 +19,10 @@ struct ReadTarget {
 };
 
 /// Reads every target from the checkpoint in `dir` (manifest m); with `verify_only`, reads and
-/// verifies the blocks they take and writes nothing (`out` may be null). Throws Error(corrupted)
-/// naming file, block and offset on damage, Error(io_error) on a failed read; the targets may
-/// then hold part of what was read.
+/// verifies the blocks they take and writes nothing (`out` may be null). Without it every
+/// target's state must be stored in f32 (encoding.hpp): the values land as the file holds them.
+/// Throws Error(corrupted) naming file, block and offset on damage, Error(io_error) on a failed
+/// read; the targets may then hold part of what was read.
 void read_blocks(const std::filesystem::path& dir, const Manifest& m,
                  const std::vector<ReadTarget>& targets, bool verify_only);
 

@@ -13,6 +13,7 @@
 
 #include "offload/checksum.hpp"
 #include "src/base/check.hpp"
+#include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/file_io.hpp"
 
 namespace zeroshard::ckpt {
@@ -246,42 +247,60 @@ const char* DataFileReader::load_block(int64_t b) {
 // A block wholly inside the range is read straight into `out` and verified there (one copy
 // fewer); the ends of the range go through block_. On a checksum mismatch `out` may then hold
 // part of the damaged block.
-void DataFileReader::read(int64_t offset, int64_t n, float* out) {
-  int64_t byte = offset * 4;
-  const int64_t end = (offset + n) * 4;
-  ZS_CHECK(offset >= 0 && end <= h_.data_bytes);
-  char* dst = reinterpret_cast<char*>(out);
+void DataFileReader::read(int64_t at, int64_t bytes, char* out) {
+  int64_t byte = at;
+  const int64_t end = at + bytes;
+  ZS_CHECK(at >= 0 && bytes >= 0 && end <= h_.data_bytes);
   while (byte < end) {
     const int64_t b = byte / h_.block_bytes, in = byte - b * h_.block_bytes;
     const int64_t take = std::min(end - byte, block_len(b) - in);
     if (in == 0 && take == block_len(b) && cached_ != b)
-      read_block(b, dst);
+      read_block(b, out);
     else
-      std::memcpy(dst, load_block(b) + in, size_t(take));
-    dst += take, byte += take;
+      std::memcpy(out, load_block(b) + in, size_t(take));
+    out += take, byte += take;
   }
 }
 
 UnitReader::UnitReader(std::filesystem::path dir, const Manifest& m) : dir_(std::move(dir)), m_(m) {
   by_unit_.resize(m.units.size());
   for (size_t r = 0; r < m.ranges.size(); ++r)
-    for (const Range& rg : m.ranges[r]) by_unit_[size_t(rg.unit)].emplace_back(int(r), rg);
+    for (size_t i = 0; i < m.ranges[r].size(); ++i)
+      by_unit_[size_t(m.ranges[r][i].unit)].emplace_back(int(r), i);
+  at_.resize(state_names().size());
+  for (size_t s = 0; s < at_.size(); ++s)
+    for (int r = 0; r < int(m.ranges.size()); ++r) at_[s].push_back(range_bytes(m, r, int(s)));
 }
 
 void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
-  for (const auto& [r, rg] : by_unit_[size_t(u)]) {
-    const int64_t lo = std::max(b, rg.begin), hi = std::min(e, rg.end);
-    if (lo < hi) file(r, s).read(rg.offset + (lo - rg.begin), hi - lo, out + (lo - b));
-    // Readers go through the units in order: a file whose last range this was is done (a
-    // load from many ranks' files would otherwise hold all of them open at once).
-    if (u == m_.ranges[size_t(r)].back().unit) files_.erase({r, s});
+  const Encoding enc = encoding_of(m_, s);
+  std::vector<Piece> list;
+  pieces(s, u, b, e, list);
+  for (const Piece& p : list) {
+    if (enc.format == StateFormat::f32) {
+      file(p.rank, s).read(p.at, p.bytes, reinterpret_cast<char*>(out + p.to));
+    } else {
+      encoded_.resize(size_t(p.bytes));
+      file(p.rank, s).read(p.at, p.bytes, encoded_.data());
+      decode(enc, p.n, p.lo, p.hi, encoded_.data(), out + p.to);
+    }
   }
+  // Readers go through the units in order: a file whose last range this was is done (a load
+  // from many ranks' files would otherwise hold all of them open at once).
+  for (const auto& [r, i] : by_unit_[size_t(u)])
+    if (u == m_.ranges[size_t(r)].back().unit) files_.erase({r, s});
 }
 
-void UnitReader::pieces(int u, int64_t b, int64_t e, std::vector<Piece>& out) const {
-  for (const auto& [r, rg] : by_unit_[size_t(u)]) {
+void UnitReader::pieces(int s, int u, int64_t b, int64_t e, std::vector<Piece>& out) const {
+  const Encoding enc = encoding_of(m_, s);
+  for (const auto& [r, i] : by_unit_[size_t(u)]) {
+    const Range& rg = m_.ranges[size_t(r)][i];
     const int64_t lo = std::max(b, rg.begin), hi = std::min(e, rg.end);
-    if (lo < hi) out.push_back({r, rg.offset + (lo - rg.begin), hi - lo, lo - b});
+    if (lo >= hi) continue;
+    const int64_t n = rg.end - rg.begin;
+    const ByteSpan span = span_of(enc, n, lo - rg.begin, hi - rg.begin);
+    out.push_back({r, at_[size_t(s)][size_t(r)][i] + span.first, span.last - span.first, lo - b, n,
+                   lo - rg.begin, hi - rg.begin});
   }
 }
 

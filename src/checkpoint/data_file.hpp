@@ -81,9 +81,9 @@ class DataFileReader {
   /// Opens `path` and checks its header against what the manifest expects of it, its size, and
   /// its checksum table's own checksum. Throws Error(corrupted) naming the file.
   DataFileReader(std::filesystem::path path, const FileHeader& expected);
-  /// Data elements [offset, offset + n) (f32) into out, every block they touch verified (on
-  /// failure, out may hold part of the damaged block).
-  void read(int64_t offset, int64_t n, float* out);
+  /// Data bytes [at, at + bytes) into out, every block they touch verified (on failure, out may
+  /// hold part of the damaged block).
+  void read(int64_t at, int64_t bytes, char* out);
   /// Verifies every block; `done(bytes)` after each.
   template <class F>
   void verify_all(F&& done) {
@@ -122,24 +122,28 @@ class DataFileReader {
 class UnitReader {
  public:
   UnitReader(std::filesystem::path dir, const Manifest& m);
-  /// Values [b, e) of unit u's state s (an index into state_names()) into out, every block
-  /// verified.
+  /// Values [b, e) of unit u's state s (an index into state_names()) into out as f32, every
+  /// block verified.
   void read(int s, int u, int64_t b, int64_t e, float* out);
-  /// Where read(s, u, b, e, out) takes its values from, in any state s: n values at element
-  /// `at` of file rank `rank`'s data go to out + to.
+  /// Where read(s, u, b, e, out) takes its values from: data bytes [at, at + bytes) of rank
+  /// `rank`'s file of state s hold values [lo, hi) of a range of n values, which go to
+  /// out + to. For an f32 state the bytes are exactly those values'; else encoding.hpp's span.
   struct Piece {
     int rank;
-    int64_t at, n, to;
+    int64_t at, bytes, to;
+    int64_t n, lo, hi;
   };
-  void pieces(int u, int64_t b, int64_t e, std::vector<Piece>& out) const;
+  void pieces(int s, int u, int64_t b, int64_t e, std::vector<Piece>& out) const;
 
  private:
   DataFileReader& file(int r, int s);
 
   std::filesystem::path dir_;
   const Manifest& m_;
-  std::vector<std::vector<std::pair<int, Range>>> by_unit_;
+  std::vector<std::vector<std::pair<int, size_t>>> by_unit_;  // (rank, index of its range)
+  std::vector<std::vector<std::vector<int64_t>>> at_;         // [state][rank][range]: byte
   std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files_;
+  std::vector<char> encoded_;  // a piece of a state that is not f32
 };
 
 }  // namespace zeroshard::ckpt

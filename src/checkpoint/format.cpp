@@ -16,6 +16,7 @@
 
 #include "offload/checksum.hpp"
 #include "src/base/check.hpp"
+#include "src/checkpoint/encoding.hpp"
 
 namespace zeroshard::ckpt {
 
@@ -85,13 +86,13 @@ FileHeader decode_header(const char* data, size_t bytes, const std::string& file
     ZS_THROW(corrupted, "checkpoint: " << file << " is not a zeroshard data file (bad magic)");
   if (r.check != offload::xxh64(&r, offsetof(RawHeader, check), 0))
     ZS_THROW(corrupted, "checkpoint: " << file << ": header checksum mismatch (damaged header)");
-  if (r.schema != kSchema)
-    ZS_THROW(invalid_argument,
-             "checkpoint: " << file << " has schema " << r.schema << ", expected " << kSchema);
+  if (r.schema < kOldestSchema || r.schema > kSchema)
+    ZS_THROW(invalid_argument, "checkpoint: " << file << " has schema " << r.schema << ", expected "
+                                              << kOldestSchema << " to " << kSchema);
   const bool sane = r.rank >= 0 && r.state >= 0 && size_t(r.state) < state_names().size() &&
                     r.block_bytes >= 4096 && r.block_bytes % 4096 == 0 &&
                     r.block_bytes <= (int64_t(1) << 30) && r.data_bytes >= 0 &&
-                    r.data_bytes % 4 == 0 && r.data_bytes <= (int64_t(1) << 50);
+                    r.data_bytes <= (int64_t(1) << 50);
   if (!sane) ZS_THROW(corrupted, "checkpoint: " << file << ": header fields out of range");
   return {r.save_id, r.rank, r.state, r.block_bytes, r.data_bytes};
 }
@@ -209,9 +210,21 @@ Range owned_by(const ShardInfo& s, int r) {
 }
 
 FileHeader expected_header(const Manifest& m, int rank, int state) {
-  int64_t n = 0;
-  for (const Range& rg : m.ranges[size_t(rank)]) n += rg.end - rg.begin;
-  return {m.save_id, rank, state, m.block_bytes, n * 4};
+  const Encoding e = encoding_of(m, state);
+  int64_t bytes = 0;
+  for (const Range& rg : m.ranges[size_t(rank)]) bytes += encoded_bytes(e, rg.end - rg.begin);
+  return {m.save_id, rank, state, m.block_bytes, bytes};
+}
+
+std::vector<int64_t> range_bytes(const Manifest& m, int rank, int state) {
+  const Encoding e = encoding_of(m, state);
+  std::vector<int64_t> at;
+  int64_t bytes = 0;
+  for (const Range& rg : m.ranges[size_t(rank)]) {
+    at.push_back(bytes);
+    bytes += encoded_bytes(e, rg.end - rg.begin);
+  }
+  return at;
 }
 
 std::string manifest_text(const Manifest& m) {
@@ -249,6 +262,8 @@ std::string manifest_text(const Manifest& m) {
               {"last_overflow", m.scaler.last_overflow}}},
             {"groups", groups},
             {"states", m.states},
+            {"state_format", state_format_name(m.state_format)},
+            {"state_block", m.state_block},
             {"block_bytes", m.block_bytes},
             {"units", units},
             {"ranges", ranks}};
@@ -268,9 +283,10 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
   if (r.string(j, "format", "") != kFormat)
     ZS_THROW(invalid_argument, "checkpoint: " << file << " is not a zeroshard checkpoint manifest");
   const int64_t schema = r.integer(j, "schema", "", 0, INT32_MAX);
-  if (schema != kSchema)
+  if (schema < kOldestSchema || schema > kSchema)
     ZS_THROW(invalid_argument, "checkpoint: " << file << " has schema " << schema
-                                              << "; this zeroshard reads schema " << kSchema);
+                                              << "; this zeroshard reads schemas " << kOldestSchema
+                                              << " to " << kSchema);
   Manifest m;
   m.tag = r.string(j, "tag", "");
   const std::string id = r.string(j, "save_id", "");
@@ -312,6 +328,15 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
     for (const StateName& sn : state_names()) known |= name == sn.name;
     if (!known) r.bad("states[" + std::to_string(s) + "]", "names no state ('" + name + "')");
     m.states.push_back(name);
+  }
+  if (schema >= 3) {
+    const std::string name = r.string(j, "state_format", "");
+    bool known = false;
+    for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8})
+      if (name == state_format_name(f)) m.state_format = f, known = true;
+    if (!known) r.bad("state_format", "names no format ('" + name + "')");
+    m.state_block = r.integer(j, "state_block", "", 0, int64_t(1) << 30);
+    if (m.state_format == StateFormat::q8 && m.state_block < 1) r.bad("state_block", "is 0");
   }
   m.block_bytes = r.integer(j, "block_bytes", "", 4096, int64_t(1) << 30);
   if (m.block_bytes % 4096) r.bad("block_bytes", "is not a multiple of 4096");

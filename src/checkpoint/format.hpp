@@ -4,10 +4,11 @@
 //
 //   root/latest                   the newest complete tag's name, replaced atomically last
 //   root/<tag>/manifest.json      the model, the step, hyperparameters, scaler, who wrote what
-//   root/<tag>/rank00003.master   data files: header block, f32 data, checksum table
+//   root/<tag>/rank00003.master   data files: header block, data, checksum table
 //
 // A data file holds, for each unit in order, the unpadded range of the unit's values that its
-// rank's shard held when it was written (the manifest lists the ranges). Its layout:
+// rank's shard held when it was written (the manifest lists the ranges), each range encoded as
+// encoding.hpp says: the master in f32, the moments in the run's state format. Its layout:
 //   [0, 4096)                     header: FileHeader, then zeros
 //   [4096, 4096 + data_bytes)     data
 //   then                          one XXH64 per block of block_bytes (the last block may be
@@ -24,7 +25,10 @@
 
 namespace zeroshard::ckpt {
 
-constexpr int kSchema = 2;
+/// Schema 3 added the moments' format (state_format, state_block); a schema-2 checkpoint holds
+/// f32 moments and reads as one.
+constexpr int kSchema = 3;
+constexpr int kOldestSchema = 2;
 constexpr const char* kFormat = "zeroshard-checkpoint";
 constexpr int64_t kHeaderBytes = 4096;
 constexpr int64_t kBlockBytes = int64_t(4) << 20;
@@ -61,8 +65,8 @@ int64_t block_count(int64_t data_bytes, int64_t block_bytes);
 /// The file's whole size.
 int64_t file_bytes(const FileHeader& h);
 
-/// One unit's range in one rank's data files: values [begin, end) of the unit, at element
-/// `offset` of the file's data.
+/// One unit's range in one rank's data files: values [begin, end) of the unit, after `offset`
+/// values of the rank's earlier ranges (at byte range_bytes() of each data file).
 struct Range {
   int unit = 0;
   int64_t begin = 0, end = 0, offset = 0;
@@ -88,7 +92,9 @@ struct Manifest {
   int64_t step = 0;
   LossScalerState scaler;
   std::vector<OptimizerOptions> groups;
-  std::vector<std::string> states;  ///< the state names saved
+  std::vector<std::string> states;              ///< the state names saved
+  StateFormat state_format = StateFormat::f32;  ///< the moments' (encoding.hpp)
+  int64_t state_block = 0;                      ///< q8: values per block
   int64_t block_bytes = 0;
   std::vector<UnitInfo> units;
   std::vector<std::vector<Range>> ranges;  ///< per writing rank
@@ -99,6 +105,8 @@ struct Manifest {
 Range owned_by(const ShardInfo& s, int r);
 /// The header rank r's data file of state s (an index into state_names()) must carry.
 FileHeader expected_header(const Manifest& m, int rank, int state);
+/// Where each of rank r's ranges starts in its data file of state s, in data bytes.
+std::vector<int64_t> range_bytes(const Manifest& m, int rank, int state);
 
 /// The manifest as JSON text, with its own checksum.
 std::string manifest_text(const Manifest& m);

@@ -9,6 +9,17 @@ namespace zeroshard {
 
 using namespace ckpt;
 
+namespace {
+
+// A manifest's state name (parse_manifest() checked it) as an index into state_names().
+int state_index(const std::string& name) {
+  int s = 0;
+  while (state_names()[size_t(s)].name != name) ++s;
+  return s;
+}
+
+}  // namespace
+
 std::string describe_checkpoint(const std::filesystem::path& path) {
   const std::filesystem::path dir = resolve(path);
   const Manifest m = read_manifest(dir);
@@ -19,6 +30,8 @@ std::string describe_checkpoint(const std::filesystem::path& path) {
      << "  world size   " << m.world_size << " (stage " << m.stage << ", " << m.dtype << ")\n"
      << "  optimizer    " << m.optimizer << " (states:";
   for (const std::string& s : m.states) os << " " << s;
+  os << "; moments " << state_format_name(m.state_format);
+  if (m.state_format == StateFormat::q8) os << " in blocks of " << m.state_block;
   os << ")\n"
      << "  loss scaler  scale " << m.scaler.scale << ", hysteresis left "
      << m.scaler.hysteresis_left << ", iteration " << m.scaler.iteration << ", last overflow "
@@ -45,12 +58,12 @@ int64_t verify_checkpoint(const std::filesystem::path& path,
   const std::filesystem::path dir = resolve(path);
   const Manifest m = read_manifest(dir);
   int64_t total = 0;
-  for (int r = 0; r < m.world_size; ++r)
-    total += expected_header(m, r, 0).data_bytes * int64_t(m.states.size());
+  for (const std::string& state : m.states)
+    for (int r = 0; r < m.world_size; ++r)
+      total += expected_header(m, r, state_index(state)).data_bytes;
   int64_t done = 0;
   for (const std::string& state : m.states) {
-    int s = 0;
-    while (state_names()[size_t(s)].name != state) ++s;
+    const int s = state_index(state);
     for (int r = 0; r < m.world_size; ++r) {
       DataFileReader f(dir / data_file_name(r, state.c_str()), expected_header(m, r, s));
       f.verify_all([&](int64_t n) {

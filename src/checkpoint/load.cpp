@@ -11,6 +11,7 @@
 #include "src/checkpoint/block_read.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"
+#include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/format.hpp"
 #include "src/engine_impl.hpp"
 
@@ -121,7 +122,7 @@ void Engine::load(const std::filesystem::path& path) {
   for (int s : states)
     for (int u = 0; u < num_units(); ++u) {
       float* out = impl.state->host_target(u, state_names()[size_t(s)].kind);
-      in_place &= out != nullptr;
+      in_place &= out != nullptr && encoding_of(m, s).format == StateFormat::f32;
       targets.push_back({s, u, spans[size_t(u)].b, spans[size_t(u)].e, out});
     }
   all_or_none(comm, at + ": verifying", [&] { read_blocks(dir, m, targets, true); });

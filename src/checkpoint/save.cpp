@@ -27,6 +27,7 @@
 #include "src/base/unique_fd.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"
+#include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/file_io.hpp"
 #include "src/checkpoint/format.hpp"
 #include "src/engine_impl.hpp"
@@ -158,6 +159,8 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
   m.step = e.step_count();
   m.scaler = e.loss_scaler_state();
   for (int g = 0; g < e.num_groups(); ++g) m.groups.push_back(e.options(g));
+  m.state_format = e.config().optimizer_state;
+  m.state_block = m.state_format == StateFormat::q8 ? e.config().state_block : 0;
   m.block_bytes = kBlockBytes;
   for (size_t s = 0; s < state_names().size(); ++s)
     if (e.has_state(state_names()[s].kind)) {
@@ -180,23 +183,36 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
       list.push_back(rg);
     }
   }
-  p->mine = expected_header(m, e.rank(), 0).data_bytes / 4;
+  for (const Range& rg : m.ranges[size_t(e.rank())]) p->mine += rg.end - rg.begin;
   return p;
 }
 
 // This rank's data files: one per state, filled unit by unit side by side, so that each file's
 // writer thread has a block in flight at the same time. values(i, range) is where the range of
-// the i-th state's values starts.
+// the i-th state's values starts, in f32; a moment kept in another format is encoded back into
+// it (encoding.hpp), which gives the run's own bits.
 template <class Values>
 void write_files(const PendingSave& p, int rank, Values&& values) {
   std::vector<std::unique_ptr<DataFileWriter>> files;
-  for (int s : p.states)
+  std::vector<Encoding> encodings;
+  for (int s : p.states) {
     files.push_back(std::make_unique<DataFileWriter>(
         p.tmp / data_file_name(rank, state_names()[size_t(s)].name),
         expected_header(p.m, rank, s)));
+    encodings.push_back(encoding_of(p.m, s));
+  }
+  std::vector<char> encoded;
   for (const Range& rg : p.m.ranges[size_t(rank)])
-    for (size_t i = 0; i < files.size(); ++i)
-      files[i]->append(values(i, rg), size_t(rg.end - rg.begin) * 4);
+    for (size_t i = 0; i < files.size(); ++i) {
+      const int64_t n = rg.end - rg.begin;
+      if (encodings[i].format == StateFormat::f32) {
+        files[i]->append(values(i, rg), size_t(n) * 4);
+        continue;
+      }
+      encoded.resize(size_t(encoded_bytes(encodings[i], n)));
+      encode(encodings[i], values(i, rg), n, encoded.data());
+      files[i]->append(encoded.data(), encoded.size());
+    }
   for (auto& f : files) f->finish();
 }
 

@@ -9,7 +9,9 @@
 #include <fstream>
 #include <limits>
 
+#include "src/checkpoint/format.hpp"
 #include "tests/multirank/harness.hpp"
+#include "zeroshard/quantize.hpp"
 
 using namespace zeroshard;
 using zs_test::world;
@@ -46,8 +48,37 @@ std::vector<float> whole(Engine& e, int u, StateKind k) {
   return all;
 }
 
-// Every moment format: bf16 and 8-bit moments are saved widened to f32 and narrowed back on load,
-// which gives the same bits (8-bit: the same codes and absmax, blocks being global).
+// Bytes a checkpoint's moment file holds for a range of n values, as encoding.hpp states it: f32
+// 4 per value, bf16 2, 8-bit 1 plus one f32 absmax per block of 64 (cfg_for's state_block).
+int64_t moment_bytes(StateFormat f, int64_t n) {
+  return f == StateFormat::f32 ? 4 * n : f == StateFormat::bf16 ? 2 * n : n + 4 * ((n + 63) / 64);
+}
+
+// Each moment file of the checkpoint in `tag` holds its ranges in the run's format: no bigger.
+void expect_compact_moments(const std::filesystem::path& tag, StateFormat f) {
+  const ckpt::Manifest m = ckpt::read_manifest(tag);
+  EXPECT_EQ(m.state_format, f);
+  for (int r = 0; r < m.world_size; ++r) {
+    int64_t data = 0, values = 0;
+    for (const ckpt::Range& rg : m.ranges[size_t(r)]) {
+      data += moment_bytes(f, rg.end - rg.begin);
+      values += rg.end - rg.begin;
+    }
+    for (const char* s : {"state0", "state1"}) {
+      const ckpt::FileHeader h{0, r, 0, m.block_bytes, data};
+      EXPECT_EQ(int64_t(std::filesystem::file_size(tag / ckpt::data_file_name(r, s))),
+                ckpt::file_bytes(h))
+          << s << " of rank " << r;
+    }
+    const ckpt::FileHeader master{0, r, 0, m.block_bytes, 4 * values};
+    EXPECT_EQ(int64_t(std::filesystem::file_size(tag / ckpt::data_file_name(r, "master"))),
+              ckpt::file_bytes(master));
+  }
+}
+
+// Every moment format: bf16 and 8-bit moments are saved as they are kept, and load back to the
+// same bits at any world size (8-bit: the same codes and absmax, a shard starting on a block
+// boundary at every world size).
 TEST(Checkpoint, LoadsAtAnotherStageAndWorldSize) {
   for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
     SCOPED_TRACE(state_format_name(f));
@@ -60,6 +91,7 @@ TEST(Checkpoint, LoadsAtAnotherStageAndWorldSize) {
     EXPECT_EQ(a.save(dir), dir / "step00000004");
     ASSERT_TRUE(std::filesystem::exists(dir / "step00000004" / "manifest.json"));
     ASSERT_TRUE(std::filesystem::exists(dir / "latest"));
+    if (world()->rank() == 0) expect_compact_moments(dir / "step00000004", f);
 
     // Same ranks, stage 1: continues bitwise like the original.
     Engine b(cfg_for(1, f), world());
@@ -95,6 +127,48 @@ TEST(Checkpoint, LoadsAtAnotherStageAndWorldSize) {
     world()->barrier("checkpoint test");
     if (world()->rank() == 0) std::filesystem::remove_all(dir);
   }
+}
+
+// A run may change its moments' format at a resume: a load narrows what the checkpoint holds
+// into the engine's format (f32 → 8-bit quantizes, in the loading engine's blocks) and widens
+// back (8-bit → f32 gives code × absmax exactly). Whole units, since the two formats pad shards
+// to different grains.
+TEST(Checkpoint, LoadsIntoAnotherMomentFormat) {
+  auto dir = shared_dir("formats");
+  Engine wide(cfg_for(3, StateFormat::f32), world()), narrow(cfg_for(3, StateFormat::q8), world());
+  for (Engine* e : {&wide, &narrow}) {
+    zs_test::register_model(*e, zs_test::uneven_model());
+    zs_test::TrainOptions o;
+    o.steps = 3;
+    zs_test::train(*e, o);
+  }
+  wide.save(dir, "f32");
+  narrow.save(dir, "q8");
+
+  Engine q(cfg_for(2, StateFormat::q8), world()), f(cfg_for(2, StateFormat::f32), world());
+  for (Engine* e : {&q, &f}) zs_test::register_model(*e, zs_test::uneven_model());
+  q.load(dir / "f32");
+  f.load(dir / "q8");
+  bool changed = false;
+  for (int u = 0; u < wide.num_units(); ++u)
+    for (StateKind k : {StateKind::state0, StateKind::state1}) {
+      const bool is_signed = k == StateKind::state0;
+      const std::vector<float> x = whole(wide, u, k);
+      const int64_t n = int64_t(x.size());
+      std::vector<uint8_t> codes(x.size());
+      std::vector<float> absmax(size_t((n + 63) / 64)), want(x.size());
+      quantize_8bit(x.data(), n, 64, is_signed, codes.data(), absmax.data());
+      dequantize_8bit(codes.data(), absmax.data(), n, 64, is_signed, want.data());
+      const std::vector<float> got_q = whole(q, u, k), y = whole(narrow, u, k),
+                               got_f = whole(f, u, k);
+      EXPECT_EQ(std::memcmp(got_q.data(), want.data(), size_t(n) * 4), 0)
+          << "f32 -> 8bit, unit " << u;
+      EXPECT_EQ(std::memcmp(got_f.data(), y.data(), size_t(n) * 4), 0) << "8bit -> f32, unit " << u;
+      changed |= std::memcmp(want.data(), x.data(), size_t(n) * 4) != 0;
+    }
+  EXPECT_TRUE(changed) << "quantizing changed no unit: the test shows nothing";
+  world()->barrier("checkpoint formats test");
+  if (world()->rank() == 0) std::filesystem::remove_all(dir);
 }
 
 // An f16 run's loss scaler goes on from a checkpoint exactly: its counters (overflows still

@@ -21,9 +21,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-Config cfg_for(int stage, Tier tier = Tier::device) {
+Config cfg_for(int stage, Tier tier = Tier::device, StateFormat moments = StateFormat::f32) {
   Config c;
   c.stage = stage;
+  c.optimizer_state = moments;
+  c.state_block = 64;
   c.dtype = DType::bf16;
   c.optimizer.lr = 1e-2f;
   c.shard_alignment = 4;
@@ -226,14 +228,18 @@ namespace {
 
 // A fresh checkpoint of engine `a` in dir/<tag>, damaged by rank 0's `damage(tag_dir)`; then a
 // load into `b` must fail on every rank with `code` and `text`, leaving b unchanged, its memory
-// included. With the state in host memory a load reads in one pass into memory of its own, on
-// the nvme tier in two passes (load.cpp): both are damaged.
+// included. With f32 state in host memory a load reads the blocks straight to where the state
+// lies, else through UnitReader, decoding 8-bit moments (load.cpp): each is damaged.
 void expect_refused(const std::string& name, const std::function<void(const fs::path&)>& damage,
                     ErrorCode code, const std::string& text) {
-  for (Tier tier : {Tier::host, Tier::nvme}) {
-    const std::string what = name + " (" + tier_name(tier) + " tier)";
+  const std::pair<Tier, StateFormat> runs[] = {{Tier::host, StateFormat::f32},
+                                               {Tier::nvme, StateFormat::f32},
+                                               {Tier::nvme, StateFormat::q8}};
+  for (auto [tier, f] : runs) {
+    const std::string what =
+        name + " (" + tier_name(tier) + " tier, " + state_format_name(f) + " moments)";
     const fs::path dir = shared_dir("damage");
-    Engine a(cfg_for(2, tier), world()), b(cfg_for(2, tier), world());
+    Engine a(cfg_for(2, tier, f), world()), b(cfg_for(2, tier, f), world());
     zs_test::register_model(a, zs_test::uneven_model());
     zs_test::register_model(b, zs_test::uneven_model());
     train_some(a, 2);
@@ -311,8 +317,8 @@ TEST(CheckpointDamage, ManifestsAndPointers) {
   };
   expect_refused("changed value", edit("\"step\": 2", "\"step\": 3"), ErrorCode::corrupted,
                  "checksum mismatch");
-  expect_refused("another schema", edit("\"schema\": 2", "\"schema\": 3"),
-                 ErrorCode::invalid_argument, "has schema 3");
+  expect_refused("another schema", edit("\"schema\": 3", "\"schema\": 4"),
+                 ErrorCode::invalid_argument, "has schema 4");
   expect_refused("wrong type", edit("\"step\": 2", "\"step\": \"2\""), ErrorCode::corrupted,
                  "step is not an integer");
   expect_refused("not JSON", edit("{", "["), ErrorCode::corrupted, "manifest.json");

@@ -230,10 +230,11 @@ def test_checkpoint_resume_restores_hyperparameters_and_continues_bitwise(stage,
     assert all(torch.equal(before[k], v) for k, v in b.model_state_dict().items())
 
 
-def test_export_is_read_by_the_safetensors_package(tmp_path):
+@pytest.mark.parametrize("fmt", ["f32", "8bit"])
+def test_export_is_read_by_the_safetensors_package(fmt, tmp_path):
     from safetensors.torch import load_file
     model, data = make_model(), batches(3)
-    opt = zero(model, 2)
+    opt = zero(model, 2, optimizer_state=fmt, state_block=64)
     train_zero(opt, model, data, 0, 1)
     tag = opt.save_checkpoint(tmp_path / "ckpt")
     zs.export_checkpoint(tag, tmp_path / "out")
@@ -245,6 +246,12 @@ def test_export_is_read_by_the_safetensors_package(tmp_path):
     assert set(state) == {f"{n}.{s}" for n in weights for s in ("exp_avg", "exp_avg_sq")}
     assert state["proj.weight.exp_avg_sq"].shape == model.proj.weight.shape
     assert (state["proj.weight.exp_avg_sq"] > 0).any()
+    # The moments as the optimizer keeps them (8-bit: saved as codes and absmax, exported as
+    # code x absmax), unit by unit.
+    for entry in opt.state_dict()["state"]["units"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            flat = torch.cat([state[f"{n}.{key}"].flatten() for n in entry["param_names"]])
+            assert torch.equal(flat, entry[key][:entry["numel"]]), (entry["name"], key)
     # And back: an engine starts from the exported weights.
     fresh = make_model(seed=9)
     opt2 = zero(fresh, 2)

@@ -1,0 +1,47 @@
+#pragma once
+// How a checkpoint's data file stores one state's values: the master always as f32, the moments
+// as the run kept them (the manifest's state_format), so that an 8-bit run's checkpoint is as
+// small as its state and reloads to the same bits.
+//
+// A data file is its rank's ranges back to back (format.hpp), each range encoded on its own:
+//   f32   4 bytes per value
+//   bf16  2 bytes per value (the values' own bits: a bf16 state widens and narrows exactly)
+//   q8    per block of `block` values counted from the range's first value (the last block may
+//         be shorter): the block's f32 absmax, then one code byte per value
+// A shard starts on a block boundary of its unit at every world size (layout.hpp,
+// padding_grain), so a range's blocks are the run's own blocks: saving and loading at any world
+// size with the same format and block keeps every code and absmax bit for bit.
+#include <cstdint>
+
+#include "zeroshard/config.hpp"
+
+namespace zeroshard::ckpt {
+
+struct Manifest;
+
+struct Encoding {
+  StateFormat format = StateFormat::f32;
+  int64_t block = 0;       ///< q8 only
+  bool is_signed = false;  ///< q8 only: the signed map (first moments) or the unsigned one
+};
+
+/// The encoding of state s (an index into state_names()) in the checkpoint of manifest m.
+Encoding encoding_of(const Manifest& m, int s);
+
+/// Bytes of a range of n values.
+int64_t encoded_bytes(const Encoding& e, int64_t n);
+
+/// The bytes [first, last) of a range of n values, relative to the range's start, that hold
+/// its values [lo, hi) (q8: whole blocks).
+struct ByteSpan {
+  int64_t first = 0, last = 0;
+};
+ByteSpan span_of(const Encoding& e, int64_t n, int64_t lo, int64_t hi);
+
+/// Encodes the n values of a range into `out` (encoded_bytes(e, n) bytes).
+void encode(const Encoding& e, const float* values, int64_t n, char* out);
+
+/// Values [lo, hi) of a range of n values out of span_of(e, n, lo, hi)'s bytes, as f32.
+void decode(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* bytes, float* out);
+
+}  // namespace zeroshard::ckpt

@@ -1,0 +1,131 @@
+// How checkpoints store the moments (src/checkpoint/encoding.hpp): every format decodes what it
+// encoded, from any sub-range of a range and from the bytes span_of() names alone; an 8-bit
+// range re-encodes to its own bytes (so a save → load → save keeps every code and absmax); and
+// a schema-2 manifest, written before the moments had a format, reads as f32 moments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <vector>
+
+#include "offload/checksum.hpp"
+#include "src/checkpoint/encoding.hpp"
+#include "src/checkpoint/format.hpp"
+#include "zeroshard/quantize.hpp"
+
+namespace zeroshard::ckpt {
+namespace {
+
+std::vector<float> moments(int64_t n, bool is_signed, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.0f, 1e-3f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) {
+    const float y = d(g);
+    x = is_signed ? y : y * y;  // a second moment is never negative
+  }
+  if (n > 70) std::fill(v.begin() + 64, v.begin() + 70, 0.0f);  // part of a block all zero
+  return v;
+}
+
+// What each format keeps of a value: f32 all of it, bf16 its rounding to nearest even, q8 its
+// code point × its block's absmax (the public quantizer, blocks from the range's start).
+std::vector<float> kept(const Encoding& e, const std::vector<float>& v) {
+  std::vector<float> out(v);
+  const int64_t n = int64_t(v.size());
+  if (e.format == StateFormat::bf16)
+    for (float& x : out) {
+      uint32_t b;
+      std::memcpy(&b, &x, 4);
+      b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+      std::memcpy(&x, &b, 4);
+    }
+  if (e.format == StateFormat::q8) {
+    std::vector<uint8_t> q(v.size());
+    std::vector<float> a(size_t((n + e.block - 1) / e.block));
+    quantize_8bit(v.data(), n, e.block, e.is_signed, q.data(), a.data());
+    dequantize_8bit(q.data(), a.data(), n, e.block, e.is_signed, out.data());
+  }
+  return out;
+}
+
+TEST(CheckpointEncoding, EveryFormatDecodesAnySubRangeFromItsSpanAlone) {
+  const Encoding all[] = {{StateFormat::f32, 0, false},
+                          {StateFormat::bf16, 0, false},
+                          {StateFormat::q8, 64, true},
+                          {StateFormat::q8, 256, false}};
+  for (const Encoding& e : all)
+    for (int64_t n : {1, 63, 64, 65, 300, 1000}) {
+      SCOPED_TRACE(std::string(state_format_name(e.format)) + " block " + std::to_string(e.block) +
+                   " n " + std::to_string(n));
+      const std::vector<float> v = moments(n, e.is_signed, uint32_t(n)), want = kept(e, v);
+      std::vector<char> bytes(size_t(encoded_bytes(e, n)));
+      const int64_t expect_bytes = e.format == StateFormat::f32 ? 4 * n
+                                   : e.format == StateFormat::bf16
+                                       ? 2 * n
+                                       : n + 4 * ((n + e.block - 1) / e.block);
+      ASSERT_EQ(int64_t(bytes.size()), expect_bytes);
+      encode(e, v.data(), n, bytes.data());
+      std::mt19937 g(7);
+      for (int t = 0; t < 40; ++t) {
+        int64_t lo = int64_t(g() % uint32_t(n)), hi = int64_t(g() % uint32_t(n)) + 1;
+        if (t == 0) lo = 0, hi = n;
+        if (lo >= hi) std::swap(lo, hi), ++hi;
+        hi = std::min(hi, n);
+        const ByteSpan s = span_of(e, n, lo, hi);
+        ASSERT_TRUE(0 <= s.first && s.first < s.last && s.last <= int64_t(bytes.size()));
+        // Only the span's bytes: what lies outside it must not matter.
+        std::vector<char> part(bytes.begin() + s.first, bytes.begin() + s.last);
+        std::vector<float> got(size_t(hi - lo), -1.0f);
+        decode(e, n, lo, hi, part.data(), got.data());
+        EXPECT_EQ(std::memcmp(got.data(), want.data() + lo, got.size() * 4), 0)
+            << "[" << lo << ", " << hi << ")";
+      }
+      // What a load gives back encodes to the same bytes.
+      std::vector<float> back(static_cast<size_t>(n));
+      decode(e, n, 0, n, bytes.data(), back.data());
+      std::vector<char> again(bytes.size());
+      encode(e, back.data(), n, again.data());
+      EXPECT_EQ(again, bytes);
+    }
+}
+
+// A manifest as zeroshard wrote it before schema 3: no state_format, f32 moments.
+TEST(CheckpointEncoding, Schema2ManifestsReadAsF32Moments) {
+  Manifest m;
+  m.tag = "step00000001";
+  m.world_size = 1;
+  m.dtype = "bf16";
+  m.optimizer = "adamw";
+  m.step = 1;
+  m.scaler = {1.0f, 2, 0, -1};
+  m.groups = {OptimizerOptions{}};
+  m.states = {"master", "state0", "state1"};
+  m.state_format = StateFormat::q8;
+  m.state_block = 64;
+  m.block_bytes = 1 << 20;
+  m.units = {{"u", 100, {{"w", {100}}}}};
+  m.ranges = {{{0, 0, 100, 0}}};
+  EXPECT_EQ(parse_manifest(manifest_text(m), "new").state_format, StateFormat::q8);
+  EXPECT_EQ(expected_header(m, 0, 1).data_bytes, 100 + 4 * 2);
+
+  nlohmann::json j = nlohmann::json::parse(manifest_text(m));
+  j["schema"] = 2;
+  j.erase("state_format");
+  j.erase("state_block");
+  j.erase("checksum");
+  const std::string body = j.dump();
+  char sum[17];
+  std::snprintf(sum, sizeof sum, "%016llx",
+                static_cast<unsigned long long>(offload::xxh64(body.data(), body.size(), 0)));
+  j["checksum"] = sum;
+  const Manifest old = parse_manifest(j.dump(1), "old");
+  EXPECT_EQ(old.state_format, StateFormat::f32);
+  EXPECT_EQ(expected_header(old, 0, 1).data_bytes, 400);
+  EXPECT_EQ(range_bytes(old, 0, 2), std::vector<int64_t>{0});
+}
+
+}  // namespace
+}  // namespace zeroshard::ckpt
