@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
           median(exposed), median(opt));
       if (!calibration.empty()) {
         const StepPrediction p =
-            predict_step(cfg, plan, comm->size(), read_calibration(calibration, cfg.dtype));
+            predict_step(cfg, plan, comm->size(), read_calibration(calibration, cfg.dtype, cfg.optimizer_state));
         std::printf(
             ", predicted %.4f s (comm %.4f, optimizer %.4f, nvme %.4f): predicted / measured "
             "%.3f",

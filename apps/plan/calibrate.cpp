@@ -4,12 +4,14 @@
 // - memory: the same-bytes pass (SameBytesPass) over the streams of the mixed-precision and the
 //   f32 AdamW update, in GB/s of bytes moved;
 // - optimizer: an engine's update of one unit on the CPU (StepResult::optimizer_s), in
-//   parameters per second, and as a fraction of the same-bytes pass of its own bytes;
+//   parameters per second, and as a fraction of the same-bytes pass of its own bytes; with the
+//   moments in f32 and, under "state_formats", in bf16 and 8-bit;
 // - collectives: reduce-scatter, all-gather and all-reduce over the launched ranks at sizes from
 //   4 KiB up, on buffers in the caches and (under "cold") on buffers that are not: every
 //   measured point, the latency of the smallest and the bandwidth between the two largest;
 // - nvme: an engine step with its optimizer state on the nvme tier (io_uring swap files in
-//   --nvme-path), in parameters per second and in record bytes read and written per second.
+//   --nvme-path), in parameters per second and in record bytes read and written per second;
+//   the same for bf16 and 8-bit moments under "state_formats" (smaller records).
 // Rank 0 prints a table and writes the JSON file (schema "zeroshard-calibration/1").
 #include "apps/plan/calibrate.hpp"
 
@@ -289,6 +291,13 @@ int run_calibrate(const std::vector<std::string>& args) {
       const double pps = mean_over(*comm, double(o.elements) / s);
       opt[dtype_name(d)] = {{"params_per_s", pps},
                             {"over_same_bytes", pps * st.bytes_per_param(d) / (gbs * 1e9)}};
+      for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {
+        c.optimizer_state = f;
+        comm->barrier("calibrate");
+        opt[dtype_name(d)]["state_formats"][state_format_name(f)] = {
+            {"params_per_s",
+             mean_over(*comm, double(o.elements) / optimizer_seconds(c, o.elements, o.reps))}};
+      }
     }
     j["memory"] = mem;
     j["optimizer"] = {{"adamw", opt}};
@@ -314,6 +323,13 @@ int run_calibrate(const std::vector<std::string>& args) {
                    {"step_params_per_s", pps},
                    {"record_gbs", pps * 24.0 / 1e9},
                    {"update_share", mean_over(*comm, opt_s / step_s)}};
+      for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {  // smaller records
+        c.optimizer_state = f;
+        comm->barrier("calibrate");
+        (void)optimizer_seconds(c, o.elements, o.reps, &step_s);
+        j["nvme"]["state_formats"][state_format_name(f)] = {
+            {"step_params_per_s", mean_over(*comm, double(o.elements) / step_s)}};
+      }
     } else {
       j["nvme"] = nullptr;
     }
@@ -326,22 +342,29 @@ int run_calibrate(const std::vector<std::string>& args) {
       std::printf("calibration of %s (%d rank(s), %d threads each, %s) -> %s\n",
                   j["host"]["cpu"].get<std::string>().c_str(), comm->size(), sb.threads(), sb.isa(),
                   o.out.c_str());
-      for (const char* d : {"f32", "bf16"})
+      for (const char* d : {"f32", "bf16"}) {
+        const json& a = j["optimizer"]["adamw"][d];
         std::printf(
             "  %-4s same-bytes %7.2f GB/s per rank; AdamW %7.3f Gparam/s per rank (%.2f of "
-            "its same-bytes pass)\n",
+            "its same-bytes pass); bf16 moments %.3f, 8-bit %.3f Gparam/s\n",
             d, j["memory"][d]["same_bytes_gbs"].get<double>(),
-            j["optimizer"]["adamw"][d]["params_per_s"].get<double>() / 1e9,
-            j["optimizer"]["adamw"][d]["over_same_bytes"].get<double>());
+            a["params_per_s"].get<double>() / 1e9, a["over_same_bytes"].get<double>(),
+            a["state_formats"]["bf16"]["params_per_s"].get<double>() / 1e9,
+            a["state_formats"]["8bit"]["params_per_s"].get<double>() / 1e9);
+      }
       const json& cl = j["collectives"];
       for (const char* k : {"reduce_scatter", "all_gather", "all_reduce"})
         if (cl.contains(k))
           std::printf("  %-14s latency %8.1f us, bandwidth %7.2f GB/s\n", k,
                       cl[k]["latency_s"].get<double>() * 1e6, cl[k]["bandwidth_gbs"].get<double>());
       if (!j["nvme"].is_null())
-        std::printf("  nvme step     %7.3f Gparam/s per rank, records %.2f GB/s read+write\n",
-                    j["nvme"]["step_params_per_s"].get<double>() / 1e9,
-                    j["nvme"]["record_gbs"].get<double>());
+        std::printf(
+            "  nvme step     %7.3f Gparam/s per rank, records %.2f GB/s read+write; bf16 "
+            "moments %.3f, 8-bit %.3f Gparam/s\n",
+            j["nvme"]["step_params_per_s"].get<double>() / 1e9,
+            j["nvme"]["record_gbs"].get<double>(),
+            j["nvme"]["state_formats"]["bf16"]["step_params_per_s"].get<double>() / 1e9,
+            j["nvme"]["state_formats"]["8bit"]["step_params_per_s"].get<double>() / 1e9);
     }
     return 0;
   } catch (const std::exception& e) {

@@ -25,6 +25,7 @@ struct Options {
   int ranks = 1;
   DType dtype = DType::bf16;
   OptimizerKind optimizer = OptimizerKind::adamw;
+  StateFormat moments = StateFormat::f32;
   double device_gib = 0, host_gib = 0, nvme_gib = 0;  // per rank; 0 = not checked
   std::string calibration;                            // empty: no step time
   double compute_s = 0;                               // the trainer's forward + backward
@@ -34,6 +35,7 @@ struct Options {
 const char* kHelp =
     "usage: zeroshard plan [--layers N] [--dim N] [--heads N] [--vocab N] [--seq N] [--ranks N]\n"
     "                      [--dtype bf16|f16|f32] [--optimizer adamw|adam|lion|sgd]\n"
+    "                      [--optimizer-state f32|bf16|8bit]\n"
     "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
     "                      [--calibration FILE [--compute-s X]]\n\n"
     "For a GPT (the demo's model: token and position embeddings, --layers blocks of width --dim,\n"
@@ -113,6 +115,11 @@ Options parse(const std::vector<std::string>& args) {
            {OptimizerKind::adamw, OptimizerKind::adam, OptimizerKind::lion, OptimizerKind::sgd})
         if (v == optimizer_name(k)) o.optimizer = k, found = true;
       if (!found) bad("--optimizer must be one of adamw, adam, lion, sgd, got '" + v + "'");
+    } else if (f == "--optimizer-state") {
+      bool found = false;
+      for (StateFormat s : {StateFormat::f32, StateFormat::bf16, StateFormat::q8})
+        if (v == state_format_name(s)) o.moments = s, found = true;
+      if (!found) bad("--optimizer-state must be one of f32, bf16, 8bit, got '" + v + "'");
     } else {
       bad("unknown flag " + f + " (zeroshard plan --help)");
     }
@@ -120,7 +127,7 @@ Options parse(const std::vector<std::string>& args) {
   if (o.shape.dim % o.shape.heads != 0) bad("--dim is not a multiple of --heads");
   if (!o.calibration.empty()) {
     try {
-      o.rates = read_calibration(o.calibration, o.dtype);
+      o.rates = read_calibration(o.calibration, o.dtype, o.moments);
     } catch (const Error& e) {
       bad(e.what());
     }
@@ -152,13 +159,14 @@ int run_plan(const std::vector<std::string>& args) {
   }
   std::printf(
       "GPT: %lld blocks of width %lld, vocab %lld, context %lld: %.3f G parameters, %s, "
-      "%s, %d rank(s)\n\n",
+      "%s with %s moments, %d rank(s)\n\n",
       (long long)o.shape.layers, (long long)o.shape.dim, (long long)o.shape.vocab,
       (long long)o.shape.seq, double(params) / 1e9, dtype_name(o.dtype),
-      optimizer_name(o.optimizer), o.ranks);
+      optimizer_name(o.optimizer), state_format_name(o.moments), o.ranks);
   Config cfg;
   cfg.dtype = o.dtype;
   cfg.optimizer.kind = o.optimizer;
+  cfg.optimizer_state = o.moments;
   OptimizerOptions no_decay = cfg.optimizer;
   no_decay.weight_decay = 0;
   const bool timed = !o.calibration.empty();

@@ -3,9 +3,12 @@
 // after one step so that the moments are not zero. Per round: save() a new tag (timed, fsyncs
 // included), drop the page cache (root), load() it into the same engine (timed: it verifies
 // every block before changing anything, then reads it again into the state), and a step
-// between rounds; then the step time while a save_async() writes, against steps alone. ckpt_vs_fio.sh runs it against fio.
+// between rounds; then the step time while a save_async() writes, against steps alone.
+// ckpt_vs_fio.sh runs it against fio.
+// --state bf16|8bit keeps the moments in that format (the parameter count stays size / 12): the
+// checkpoint shrinks with them, and bytes/s are of what the files really hold.
 //
-//   ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16]
+//   ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16] [--state f32|bf16|8bit]
 #include <unistd.h>
 
 #include <chrono>
@@ -49,6 +52,7 @@ int main(int argc, char** argv) {
   std::string dir;
   int64_t size = int64_t(2) << 30;
   int rounds = 3, units = 16;
+  std::string state = "f32";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--dir")
@@ -59,13 +63,17 @@ int main(int argc, char** argv) {
       rounds = std::stoi(v);
     else if (k == "--units")
       units = std::stoi(v);
+    else if (k == "--state")
+      state = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
     }
   }
   if (dir.empty()) {
-    std::fprintf(stderr, "usage: ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16]\n");
+    std::fprintf(stderr,
+                 "usage: ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16] "
+                 "[--state f32|bf16|8bit]\n");
     return 2;
   }
   const int64_t per = size / 12 / units;
@@ -73,26 +81,35 @@ int main(int argc, char** argv) {
   c.stage = 1;
   c.dtype = DType::bf16;
   c.offload_optimizer.tier = Tier::host;
+  c.optimizer_state = state == "8bit"   ? StateFormat::q8
+                      : state == "bf16" ? StateFormat::bf16
+                                        : StateFormat::f32;
+  if (state_format_name(c.optimizer_state) != state) {
+    std::fprintf(stderr, "--state: f32, bf16 or 8bit, not %s\n", state.c_str());
+    return 2;
+  }
   Engine e(c, make_self_communicator());
   for (int u = 0; u < units; ++u) e.add_unit("layer" + std::to_string(u), {Param{"w", {per}}});
   e.finalize();
   one_step(e);
-  const double bytes = double(per) * units * 12;
   const std::filesystem::path root = std::filesystem::path(dir) / "ckpt_bench";
   std::filesystem::remove_all(root);
-  std::printf("%-6s %10s %10s %10s %10s\n", "round", "save_s", "save_MB/s", "load_s", "load_MB/s");
+  std::printf("%-6s %10s %10s %10s %10s %10s\n", "round", "save_s", "save_MB/s", "load_s",
+              "load_MB/s", "file_MB");
   bool cold = true;
   double t = 0;
   for (int r = 1; r <= rounds; ++r) {
     t = now();
     const std::filesystem::path tag = e.save(root, "r" + std::to_string(r));
     const double save_s = now() - t;
+    double bytes = 0;  // what the tag's files hold
+    for (const auto& f : std::filesystem::directory_iterator(tag)) bytes += double(f.file_size());
     cold &= drop_caches();
     t = now();
     e.load(tag);
     const double load_s = now() - t;
-    std::printf("%-6d %10.2f %10.1f %10.2f %10.1f\n", r, save_s, bytes / save_s / 1e6, load_s,
-                bytes / load_s / 1e6);
+    std::printf("%-6d %10.3f %10.1f %10.3f %10.1f %10.1f\n", r, save_s, bytes / save_s / 1e6,
+                load_s, bytes / load_s / 1e6, bytes / 1e6);
     std::fflush(stdout);
     std::filesystem::remove_all(tag);
     one_step(e);

@@ -67,7 +67,8 @@ struct ZS_API CollectiveRate {
 /// What a step-time prediction takes of one machine, per rank, with every rank of a node at
 /// work at once: what `zeroshard calibrate` measures (read_calibration()).
 struct MachineRates {
-  /// The CPU optimizer update (AdamW) in parameters per second, for the engine's dtype.
+  /// The CPU optimizer update (AdamW) in parameters per second, for the engine's dtype and
+  /// moments' format; 0: not measured.
   double update_params_per_s = 0;
   CollectiveRate reduce_scatter, all_gather;
   /// A step of the nvme tier (records read, updated, written) in parameters per second; 0: not
@@ -78,10 +79,14 @@ struct MachineRates {
   double compute_s = 0;
 };
 
-/// The rates of a calibration file (schema zeroshard-calibration/1) for an engine of `dtype`.
-/// Throws Error(invalid_argument) naming the file on a missing file, another schema, or a
-/// missing or mistyped field.
-ZS_API MachineRates read_calibration(const std::string& path, DType dtype);
+/// The rates of a calibration file (schema zeroshard-calibration/1) for an engine of `dtype`
+/// whose optimizer moments are kept as `moments` (Config::optimizer_state): each format moves
+/// its own bytes, so the CPU update and the nvme step have a rate per format. A rate the file
+/// does not hold (a file written before formats were measured, or without --nvme-path) stays 0,
+/// and predict_step() then says it is not measured. Throws Error(invalid_argument) naming the
+/// file on a missing file, another schema, or a missing or mistyped field.
+ZS_API MachineRates read_calibration(const std::string& path, DType dtype,
+                                     StateFormat moments = StateFormat::f32);
 
 /// A step of a CPU engine (optimizer on the device or host tier, or nvme), in seconds, split as
 /// it is spent. Communication is what the trainer waits for: the reduction of the gradients

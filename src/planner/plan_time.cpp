@@ -44,7 +44,7 @@ std::vector<std::pair<double, double>> points(const nlohmann::json& c, const std
 
 }  // namespace
 
-MachineRates read_calibration(const std::string& path, DType dtype) {
+MachineRates read_calibration(const std::string& path, DType dtype, StateFormat moments) {
   using nlohmann::json;
   std::ifstream f(path);
   if (!f) ZS_THROW(invalid_argument, "calibration file " << path << " cannot be read");
@@ -59,7 +59,15 @@ MachineRates read_calibration(const std::string& path, DType dtype) {
     MachineRates r;
     at = "optimizer.adamw.<dtype>.params_per_s";
     const char* d = dtype == DType::f32 ? "f32" : "bf16";  // f16 moves bf16's bytes
-    r.update_params_per_s = j.at("optimizer").at("adamw").at(d).at("params_per_s").get<double>();
+    const json& adamw = j.at("optimizer").at("adamw").at(d);
+    // f32 moments at the top, other formats under state_formats (absent: not measured).
+    const std::string fmt = state_format_name(moments);
+    auto measured = [&](const json& where, const char* key) {
+      if (moments == StateFormat::f32) return where.at(key).get<double>();
+      if (!where.contains("state_formats") || !where.at("state_formats").contains(fmt)) return 0.0;
+      return where.at("state_formats").at(fmt).at(key).get<double>();
+    };
+    r.update_params_per_s = measured(adamw, "params_per_s");
     at = "collectives";
     const json& c = j.at("collectives");
     for (auto [name, rate] :
@@ -72,7 +80,7 @@ MachineRates read_calibration(const std::string& path, DType dtype) {
       }
     at = "nvme.step_params_per_s";
     if (j.contains("nvme") && !j.at("nvme").is_null())
-      r.nvme_step_params_per_s = j.at("nvme").at("step_params_per_s").get<double>();
+      r.nvme_step_params_per_s = measured(j.at("nvme"), "step_params_per_s");
     return r;
   } catch (const json::exception& e) {
     ZS_THROW(invalid_argument, "calibration file " << path << ": " << at << ": " << e.what());
@@ -88,8 +96,11 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   if (world < 1) ZS_THROW(invalid_argument, "predict_step(): world " << world);
   const bool nvme = cfg.offload_optimizer.tier == Tier::nvme;
   if (nvme ? !(rates.nvme_step_params_per_s > 0) : !(rates.update_params_per_s > 0))
-    ZS_THROW(invalid_argument, "predict_step(): the " << (nvme ? "nvme step" : "CPU update")
-                                                      << " rate is not measured");
+    ZS_THROW(invalid_argument, "predict_step(): the "
+                                   << (nvme ? "nvme step" : "CPU update") << " rate with "
+                                   << state_format_name(cfg.optimizer_state)
+                                   << " moments is not measured (zeroshard calibrate"
+                                   << (nvme ? " --nvme-path DIR" : "") << " measures it)");
   const double pbytes = double(dtype_size(cfg.dtype));
   const int k = cfg.gradient_accumulation_steps;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives

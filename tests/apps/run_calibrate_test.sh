@@ -27,6 +27,9 @@ for d in ("f32", "bf16"):
     assert 1e6 < o["params_per_s"] < 1e12, o
     # The update moves the same bytes as the pass: it cannot be many times faster or slower.
     assert 0.2 < o["over_same_bytes"] < 5, o
+    # Compact moments: each measured, and not many times off the f32 update.
+    for f in ("bf16", "8bit"):
+        assert 0.1 < o["state_formats"][f]["params_per_s"] / o["params_per_s"] < 10, (f, o)
 col = c["collectives"]
 assert col["world"] == np, col
 if np > 1:
@@ -42,6 +45,8 @@ n = c["nvme"]
 assert n is not None and n["params"] > 0 and 1e4 < n["step_params_per_s"] < 1e12, n
 assert abs(n["record_gbs"] - n["step_params_per_s"] * 24 / 1e9) < 1e-9 * n["record_gbs"] + 1e-12, n
 assert 0 < n["update_share"] <= 1.5, n
+for f in ("bf16", "8bit"):
+    assert 1e4 < n["state_formats"][f]["step_params_per_s"] < 1e12, (f, n)
 print("calibration file checked:", sys.argv[1])
 PY
 
@@ -53,6 +58,15 @@ grep -q "step s" "$work/plan.txt" || { cat "$work/plan.txt"; echo "FAIL: no step
 # an nvme step.
 awk '$1 ~ /^[0-3]$/ && $9 != "(params" { if ($9 < 0.5) bad = 1; if ($2 == "nvme" && $12 <= 0) bad = 1 }
      END { exit bad }' "$work/plan.txt" || { cat "$work/plan.txt"; echo "FAIL: step times"; exit 1; }
+# With 8-bit moments the planner takes their own rates (not f32's): the nvme column changes.
+# (A model of 16 M parameters, so that the nvme step shows in the table's milliseconds.)
+big=(--layers 4 --dim 256 --heads 4 --vocab 50000 --seq 16 --ranks "$np" --calibration "$work/c.json")
+"$bin" plan "${big[@]}" >"$work/plan.txt"
+"$bin" plan "${big[@]}" --optimizer-state 8bit >"$work/plan8.txt"
+grep -q "adamw with 8bit moments" "$work/plan8.txt" || { cat "$work/plan8.txt"; echo "FAIL: format"; exit 1; }
+a=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan.txt")
+b=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan8.txt")
+[[ -n "$a" && -n "$b" && "$a" != "$b" ]] || { echo "FAIL: 8-bit nvme step $b, f32 $a"; exit 1; }
 echo '{"schema": "zeroshard-calibration/0"}' >"$work/bad.json"
 if "$bin" plan --calibration "$work/bad.json" 2>"$work/err"; then echo "FAIL: bad file taken"; exit 1; fi
 grep -q "zeroshard-calibration/0" "$work/err" || { cat "$work/err"; echo "FAIL: reason"; exit 1; }

@@ -187,3 +187,40 @@ TEST(PlanTime, RefusesBadCalibrationFiles) {
                  "collectives");
   expect_refused(replace(kGood, "[8192, 3e-5]", "[2048, 3e-5]"), "sizes must increase");
 }
+
+// Each moment format moves its own bytes: its rates are its own, and a format the file did not
+// measure is said to be unmeasured rather than taken at f32's rate.
+TEST(PlanTime, ReadsEachMomentFormatsOwnRates) {
+  const std::string text = replace(
+      replace(kGood, R"("bf16": {"params_per_s": 3e9})",
+              R"("bf16": {"params_per_s": 3e9,
+                                  "state_formats": {"8bit": {"params_per_s": 1.5e9}}})"),
+      R"({"step_params_per_s": 5e7})",
+      R"({"step_params_per_s": 5e7, "state_formats": {"8bit": {"step_params_per_s": 9e7}}})");
+  const TempFile file(text);
+  const MachineRates q8 = read_calibration(file.path, DType::bf16, StateFormat::q8);
+  EXPECT_EQ(q8.update_params_per_s, 1.5e9);
+  EXPECT_EQ(q8.nvme_step_params_per_s, 9e7);
+  EXPECT_EQ(read_calibration(file.path, DType::bf16, StateFormat::f32).update_params_per_s, 3e9);
+  const MachineRates bf = read_calibration(file.path, DType::bf16, StateFormat::bf16);
+  EXPECT_EQ(bf.update_params_per_s, 0);
+  EXPECT_EQ(bf.nvme_step_params_per_s, 0);
+
+  Config cfg;
+  cfg.stage = 1;
+  cfg.dtype = DType::bf16;
+  cfg.optimizer_state = StateFormat::q8;
+  cfg.offload_optimizer.tier = Tier::nvme;
+  const std::vector<PlanUnit> units = {{"u", {Param{"w", {1 << 20}}}}};
+  const StepPrediction p = predict_step(cfg, units, 1, q8);
+  EXPECT_DOUBLE_EQ(p.nvme_s, double(1 << 20) / 9e7);
+  cfg.optimizer_state = StateFormat::bf16;
+  cfg.offload_optimizer.tier = Tier::host;
+  try {
+    predict_step(cfg, units, 1, bf);
+    ADD_FAILURE() << "predicted with an unmeasured rate";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bf16 moments is not measured"), std::string::npos)
+        << e.what();
+  }
+}
