@@ -9,11 +9,12 @@
 // predict_step()'s from --calibration, split as predicted.
 //
 //   mpirun -np 2 plan_step_bench --calibration cal.json --params 64M --units 16 --stage 2
-//          --tier host [--dtype bf16] [--steps 7] [--nvme-path DIR]
+//          --tier host [--dtype bf16] [--state f32|bf16|8bit] [--steps 7] [--nvme-path DIR]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string calibration, tier = "host", dtype = "bf16", nvme_path;
+  std::string calibration, tier = "host", dtype = "bf16", nvme_path, state = "f32";
   int64_t params = int64_t(64) << 20;
   int units = 16, stage = 2, steps = 7;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -57,6 +58,8 @@ int main(int argc, char** argv) {
       steps = std::stoi(v);
     else if (k == "--nvme-path")
       nvme_path = v;
+    else if (k == "--state")
+      state = v;
     else {
       std::fprintf(stderr, "plan_step_bench: unknown flag %s\n", k.c_str());
       return 2;
@@ -71,6 +74,11 @@ int main(int argc, char** argv) {
                                  : tier == "host" ? Tier::host
                                                   : Tier::device;
     if (!nvme_path.empty()) cfg.offload_optimizer.nvme_paths = {nvme_path};
+    cfg.optimizer_state = state == "8bit"   ? StateFormat::q8
+                          : state == "bf16" ? StateFormat::bf16
+                                            : StateFormat::f32;
+    if (state != state_format_name(cfg.optimizer_state))
+      throw std::invalid_argument("--state: f32, bf16 or 8bit, not " + state);
     std::vector<PlanUnit> plan;
     Engine e(cfg, comm);
     for (int u = 0; u < units; ++u) {
@@ -111,13 +119,13 @@ int main(int argc, char** argv) {
     if (comm->rank() == 0) {
       const double measured = median(t);
       std::printf(
-          "stage %d tier %s dtype %s ranks %d params %lld units %d: measured %.4f s (rank 0: "
-          "comm exposed %.4f, optimizer %.4f)",
-          stage, tier.c_str(), dtype.c_str(), comm->size(), (long long)params, units, measured,
-          median(exposed), median(opt));
+          "stage %d tier %s dtype %s state %s ranks %d params %lld units %d: measured %.4f s "
+          "(rank 0: comm exposed %.4f, optimizer %.4f)",
+          stage, tier.c_str(), dtype.c_str(), state.c_str(), comm->size(), (long long)params, units,
+          measured, median(exposed), median(opt));
       if (!calibration.empty()) {
-        const StepPrediction p =
-            predict_step(cfg, plan, comm->size(), read_calibration(calibration, cfg.dtype, cfg.optimizer_state));
+        const StepPrediction p = predict_step(
+            cfg, plan, comm->size(), read_calibration(calibration, cfg.dtype, cfg.optimizer_state));
         std::printf(
             ", predicted %.4f s (comm %.4f, optimizer %.4f, nvme %.4f): predicted / measured "
             "%.3f",

@@ -9,7 +9,7 @@
 # levels up to 3x apart from one minute to the next). Ends with the table, and how many
 # configurations came within 25 % of their measured step.
 #
-#   benchmarks/plan_vs_measured.sh BUILD_DIR NVME_DIR [PARAMS=64M] [UNITS=16] [STEPS=7]
+#   [CONFIGS="2 2 nvme 8bit"] benchmarks/plan_vs_measured.sh BUILD_DIR NVME_DIR [PARAMS=64M] [UNITS=16] [STEPS=7]
 set -euo pipefail
 build=${1:?usage: $0 BUILD_DIR NVME_DIR [PARAMS] [UNITS] [STEPS]}
 nvme=${2:?usage: $0 BUILD_DIR NVME_DIR [PARAMS] [UNITS] [STEPS]}
@@ -25,11 +25,13 @@ mkdir -p "$nvme"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# ranks stage optimizer-tier
+# ranks stage optimizer-tier [moments' format, default f32]
 configs=(
   "2 0 device" "2 1 host" "2 2 host" "2 3 device" "2 2 nvme" "2 3 nvme"
   "4 1 host" "4 2 device" "4 3 host" "4 2 nvme"
+  "2 2 host 8bit" "2 2 nvme 8bit" "2 3 nvme bf16" "2 1 host bf16"
 )
+[[ -n "${CONFIGS:-}" ]] && mapfile -t configs <<<"$CONFIGS"  # one configuration per line
 echo "plan_vs_measured: $params parameters in $units units, bf16, AdamW, $steps steps each;" \
      "$(lscpu | sed -n 's/^Model name: *//p'), load average $(cut -d' ' -f1 /proc/loadavg)"
 drift() {  # calibration files a b: the largest relative difference of their collectives' times
@@ -41,21 +43,22 @@ PY
 }
 out="$work/rows"
 for c in "${configs[@]}"; do
-  read -r n stage tier <<<"$c"
+  read -r n stage tier state <<<"$c"
   mpirun -np "$n" "$zs" calibrate --out "$work/before.json" --nvme-path "$nvme" >/dev/null 2>&1
   row=$(mpirun -np "$n" "$bench" --calibration "$work/before.json" --params "$params" \
-        --units "$units" --stage "$stage" --tier "$tier" --nvme-path "$nvme" --steps "$steps")
+        --units "$units" --stage "$stage" --tier "$tier" --state "${state:-f32}" \
+        --nvme-path "$nvme" --steps "$steps")
   mpirun -np "$n" "$zs" calibrate --out "$work/after.json" --nvme-path "$nvme" >/dev/null 2>&1
   echo "$row, drift $(drift "$work/before.json" "$work/after.json")" | tee -a "$out"
 done
 python3 - "$out" <<'PY'
 import re, sys
-fields = [r"ranks (\d+)", r"stage (\d)", r"tier (\w+)", r"measured ([0-9.]+) s",
+fields = [r"ranks (\d+)", r"stage (\d)", r"tier (\w+)", r"state (\w+)", r"measured ([0-9.]+) s",
           r"predicted ([0-9.]+) s", r"comm ([0-9.]+),", r"optimizer ([0-9.]+), nvme",
           r"nvme ([0-9.]+)\)", r"predicted / measured ([0-9.]+)", r"drift ([0-9.]+)"]
 rows = [[re.search(f, l).group(1) for f in fields] for l in open(sys.argv[1]) if "predicted /" in l]
-print("\n| ranks | stage | optimizer | measured s | predicted s | comm | optimizer | nvme | predicted / measured | drift |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("\n| ranks | stage | optimizer | moments | measured s | predicted s | comm | optimizer | nvme | predicted / measured | drift |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     print("| " + " | ".join(r) + " |")
 within = sum(abs(float(r[-2]) - 1) <= 0.25 for r in rows)

@@ -94,6 +94,14 @@ class ParamSink {
   virtual void restore(int u, const float* master) = 0;
 };
 
+/// One state's shard of one unit as a tier stores it in host memory: shard_numel values in
+/// `format`, and for q8 the f32 absmax of each of its blocks. data null: not in host memory.
+struct StoredShard {
+  StateFormat format = StateFormat::f32;
+  void* data = nullptr;
+  float* absmax = nullptr;
+};
+
 /// A state frozen as it was when StateTier::snapshot() took it, which one other thread reads
 /// while training goes on.
 class StateSnapshot {
@@ -147,12 +155,11 @@ class StateTier {
   /// This rank's shard of one state of unit u (f32, shard_numel values); throws
   /// Error(invalid_argument) for a moment the optimizer does not keep.
   virtual std::vector<float> read(int u, StateKind kind) const = 0;
-  /// The same shard where the CPU can read it in place (f32 host memory, valid until the state
-  /// next changes), else nullptr: checkpoints stream from it without a copy.
-  virtual const float* host_view(int /*u*/, StateKind /*kind*/) const { return nullptr; }
-  /// Where a restore may write the same shard in place instead of write() (f32 host memory),
-  /// else nullptr: a load copies the checkpoint's values there, then calls commit().
-  virtual float* host_target(int /*u*/, StateKind /*kind*/) { return nullptr; }
+  /// The same shard as the tier stores it, where the CPU reaches it in place (host memory,
+  /// valid until the state next changes), else {}: a checkpoint streams from it with neither a
+  /// copy nor a conversion, and a load of a checkpoint in the same format writes it in place
+  /// instead of write() (then calls commit()).
+  virtual StoredShard stored(int /*u*/, StateKind /*kind*/) { return {}; }
   /// The state as it is now, kept by the tier where it already lies instead of copied (the
   /// nvme tier: the record slots of the last committed step, which the next steps write
   /// around until the snapshot is done with them), or nullptr where the tier cannot: then a

@@ -291,6 +291,22 @@ void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
     if (u == m_.ranges[size_t(r)].back().unit) files_.erase({r, s});
 }
 
+void UnitReader::read_stored(int s, int u, int64_t b, int64_t e, void* data, float* absmax) {
+  const Encoding enc = encoding_of(m_, s);
+  const int64_t size = enc.format == StateFormat::q8 ? 1 : encoded_bytes(enc, 1);
+  std::vector<Piece> list;
+  pieces(s, u, b, e, list);
+  for (const Piece& p : list) {
+    encoded_.resize(size_t(p.bytes));
+    file(p.rank, s).read(p.at, p.bytes, encoded_.data());
+    if (enc.format == StateFormat::q8) ZS_CHECK(p.to % enc.block == 0);
+    unpack(enc, p.n, p.lo, p.hi, encoded_.data(), static_cast<char*>(data) + p.to * size,
+           absmax ? absmax + p.to / enc.block : nullptr);
+  }
+  for (const auto& [r, i] : by_unit_[size_t(u)])
+    if (u == m_.ranges[size_t(r)].back().unit) files_.erase({r, s});
+}
+
 void UnitReader::pieces(int s, int u, int64_t b, int64_t e, std::vector<Piece>& out) const {
   const Encoding enc = encoding_of(m_, s);
   for (const auto& [r, i] : by_unit_[size_t(u)]) {

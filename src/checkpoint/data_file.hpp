@@ -125,6 +125,10 @@ class UnitReader {
   /// Values [b, e) of unit u's state s (an index into state_names()) into out as f32, every
   /// block verified.
   void read(int s, int u, int64_t b, int64_t e, float* out);
+  /// The same without a conversion, into storage of the checkpoint's own format for state s
+  /// (encoding.hpp's unpack()): `data` receives value b first, `absmax` (q8) the absmax of the
+  /// block starting at b first; b on a block boundary.
+  void read_stored(int s, int u, int64_t b, int64_t e, void* data, float* absmax);
   /// Where read(s, u, b, e, out) takes its values from: data bytes [at, at + bytes) of rank
   /// `rank`'s file of state s hold values [lo, hi) of a range of n values, which go to
   /// out + to. For an f32 state the bytes are exactly those values'; else encoding.hpp's span.

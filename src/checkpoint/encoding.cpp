@@ -49,6 +49,38 @@ ByteSpan span_of(const Encoding& e, int64_t n, int64_t lo, int64_t hi) {
   return {first * (e.block + 4), last * (e.block + 4) + 4 + (end - last * e.block)};
 }
 
+void pack(const Encoding& e, const void* data, const float* absmax, int64_t n, char* out) {
+  if (e.format != StateFormat::q8) {
+    std::memcpy(out, data, size_t(encoded_bytes(e, n)));
+    return;
+  }
+  const auto* codes = static_cast<const uint8_t*>(data);
+  for (int64_t at = 0, j = 0; at < n; at += e.block, ++j) {
+    const int64_t len = std::min(e.block, n - at);
+    std::memcpy(out, absmax + j, 4);
+    std::memcpy(out + 4, codes + at, size_t(len));
+    out += 4 + len;
+  }
+}
+
+void unpack(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* bytes, void* data,
+            float* absmax) {
+  if (e.format != StateFormat::q8) {
+    std::memcpy(data, bytes, size_t(encoded_bytes(e, hi - lo)));
+    return;
+  }
+  ZS_CHECK(lo % e.block == 0);
+  auto* codes = static_cast<uint8_t*>(data);
+  const int64_t end = std::min(n, ((hi - 1) / e.block + 1) * e.block);  // the span's blocks
+  for (int64_t at = lo, j = 0; at < end; at += e.block, ++j) {
+    const int64_t len = std::min(e.block, end - at);
+    std::memcpy(absmax + j, bytes, 4);
+    // The span's last block may hold values past hi: they are not this caller's.
+    std::memcpy(codes + (at - lo), bytes + 4, size_t(std::min(len, hi - at)));
+    bytes += 4 + len;
+  }
+}
+
 void encode(const Encoding& e, const float* values, int64_t n, char* out) {
   if (e.format != StateFormat::q8)
     return cpu::convert(cpu::best_isa(), values, DType::f32, out,
@@ -57,12 +89,7 @@ void encode(const Encoding& e, const float* values, int64_t n, char* out) {
   std::vector<float> absmax(size_t(blocks_of(n, e.block)));
   cpu::quantize_blocks(cpu::best_isa(), values, n, e.block, e.is_signed, codes.data(),
                        absmax.data());
-  for (size_t j = 0; j < absmax.size(); ++j) {
-    const int64_t at = int64_t(j) * e.block, len = std::min(e.block, n - at);
-    std::memcpy(out, &absmax[j], 4);
-    std::memcpy(out + 4, codes.data() + at, size_t(len));
-    out += 4 + len;
-  }
+  pack(e, codes.data(), absmax.data(), n, out);
 }
 
 void decode(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* bytes, float* out) {
@@ -75,12 +102,7 @@ void decode(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* by
   const int64_t count = std::min(n, ((hi - 1) / e.block + 1) * e.block) - base;
   std::vector<uint8_t> codes(static_cast<size_t>(count));
   std::vector<float> absmax(size_t(blocks_of(count, e.block))), values(static_cast<size_t>(count));
-  for (size_t j = 0; j < absmax.size(); ++j) {
-    const int64_t at = int64_t(j) * e.block, len = std::min(e.block, count - at);
-    std::memcpy(&absmax[j], bytes, 4);
-    std::memcpy(codes.data() + at, bytes + 4, size_t(len));
-    bytes += 4 + len;
-  }
+  unpack(e, n, base, base + count, bytes, codes.data(), absmax.data());
   cpu::dequantize_blocks(cpu::best_isa(), codes.data(), absmax.data(), count, e.block, e.is_signed,
                          values.data());
   std::memcpy(out, values.data() + (lo - base), size_t(hi - lo) * 4);

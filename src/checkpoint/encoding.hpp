@@ -38,10 +38,19 @@ struct ByteSpan {
 };
 ByteSpan span_of(const Encoding& e, int64_t n, int64_t lo, int64_t hi);
 
-/// Encodes the n values of a range into `out` (encoded_bytes(e, n) bytes).
+/// Encodes the n values of a range, given in f32, into `out` (encoded_bytes(e, n) bytes).
 void encode(const Encoding& e, const float* values, int64_t n, char* out);
 
 /// Values [lo, hi) of a range of n values out of span_of(e, n, lo, hi)'s bytes, as f32.
 void decode(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* bytes, float* out);
+
+/// The same without a conversion, for a tier that stores the values in e.format: n values as
+/// stored (q8: the codes, and `absmax` per block from the range's first value) into `out`.
+void pack(const Encoding& e, const void* data, const float* absmax, int64_t n, char* out);
+/// Values [lo, hi) of a range of n values, lo on a block boundary (q8), out of
+/// span_of(e, n, lo, hi)'s bytes into storage: `data` receives value lo first, and for q8
+/// `absmax` the absmax of the block starting at lo first.
+void unpack(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* bytes, void* data,
+            float* absmax);
 
 }  // namespace zeroshard::ckpt

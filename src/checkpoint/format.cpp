@@ -395,6 +395,9 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
       if (size_t(rg.unit) >= m.units.size() || rg.begin >= rg.end ||
           rg.end > m.units[size_t(rg.unit)].numel || rg.offset != next)
         r.bad(pe, "is not a range of a unit, end to end with the one before it");
+      // A range of 8-bit moments is whole blocks of its unit (a shard starts on a block).
+      if (m.state_format == StateFormat::q8 && rg.begin % m.state_block != 0)
+        r.bad(pe, "does not start on a block of state_block values");
       next += rg.end - rg.begin;  // each term <= 2^48: no overflow before the check below
       if (next > (int64_t(1) << 48)) r.bad(p, "holds more than 2^48 values");
       cover[size_t(rg.unit)].emplace_back(rg.begin, rg.end);

@@ -112,35 +112,50 @@ void Engine::load(const std::filesystem::path& path) {
     if (has_state(state_names()[s].kind)) states.push_back(int(s));
 
   // The first pass reads every block this rank needs, only to verify it; once every rank found
-  // everything intact the second reads them again and writes the shards: in place where the
-  // tier keeps every state in host memory, else through write_shard(), on this thread (a GPU's
-  // current device is per thread). The second pass verifies again what it reads, so a block
-  // changed in between is caught. Keeping the first pass's blocks for the second instead would
-  // take the rank's whole state in memory a second time.
-  std::vector<ReadTarget> targets;
-  bool in_place = true;
+  // everything intact the second reads them again and writes the shards, on this thread (a
+  // GPU's current device is per thread): in place where the tier stores a state in host memory
+  // in the checkpoint's format (f32 straight from the disk; bf16 and 8-bit through a block
+  // buffer, as they are: 8-bit only in the same blocks), else converted and through
+  // write_shard(). The second pass verifies again what it reads, so a block changed in between
+  // is caught. Keeping the first pass's blocks for the second instead would take the rank's
+  // whole state in memory a second time.
+  std::vector<ReadTarget> verify, direct;
+  struct Stored {
+    int s, u;
+    StoredShard into;
+  };
+  std::vector<Stored> as_stored;
+  std::vector<std::pair<int, int>> converted;  // (state, unit)
   for (int s : states)
     for (int u = 0; u < num_units(); ++u) {
-      float* out = impl.state->host_target(u, state_names()[size_t(s)].kind);
-      in_place &= out != nullptr && encoding_of(m, s).format == StateFormat::f32;
-      targets.push_back({s, u, spans[size_t(u)].b, spans[size_t(u)].e, out});
+      const Span& sp = spans[size_t(u)];
+      verify.push_back({s, u, sp.b, sp.e, nullptr});
+      const Encoding enc = encoding_of(m, s);
+      const StoredShard into = impl.state->stored(u, state_names()[size_t(s)].kind);
+      const bool same = into.data && into.format == enc.format &&
+                        (enc.format != StateFormat::q8 || enc.block == config().state_block);
+      if (!same)
+        converted.emplace_back(s, u);
+      else if (enc.format == StateFormat::f32)  // the padding past e stays zero
+        direct.push_back({s, u, sp.b, sp.e, static_cast<float*>(into.data)});
+      else  // the padding past e keeps its zero codes
+        as_stored.push_back({s, u, into});
     }
-  all_or_none(comm, at + ": verifying", [&] { read_blocks(dir, m, targets, true); });
+  all_or_none(comm, at + ": verifying", [&] { read_blocks(dir, m, verify, true); });
   try {
     all_or_none(comm, at + ": reading shards", [&] {
-      if (in_place) {
-        read_blocks(dir, m, targets, false);  // the padding past e stays zero
-        return;
-      }
+      read_blocks(dir, m, direct, false);
       UnitReader src(dir, m);
+      for (const Stored& t : as_stored)
+        src.read_stored(t.s, t.u, spans[size_t(t.u)].b, spans[size_t(t.u)].e, t.into.data,
+                        t.into.absmax);
       std::vector<float> v;
-      for (int s : states)
-        for (int u = 0; u < num_units(); ++u) {
-          const Span& sp = spans[size_t(u)];
-          v.assign(size_t(sp.si.shard_numel), 0.0f);  // zeros: the padding
-          src.read(s, u, sp.b, sp.e, v.data());
-          write_shard(u, state_names()[size_t(s)].kind, v);
-        }
+      for (auto [s, u] : converted) {
+        const Span& sp = spans[size_t(u)];
+        v.assign(size_t(sp.si.shard_numel), 0.0f);  // zeros: the padding
+        src.read(s, u, sp.b, sp.e, v.data());
+        write_shard(u, state_names()[size_t(s)].kind, v);
+      }
     });
   } catch (const Error& e) {
     // Verified a moment ago: only an I/O error or a file changed since can get here.

@@ -122,7 +122,6 @@ struct PendingSave {
   std::string at;
   Manifest m;
   std::vector<int> states;
-  int64_t mine = 0;    // values of this rank's ranges
   std::thread writer;  // save_async(): writes from Engine::Impl::save_snapshot
   std::optional<Error> error;
   ~PendingSave() {
@@ -183,36 +182,23 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
       list.push_back(rg);
     }
   }
-  for (const Range& rg : m.ranges[size_t(e.rank())]) p->mine += rg.end - rg.begin;
   return p;
 }
 
 // This rank's data files: one per state, filled unit by unit side by side, so that each file's
-// writer thread has a block in flight at the same time. values(i, range) is where the range of
-// the i-th state's values starts, in f32; a moment kept in another format is encoded back into
-// it (encoding.hpp), which gives the run's own bits.
-template <class Values>
-void write_files(const PendingSave& p, int rank, Values&& values) {
+// writer thread has a block in flight at the same time. bytes(i, range) is where the range of
+// the i-th state starts as the file holds it (encoding.hpp).
+template <class Bytes>
+void write_files(const PendingSave& p, int rank, Bytes&& bytes) {
   std::vector<std::unique_ptr<DataFileWriter>> files;
-  std::vector<Encoding> encodings;
-  for (int s : p.states) {
+  for (int s : p.states)
     files.push_back(std::make_unique<DataFileWriter>(
         p.tmp / data_file_name(rank, state_names()[size_t(s)].name),
         expected_header(p.m, rank, s)));
-    encodings.push_back(encoding_of(p.m, s));
-  }
-  std::vector<char> encoded;
   for (const Range& rg : p.m.ranges[size_t(rank)])
-    for (size_t i = 0; i < files.size(); ++i) {
-      const int64_t n = rg.end - rg.begin;
-      if (encodings[i].format == StateFormat::f32) {
-        files[i]->append(values(i, rg), size_t(n) * 4);
-        continue;
-      }
-      encoded.resize(size_t(encoded_bytes(encodings[i], n)));
-      encode(encodings[i], values(i, rg), n, encoded.data());
-      files[i]->append(encoded.data(), encoded.size());
-    }
+    for (size_t i = 0; i < files.size(); ++i)
+      files[i]->append(bytes(i, rg),
+                       size_t(encoded_bytes(encoding_of(p.m, p.states[i]), rg.end - rg.begin)));
   for (auto& f : files) f->finish();
 }
 
@@ -255,27 +241,55 @@ std::optional<Error> outcome(F&& f) {
   return std::nullopt;
 }
 
-// This rank's shard of one state of unit u: in place where the tier shows it, else copied into
-// `copy`.
-const float* shard_of(const StateTier& t, int u, StateKind kind, std::vector<float>& copy) {
-  if (const float* v = t.host_view(u, kind)) return v;
-  copy = t.read(u, kind);
-  return copy.data();
-}
+// Range rg of the i-th state of a save as its data file holds it (encoding.hpp): the tier's
+// own bytes where it stores the state in host memory (in place but for 8-bit, whose blocks are
+// interleaved with their absmax: no conversion either way), else its f32 values (from the nvme
+// tier's snapshot, or read from the tier) encoded. `scratch` and `copy` hold what is made here.
+class RangeSource {
+ public:
+  // One of tier and frozen: a writer thread of save_async() has only the snapshot.
+  RangeSource(const PendingSave& p, StateTier* tier, StateSnapshot* frozen)
+      : p_(p), tier_(tier), frozen_(frozen) {}
+  const char* operator()(size_t i, const Range& rg) {
+    const Encoding e = encoding_of(p_.m, p_.states[i]);
+    const StateKind kind = state_names()[size_t(p_.states[i])].kind;
+    const int64_t n = rg.end - rg.begin;  // from the shard's first value (owned_by())
+    const float* values = nullptr;
+    if (frozen_) {
+      values = frozen_->view(rg.unit, kind);
+    } else if (const StoredShard s = tier_->stored(rg.unit, kind); s.data) {
+      ZS_CHECK(s.format == e.format);
+      if (e.format != StateFormat::q8) return static_cast<const char*>(s.data);
+      scratch_.resize(size_t(encoded_bytes(e, n)));
+      pack(e, s.data, s.absmax, n, scratch_.data());
+      return scratch_.data();
+    } else {
+      copy_ = tier_->read(rg.unit, kind);
+      values = copy_.data();
+    }
+    if (e.format == StateFormat::f32) return reinterpret_cast<const char*>(values);
+    scratch_.resize(size_t(encoded_bytes(e, n)));
+    encode(e, values, n, scratch_.data());
+    return scratch_.data();
+  }
+
+ private:
+  const PendingSave& p_;
+  StateTier* tier_;
+  StateSnapshot* frozen_;
+  std::vector<char> scratch_;
+  std::vector<float> copy_;
+};
 
 }  // namespace
 
 std::filesystem::path Engine::save(const std::filesystem::path& root, const std::string& tag) {
   finish_save();
   std::unique_ptr<PendingSave> p = start(*this, root, tag);
-  std::vector<float> copy;                // a shard the tier cannot show in place
   std::unique_ptr<StateSnapshot> frozen;  // the nvme tier's: each unit's record read once
   const std::optional<Error> written = outcome([&] {
     frozen = impl_->state->snapshot();
-    write_files(*p, rank(), [&](size_t i, const Range& rg) -> const float* {
-      const StateKind kind = state_names()[size_t(p->states[i])].kind;
-      return frozen ? frozen->view(rg.unit, kind) : shard_of(*impl_->state, rg.unit, kind, copy);
-    });
+    write_files(*p, rank(), RangeSource(*p, impl_->state.get(), frozen.get()));
   });
   return finish(*this, *p, written);
 }
@@ -283,31 +297,36 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
 void Engine::save_async(const std::filesystem::path& root, const std::string& tag) {
   finish_save();
   std::shared_ptr<PendingSave> p = start(*this, root, tag);
-  // The snapshot, now: kept by the tier where the state lies (nvme), else this rank's ranges of
-  // every state copied into host memory, state after state. Every rank learns whether every
+  // The snapshot, now: kept by the tier where the state lies (nvme), else this rank's data
+  // files' contents made in host memory, state after state. Every rank learns whether every
   // rank took its snapshot (a rank that cannot must not leave the others training while it
   // waits in this save's agreement).
   std::unique_ptr<StateSnapshot> frozen;
-  float* copied = nullptr;
+  char* copied = nullptr;
+  std::vector<size_t> starts;  // of each state's contents in `copied`
   try {
     all_or_none(*communicator(), p->at + ": snapshot", [&] {
       frozen = impl_->state->snapshot();
       if (frozen) return;
-      const size_t total = size_t(p->mine) * p->states.size() * 4;
+      size_t total = 0;
+      for (int s : p->states) {
+        starts.push_back(total);
+        total += size_t(expected_header(p->m, rank(), s).data_bytes);
+      }
       if (impl_->save_snapshot.bytes() != total) {
         impl_->save_snapshot = Buffer();
         impl_->save_snapshot =
             Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
       }
-      copied = impl_->save_snapshot.as<float>();
+      copied = impl_->save_snapshot.as<char>();
+      RangeSource source(*p, impl_->state.get(), nullptr);
       for (size_t i = 0; i < p->states.size(); ++i) {
-        int64_t at = 0;
+        size_t at = starts[i];
         for (const Range& rg : p->m.ranges[size_t(rank())]) {
-          const StateKind kind = state_names()[size_t(p->states[i])].kind;
-          std::vector<float> copy;
-          std::memcpy(copied + size_t(p->mine) * i + size_t(at),
-                      shard_of(*impl_->state, rg.unit, kind, copy), size_t(rg.end - rg.begin) * 4);
-          at += rg.end - rg.begin;
+          const size_t n =
+              size_t(encoded_bytes(encoding_of(p->m, p->states[i]), rg.end - rg.begin));
+          std::memcpy(copied + at, source(i, rg), n);
+          at += n;
         }
       }
     });
@@ -320,13 +339,16 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   PendingSave* raw = p.get();
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
   try {
-    p->writer = std::thread([raw, r, copied, frozen = std::move(frozen)]() mutable {
-      std::vector<int64_t> at(raw->states.size(), 0);
+    p->writer = std::thread([raw, r, copied, starts, frozen = std::move(frozen)]() mutable {
       raw->error = outcome([&] {
-        write_files(*raw, r, [&](size_t i, const Range& rg) -> const float* {
-          if (frozen) return frozen->view(rg.unit, state_names()[size_t(raw->states[i])].kind);
-          const float* v = copied + size_t(raw->mine) * i + size_t(at[i]);
-          at[i] += rg.end - rg.begin;
+        if (frozen) {
+          write_files(*raw, r, RangeSource(*raw, nullptr, frozen.get()));
+          return;
+        }
+        std::vector<size_t> at = starts;
+        write_files(*raw, r, [&](size_t i, const Range& rg) -> const char* {
+          const char* v = copied + at[i];
+          at[i] += size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
           return v;
         });
       });

@@ -265,20 +265,17 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
   return out;
 }
 
-// Only f32 state can be read or restored in place.
-const float* MemoryStateTier::host_view(int u, StateKind kind) const {
-  if (compute_.device() != Device::cpu) return nullptr;
-  if (kind == StateKind::master) return master_at(u, kind);
+StoredShard MemoryStateTier::stored(int u, StateKind kind) {
+  if (compute_.device() != Device::cpu) return {};
+  if (float* m = master_at(u, kind)) return {StateFormat::f32, m, nullptr};
   const Unit& s = units_[size_t(u)];
-  const void* m = kind == StateKind::state0   ? s.state0
-                  : kind == StateKind::state1 ? s.state1
-                                              : nullptr;
-  if (!m || format_ != StateFormat::f32) return nullptr;
-  return static_cast<const float*>(m) + shard_offset(u);
-}
-
-float* MemoryStateTier::host_target(int u, StateKind kind) {
-  return const_cast<float*>(host_view(u, kind));
+  const bool first = kind == StateKind::state0;
+  void* m = first ? s.state0 : kind == StateKind::state1 ? s.state1 : nullptr;
+  if (!m) return {};
+  const int64_t off = shard_offset(u);
+  float* a = first ? s.absmax0 : s.absmax1;  // q8 only
+  return {format_, static_cast<char*>(m) + size_t(off) * cpu::state_bytes(format_),
+          a ? a + off / ctx_.cfg->state_block : nullptr};
 }
 
 void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& shard) {

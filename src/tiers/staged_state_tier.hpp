@@ -37,10 +37,7 @@ class StagedStateTier final : public StateTier {
     inner_->preview(hyper, u, out);
   }
   std::vector<float> read(int u, StateKind kind) const override { return inner_->read(u, kind); }
-  const float* host_view(int u, StateKind kind) const override {
-    return inner_->host_view(u, kind);
-  }
-  float* host_target(int u, StateKind kind) override { return inner_->host_target(u, kind); }
+  StoredShard stored(int u, StateKind kind) override { return inner_->stored(u, kind); }
   std::unique_ptr<StateSnapshot> snapshot() override { return inner_->snapshot(); }
   void write(int u, StateKind kind, const std::vector<float>& shard) override {
     inner_->write(u, kind, shard);

@@ -92,6 +92,29 @@ TEST(CheckpointEncoding, EveryFormatDecodesAnySubRangeFromItsSpanAlone) {
     }
 }
 
+// A tier that stores 8-bit moments hands its codes and absmax over as they are: pack() gives
+// encode()'s bytes, and unpack() of any block-aligned part gives them back.
+TEST(CheckpointEncoding, StoredMomentsMoveWithoutAConversion) {
+  const Encoding e{StateFormat::q8, 64, true};
+  const int64_t n = 1000, blocks = (n + 63) / 64;
+  const std::vector<float> v = moments(n, true, 3);
+  std::vector<uint8_t> codes(static_cast<size_t>(n));
+  std::vector<float> absmax(static_cast<size_t>(blocks));
+  quantize_8bit(v.data(), n, 64, true, codes.data(), absmax.data());
+  std::vector<char> packed(size_t(encoded_bytes(e, n))), encoded(packed.size());
+  pack(e, codes.data(), absmax.data(), n, packed.data());
+  encode(e, v.data(), n, encoded.data());
+  EXPECT_EQ(packed, encoded);
+  for (auto [lo, hi] : {std::pair<int64_t, int64_t>{0, n}, {64, 130}, {128, n}, {960, 999}}) {
+    const ByteSpan s = span_of(e, n, lo, hi);
+    std::vector<uint8_t> c(size_t(hi - lo), 0xee);
+    std::vector<float> a(size_t((hi - lo + 63) / 64), -1.0f);
+    unpack(e, n, lo, hi, packed.data() + s.first, c.data(), a.data());
+    EXPECT_TRUE(std::equal(c.begin(), c.end(), codes.begin() + lo)) << lo << ".." << hi;
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), absmax.begin() + lo / 64)) << lo << ".." << hi;
+  }
+}
+
 // A manifest as zeroshard wrote it before schema 3: no state_format, f32 moments.
 TEST(CheckpointEncoding, Schema2ManifestsReadAsF32Moments) {
   Manifest m;

@@ -222,7 +222,7 @@ ckpt::Manifest sample_manifest() {
   m.groups[1].weight_decay = 0;
   m.states = {"master", "state0", "state1"};
   m.state_format = StateFormat::q8;
-  m.state_block = 64;
+  m.state_block = 1;  // the ranges below start anywhere
   m.block_bytes = 1 << 20;
   m.units = {{"embed", 6, {{"w", {2, 3}}}}, {"head", 5, {{"w", {5}}, {"b", {0}}}}};
   m.ranges = {{{0, 0, 4, 0}, {1, 0, 3, 4}}, {{0, 4, 6, 0}, {1, 3, 5, 2}}};
