@@ -15,6 +15,7 @@ packages=(
   liburing-dev
   fio
   e2fsprogs
+  iproute2
   nlohmann-json3-dev
   libgtest-dev
   libgmock-dev
