@@ -247,7 +247,8 @@ std::optional<Error> outcome(F&& f) {
 // tier's snapshot, or read from the tier) encoded. `scratch` and `copy` hold what is made here.
 class RangeSource {
  public:
-  // One of tier and frozen: a writer thread of save_async() has only the snapshot.
+  // Reads `frozen` where the tier handed a snapshot, else `tier` (a writer thread of
+  // save_async() has only the snapshot: tier null).
   RangeSource(const PendingSave& p, StateTier* tier, StateSnapshot* frozen)
       : p_(p), tier_(tier), frozen_(frozen) {}
   const char* operator()(size_t i, const Range& rg) {
