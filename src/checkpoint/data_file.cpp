@@ -285,10 +285,7 @@ void UnitReader::read(int s, int u, int64_t b, int64_t e, float* out) {
       decode(enc, p.n, p.lo, p.hi, encoded_.data(), out + p.to);
     }
   }
-  // Readers go through the units in order: a file whose last range this was is done (a load
-  // from many ranks' files would otherwise hold all of them open at once).
-  for (const auto& [r, i] : by_unit_[size_t(u)])
-    if (u == m_.ranges[size_t(r)].back().unit) files_.erase({r, s});
+  close_after(s, u);
 }
 
 void UnitReader::read_stored(int s, int u, int64_t b, int64_t e, void* data, float* absmax) {
@@ -303,6 +300,12 @@ void UnitReader::read_stored(int s, int u, int64_t b, int64_t e, void* data, flo
     unpack(enc, p.n, p.lo, p.hi, encoded_.data(), static_cast<char*>(data) + p.to * size,
            absmax ? absmax + p.to / enc.block : nullptr);
   }
+  close_after(s, u);
+}
+
+// Readers go through the units in order: a file whose last range was unit u's is done (a load
+// from many ranks' files would otherwise hold all of them open at once).
+void UnitReader::close_after(int s, int u) {
   for (const auto& [r, i] : by_unit_[size_t(u)])
     if (u == m_.ranges[size_t(r)].back().unit) files_.erase({r, s});
 }

@@ -141,6 +141,7 @@ class UnitReader {
 
  private:
   DataFileReader& file(int r, int s);
+  void close_after(int s, int u);  // the files of state s whose last range unit u's was
 
   std::filesystem::path dir_;
   const Manifest& m_;
