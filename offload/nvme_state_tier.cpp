@@ -31,7 +31,7 @@ NvmeStateTier::Record NvmeStateTier::record(int u) const {
   Record r;
   const size_t S = size_t(ctx_.shard(u));
   const StateFormat f = ctx_.cfg->optimizer_state;
-  r.sec = a4k(S * 4);
+  r.sec = a4k(S * master_bytes());
   const size_t block = size_t(ctx_.cfg->state_block);
   r.absmax_off = S * cpu::state_bytes(f);
   // q8: one f32 per block (shards are whole blocks, see padding_grain()).
@@ -45,6 +45,10 @@ NvmeStateTier::Record NvmeStateTier::record(int u) const {
   r.lowp_sec = params_ ? a4k(S * ctx_.pbytes) : 0;
   r.total = r.lowp_off + r.lowp_sec;
   return r;
+}
+
+size_t NvmeStateTier::master_bytes() const {
+  return ctx_.cfg->bf16_master ? 2 : 4;
 }
 
 std::string NvmeStateTier::who() const {
@@ -90,7 +94,7 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
     charges_.push_back(std::make_unique<DiskCharge>(ctx.ledger, kind, name, bytes));
     logical += bytes;
   };
-  charge(MemKind::master, "master", sum_shard * 4);
+  charge(MemKind::master, "master", sum_shard * int64_t(master_bytes()));
   charge(MemKind::optim_state, "optim_state", int64_t(ctx.num_states) * moment_bytes);
   charge(MemKind::grad, "grad", sum_shard * int64_t(gbytes));
   charge(MemKind::buffer, "swap_reserve", int64_t(store_.file_bytes()) - logical);
@@ -107,15 +111,15 @@ std::vector<std::pair<void*, size_t>> NvmeStateTier::dma_regions() const {
 }
 
 // Initial values go through f32 once, as in memory: the record's master is the shard of
-// `whole`, its optimizer state zero (q8: the code's zero, absmax 0). Writes overlap (one per
-// free staging slot).
+// `whole` (bf16: rounded to nearest), its optimizer state zero (q8: the code's zero, absmax 0).
+// Writes overlap (one per free staging slot).
 void NvmeStateTier::load_initial(int u, const float* whole) {
   const int s = init_writes_.slot(space_.io());
   const int64_t S = ctx_.shard(u);
   const Record L = record(u);
   char* b = swap_pool_.data(s);
   std::memset(b, 0, L.record);
-  if (whole) std::memcpy(b, whole + ctx_.rank * S, size_t(S) * 4);
+  if (whole) cpu::convert(arena_.isa(), whole + ctx_.rank * S, DType::f32, b, master_dtype(), S);
   if (ctx_.cfg->optimizer_state == StateFormat::q8)
     for (int k = 0; k < ctx_.num_states; ++k)
       std::memset(b + L.sec + size_t(k) * L.msec, cpu::dynamic_code(k == 0).zero, size_t(S));
@@ -291,7 +295,10 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     char* base = swap_pool_.data(slot);
     cpu::UnitUpdate uu;
     uu.runs = &ctx_.unit(i).shard_runs;
-    uu.args.master = reinterpret_cast<float*>(base);
+    uu.args.master = base;
+    uu.args.master_dtype = master_dtype();
+    uu.args.round_key = cpu::rounding_key(step, i);
+    uu.args.index = ctx_.rank * ctx_.shard(i);
     uu.args.state_format = ctx_.cfg->optimizer_state;
     uu.args.block = ctx_.cfg->state_block;
     const bool q8 = uu.args.state_format == StateFormat::q8;
@@ -370,7 +377,7 @@ void NvmeStateTier::restore_params(int updated, ParamSink& sink, std::string& er
   }
 }
 
-void NvmeStateTier::preview(const std::vector<cpu::UpdateHyper>&, int, void*) {
+void NvmeStateTier::preview(const std::vector<cpu::UpdateHyper>&, int64_t, int, void*) {
   // The parameters' two-phase store is for state in memory; on nvme the new shards are written
   // with the records (see update()).
   ZS_THROW(internal, "preview() of the nvme state tier");
@@ -391,8 +398,8 @@ void NvmeStateTier::widen(int u, const char* rec, StateKind kind, float* out) co
   const int64_t S = ctx_.shard(u);
   const char* p = rec + L.offset(kind);
   const StateFormat f = ctx_.cfg->optimizer_state;
-  if (kind == StateKind::master) {
-    std::memcpy(out, p, size_t(S) * 4);
+  if (kind == StateKind::master) {  // a bf16 master widens exactly
+    cpu::convert(arena_.isa(), p, master_dtype(), out, DType::f32, S);
     return;
   }
   const float* absmax =
@@ -435,8 +442,8 @@ void NvmeStateTier::write(int u, StateKind kind, const std::vector<float>& v) {
   space_.io().wait(*rd);
   char* p = tmp.as<char>() + L.offset(kind);
   const StateFormat f = ctx_.cfg->optimizer_state;
-  if (kind == StateKind::master)
-    std::memcpy(p, v.data(), v.size() * 4);
+  if (kind == StateKind::master)  // a bf16 master rounds to nearest (exact from one)
+    cpu::convert(arena_.isa(), v.data(), DType::f32, p, master_dtype(), int64_t(v.size()));
   else
     cpu::narrow_moment(arena_.isa(), f, v.data(), int64_t(v.size()), ctx_.cfg->state_block,
                        kind == StateKind::state0, p,
@@ -462,10 +469,14 @@ class NvmeStateTier::Snapshot final : public StateSnapshot {
       most_shard = std::max(most_shard, size_t(t.ctx_.shard(int(u))));
     }
     record_ = Buffer(t.ctx_.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", most);
-    if (t.ctx_.cfg->optimizer_state != StateFormat::f32)  // the moments seen in f32
-      for (int k = 0; k < t.ctx_.num_states; ++k)
-        wide_[k] = Buffer(t.ctx_.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot",
-                          most_shard * 4);
+    // Compact moments and a bf16 master are seen in f32.
+    auto widened = [&](int k) {
+      wide_[k] =
+          Buffer(t.ctx_.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", most_shard * 4);
+    };
+    if (t.ctx_.cfg->optimizer_state != StateFormat::f32)
+      for (int k = 0; k < t.ctx_.num_states; ++k) widened(k);
+    if (t.master_dtype() != DType::f32) widened(2);
     std::lock_guard<std::mutex> lock(pins_->mu);
     for (size_t u = 0; u < t.units_.size(); ++u) pins_->slot[u] = t.units_[u].cur;
   }
@@ -477,13 +488,12 @@ class NvmeStateTier::Snapshot final : public StateSnapshot {
       release(u);
       t_.store_.read_now(extent_[size_t(u)], record_.as<char>());
       viewed_ = u;
-      widened_[0] = widened_[1] = false;
+      widened_[0] = widened_[1] = widened_[2] = false;
       release(u + 1);  // in record_ now: the tier may write over it
     }
     const char* rec = record_.as<char>();
-    const int k = kind == StateKind::state1 ? 1 : 0;
-    if (kind == StateKind::master || wide_[k].empty())
-      return reinterpret_cast<const float*>(rec + t_.record(u).offset(kind));
+    const int k = kind == StateKind::master ? 2 : kind == StateKind::state1 ? 1 : 0;
+    if (wide_[k].empty()) return reinterpret_cast<const float*>(rec + t_.record(u).offset(kind));
     if (!widened_[k]) t_.widen(u, rec, kind, wide_[k].as<float>());
     widened_[k] = true;
     return wide_[k].as<float>();
@@ -502,8 +512,8 @@ class NvmeStateTier::Snapshot final : public StateSnapshot {
   std::shared_ptr<Pins> pins_;
   std::vector<int> extent_;  // each unit's committed record slot
   Buffer record_;            // the unit viewed last
-  Buffer wide_[2];           // compact moments: state0 and state1 of that unit in f32
-  bool widened_[2] = {false, false};
+  Buffer wide_[3];  // compact moments, a bf16 master: state0, state1, master of that unit in f32
+  bool widened_[3] = {false, false, false};
   int viewed_ = -1, released_ = 0;
 };
 

@@ -1,7 +1,8 @@
 #pragma once
 // The optimizer state on nvme (offload_optimizer = nvme).
 //
-// - fp32 master weights and optimizer state: on disk, one *record* per unit (master | state0 |
+// - master weights (f32, or bf16 with Config::bf16_master) and optimizer state: on disk, one
+// *record* per unit (master | state0 |
 //   state1, each section 4096-aligned; the moments in Config::optimizer_state's format, so
 //   compact moments shrink the record and every step's bytes), in two slots. A step reads slot cur,
 //   writes slot 1−cur, and flips every unit's cur only after every write of the step (on every
@@ -51,7 +52,7 @@ class NvmeStateTier final : public StateTier {
   double sum_squares() override;
   void forget_grads() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
-  void preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) override;
+  void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u, void* out) override;
   std::vector<float> read(int u, StateKind kind) const override;
   void write(int u, StateKind kind, const std::vector<float>& shard) override;
   void commit(Communicator& comm, ParamSink& sink) override;
@@ -76,7 +77,7 @@ class NvmeStateTier final : public StateTier {
   /// Each moment's section holds its elements in Config::optimizer_state's format and, for q8,
   /// its absmax array after them.
   struct Record {
-    size_t sec = 0;         // the f32 master: shard_numel × 4, rounded up to 4096
+    size_t sec = 0;         // the master: shard_numel × master_bytes(), rounded up to 4096
     size_t absmax_off = 0;  // q8: the moment's absmax array, from its section's start
     size_t mbytes = 0;      // one moment's bytes (q8: codes and absmax)
     size_t msec = 0;        // mbytes rounded up to 4096
@@ -105,6 +106,8 @@ class NvmeStateTier final : public StateTier {
     double sumsq = 0;  // Σ g² of the final gradient shard, for the norm
   };
   Record record(int u) const;
+  size_t master_bytes() const;  // 4, or 2 for a bf16 master (Config::bf16_master)
+  DType master_dtype() const { return master_bytes() == 2 ? DType::bf16 : DType::f32; }
   std::string who() const;            // "rank 1: nvme swap "
   void reap(bool block);              // evictions that finished give their slots back
   bool evict(int keep);               // writes the oldest cached gradient other than `keep`

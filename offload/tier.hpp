@@ -150,7 +150,8 @@ class StateTier {
   /// Unit u's new low-precision values written to `out` (host memory) without changing any
   /// state: the update() that follows computes bitwise the same values. For parameter tiers
   /// that must hold the new parameters before the state may change (ParamTier::two_phase()).
-  virtual void preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) = 0;
+  virtual void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u,
+                       void* out) = 0;
 
   /// This rank's shard of one state of unit u (f32, shard_numel values); throws
   /// Error(invalid_argument) for a moment the optimizer does not keep.

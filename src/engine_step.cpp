@@ -69,7 +69,7 @@ void Engine::Impl::update(const std::vector<cpu::UpdateHyper>& hyper) {
   params->drop_reads();
   const bool two_phase = params->two_phase();
   if (two_phase)
-    params->store_update(steps, [&](int u, void* out) { state->preview(hyper, u, out); });
+    params->store_update(steps, [&](int u, void* out) { state->preview(hyper, steps, u, out); });
   state->update(hyper, steps, *this);
   if (two_phase) params->commit_update();
 }

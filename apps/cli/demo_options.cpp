@@ -39,6 +39,10 @@ constexpr Flag kFlags[] = {
     {"--optimizer-state", "f32|bf16|8bit",
      "storage of the optimizer moments (default f32; 8bit: blockwise dynamic quantization)",
      "ZeRO engine"},
+    {"--master", "f32|bf16",
+     "master weights (default f32; bf16: stochastic rounding, needs --dtype bf16 and the update "
+     "on the CPU)",
+     "ZeRO engine"},
     {"--offload-optimizer", "none|cpu|nvme",
      "tier of optimizer state and master weights (default none)", "ZeRO engine"},
     {"--offload-param", "none|cpu|nvme", "tier of parameter shards, stage 3 only (default none)",
@@ -291,6 +295,8 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
                                          {{"f32", zeroshard::StateFormat::f32},
                                           {"bf16", zeroshard::StateFormat::bf16},
                                           {"8bit", zeroshard::StateFormat::q8}});
+    if (has("--master"))
+      c.bf16_master = one_of<bool>("--master", val("--master"), {{"f32", false}, {"bf16", true}});
     if (has("--lr")) c.optimizer.lr = float(to_real("--lr", val("--lr"), 0, 10));
     if (has("--weight-decay"))
       c.optimizer.weight_decay = float(to_real("--weight-decay", val("--weight-decay"), 0, 10));

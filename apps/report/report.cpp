@@ -64,8 +64,8 @@ void print_header(const RunSummary& s) {
       double(c.optimizer.lr), (long long)o.warmup, c.gradient_clipping,
       o.config_path.empty() ? "" : (", config " + o.config_path).c_str());
   std::printf(
-      "  tiers:  optimizer state (%s moments) + master weights on %s, parameter shards on %s\n",
-      zeroshard::state_format_name(c.optimizer_state),
+      "  tiers:  optimizer state (%s moments) + %s master weights on %s, parameter shards on %s\n",
+      zeroshard::state_format_name(c.optimizer_state), c.bf16_master ? "bf16" : "f32",
       zeroshard::tier_name(c.offload_optimizer.tier),
       zeroshard::tier_name(c.stage == 3 ? c.offload_param.tier : Tier::device));
   std::printf("  validation loss before training: %.4f (uniform guess: %.4f)\n\n", s.val_before,
@@ -215,6 +215,7 @@ void write_json(const RunSummary& s, const std::string& path) {
                  {"dtype", zeroshard::dtype_name(c.dtype)},
                  {"optimizer", zeroshard::optimizer_name(c.optimizer.kind)},
                  {"optimizer_state", zeroshard::state_format_name(c.optimizer_state)},
+                 {"master_weights", c.bf16_master ? "bf16" : "f32"},
                  {"gradient_accumulation_steps", c.gradient_accumulation_steps},
                  {"shard_alignment", c.shard_alignment},
                  {"grad_buffers", c.grad_buffers},

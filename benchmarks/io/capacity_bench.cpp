@@ -6,7 +6,7 @@
 // capacity_run.sh runs it inside a memory cgroup limited to the budget.
 //
 //   capacity_bench --dir DIR --params 1.5G --units 120 --steps 3 --budget 1.6G
-//                  [--bs 1M] [--qd 16] [--buffers 3] [--state f32|bf16|8bit]
+//                  [--bs 1M] [--qd 16] [--buffers 3] [--state f32|bf16|8bit] [--master f32|bf16]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
   int64_t params = 1500000000, budget = int64_t(16) << 26, bs = 1 << 20;
   int units = 120, steps = 3, qd = 16, buffers = 3;
   StateFormat format = StateFormat::f32;
+  bool bf16_master = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--dir")
@@ -69,6 +70,8 @@ int main(int argc, char** argv) {
       buffers = std::atoi(v.c_str());
     else if (k == "--state" && (v == "f32" || v == "bf16" || v == "8bit"))
       format = v == "f32" ? StateFormat::f32 : v == "bf16" ? StateFormat::bf16 : StateFormat::q8;
+    else if (k == "--master" && (v == "f32" || v == "bf16"))
+      bf16_master = v == "bf16";
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
@@ -77,7 +80,7 @@ int main(int argc, char** argv) {
   if (dir.empty()) {
     std::fprintf(stderr,
                  "usage: capacity_bench --dir DIR [--params 1.5G] [--units 120] [--steps 3] "
-                 "[--budget 1.6G] [--state f32|bf16|8bit]\n");
+                 "[--budget 1.6G] [--state f32|bf16|8bit] [--master f32|bf16]\n");
     return 2;
   }
   try {
@@ -86,6 +89,7 @@ int main(int argc, char** argv) {
     c.dtype = DType::bf16;
     c.optimizer.kind = OptimizerKind::adamw;
     c.optimizer_state = format;
+    c.bf16_master = bf16_master;
     c.gradient_clipping = 1.0;
     c.offload_optimizer.tier = Tier::nvme;
     c.offload_optimizer.nvme_paths = {dir};
@@ -107,14 +111,15 @@ int main(int argc, char** argv) {
     const int64_t state =
         m.at(Tier::nvme, MemKind::master) + m.at(Tier::nvme, MemKind::optim_state);
     std::printf(
-        "capacity_bench: %lld parameters in %d units, stage 3, bf16, AdamW (%s moments), "
-        "everything on nvme in %s\n",
-        (long long)(per * units), units, state_format_name(format), dir.c_str());
+        "capacity_bench: %lld parameters in %d units, stage 3, bf16, AdamW (%s moments, %s "
+        "master), everything on nvme in %s\n",
+        (long long)(per * units), units, state_format_name(format), bf16_master ? "bf16" : "f32",
+        dir.c_str());
     std::printf(
-        "f32 master + optimizer state on nvme: %.2f GiB; swap files: %.2f GiB; memory budget %.2f "
+        "%s master + optimizer state on nvme: %.2f GiB; swap files: %.2f GiB; memory budget %.2f "
         "GiB; "
         "engine memory (ledger): %.2f GiB; state / budget = %.1fx\n",
-        gib(state), gib(m.total(Tier::nvme)), gib(budget), gib(held),
+        bf16_master ? "bf16" : "f32", gib(state), gib(m.total(Tier::nvme)), gib(budget), gib(held),
         double(state) / double(budget));
     std::printf("finalize (create files, write initial state): %.1f s\n%s", t_init,
                 m.to_string().c_str());

@@ -7,6 +7,9 @@
 # failure.
 #
 #   benchmarks/io/format_capacity.sh BUILD_DIR [DISK=4G] [STEPS=2] [UNITS=16] [FORMATS="f32 bf16 8bit"]
+#
+# A format is the moments' (f32, bf16, 8bit), optionally with "/bf16" for a bf16 master
+# (Config::bf16_master), e.g. "8bit/bf16".
 set -euo pipefail
 build=${1:?usage: $0 BUILD_DIR [DISK=4G] [STEPS=2] [UNITS=16] [FORMATS]}
 disk=${2:-4G}
@@ -37,11 +40,13 @@ echo "disk: $disk ext4 image, $avail bytes available to the swap files; $units u
 # sees the whole disk free.
 fits() {
   sync -f "$mnt"
+  local state=${2%%/*} master=f32
+  [[ $2 == */* ]] && master=${2#*/}
   "$bench" --dir "$mnt" --params "$1M" --units "$units" --steps "$steps" --budget 16G \
-    --state "$2" >"$work/last.log" 2>&1
+    --state "$state" --master "$master" >"$work/last.log" 2>&1
 }
 
-printf '%-6s %14s %16s %12s\n' format largest_params swap_files_GiB vs_f32
+printf '%-10s %14s %16s %12s\n' format largest_params swap_files_GiB vs_f32
 first=""
 for fmt in $formats; do
   lo=0                                # fits (0: nothing yet)
@@ -54,6 +59,6 @@ for fmt in $formats; do
   fits "$lo" "$fmt" || { echo "format_capacity.sh: $fmt: ${lo}M no longer fits" >&2; exit 1; }
   files=$(grep -o 'swap files: [0-9.]* GiB' "$work/last.log" | grep -o '[0-9.]*')
   [[ -z "$first" ]] && first=$lo
-  printf '%-6s %13sM %16s %12s\n' "$fmt" "$lo" "$files" \
+  printf '%-10s %13sM %16s %12s\n' "$fmt" "$lo" "$files" \
     "$(python3 -c "print('%.2f' % ($lo / $first))")"
 done

@@ -18,7 +18,7 @@ enum class OptimizerKind : uint8_t { adam, adamw, sgd, lion };
 ZS_API const char* optimizer_name(OptimizerKind k);
 
 /// How the optimizer moments (Adam's m and v, Lion's and SGD's momentum) are stored, on every
-/// tier and in checkpoints; the master weights stay f32 whatever this says.
+/// tier and in checkpoints; the master weights stay f32 unless Config::bf16_master says.
 /// - f32: IEEE binary32 (4 bytes per moment).
 /// - bf16: rounded to nearest even after every update (2 bytes). Exact: the update itself runs
 ///   in f32 on the widened values.
@@ -100,8 +100,18 @@ struct ZS_API Config {
   /// The GPU for device cuda; −1 picks the launcher's local rank modulo the number of GPUs.
   int device_index = -1;
   /// Element type of parameters and gradients the trainer sees ("fp16"/"bf16" enabled → f16/bf16).
-  /// Master weights are always f32; the optimizer moments as optimizer_state says.
+  /// Master weights are f32 unless bf16_master; the optimizer moments as optimizer_state says.
   DType dtype = DType::f32;
+  /// Master weights in bf16 ("zeroshard.bf16_master"), rounded stochastically after every update
+  /// (cpu_kernels.hpp): 2 bytes per parameter instead of 4 on their tier, and on the nvme tier
+  /// 4 fewer per parameter of disk (two record slots). Rounding to nearest would lose every
+  /// update smaller than half a bf16 ulp of the weight (lr·update below 2^-9 relative, most of a
+  /// run's late steps); stochastic rounding keeps each update's expected value. Kahan-style
+  /// compensation would keep them exactly but store a second bf16 per parameter, saving nothing
+  /// over f32. Needs dtype bf16 (the parameters are then the master's own bits) and the update on
+  /// the CPU (device cpu, or offload_optimizer cpu or nvme). Checkpoints hold the master as f32
+  /// (widened exactly), so they load into an f32-master engine and back bitwise.
+  bool bf16_master = false;
   /// Storage of the optimizer moments ("zeroshard.optimizer_state": "f32", "bf16", "8bit").
   StateFormat optimizer_state = StateFormat::f32;
   /// q8: elements per quantization block ("zeroshard.state_block"), a power of two from 64 to

@@ -48,6 +48,25 @@ struct Avx2Vec {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
 
+  // cvt::rounding_bits and cvt::round_bf16_stochastic, eight lanes (indices index..index+7).
+  static T round_bf16_sr(T x, uint32_t key, uint32_t index) {
+    const __m256i i =
+        _mm256_add_epi32(_mm256_set1_epi32(int(index)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i h = _mm256_xor_si256(_mm256_mullo_epi32(i, _mm256_set1_epi32(int(0x9E3779B1u))),
+                                 _mm256_set1_epi32(int(key)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x7FEB352D));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(int(0x846CA68Bu)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i r =
+        _mm256_and_si256(_mm256_add_epi32(u, _mm256_and_si256(h, _mm256_set1_epi32(0xFFFF))),
+                         _mm256_set1_epi32(int(0xFFFF0000u)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, u, nan));
+  }
+
   static T sqrt(T x) { return _mm256_sqrt_ps(x); }
   // Blend order mirrors ScalarVec::sign: start from c - c (+0 or NaN), then -1, then +1.
   static T sign(T c) {

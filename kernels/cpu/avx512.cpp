@@ -58,6 +58,26 @@ struct Avx512Vec {
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
 
+  // cvt::rounding_bits and cvt::round_bf16_stochastic, sixteen lanes (index..index+15).
+  static T round_bf16_sr(T x, uint32_t key, uint32_t index) {
+    const __m512i i =
+        _mm512_add_epi32(_mm512_set1_epi32(int(index)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __m512i h = _mm512_xor_si512(_mm512_mullo_epi32(i, _mm512_set1_epi32(int(0x9E3779B1u))),
+                                 _mm512_set1_epi32(int(key)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x7FEB352D));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x846CA68Bu)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i r =
+        _mm512_and_si512(_mm512_add_epi32(u, _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF))),
+                         _mm512_set1_epi32(int(0xFFFF0000u)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, u));
+  }
+
   static T sqrt(T x) { return _mm512_sqrt_ps(x); }
   // Blend order mirrors ScalarVec::sign: start from c - c (+0 or NaN), then -1, then +1.
   static T sign(T c) {

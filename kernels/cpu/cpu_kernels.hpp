@@ -56,8 +56,17 @@ struct UpdateHyper {
 ///         a block is requantized whole: each block is dequantized (code × absmax) into f32
 ///         scratch, updated, and requantized (absmax = max |value|, index = the nearest code
 ///         point of value × (1 / absmax), an all-zero block to the code's 0).
+/// The master weights are f32, or bf16 (Config::bf16_master) rounded stochastically after every
+/// update: widened to f32 for it, then element i (counted from the unit's element 0 as
+/// `index + i`, modulo 2^32) rounds with the bits cvt::rounding_bits(round_key, index + i), up
+/// with probability (the f32's dropped bits) / 2^16. The copy-out is the rounded value, so a
+/// bf16 out equals the master's bits. The key is rounding_key(step, unit): every ISA, world size
+/// and stage rounds each element of each step alike, and a resumed run bitwise as the first.
 struct UpdateArgs {
-  float* master = nullptr;
+  void* master = nullptr;
+  DType master_dtype = DType::f32;  ///< f32, or bf16 (stochastic rounding)
+  uint32_t round_key = 0;           ///< bf16 master: rounding_key(step, unit)
+  int64_t index = 0;                ///< bf16 master: element 0's index in its unit
   void* state0 = nullptr;
   void* state1 = nullptr;
   StateFormat state_format = StateFormat::f32;
@@ -78,6 +87,8 @@ inline size_t state_bytes(StateFormat f) {
 }
 
 void optimizer_update(Isa isa, const UpdateHyper& h, const UpdateArgs& a);
+/// The stochastic rounding's key of one unit's update in one step (UpdateArgs::round_key).
+uint32_t rounding_key(int64_t step, int unit);
 
 /// Elements [begin, end) of an update's range that use the hyperparameters *h.
 struct UpdateSegment {

@@ -99,6 +99,11 @@ void check_range(const char* call, const void* p, const char* what, int64_t n) {
   if (n > 0 && p == nullptr) ZS_THROW(invalid_argument, call << ": " << what << " is null");
 }
 
+// The kernels link without the library's types.cpp (dtype_name()).
+const char* name_of(DType d) {
+  return d == DType::f32 ? "f32" : d == DType::bf16 ? "bf16" : d == DType::f16 ? "f16" : "?";
+}
+
 void check_dtype(const char* call, DType d) {
   if (!valid_dtype(d)) {
     ZS_THROW(invalid_argument, call << ": invalid dtype " << static_cast<int>(d));
@@ -144,6 +149,19 @@ void check_update_args(const char* call, const UpdateHyper& h, const UpdateArgs&
   check_range(call, a.grad, "grad", a.n);
   check_dtype(call, a.grad_dtype);
   if (a.out != nullptr) check_dtype(call, a.out_dtype);
+  // A bf16 master belongs to a bf16 model: its gradients are bf16 (or their f32 sum) and its
+  // copy-out, if any, is bf16.
+  if (a.master_dtype == DType::bf16) {
+    if (a.grad_dtype == DType::f16 || (a.out != nullptr && a.out_dtype != DType::bf16)) {
+      ZS_THROW(invalid_argument, call << ": a bf16 master takes f32 or bf16 gradients and a bf16 "
+                                         "copy-out (got grad "
+                                      << name_of(a.grad_dtype) << ", out "
+                                      << (a.out ? name_of(a.out_dtype) : "none") << ")");
+    }
+  } else if (a.master_dtype != DType::f32) {
+    ZS_THROW(invalid_argument,
+             call << ": master of dtype " << name_of(a.master_dtype) << " (f32 or bf16)");
+  }
   const StateFormat f = a.state_format;
   if (f != StateFormat::f32 && f != StateFormat::bf16 && f != StateFormat::q8) {
     ZS_THROW(invalid_argument, call << ": invalid state format " << static_cast<int>(f));
@@ -165,6 +183,14 @@ void check_update_args(const char* call, const UpdateHyper& h, const UpdateArgs&
 }
 
 }  // namespace
+
+// Two rounds of the update's own hash (scalar_convert.hpp) over the step's two halves and the
+// unit: a different key for every (step, unit) pair in practice.
+uint32_t rounding_key(int64_t step, int unit) {
+  const uint64_t s = uint64_t(step);
+  const uint32_t k = cvt::rounding_bits(uint32_t(s >> 32) ^ 0x5A17C0DEu, uint32_t(s));
+  return cvt::rounding_bits(k, uint32_t(unit));
+}
 
 void optimizer_update(Isa isa, const UpdateHyper& h, const UpdateArgs& a) {
   constexpr const char* call = "optimizer_update";

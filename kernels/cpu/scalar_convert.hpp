@@ -28,6 +28,29 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + lsb) >> 16);
 }
 
+// Stochastic rounding to bf16 (a bf16 master, Config::bf16_master): the rounding bits of
+// element `index` under `key`, a bijection of the index per key (so no two elements of one
+// update share them), mixed by the "lowbias32" integer hash (C. Wellons, hash-prospector).
+inline uint32_t rounding_bits(uint32_t key, uint32_t index) {
+  uint32_t x = (index * 0x9E3779B1u) ^ key;
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// x rounded to a bf16 value (returned as the f32 with those bits): up in magnitude with
+// probability (dropped bits) / 2^16, else down, by adding the low 16 random bits and
+// truncating, so the rounding is unbiased: E[result] = x. inf stays inf; NaN is returned as it
+// is (float_to_bf16 then quiets it); a value within 2^-9 relative of FLT_MAX may round to inf.
+inline float round_bf16_stochastic(float x, uint32_t bits) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return x;
+  return std::bit_cast<float>((u + (bits & 0xFFFFu)) & 0xFFFF0000u);
+}
+
 inline float f16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu;

@@ -5,6 +5,8 @@
 //   kWidth        lanes per T
 //   set1, load_f32/store_f32, load_bf16/store_bf16, load_f16/store_f16   (unaligned)
 //   sqrt, sign    IEEE sqrt; sign(c) = +1 / -1 / +0 for c = ±0 / NaN for NaN
+//   round_bf16_sr lane j stochastically rounded to bf16 with the rounding bits of element
+//                 index + j under key (scalar_convert.hpp), the result as f32
 //   zero, bit_xor same_bytes' data movement (bitwise, no arithmetic)
 //   Acc, acc_zero, acc_add_square, acc_total   double accumulation for sum_squares
 //   CodeTable     the 256 code points as the ISA's lookup wants them (code_table(code))
@@ -40,6 +42,10 @@ struct ScalarVec {
   static T sqrt(T x) { return std::sqrt(x); }
   // c - c is +0 for c = ±0 and NaN for NaN, so a NaN momentum poisons p as torch.sign would.
   static T sign(T c) { return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c - c); }
+
+  static T round_bf16_sr(T x, uint32_t key, uint32_t index) {
+    return cvt::round_bf16_stochastic(x, cvt::rounding_bits(key, index));
+  }
 
   static T zero() { return 0.0f; }
   static T bit_xor(T a, T b) {

@@ -41,29 +41,33 @@ struct Broadcast {
 
 // Elements [begin, end) with V; end - begin must be a multiple of V::kWidth. The formulas are
 // the ones documented in cpu_kernels.hpp, parenthesised exactly as C++ parses them there. The
-// moments are stored as S (f32 or bf16) and updated in f32.
-template <class V, Rule R, DType G, Out O, DType S>
+// moments are stored as S (f32 or bf16), the master as M (f32, or bf16 rounded stochastically),
+// and updated in f32.
+template <class V, Rule R, DType G, Out O, DType S, DType M>
 void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int64_t end) {
   using T = typename V::T;
   const Broadcast<V> k(c);
   // Local copies: the compiler cannot prove that stores through float* leave `a` unchanged.
-  float* const master = a.master;
+  void* const master = a.master;
+  const uint32_t key = a.round_key;
+  const uint32_t index0 = uint32_t(a.index);  // modulo 2^32, as documented
   void* const s0 = a.state0;
   void* const s1 = a.state1;
   // Element sizes for prefetch addressing (the out size is unused when O is none).
   const size_t grad_bytes = G == DType::f32 ? 4 : 2;
   const size_t out_bytes = O == Out::f32 ? 4 : 2;
   const size_t state_bytes = S == DType::f32 ? 4 : 2;
+  const size_t master_bytes = M == DType::f32 ? 4 : 2;
   for (int64_t i = begin; i < end; i += V::kWidth) {
     // One prefetch per stream and cache line of f32 (half-width streams get two per line).
     if (V::kWidth >= kLineElems || i % kLineElems == 0) {
-      prefetch_ahead(master, i, 4);
+      prefetch_ahead(master, i, master_bytes);
       prefetch_ahead(a.grad, i, grad_bytes);
       if constexpr (R != Rule::sgd) prefetch_ahead(s0, i, state_bytes);
       if constexpr (R == Rule::adam || R == Rule::adamw) prefetch_ahead(s1, i, state_bytes);
       if constexpr (O != Out::none) prefetch_ahead(a.out, i, out_bytes);
     }
-    T p = V::load_f32(master + i);
+    T p = load_as<V, M>(master, i);
     T g = load_as<V, G>(a.grad, i) * k.grad_scale;
     if constexpr (R == Rule::adam || R == Rule::adamw) {
       T m = load_as<V, S>(s0, i);
@@ -101,8 +105,10 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
       }
       p = p - k.lr * g;
     }
+    // A bf16 master rounds once; the copy-out below is then that value.
+    if constexpr (M == DType::bf16) p = V::round_bf16_sr(p, key, index0 + uint32_t(i));
     // The low-precision copy is written in the same pass: no second read of the master.
-    V::store_f32(master + i, p);
+    store_as<V, M>(master, i, p);
     if constexpr (O == Out::f32) store_as<V, DType::f32>(a.out, i, p);
     if constexpr (O == Out::bf16) store_as<V, DType::bf16>(a.out, i, p);
     if constexpr (O == Out::f16) store_as<V, DType::f16>(a.out, i, p);
@@ -110,11 +116,12 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
 }
 
 // Full vectors with V, then the remainder with the scalar lane type (same operations).
-template <class V, Rule R, DType G, Out O, DType S>
+template <class V, Rule R, DType G, Out O, DType S, DType M>
 void update_all(const UpdateConsts& c, const UpdateArgs& a) {
   const int64_t full = a.n - a.n % V::kWidth;
-  update_range<V, R, G, O, S>(c, a, 0, full);
-  if constexpr (!std::is_same_v<V, ScalarVec>) update_range<ScalarVec, R, G, O, S>(c, a, full, a.n);
+  update_range<V, R, G, O, S, M>(c, a, 0, full);
+  if constexpr (!std::is_same_v<V, ScalarVec>)
+    update_range<ScalarVec, R, G, O, S, M>(c, a, full, a.n);
 }
 
 // momentum == 0 is plain SGD whatever `nesterov` says (torch rejects that pair; we ignore it),
@@ -122,24 +129,34 @@ void update_all(const UpdateConsts& c, const UpdateArgs& a) {
 
 // Run-time → compile-time switches: each combination becomes its own branch-free loop.
 
-/// f32 or bf16 moments: resolves rule × grad dtype × out dtype × state dtype to one
-/// instantiation. The constants are folded here, once per call, so vector body and scalar tail
-/// share them.
+/// f32 or bf16 moments: resolves rule × grad dtype × out dtype × state dtype × master dtype to
+/// one instantiation. The constants are folded here, once per call, so vector body and scalar
+/// tail share them. A bf16 master comes with a bf16 model (Config::bf16_master), so only its
+/// bf16 copy-out (or none) and f32 or bf16 gradients are instantiated with it.
 template <class V>
 void update_plain(const UpdateHyper& h, const UpdateArgs& a) {
   const UpdateConsts c = fold_consts(h);
-  const DType sd = a.state_format == StateFormat::bf16 ? DType::bf16 : DType::f32;
+  const bool bf16_state = a.state_format == StateFormat::bf16;
   with_rule(rule_of(h), [&](auto rule) {
+    constexpr Rule R = decltype(rule)::value;
     with_dtype(a.grad_dtype, [&](auto grad) {
+      constexpr DType G = decltype(grad)::value;
       with_out(out_of(a), [&](auto out) {
+        constexpr Out O = decltype(out)::value;
         // Only f32 and bf16 reach here, so f16 state is not instantiated.
-        if (sd == DType::bf16) {
-          update_all<V, decltype(rule)::value, decltype(grad)::value, decltype(out)::value,
-                     DType::bf16>(c, a);
-        } else {
-          update_all<V, decltype(rule)::value, decltype(grad)::value, decltype(out)::value,
-                     DType::f32>(c, a);
+        if constexpr (G != DType::f16 && (O == Out::none || O == Out::bf16)) {
+          if (a.master_dtype == DType::bf16) {
+            if (bf16_state)
+              update_all<V, R, G, O, DType::bf16, DType::bf16>(c, a);
+            else
+              update_all<V, R, G, O, DType::f32, DType::bf16>(c, a);
+            return;
+          }
         }
+        if (bf16_state)
+          update_all<V, R, G, O, DType::bf16, DType::f32>(c, a);
+        else
+          update_all<V, R, G, O, DType::f32, DType::f32>(c, a);
       });
     });
   });
@@ -201,6 +218,7 @@ void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
   alignas(64) float v[kMaxStateBlock];
   const size_t gbytes = a.grad_dtype == DType::f32 ? 4 : 2;
   const size_t obytes = a.out_dtype == DType::f32 ? 4 : 2;
+  const size_t mbytes = a.master_dtype == DType::f32 ? 4 : 2;
   for (int64_t b = 0; b < a.n; b += a.block) {
     const int64_t len = a.n - b < a.block ? a.n - b : a.block;
     const int64_t blk = b / a.block;
@@ -211,7 +229,8 @@ void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
       const int64_t hi = segments[s].end < b + len ? segments[s].end : b + len;
       if (lo >= hi) continue;
       UpdateArgs p = a;
-      p.master = a.master + lo;
+      p.master = static_cast<char*>(a.master) + size_t(lo) * mbytes;
+      p.index = a.index + lo;
       p.state0 = q0 ? m + (lo - b) : nullptr;
       p.state1 = q1 ? v + (lo - b) : nullptr;
       p.state_format = StateFormat::f32;

@@ -8,7 +8,8 @@ UpdateArgs offset_args(const UpdateArgs& w, int64_t b) {
   UpdateArgs a = w;
   const size_t gsize = dtype_size(w.grad_dtype), osize = dtype_size(w.out_dtype);
   const size_t ssize = state_bytes(w.state_format);
-  a.master = w.master + b;
+  a.master = static_cast<char*>(w.master) + size_t(b) * dtype_size(w.master_dtype);
+  a.index = w.index + b;
   a.state0 = w.state0 ? static_cast<char*>(w.state0) + size_t(b) * ssize : nullptr;
   a.state1 = w.state1 ? static_cast<char*>(w.state1) + size_t(b) * ssize : nullptr;
   if (w.state_format == StateFormat::q8) {

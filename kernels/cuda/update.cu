@@ -255,6 +255,10 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
     ZS_THROW(invalid_argument, "cuda::optimizer_update: moments stored as "
                                    << state_format_name(a.state_format)
                                    << " are not supported on the GPU (f32 only)");
+  if (a.master_dtype != DType::f32)
+    ZS_THROW(invalid_argument, "cuda::optimizer_update: a " << dtype_name(a.master_dtype)
+                                                            << " master is not supported on the "
+                                                               "GPU (f32 only)");
   for (auto& [rule, list] : by_rule) {
     const bool needs_s0 = rule != Rule::sgd;
     const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
@@ -264,7 +268,7 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
                                                             << ", got null");
     for (size_t first = 0; first < list.size(); first += kMaxRunsPerLaunch) {
       UpdateParams P{};
-      P.master = a.master;
+      P.master = static_cast<float*>(a.master);
       P.s0 = static_cast<float*>(a.state0);
       P.s1 = static_cast<float*>(a.state1);
       P.grad = a.grad;

@@ -191,6 +191,7 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
       {.name = "optimizer_state",
        .member = &C::optimizer_state,
        .json = "zeroshard.optimizer_state"},
+      {.name = "bf16_master", .member = &C::bf16_master, .json = "zeroshard.bf16_master"},
       {.name = "state_block",
        .member = &C::state_block,
        .json = "zeroshard.state_block",

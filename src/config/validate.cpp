@@ -116,6 +116,20 @@ void check_state_format(const Config& c) {
          "keeps every format)");
 }
 
+// A bf16 master is the parameters' own precision, updated by the CPU kernels only.
+void check_master(const Config& c) {
+  if (!c.bf16_master) return;
+  if (c.dtype != DType::bf16)
+    fail(std::string("zeroshard.bf16_master = true requires bf16 parameters (bf16.enabled; dtype "
+                     "is ") +
+         dtype_name(c.dtype) + "): the low-precision copy is the master's own bits");
+  if (c.device == Device::cuda && c.offload_optimizer.tier == Tier::device)
+    fail(
+        "zeroshard.bf16_master = true with zeroshard.device = cuda requires "
+        "zero_optimization.offload_optimizer.device cpu or nvme: the GPU update keeps an f32 "
+        "master");
+}
+
 // What the GPU engine does not do: parameters off the GPU are updated where they live, by the
 // CPU, so the optimizer must be there too (a GPU update would write host memory).
 void check_cuda(const Config& c) {
@@ -142,6 +156,7 @@ void Config::validate() const {
   check_tiers(*this);
   check_cuda(*this);
   check_state_format(*this);
+  check_master(*this);
 }
 
 }  // namespace zeroshard

@@ -24,6 +24,7 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
       arena_(arena),
       on_cpu_(compute.device() == Device::cpu),
       format_(ctx.cfg->optimizer_state),
+      master_dtype_(ctx.cfg->bf16_master ? DType::bf16 : DType::f32),
       units_(ctx.units->size()) {
   const Config& cfg = *ctx.cfg;
   const bool pin = cfg.offload_optimizer.pin_memory;
@@ -41,8 +42,9 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
     if (master_alias[i]) {
       s.master = *master_alias[i];
     } else {
-      s.master_buf = ctx.buffer(tier, MemKind::master, "master", ext * 4, pin);
-      s.master = s.master_buf.as<float>();
+      s.master_buf =
+          ctx.buffer(tier, MemKind::master, "master", ext * dtype_size(master_dtype_), pin);
+      s.master = s.master_buf.data();
     }
     // Moments in their format; q8 adds one f32 absmax per block, and starts every element at
     // the code's zero (a zero byte would be its most negative point).
@@ -67,13 +69,14 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
                           size_t(arena.threads()) * preview_slot_bytes(), false);
 }
 
-// Initial values go through f32 once: the master is the extent of `whole`; the low-precision
-// copy is rounded from it by the parameter tier, so every stage starts from the same bits.
+// Initial values go through f32 once: the master is the extent of `whole` (a bf16 master
+// rounded to nearest, as the parameter tier rounds its copy); the low-precision copy is rounded
+// from it by the parameter tier, so every stage starts from the same bits.
 void MemoryStateTier::load_initial(int u, const float* whole) {
   Unit& s = units_[size_t(u)];
   if (!whole || s.master_buf.empty()) return;  // zeros, or the parameters are the master
   const int64_t b = ctx_.cfg->stage == 0 ? 0 : ctx_.rank * ctx_.shard(u);
-  compute_.copy(s.master, whole + b, size_t(ctx_.extent(u)) * 4);
+  compute_.convert(whole + b, DType::f32, s.master, master_dtype_, ctx_.extent(u));
   compute_.synchronize();  // before `whole` is refilled
 }
 
@@ -143,12 +146,15 @@ double MemoryStateTier::sum_squares() {
   return nonfinite || !std::isfinite(sum) ? std::numeric_limits<double>::infinity() : sum;
 }
 
-cpu::UnitUpdate MemoryStateTier::unit_update(int u, void* out) const {
+cpu::UnitUpdate MemoryStateTier::unit_update(int u, void* out, int64_t step) const {
   const Unit& s = units_[size_t(u)];
   auto [g, dt] = grad(u);
   cpu::UnitUpdate w;
   w.runs = &ctx_.runs(u);
   w.args.master = s.master;
+  w.args.master_dtype = master_dtype_;
+  w.args.round_key = cpu::rounding_key(step, u);
+  w.args.index = ctx_.cfg->stage == 0 ? 0 : ctx_.rank * ctx_.shard(u);  // of the extent's start
   w.args.state0 = s.state0;
   w.args.state1 = s.state1;
   w.args.state_format = format_;
@@ -165,10 +171,11 @@ cpu::UnitUpdate MemoryStateTier::unit_update(int u, void* out) const {
   return w;
 }
 
-void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t, ParamSink& sink) {
+void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                             ParamSink& sink) {
   std::vector<cpu::UnitUpdate> updates;
   for (size_t i = 0; i < units_.size(); ++i)
-    updates.push_back(unit_update(int(i), sink.target(int(i))));
+    updates.push_back(unit_update(int(i), sink.target(int(i)), step));
   if (sink.per_unit()) {
     // Unit by unit, so what done() starts (an upload) overlaps the next unit's update.
     for (size_t i = 0; i < units_.size(); ++i) {
@@ -183,10 +190,11 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
 
 // The same tasks as update(), each on copies of its chunk of master and moments (and absmax):
 // the state is untouched, and the copy-out is bitwise what update() writes.
-void MemoryStateTier::preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) {
+void MemoryStateTier::preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u,
+                              void* out) {
   ZS_CHECK(!scratch_.empty());
   std::vector<cpu::UpdateTask> tasks;
-  cpu::append_update_tasks(hyper, unit_update(u, out), tasks);
+  cpu::append_update_tasks(hyper, unit_update(u, out, step), tasks);
   const size_t sb = cpu::state_bytes(format_);
   arena_.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
     char* sc = scratch_.as<char>() + size_t(arena_.slot()) * preview_slot_bytes();
@@ -199,7 +207,7 @@ void MemoryStateTier::preview(const std::vector<cpu::UpdateHyper>& hyper, int u,
       p = static_cast<P>(std::memcpy(sc, p, bytes));
       sc += round_up(int64_t(bytes), 64);
     };
-    take(a.master, n * 4);
+    take(a.master, n * dtype_size(master_dtype_));
     take(a.state0, n * sb);
     take(a.state1, n * sb);
     if (format_ == StateFormat::q8) {
@@ -234,8 +242,10 @@ void MemoryStateTier::check_kind(const char* call, int u, StateKind kind) const 
                                     << " keeps no such state");
 }
 
-float* MemoryStateTier::master_at(int u, StateKind kind) const {
-  return kind == StateKind::master ? units_[size_t(u)].master + shard_offset(u) : nullptr;
+char* MemoryStateTier::master_at(int u, StateKind kind) const {
+  if (kind != StateKind::master) return nullptr;
+  return static_cast<char*>(units_[size_t(u)].master) +
+         size_t(shard_offset(u)) * dtype_size(master_dtype_);
 }
 
 // The moments widen to f32 here (bf16 exactly; q8 as code × absmax), so checkpoints and
@@ -245,8 +255,8 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
   const Unit& s = units_[size_t(u)];
   const int64_t n = ctx_.shard(u), off = shard_offset(u);
   std::vector<float> out(static_cast<size_t>(n));
-  if (float* m = master_at(u, kind)) {
-    compute_.copy(out.data(), m, out.size() * 4);
+  if (const char* m = master_at(u, kind)) {  // a bf16 master widens exactly
+    compute_.convert(m, master_dtype_, out.data(), DType::f32, n);
     compute_.synchronize();
     return out;
   }
@@ -267,7 +277,9 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
 
 StoredShard MemoryStateTier::stored(int u, StateKind kind) {
   if (compute_.device() != Device::cpu) return {};
-  if (float* m = master_at(u, kind)) return {StateFormat::f32, m, nullptr};
+  // A bf16 master is saved and loaded as f32 (read() and write() convert it).
+  if (char* m = master_at(u, kind))
+    return master_dtype_ == DType::f32 ? StoredShard{StateFormat::f32, m, nullptr} : StoredShard{};
   const Unit& s = units_[size_t(u)];
   const bool first = kind == StateKind::state0;
   void* m = first ? s.state0 : kind == StateKind::state1 ? s.state1 : nullptr;
@@ -283,8 +295,8 @@ void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& sha
   ZS_CHECK(int64_t(shard.size()) == ctx_.shard(u));
   Unit& s = units_[size_t(u)];
   const int64_t n = ctx_.shard(u), off = shard_offset(u);
-  if (float* m = master_at(u, kind)) {
-    compute_.copy(m, shard.data(), shard.size() * 4);
+  if (char* m = master_at(u, kind)) {  // a bf16 master rounds to nearest (exact from one)
+    compute_.convert(shard.data(), DType::f32, m, master_dtype_, n);
     compute_.synchronize();
     return;
   }
@@ -310,7 +322,9 @@ void MemoryStateTier::commit(Communicator& comm, ParamSink& sink) {
       const int64_t n = ctx_.shard(int(i)), off = ctx_.rank * n;
       const std::string what = "unit '" + ctx_.unit(int(i)).layout.name + "' (restored state)";
       const Unit& s = units_[i];
-      works.push_back(comm.all_gather(s.master + off, s.master, n, DType::f32, what));
+      const size_t mb = dtype_size(master_dtype_);
+      char* master = static_cast<char*>(s.master);
+      works.push_back(comm.all_gather(master + size_t(off) * mb, master, n, master_dtype_, what));
       // Moments move as their bytes: bf16 elements, q8 codes two to an element of bf16 (a
       // shard is a whole number of blocks, so even), and each absmax array as f32.
       const DType wire = format_ == StateFormat::f32 ? DType::f32 : DType::bf16;
@@ -331,7 +345,7 @@ void MemoryStateTier::commit(Communicator& comm, ParamSink& sink) {
   for (size_t i = 0; i < units_.size(); ++i) {
     const int u = int(i);
     if (void* out = sink.target(u)) {
-      compute_.convert(units_[i].master, DType::f32, out, ctx_.pdt, ctx_.extent(u));
+      compute_.convert(units_[i].master, master_dtype_, out, ctx_.pdt, ctx_.extent(u));
       sink.done(u);
     } else if (!units_[i].master_buf.empty()) {
       sink.restore(u, read(u, StateKind::master).data());  // parameters off this memory

@@ -29,7 +29,7 @@ class MemoryStateTier final : public StateTier {
   void grad_reduced(int u, int micro, const void* whole) override;
   double sum_squares() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
-  void preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) override;
+  void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u, void* out) override;
   std::vector<float> read(int u, StateKind kind) const override;
   StoredShard stored(int u, StateKind kind) override;
   void write(int u, StateKind kind, const std::vector<float>& shard) override;
@@ -38,8 +38,8 @@ class MemoryStateTier final : public StateTier {
  private:
   struct Unit {
     Buffer grad_shard, accum, master_buf, state0_buf, state1_buf, absmax0_buf, absmax1_buf;
-    float* master = nullptr;  // master_buf, or the f32 parameters
-    void* state0 = nullptr;   // moments as Config::optimizer_state says
+    void* master = nullptr;  // master_buf (master_dtype_), or the f32 parameters
+    void* state0 = nullptr;  // moments as Config::optimizer_state says
     void* state1 = nullptr;
     float* absmax0 = nullptr;  // q8: one per Config::state_block elements
     float* absmax1 = nullptr;
@@ -48,15 +48,14 @@ class MemoryStateTier final : public StateTier {
   };
   /// The gradient the update reads, from element 0 of the extent, and its dtype.
   std::pair<const void*, DType> grad(int u) const;
-  /// Unit u's update, writing the low-precision copy to `out` (null: none).
-  cpu::UnitUpdate unit_update(int u, void* out) const;
+  /// Unit u's update in `step`, writing the low-precision copy to `out` (null: none).
+  cpu::UnitUpdate unit_update(int u, void* out, int64_t step) const;
   /// Where this rank's shard of one state starts: element `off` of the extent, so that the
   /// state and, for q8, its absmax (off / state_block) can be addressed alike.
   int64_t shard_offset(int u) const;
   size_t preview_slot_bytes() const;
-  /// The f32 master when `kind` is master, else null; the moments are reached through
-  /// read_moment() / write_moment(), which widen or narrow them.
-  float* master_at(int u, StateKind kind) const;
+  /// This rank's shard of the master (master_dtype_) when `kind` is master, else null.
+  char* master_at(int u, StateKind kind) const;
   void check_kind(const char* call, int u, StateKind kind) const;
 
   TierContext ctx_;
@@ -64,6 +63,7 @@ class MemoryStateTier final : public StateTier {
   cpu::Arena& arena_;
   const bool on_cpu_;  // compute_ is the CPU's: the norm is taken as gradients arrive
   const StateFormat format_;
+  const DType master_dtype_;  // f32, or bf16 (Config::bf16_master)
   std::vector<Unit> units_;
   Buffer scratch_;  // preview(): per-thread copies of one chunk of master and moments
 };

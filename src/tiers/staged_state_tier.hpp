@@ -33,8 +33,9 @@ class StagedStateTier final : public StateTier {
   double sum_squares() override { return inner_->sum_squares(); }
   void forget_grads() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
-  void preview(const std::vector<cpu::UpdateHyper>& hyper, int u, void* out) override {
-    inner_->preview(hyper, u, out);
+  void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u,
+               void* out) override {
+    inner_->preview(hyper, step, u, out);
   }
   std::vector<float> read(int u, StateKind kind) const override { return inner_->read(u, kind); }
   StoredShard stored(int u, StateKind kind) override { return inner_->stored(u, kind); }

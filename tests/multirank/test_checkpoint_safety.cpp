@@ -444,6 +444,48 @@ TEST(CheckpointResume, FromOneRankToThisWorldSize) {
   cleanup(dir);
 }
 
+// A bf16 master (Config::bf16_master) resumes bitwise on every tier, at another stage, also
+// from an asynchronous save (the nvme tier's snapshot widens it from its records); its files
+// hold it as f32, so an f32-master engine loads it exactly, and a bf16-master engine loads
+// that engine's checkpoint back to the same bits.
+TEST(CheckpointResume, BF16MasterBitwiseAndIntoAnF32Master) {
+  const fs::path dir = shared_dir("bf16-master");
+  auto bf16 = [](int stage, Tier tier) {
+    Config c = cfg_for(stage, tier);
+    c.bf16_master = true;
+    return c;
+  };
+  int n = 0;
+  for (Tier tier : {Tier::device, Tier::host, Tier::nvme}) {
+    Engine a(bf16(3, tier), world());
+    zs_test::register_model(a, zs_test::uneven_model());
+    train_some(a, 3);
+    const std::string tag = "m" + std::to_string(n++);
+    a.save_async(dir, tag);
+    const Snapshot saved = snapshot(a);
+    train_some(a, 1);  // while the files are written
+    a.finish_save();
+    Engine b(bf16(1, tier), world());
+    zs_test::register_model(b, zs_test::uneven_model());
+    b.load(dir / tag);
+    EXPECT_TRUE(same(snapshot(b), saved)) << tier_name(tier);
+    EXPECT_EQ(b.step_count(), 3);
+    train_some(b, 1);  // the same step, rounded with the same bits
+    EXPECT_TRUE(same(snapshot(a), snapshot(b))) << tier_name(tier);
+
+    Engine f(cfg_for(2, tier), world());  // f32 master
+    zs_test::register_model(f, zs_test::uneven_model());
+    f.load(dir / tag);
+    EXPECT_TRUE(same(snapshot(f), saved)) << tier_name(tier);
+    f.save(dir, tag + "f32");
+    Engine g(bf16(2, tier), world());
+    zs_test::register_model(g, zs_test::uneven_model());
+    g.load(dir / (tag + "f32"));
+    EXPECT_TRUE(same(snapshot(g), saved)) << tier_name(tier);
+  }
+  cleanup(dir);
+}
+
 // save_async(): the checkpoint holds the state of the moment it was called, though training
 // went on while it was written; the snapshot is in the ledger.
 TEST(CheckpointAsync, HoldsTheStateOfItsCallWhileTrainingGoesOn) {

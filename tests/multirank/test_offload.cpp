@@ -43,12 +43,14 @@ struct TierCase {
   int micro;
   int buffers = 3;  // offload_optimizer.buffer_count and offload_param.buffer_count
   StateFormat state = StateFormat::f32;
+  bool bf16_master = false;
 };
 
 std::string name_of(const TierCase& c) {
   return "stage" + std::to_string(c.stage) + "_opt_" + tier_name(c.opt) + "_param_" +
          tier_name(c.par) + "_" + dtype_name(c.dtype) + "_k" + std::to_string(c.micro) + "_buf" +
-         std::to_string(c.buffers) + "_state_" + state_format_name(c.state);
+         std::to_string(c.buffers) + "_state_" + state_format_name(c.state) +
+         (c.bf16_master ? "_bf16master" : "");
 }
 
 Config make_config(const TierCase& c) {
@@ -76,6 +78,7 @@ Config make_config(const TierCase& c) {
   cfg.aio.queue_depth = 4;
   cfg.optimizer_state = c.state;
   cfg.state_block = 64;  // q8 blocks cut through parameters and groups
+  cfg.bf16_master = c.bf16_master;
   return cfg;
 }
 
@@ -193,6 +196,34 @@ TEST(Offload, CompactStateMatchesDeviceTierBitwise) {
     EXPECT_EQ(e.memory().at(Tier::nvme, MemKind::optim_state), 2 * per) << name_of(c);
     EXPECT_EQ(e.memory().at(Tier::nvme, MemKind::master), 4 * elems) << name_of(c);
   }
+}
+
+// A bf16 master on every tier: the nvme record holds it in 2 bytes (the ledger's nvme column
+// says so) and rounds with the same bits as memory, so every tier matches the device tier.
+TEST(Offload, BF16MasterMatchesDeviceTierBitwise) {
+  for (int stage : {1, 3}) {
+    const StateFormat f = stage == 1 ? StateFormat::q8 : StateFormat::f32;
+    const TierCase dev{stage, Tier::device, Tier::device, DType::bf16, 2, 3, f, true};
+    const Snapshot ref = run(dev);
+    expect_moved(ref);
+    std::vector<TierCase> cases = {{stage, Tier::nvme, Tier::device, DType::bf16, 2, 3, f, true},
+                                   {stage, Tier::host, Tier::device, DType::bf16, 2, 3, f, true}};
+    if (stage == 3) cases.push_back({stage, Tier::nvme, Tier::nvme, DType::bf16, 2, 2, f, true});
+    for (const TierCase& c : cases) expect_same(ref, run(c), name_of(c));
+    // And it is not the f32 master's run: the rounding changed the weights.
+    TierCase wide = dev;
+    wide.bf16_master = false;
+    const Snapshot f32 = run(wide);
+    bool differs = false;
+    for (size_t u = 0; u < ref.master.size(); ++u) differs |= !same(ref.master[u], f32.master[u]);
+    EXPECT_TRUE(differs);
+  }
+  TierCase c{2, Tier::nvme, Tier::device, DType::bf16, 1, 3, StateFormat::f32, true};
+  Engine e(make_config(c), world());
+  zs_test::register_model(e, model());
+  int64_t elems = 0;
+  for (int u = 0; u < e.num_units(); ++u) elems += e.shard_info(u).shard_numel;
+  EXPECT_EQ(e.memory().at(Tier::nvme, MemKind::master), 2 * elems) << name_of(c);
 }
 
 // The pipeline's depth changes only the timing: two slots (no read-ahead beyond the next unit,

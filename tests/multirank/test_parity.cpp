@@ -5,6 +5,7 @@
 // same kernel), so any difference is a bug.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -21,6 +22,7 @@ struct Case {
   OptimizerKind opt;
   StateFormat state = StateFormat::f32;
   Tier tier = Tier::device;  // offload_optimizer
+  bool bf16_master = false;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
@@ -29,6 +31,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& i) {
   if (i.param.state != StateFormat::f32)
     name += std::string("_state") + state_format_name(i.param.state);
   if (i.param.tier != Tier::device) name += std::string("_") + tier_name(i.param.tier);
+  if (i.param.bf16_master) name += "_bf16master";
   return name;
 }
 
@@ -51,12 +54,17 @@ Config make_config(const Case& c, int stage) {
   cfg.optimizer_state = c.state;
   cfg.state_block = 64;  // q8 blocks cut through parameters and groups too
   cfg.offload_optimizer.tier = c.tier;
+  cfg.bf16_master = c.bf16_master;
   return cfg;
 }
 
 struct Snapshot {
   std::vector<std::vector<float>> param, master, s0, s1;
 };
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+}
 
 Snapshot run(const Case& c, int stage) {
   Engine e(make_config(c, stage), world());
@@ -81,10 +89,13 @@ Snapshot run(const Case& c, int stage) {
     }
   }
   const int moments = c.opt == OptimizerKind::sgd || c.opt == OptimizerKind::lion ? 1 : 2;
-  const int64_t per = c.state == StateFormat::f32 ? 4 * elems
+  const int64_t per = c.state == StateFormat::f32    ? 4 * elems
                       : c.state == StateFormat::bf16 ? 2 * elems
                                                      : elems + elems / 64 * 4;
   EXPECT_EQ(e.memory().at(c.tier, MemKind::optim_state), moments * per);
+  if (c.dtype != DType::f32) {  // an f32 model's master is its parameters
+    EXPECT_EQ(e.memory().at(c.tier, MemKind::master), (c.bf16_master ? 2 : 4) * elems);
+  }
   Snapshot s;
   bool has1 = c.opt == OptimizerKind::adam || c.opt == OptimizerKind::adamw;
   for (int u = 0; u < e.num_units(); ++u) {
@@ -92,12 +103,13 @@ Snapshot run(const Case& c, int stage) {
     s.master.push_back(e.read_shard(u, StateKind::master));
     s.s0.push_back(e.read_shard(u, StateKind::state0));
     s.s1.push_back(has1 ? e.read_shard(u, StateKind::state1) : std::vector<float>{});
+    // A bf16 master holds bf16 values, and the parameters are its bits.
+    if (c.bf16_master) {
+      EXPECT_TRUE(bitwise_equal(s.master.back(), s.param.back())) << "unit " << u;
+      for (float v : s.master.back()) EXPECT_EQ(std::bit_cast<uint32_t>(v) & 0xFFFFu, 0u);
+    }
   }
   return s;
-}
-
-bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
 }
 
 class Parity : public ::testing::TestWithParam<Case> {};
@@ -148,6 +160,17 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::f32, 3, OptimizerKind::adam, StateFormat::q8, Tier::host},
                       Case{DType::bf16, 2, OptimizerKind::lion, StateFormat::q8},
                       Case{DType::bf16, 2, OptimizerKind::sgd, StateFormat::q8, Tier::host}),
+    case_name);
+
+// A bf16 master rounds each element with the bits of its index in the unit and of the step, so
+// every stage (and shard boundary) rounds alike.
+INSTANTIATE_TEST_SUITE_P(
+    BF16Master, Parity,
+    ::testing::Values(
+        Case{DType::bf16, 1, OptimizerKind::adamw, StateFormat::f32, Tier::device, true},
+        Case{DType::bf16, 3, OptimizerKind::adamw, StateFormat::q8, Tier::host, true},
+        Case{DType::bf16, 2, OptimizerKind::lion, StateFormat::bf16, Tier::device, true},
+        Case{DType::bf16, 1, OptimizerKind::sgd, StateFormat::q8, Tier::device, true}),
     case_name);
 
 // k micro-batches of gradients accumulated by the engine equal one step on their mean.

@@ -200,3 +200,14 @@ def test_optimizer_state_format_keywords_and_json():
     with pytest.raises(zs.ConfigError) as e:
         zs.Config.from_json('{"zeroshard": {"state_block": 1000}}').validate()
     assert "zeroshard.state_block" in str(e.value) and "power of two" in str(e.value)
+
+
+def test_bf16_master_keyword_json_and_its_requirements():
+    c = zs.Config(dtype="bf16", bf16_master=True)
+    assert c.bf16_master
+    c.validate()
+    assert zs.Config.from_json('{"bf16": {"enabled": true}, "zeroshard": {"bf16_master": true}}').bf16_master
+    with pytest.raises(zs.ConfigError, match=r"bf16_master = true requires bf16"):
+        zs.Config(bf16_master=True).validate()  # f32 parameters
+    with pytest.raises(zs.ConfigError, match=r"bf16_master"):
+        zs.Config(bf16_master=1)

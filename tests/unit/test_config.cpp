@@ -478,5 +478,27 @@ TEST(Config, OptimizerStateFormats) {
   EXPECT_NO_THROW(gpu.validate());
 }
 
+// A bf16 master needs bf16 parameters and the CPU's update; the fingerprint carries it (ranks
+// that disagree would round differently).
+TEST(Config, BF16Master) {
+  Config c =
+      Config::from_json(R"({"bf16": {"enabled": true}, "zeroshard": {"bf16_master": true}})");
+  EXPECT_TRUE(c.bf16_master);
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_NE(c.fingerprint().find("config bf16_master=true"), std::string::npos);
+  Config f16 = c;
+  f16.dtype = DType::f16;
+  EXPECT_THAT(validate_error(f16), AllOf(HasSubstr("zeroshard.bf16_master = true requires bf16"),
+                                         HasSubstr("dtype is f16")));
+  Config gpu = c;
+  gpu.stage = 1;
+  gpu.device = Device::cuda;
+  EXPECT_THAT(validate_error(gpu), HasSubstr("the GPU update keeps an f32 master"));
+  gpu.offload_optimizer.tier = Tier::host;
+  EXPECT_NO_THROW(gpu.validate());
+  EXPECT_THAT(parse_error(R"({"zeroshard": {"bf16_master": "yes"}})"),
+              HasSubstr("zeroshard.bf16_master"));
+}
+
 }  // namespace
 }  // namespace zeroshard

@@ -346,7 +346,7 @@ TEST(StateFormats, SegmentsUpdateEachGroupWithItsOwnHyper) {
   a.n = 300;
   optimizer_update(Isa::scalar, h1, a);
   UpdateArgs b = f32.args();
-  b.master += 310;
+  b.master = static_cast<float*>(b.master) + 310;
   b.state0 = static_cast<float*>(b.state0) + 310;
   b.state1 = static_cast<float*>(b.state1) + 310;
   b.grad = static_cast<const uint16_t*>(b.grad) + 310;
