@@ -74,11 +74,15 @@ int main(int argc, char** argv) {
                                  : tier == "host" ? Tier::host
                                                   : Tier::device;
     if (!nvme_path.empty()) cfg.offload_optimizer.nvme_paths = {nvme_path};
-    cfg.optimizer_state = state == "8bit"   ? StateFormat::q8
-                          : state == "bf16" ? StateFormat::bf16
-                                            : StateFormat::f32;
-    if (state != state_format_name(cfg.optimizer_state))
-      throw std::invalid_argument("--state: f32, bf16 or 8bit, not " + state);
+    // The moments' format, and "/bf16" for a bf16 master ("8bit/bf16").
+    const std::string moments = state.substr(0, state.find('/'));
+    cfg.optimizer_state = moments == "8bit"   ? StateFormat::q8
+                          : moments == "bf16" ? StateFormat::bf16
+                                              : StateFormat::f32;
+    cfg.bf16_master = moments != state;
+    if (moments != state_format_name(cfg.optimizer_state) ||
+        (cfg.bf16_master && state != moments + "/bf16"))
+      throw std::invalid_argument("--state: f32, bf16 or 8bit, optionally /bf16, not " + state);
     std::vector<PlanUnit> plan;
     Engine e(cfg, comm);
     for (int u = 0; u < units; ++u) {
@@ -124,8 +128,8 @@ int main(int argc, char** argv) {
           stage, tier.c_str(), dtype.c_str(), state.c_str(), comm->size(), (long long)params, units,
           measured, median(exposed), median(opt));
       if (!calibration.empty()) {
-        const StepPrediction p = predict_step(
-            cfg, plan, comm->size(), read_calibration(calibration, cfg.dtype, cfg.optimizer_state));
+        const StepPrediction p =
+            predict_step(cfg, plan, comm->size(), read_calibration(calibration, cfg));
         std::printf(
             ", predicted %.4f s (comm %.4f, optimizer %.4f, nvme %.4f): predicted / measured "
             "%.3f",

@@ -146,6 +146,23 @@ struct UpdateStreams {
 };
 
 // One engine of one unit of n parameters: the median of its update times over `reps` steps.
+// `base` with each other format the rates are kept for (calibration_format()): bf16 and 8-bit
+// moments, and with bf16 parameters a bf16 master under every moment format.
+std::vector<Config> compact_formats(const Config& base) {
+  std::vector<Config> out;
+  for (bool bf16_master : {false, true}) {
+    if (bf16_master && base.dtype != DType::bf16) break;
+    for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
+      if (f == StateFormat::f32 && !bf16_master) continue;  // the base itself
+      Config c = base;
+      c.optimizer_state = f;
+      c.bf16_master = bf16_master;
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
 double optimizer_seconds(const Config& cfg, int64_t n, int reps, double* step_s = nullptr) {
   Engine e(cfg, make_self_communicator());
   e.add_unit("calibrate", {Param{"w", {n}}});
@@ -291,12 +308,11 @@ int run_calibrate(const std::vector<std::string>& args) {
       const double pps = mean_over(*comm, double(o.elements) / s);
       opt[dtype_name(d)] = {{"params_per_s", pps},
                             {"over_same_bytes", pps * st.bytes_per_param(d) / (gbs * 1e9)}};
-      for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {
-        c.optimizer_state = f;
+      for (const Config& f : compact_formats(c)) {
         comm->barrier("calibrate");
-        opt[dtype_name(d)]["state_formats"][state_format_name(f)] = {
+        opt[dtype_name(d)]["state_formats"][calibration_format(f)] = {
             {"params_per_s",
-             mean_over(*comm, double(o.elements) / optimizer_seconds(c, o.elements, o.reps))}};
+             mean_over(*comm, double(o.elements) / optimizer_seconds(f, o.elements, o.reps))}};
       }
     }
     j["memory"] = mem;
@@ -323,11 +339,10 @@ int run_calibrate(const std::vector<std::string>& args) {
                    {"step_params_per_s", pps},
                    {"record_gbs", pps * 24.0 / 1e9},
                    {"update_share", mean_over(*comm, opt_s / step_s)}};
-      for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {  // smaller records
-        c.optimizer_state = f;
+      for (const Config& f : compact_formats(c)) {  // smaller records
         comm->barrier("calibrate");
-        (void)optimizer_seconds(c, o.elements, o.reps, &step_s);
-        j["nvme"]["state_formats"][state_format_name(f)] = {
+        (void)optimizer_seconds(f, o.elements, o.reps, &step_s);
+        j["nvme"]["state_formats"][calibration_format(f)] = {
             {"step_params_per_s", mean_over(*comm, double(o.elements) / step_s)}};
       }
     } else {

@@ -26,16 +26,27 @@ struct Options {
   DType dtype = DType::bf16;
   OptimizerKind optimizer = OptimizerKind::adamw;
   StateFormat moments = StateFormat::f32;
+  bool bf16_master = false;
   double device_gib = 0, host_gib = 0, nvme_gib = 0;  // per rank; 0 = not checked
   std::string calibration;                            // empty: no step time
   double compute_s = 0;                               // the trainer's forward + backward
   MachineRates rates;                                 // read from `calibration`
 };
 
+// The engine's settings the plan is made for (stage and tiers vary per row).
+Config config(const Options& o) {
+  Config cfg;
+  cfg.dtype = o.dtype;
+  cfg.optimizer.kind = o.optimizer;
+  cfg.optimizer_state = o.moments;
+  cfg.bf16_master = o.bf16_master;
+  return cfg;
+}
+
 const char* kHelp =
     "usage: zeroshard plan [--layers N] [--dim N] [--heads N] [--vocab N] [--seq N] [--ranks N]\n"
     "                      [--dtype bf16|f16|f32] [--optimizer adamw|adam|lion|sgd]\n"
-    "                      [--optimizer-state f32|bf16|8bit]\n"
+    "                      [--optimizer-state f32|bf16|8bit] [--master f32|bf16]\n"
     "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
     "                      [--calibration FILE [--compute-s X]]\n\n"
     "For a GPT (the demo's model: token and position embeddings, --layers blocks of width --dim,\n"
@@ -120,6 +131,9 @@ Options parse(const std::vector<std::string>& args) {
       for (StateFormat s : {StateFormat::f32, StateFormat::bf16, StateFormat::q8})
         if (v == state_format_name(s)) o.moments = s, found = true;
       if (!found) bad("--optimizer-state must be one of f32, bf16, 8bit, got '" + v + "'");
+    } else if (f == "--master") {
+      if (v != "f32" && v != "bf16") bad("--master must be f32 or bf16, got '" + v + "'");
+      o.bf16_master = v == "bf16";
     } else {
       bad("unknown flag " + f + " (zeroshard plan --help)");
     }
@@ -127,7 +141,7 @@ Options parse(const std::vector<std::string>& args) {
   if (o.shape.dim % o.shape.heads != 0) bad("--dim is not a multiple of --heads");
   if (!o.calibration.empty()) {
     try {
-      o.rates = read_calibration(o.calibration, o.dtype, o.moments);
+      o.rates = read_calibration(o.calibration, config(o));
     } catch (const Error& e) {
       bad(e.what());
     }
@@ -159,14 +173,12 @@ int run_plan(const std::vector<std::string>& args) {
   }
   std::printf(
       "GPT: %lld blocks of width %lld, vocab %lld, context %lld: %.3f G parameters, %s, "
-      "%s with %s moments, %d rank(s)\n\n",
+      "%s with %s moments and a%s master, %d rank(s)\n\n",
       (long long)o.shape.layers, (long long)o.shape.dim, (long long)o.shape.vocab,
       (long long)o.shape.seq, double(params) / 1e9, dtype_name(o.dtype),
-      optimizer_name(o.optimizer), state_format_name(o.moments), o.ranks);
-  Config cfg;
-  cfg.dtype = o.dtype;
-  cfg.optimizer.kind = o.optimizer;
-  cfg.optimizer_state = o.moments;
+      optimizer_name(o.optimizer), state_format_name(o.moments), o.bf16_master ? " bf16" : "n f32",
+      o.ranks);
+  const Config cfg = config(o);
   OptimizerOptions no_decay = cfg.optimizer;
   no_decay.weight_decay = 0;
   const bool timed = !o.calibration.empty();

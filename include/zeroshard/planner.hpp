@@ -79,14 +79,18 @@ struct MachineRates {
   double compute_s = 0;
 };
 
-/// The rates of a calibration file (schema zeroshard-calibration/1) for an engine of `dtype`
-/// whose optimizer moments are kept as `moments` (Config::optimizer_state): each format moves
-/// its own bytes, so the CPU update and the nvme step have a rate per format. A rate the file
-/// does not hold (a file written before formats were measured, or without --nvme-path) stays 0,
-/// and predict_step() then says it is not measured. Throws Error(invalid_argument) naming the
-/// file on a missing file, another schema, or a missing or mistyped field.
-ZS_API MachineRates read_calibration(const std::string& path, DType dtype,
-                                     StateFormat moments = StateFormat::f32);
+/// The rates of a calibration file (schema zeroshard-calibration/1) for an engine configured as
+/// `cfg`: its dtype, its moments' format (Config::optimizer_state) and its master's
+/// (Config::bf16_master). Each format moves its own bytes, so the CPU update and the nvme step
+/// have a rate per format. A rate the file does not hold (a file written before formats were
+/// measured, or without --nvme-path) stays 0, and predict_step() then says it is not measured.
+/// Throws Error(invalid_argument) naming the file on a missing file, another schema, or a
+/// missing or mistyped field.
+ZS_API MachineRates read_calibration(const std::string& path, const Config& cfg);
+/// The name a calibration file keeps cfg's rates under: the moments' format ("f32", "bf16",
+/// "8bit"), and "/bf16" after it for a bf16 master ("8bit/bf16"). "f32" rates are the top
+/// level of their section, the others under its "state_formats".
+ZS_API std::string calibration_format(const Config& cfg);
 
 /// A step of a CPU engine (optimizer on the device or host tier, or nvme), in seconds, split as
 /// it is spent. Communication is what the trainer waits for: the reduction of the gradients

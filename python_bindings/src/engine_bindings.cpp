@@ -634,7 +634,7 @@ void bind_plan(nb::module_& m) {
         {
           nb::gil_scoped_release nogil;
           cs = plan_choices(cfg, us, world, groups);
-          if (!calibration.empty()) rates = read_calibration(calibration, cfg.dtype, cfg.optimizer_state);
+          if (!calibration.empty()) rates = read_calibration(calibration, cfg);
         }
         rates.compute_s = compute_s;
         nb::list out;

@@ -91,12 +91,13 @@ def _deepspeed(stage, opt, par, total, largest, world, per_node):
 
 
 def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adamw",
-             unit_numel=1 << 25, device_gib=None, host_gib=None, nvme_gib=None,
-             calibration=None, compute_s=0.0):
+             optimizer_state="f32", bf16_master=False, unit_numel=1 << 25, device_gib=None,
+             host_gib=None, nvme_gib=None, calibration=None, compute_s=0.0):
     """An Estimate of `model` (a torch.nn.Module, or a list of (name, [Param]) units) on `world`
     ranks: for every stage and offload choice, the bytes one rank holds on each tier once the
     engine is finalized, and whether they fit the GiB given per rank. dtype: the parameters'
-    (a module's own by default, else "bf16"); optimizer: "adamw", "adam", "lion" or "sgd".
+    (a module's own by default, else "bf16"); optimizer: "adamw", "adam", "lion" or "sgd";
+    optimizer_state ("f32", "bf16", "8bit") and bf16_master as Config takes them.
     calibration: a file `zeroshard calibrate` wrote (with as many ranks per node): each row's
     "step" is then the engine's predicted step in seconds, split (zeroshard::predict_step();
     compute_s, the trainer's own forward and backward, is taken as given and hides what
@@ -109,7 +110,8 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
     est = Estimate(parameters=sum(numels), largest_unit=max(numels), world=world,
                    ranks_per_node=per_node)
     limits = {"device": device_gib, "host": host_gib, "nvme": nvme_gib}
-    cfg = _core.Config(dtype=dtype or model_dtype or "bf16", optimizer={"kind": optimizer})
+    cfg = _core.Config(dtype=dtype or model_dtype or "bf16", optimizer={"kind": optimizer},
+                       optimizer_state=optimizer_state, bf16_master=bf16_master)
     for r in _core.plan_choices(cfg, units, world, calibration=str(calibration or ""),
                                 compute_s=float(compute_s)):
         over = [t for t in ("device", "host", "nvme") if limits[t] and r[t] / _GIB > limits[t]]

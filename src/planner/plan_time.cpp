@@ -44,7 +44,11 @@ std::vector<std::pair<double, double>> points(const nlohmann::json& c, const std
 
 }  // namespace
 
-MachineRates read_calibration(const std::string& path, DType dtype, StateFormat moments) {
+std::string calibration_format(const Config& cfg) {
+  return std::string(state_format_name(cfg.optimizer_state)) + (cfg.bf16_master ? "/bf16" : "");
+}
+
+MachineRates read_calibration(const std::string& path, const Config& cfg) {
   using nlohmann::json;
   std::ifstream f(path);
   if (!f) ZS_THROW(invalid_argument, "calibration file " << path << " cannot be read");
@@ -58,12 +62,13 @@ MachineRates read_calibration(const std::string& path, DType dtype, StateFormat 
                                                      << ", not zeroshard-calibration/1");
     MachineRates r;
     at = "optimizer.adamw.<dtype>.params_per_s";
-    const char* d = dtype == DType::f32 ? "f32" : "bf16";  // f16 moves bf16's bytes
+    const char* d = cfg.dtype == DType::f32 ? "f32" : "bf16";  // f16 moves bf16's bytes
     const json& adamw = j.at("optimizer").at("adamw").at(d);
-    // f32 moments at the top, other formats under state_formats (absent: not measured).
-    const std::string fmt = state_format_name(moments);
+    // f32 moments and master at the top, other formats under state_formats (absent: not
+    // measured).
+    const std::string fmt = calibration_format(cfg);
     auto measured = [&](const json& where, const char* key) {
-      if (moments == StateFormat::f32) return where.at(key).get<double>();
+      if (fmt == "f32") return where.at(key).get<double>();
       if (!where.contains("state_formats") || !where.at("state_formats").contains(fmt)) return 0.0;
       return where.at("state_formats").at(fmt).at(key).get<double>();
     };
@@ -98,8 +103,9 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   if (nvme ? !(rates.nvme_step_params_per_s > 0) : !(rates.update_params_per_s > 0))
     ZS_THROW(invalid_argument, "predict_step(): the "
                                    << (nvme ? "nvme step" : "CPU update") << " rate with "
-                                   << state_format_name(cfg.optimizer_state)
-                                   << " moments is not measured (zeroshard calibrate"
+                                   << state_format_name(cfg.optimizer_state) << " moments"
+                                   << (cfg.bf16_master ? " and a bf16 master" : "")
+                                   << " is not measured (zeroshard calibrate"
                                    << (nvme ? " --nvme-path DIR" : "") << " measures it)");
   const double pbytes = double(dtype_size(cfg.dtype));
   const int k = cfg.gradient_accumulation_steps;

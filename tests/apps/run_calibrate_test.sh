@@ -27,8 +27,11 @@ for d in ("f32", "bf16"):
     assert 1e6 < o["params_per_s"] < 1e12, o
     # The update moves the same bytes as the pass: it cannot be many times faster or slower.
     assert 0.2 < o["over_same_bytes"] < 5, o
-    # Compact moments: each measured, and not many times off the f32 update.
-    for f in ("bf16", "8bit"):
+    # Compact moments (and, for bf16 parameters, a bf16 master with each moment format): each
+    # measured, and not many times off the f32 update.
+    fmts = ("bf16", "8bit") + (("f32/bf16", "bf16/bf16", "8bit/bf16") if d == "bf16" else ())
+    assert sorted(o["state_formats"]) == sorted(fmts), (d, o)
+    for f in fmts:
         assert 0.1 < o["state_formats"][f]["params_per_s"] / o["params_per_s"] < 10, (f, o)
 col = c["collectives"]
 assert col["world"] == np, col
@@ -45,7 +48,7 @@ n = c["nvme"]
 assert n is not None and n["params"] > 0 and 1e4 < n["step_params_per_s"] < 1e12, n
 assert abs(n["record_gbs"] - n["step_params_per_s"] * 24 / 1e9) < 1e-9 * n["record_gbs"] + 1e-12, n
 assert 0 < n["update_share"] <= 1.5, n
-for f in ("bf16", "8bit"):
+for f in ("bf16", "8bit", "f32/bf16", "bf16/bf16", "8bit/bf16"):
     assert 1e4 < n["state_formats"][f]["step_params_per_s"] < 1e12, (f, n)
 print("calibration file checked:", sys.argv[1])
 PY
@@ -67,6 +70,11 @@ grep -q "adamw with 8bit moments" "$work/plan8.txt" || { cat "$work/plan8.txt"; 
 a=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan.txt")
 b=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan8.txt")
 [[ -n "$a" && -n "$b" && "$a" != "$b" ]] || { echo "FAIL: 8-bit nvme step $b, f32 $a"; exit 1; }
+# And a bf16 master its own: the nvme column changes again.
+"$bin" plan "${big[@]}" --optimizer-state 8bit --master bf16 >"$work/plan8m.txt"
+grep -q "8bit moments and a bf16 master" "$work/plan8m.txt" || { cat "$work/plan8m.txt"; echo "FAIL: master"; exit 1; }
+c=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan8m.txt")
+[[ -n "$c" && "$c" != "$b" ]] || { echo "FAIL: bf16-master nvme step $c, f32 master $b"; exit 1; }
 echo '{"schema": "zeroshard-calibration/0"}' >"$work/bad.json"
 if "$bin" plan --calibration "$work/bad.json" 2>"$work/err"; then echo "FAIL: bad file taken"; exit 1; fi
 grep -q "zeroshard-calibration/0" "$work/err" || { cat "$work/err"; echo "FAIL: reason"; exit 1; }

@@ -213,6 +213,21 @@ def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
     assert rows[(2, "nvme", "device")]["step"]["nvme_s"] == pytest.approx(4 * 256 * 256 / 2 / 1e8)
     assert "step s" in str(est)
     assert all(r["step"] is None for r in zs.estimate(units, world=2).rows)
+    # 8-bit moments and a bf16 master: their own rate, and half the master's bytes.
+    doc = json.loads(cal.read_text())
+    doc["nvme"]["state_formats"] = {"8bit/bf16": {"step_params_per_s": 4e8}}
+    doc["optimizer"]["adamw"]["bf16"]["state_formats"] = {"8bit/bf16": {"params_per_s": 2e9}}
+    cal.write_text(json.dumps(doc))
+    small = zs.estimate(units, world=2, dtype="bf16", optimizer_state="8bit", bf16_master=True,
+                        calibration=cal)
+    srows = {(r["stage"], r["optimizer"], r["params"]): r for r in small.rows}
+    assert srows[(2, "nvme", "device")]["step"]["nvme_s"] == pytest.approx(4 * 256 * 256 / 2 / 4e8)
+    assert srows[(1, "device", "device")]["step"]["optimizer_s"] == pytest.approx(
+        4 * 256 * 256 / 2 / 2e9)
+    wide = zs.estimate(units, world=2, dtype="bf16", optimizer_state="8bit")
+    w = {(r["stage"], r["optimizer"], r["params"]): r for r in wide.rows}
+    master = 4 * 256 * 256 // 2 * 2  # 2 bytes fewer per parameter of this rank's shards
+    assert w[(2, "host", "device")]["host"] - srows[(2, "host", "device")]["host"] == master
     cal.write_text('{"schema": "zeroshard-calibration/7"}')
     with pytest.raises(zs.InvalidArgumentError, match="zeroshard-calibration/7"):
         zs.estimate(units, world=2, calibration=cal)

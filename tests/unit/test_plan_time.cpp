@@ -140,6 +140,15 @@ const char* kGood = R"({"schema": "zeroshard-calibration/1",
     "all_gather": {"latency_s": 1e-5, "bandwidth_gbs": 4, "points_bytes_s": [[4096, 1e-5]]}},
   "nvme": {"step_params_per_s": 5e7}})";
 
+// An engine's settings as far as a calibration file's rates depend on them.
+Config with(DType dtype, StateFormat moments = StateFormat::f32, bool bf16_master = false) {
+  Config c;
+  c.dtype = dtype;
+  c.optimizer_state = moments;
+  c.bf16_master = bf16_master;
+  return c;
+}
+
 std::string replace(std::string s, const std::string& from, const std::string& to) {
   s.replace(s.find(from), from.size(), to);
   return s;
@@ -147,7 +156,7 @@ std::string replace(std::string s, const std::string& from, const std::string& t
 
 void expect_refused(const std::string& text, const std::string& says) {
   try {
-    read_calibration(TempFile(text).path, DType::bf16);
+    read_calibration(TempFile(text).path, with(DType::bf16));
     ADD_FAILURE() << "accepted a file that should say " << says;
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
@@ -160,9 +169,9 @@ void expect_refused(const std::string& text, const std::string& says) {
 TEST(PlanTime, ReadsACalibrationFile) {
   const TempFile file(kGood);
   const std::string& p = file.path;
-  const MachineRates b = read_calibration(p, DType::bf16);
+  const MachineRates b = read_calibration(p, with(DType::bf16));
   EXPECT_EQ(b.update_params_per_s, 3e9);
-  EXPECT_EQ(read_calibration(p, DType::f32).update_params_per_s, 2e9);
+  EXPECT_EQ(read_calibration(p, with(DType::f32)).update_params_per_s, 2e9);
   EXPECT_EQ(b.reduce_scatter.bandwidth_gbs, 2);
   ASSERT_EQ(b.reduce_scatter.warm.size(), 2u);
   ASSERT_EQ(b.reduce_scatter.cold.size(), 2u);
@@ -171,13 +180,13 @@ TEST(PlanTime, ReadsACalibrationFile) {
   EXPECT_TRUE(b.all_gather.cold.empty());
   EXPECT_EQ(b.nvme_step_params_per_s, 5e7);
   EXPECT_EQ(read_calibration(TempFile(replace(kGood, R"({"step_params_per_s": 5e7})", "null")).path,
-                             DType::bf16)
+                             with(DType::bf16))
                 .nvme_step_params_per_s,
             0);
 }
 
 TEST(PlanTime, RefusesBadCalibrationFiles) {
-  EXPECT_THROW(read_calibration("/nonexistent/zs-cal.json", DType::bf16), Error);
+  EXPECT_THROW(read_calibration("/nonexistent/zs-cal.json", with(DType::bf16)), Error);
   expect_refused("{", "calibration file");
   expect_refused(replace(kGood, "zeroshard-calibration/1", "zeroshard-calibration/9"),
                  "zeroshard-calibration/9");
@@ -194,15 +203,17 @@ TEST(PlanTime, ReadsEachMomentFormatsOwnRates) {
   const std::string text = replace(
       replace(kGood, R"("bf16": {"params_per_s": 3e9})",
               R"("bf16": {"params_per_s": 3e9,
-                                  "state_formats": {"8bit": {"params_per_s": 1.5e9}}})"),
+                                  "state_formats": {"8bit": {"params_per_s": 1.5e9},
+                                                    "8bit/bf16": {"params_per_s": 1.7e9}}})"),
       R"({"step_params_per_s": 5e7})",
       R"({"step_params_per_s": 5e7, "state_formats": {"8bit": {"step_params_per_s": 9e7}}})");
   const TempFile file(text);
-  const MachineRates q8 = read_calibration(file.path, DType::bf16, StateFormat::q8);
+  const MachineRates q8 = read_calibration(file.path, with(DType::bf16, StateFormat::q8));
   EXPECT_EQ(q8.update_params_per_s, 1.5e9);
   EXPECT_EQ(q8.nvme_step_params_per_s, 9e7);
-  EXPECT_EQ(read_calibration(file.path, DType::bf16, StateFormat::f32).update_params_per_s, 3e9);
-  const MachineRates bf = read_calibration(file.path, DType::bf16, StateFormat::bf16);
+  EXPECT_EQ(read_calibration(file.path, with(DType::bf16, StateFormat::f32)).update_params_per_s,
+            3e9);
+  const MachineRates bf = read_calibration(file.path, with(DType::bf16, StateFormat::bf16));
   EXPECT_EQ(bf.update_params_per_s, 0);
   EXPECT_EQ(bf.nvme_step_params_per_s, 0);
 
@@ -221,6 +232,22 @@ TEST(PlanTime, ReadsEachMomentFormatsOwnRates) {
     ADD_FAILURE() << "predicted with an unmeasured rate";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("bf16 moments is not measured"), std::string::npos)
+        << e.what();
+  }
+  // A bf16 master has rates of its own (calibration_format() names them), not its moments'.
+  EXPECT_EQ(calibration_format(with(DType::bf16, StateFormat::q8, true)), "8bit/bf16");
+  EXPECT_EQ(calibration_format(with(DType::bf16)), "f32");
+  EXPECT_EQ(
+      read_calibration(file.path, with(DType::bf16, StateFormat::q8, true)).update_params_per_s,
+      1.7e9);
+  cfg.optimizer_state = StateFormat::f32;
+  cfg.bf16_master = true;
+  try {
+    predict_step(cfg, units, 1, read_calibration(file.path, cfg));
+    ADD_FAILURE() << "predicted with an unmeasured rate";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("f32 moments and a bf16 master is not measured"),
+              std::string::npos)
         << e.what();
   }
 }
