@@ -26,6 +26,7 @@ packages=(
   python3-venv
   python3-torch
   python3-pytest
+  python3-matplotlib
 )
 
 if ! command -v dpkg-query >/dev/null; then

@@ -22,6 +22,10 @@ expect 0 "calibrate" --help
 expect 0 "same-bytes pass" calibrate --help
 expect 2 "needs a value" calibrate --out
 expect 0 "zeroshard " --version
+# capacity runs in Python (tests/python/test_capacity.py tests it): an interpreter that is not
+# there is named, with the way out.
+ZEROSHARD_PYTHON=/nonexistent/python expect 127 "set ZEROSHARD_PYTHON" capacity --memory-gib 1
+expect 0 "capacity" --help
 expect 2 "unknown command" frobnicate
 expect 2 "usage" # no command
 for flag in --stage --dtype --optimizer --lr --steps --batch --seq --layers --dim --offload-optimizer \
