@@ -2,12 +2,11 @@
 // The optimizer state on nvme (offload_optimizer = nvme).
 //
 // - master weights (f32, or bf16 with Config::bf16_master) and optimizer state: on disk, one
-// *record* per unit (master | state0 |
-//   state1, each section 4096-aligned; the moments in Config::optimizer_state's format, so
-//   compact moments shrink the record and every step's bytes), in two slots. A step reads slot cur,
-//   writes slot 1−cur, and flips every unit's cur only after every write of the step (on every
-//   rank) succeeded: a failed step leaves the last committed step intact on disk (2× disk space for
-//   this).
+//   *record* per unit (master | state0 | state1, each section 4096-aligned; the moments in
+//   Config::optimizer_state's format, so compact moments shrink the record and every step's
+//   bytes), in two slots. A step reads slot cur, writes slot 1−cur, and flips every unit's cur
+//   only after every write of the step (on every rank) succeeded: a failed step leaves the last
+//   committed step intact on disk (2× disk space for this).
 // - gradient shards follow the optimizer to nvme, through a write-back cache: the reduce-scatter
 //   lands in one of grad_buffers + 1 pinned slots; when the slots run out the oldest unit's
 //   gradient (or its f32 accumulation) is written to its grad extent and read back at step()
