@@ -31,7 +31,7 @@ NvmeStateTier::Record NvmeStateTier::record(int u) const {
   Record r;
   const size_t S = size_t(ctx_.shard(u));
   const StateFormat f = ctx_.cfg->optimizer_state;
-  r.sec = a4k(S * master_bytes());
+  r.sec = a4k(S * dtype_size(ctx_.master_dtype()));
   const size_t block = size_t(ctx_.cfg->state_block);
   r.absmax_off = S * cpu::state_bytes(f);
   // q8: one f32 per block (shards are whole blocks, see padding_grain()).
@@ -45,10 +45,6 @@ NvmeStateTier::Record NvmeStateTier::record(int u) const {
   r.lowp_sec = params_ ? a4k(S * ctx_.pbytes) : 0;
   r.total = r.lowp_off + r.lowp_sec;
   return r;
-}
-
-size_t NvmeStateTier::master_bytes() const {
-  return ctx_.cfg->bf16_master ? 2 : 4;
 }
 
 std::string NvmeStateTier::who() const {
@@ -94,7 +90,7 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
     charges_.push_back(std::make_unique<DiskCharge>(ctx.ledger, kind, name, bytes));
     logical += bytes;
   };
-  charge(MemKind::master, "master", sum_shard * int64_t(master_bytes()));
+  charge(MemKind::master, "master", sum_shard * int64_t(dtype_size(ctx.master_dtype())));
   charge(MemKind::optim_state, "optim_state", int64_t(ctx.num_states) * moment_bytes);
   charge(MemKind::grad, "grad", sum_shard * int64_t(gbytes));
   charge(MemKind::buffer, "swap_reserve", int64_t(store_.file_bytes()) - logical);
@@ -119,7 +115,8 @@ void NvmeStateTier::load_initial(int u, const float* whole) {
   const Record L = record(u);
   char* b = swap_pool_.data(s);
   std::memset(b, 0, L.record);
-  if (whole) cpu::convert(arena_.isa(), whole + ctx_.rank * S, DType::f32, b, master_dtype(), S);
+  if (whole)
+    cpu::convert(arena_.isa(), whole + ctx_.extent_start(u), DType::f32, b, ctx_.master_dtype(), S);
   if (ctx_.cfg->optimizer_state == StateFormat::q8)
     for (int k = 0; k < ctx_.num_states; ++k)
       std::memset(b + L.sec + size_t(k) * L.msec, cpu::dynamic_code(k == 0).zero, size_t(S));
@@ -296,9 +293,9 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     cpu::UnitUpdate uu;
     uu.runs = &ctx_.unit(i).shard_runs;
     uu.args.master = base;
-    uu.args.master_dtype = master_dtype();
+    uu.args.master_dtype = ctx_.master_dtype();
     uu.args.round_key = cpu::rounding_key(step, i);
-    uu.args.index = ctx_.rank * ctx_.shard(i);
+    uu.args.index = ctx_.extent_start(i);
     uu.args.state_format = ctx_.cfg->optimizer_state;
     uu.args.block = ctx_.cfg->state_block;
     const bool q8 = uu.args.state_format == StateFormat::q8;
@@ -399,7 +396,7 @@ void NvmeStateTier::widen(int u, const char* rec, StateKind kind, float* out) co
   const char* p = rec + L.offset(kind);
   const StateFormat f = ctx_.cfg->optimizer_state;
   if (kind == StateKind::master) {  // a bf16 master widens exactly
-    cpu::convert(arena_.isa(), p, master_dtype(), out, DType::f32, S);
+    cpu::convert(arena_.isa(), p, ctx_.master_dtype(), out, DType::f32, S);
     return;
   }
   const float* absmax =
@@ -443,7 +440,7 @@ void NvmeStateTier::write(int u, StateKind kind, const std::vector<float>& v) {
   char* p = tmp.as<char>() + L.offset(kind);
   const StateFormat f = ctx_.cfg->optimizer_state;
   if (kind == StateKind::master)  // a bf16 master rounds to nearest (exact from one)
-    cpu::convert(arena_.isa(), v.data(), DType::f32, p, master_dtype(), int64_t(v.size()));
+    cpu::convert(arena_.isa(), v.data(), DType::f32, p, ctx_.master_dtype(), int64_t(v.size()));
   else
     cpu::narrow_moment(arena_.isa(), f, v.data(), int64_t(v.size()), ctx_.cfg->state_block,
                        kind == StateKind::state0, p,
@@ -476,7 +473,7 @@ class NvmeStateTier::Snapshot final : public StateSnapshot {
     };
     if (t.ctx_.cfg->optimizer_state != StateFormat::f32)
       for (int k = 0; k < t.ctx_.num_states; ++k) widened(k);
-    if (t.master_dtype() != DType::f32) widened(2);
+    if (t.ctx_.master_dtype() != DType::f32) widened(2);
     std::lock_guard<std::mutex> lock(pins_->mu);
     for (size_t u = 0; u < t.units_.size(); ++u) pins_->slot[u] = t.units_[u].cur;
   }

@@ -76,7 +76,7 @@ class NvmeStateTier final : public StateTier {
   /// Each moment's section holds its elements in Config::optimizer_state's format and, for q8,
   /// its absmax array after them.
   struct Record {
-    size_t sec = 0;         // the master: shard_numel × master_bytes(), rounded up to 4096
+    size_t sec = 0;         // the master: shard_numel × its dtype's size, rounded up to 4096
     size_t absmax_off = 0;  // q8: the moment's absmax array, from its section's start
     size_t mbytes = 0;      // one moment's bytes (q8: codes and absmax)
     size_t msec = 0;        // mbytes rounded up to 4096
@@ -105,8 +105,6 @@ class NvmeStateTier final : public StateTier {
     double sumsq = 0;  // Σ g² of the final gradient shard, for the norm
   };
   Record record(int u) const;
-  size_t master_bytes() const;  // 4, or 2 for a bf16 master (Config::bf16_master)
-  DType master_dtype() const { return master_bytes() == 2 ? DType::bf16 : DType::f32; }
   std::string who() const;            // "rank 1: nvme swap "
   void reap(bool block);              // evictions that finished give their slots back
   bool evict(int keep);               // writes the oldest cached gradient other than `keep`

@@ -65,6 +65,10 @@ struct TierContext {
   int64_t extent(int u) const {
     return cfg->stage == 0 ? unit(u).layout.padded_numel : unit(u).layout.shard_numel;
   }
+  /// Index in unit u of the extent's element 0: 0 in stage 0, else this rank's shard start.
+  int64_t extent_start(int u) const { return cfg->stage == 0 ? 0 : rank * shard(u); }
+  /// The master weights' dtype: f32, or bf16 (Config::bf16_master).
+  DType master_dtype() const { return cfg->bf16_master ? DType::bf16 : DType::f32; }
   /// The group runs of the state's extent.
   const std::vector<GroupRun>& runs(int u) const {
     return cfg->stage == 0 ? unit(u).whole_runs : unit(u).shard_runs;

@@ -135,7 +135,7 @@ def _trial(a, cfg, params, comm):
     """Builds, finalizes and steps an engine of `params` parameters: a dict of what happened."""
     units = _units(a, params)
     t = {"params": sum(p.shape[0] for _, ps in units for p in ps),
-         "planned": _tiers(_core.plan_memory(cfg, units, world=comm.size()), False)}
+         "planned": _tiers(_core.plan_memory(cfg, units, world=1), False)}
     e = None
     try:
         import torch
@@ -164,7 +164,7 @@ def _trial(a, cfg, params, comm):
         del e  # its memory and swap files go before the next trial
     t["fits"] = t["why_not"] is None
     if a.calibration and t["fits"]:
-        rows = _core.plan_choices(cfg, units, comm.size(), calibration=a.calibration)
+        rows = _core.plan_choices(cfg, units, 1, calibration=a.calibration)
         key = (cfg.stage, cfg.offload_optimizer.tier.name, cfg.offload_param.tier.name)
         row = next((r for r in rows if (r["stage"], r["optimizer"], r["params"]) == key), None)
         t["predicted_s"] = row["step"]["total_s"] if row and row["step"] else None
@@ -202,27 +202,16 @@ def _search(a, stage, opt, par, comm):
                   + ("fits" if t["fits"] else f"does not fit ({t['why_not'][:40]})"))
         return t["fits"]
 
+    # Bracket the answer (lo trains, hi does not; lo 0 while nothing has), stepping out from the
+    # planner's size by the resolution, then bisect the bracket down to it.
     step = 1 + a.resolution
-    lo, hi = 0, None
-    n = max(a.units, planned)
-    if run(n):
-        lo = n
-        while hi is None:  # up until one fails
-            n = int(lo * step) + a.units
-            if run(n):
-                lo = n
-            else:
-                hi = n
-    else:
-        hi = n
-        while lo == 0 and hi > a.units:  # down until one fits
-            n = max(a.units, int(hi / step))
-            if run(n):
-                lo = n
-            else:
-                hi = n
-                if n == a.units:
-                    break
+    lo, hi, n = 0, None, max(a.units, planned)
+    while hi is None or (lo == 0 and hi > a.units):
+        if run(n):
+            lo = n
+        else:
+            hi = n
+        n = int(lo * step) + a.units if hi is None else max(a.units, int(hi / step))
     while lo and hi / lo > step:
         mid = int(math.sqrt(lo * hi))
         if run(mid):
@@ -235,7 +224,7 @@ def _search(a, stage, opt, par, comm):
               if largest else "nothing fits", final=True)
     # Bytes per tier against size, from the planner (the ledger is checked equal at every trial).
     sizes = sorted({max(a.units, int(planned * f)) for f in (0.1, 0.25, 0.5, 0.75, 1.0, 1.25)})
-    curve = [{"params": n, **_tiers(_core.plan_memory(cfg, _units(a, n), world=comm.size()), False)}
+    curve = [{"params": n, **_tiers(_core.plan_memory(cfg, _units(a, n), world=1), False)}
              for n in sizes]
     return {"stage": stage, "optimizer": opt, "params_tier": par, "planned_largest": planned,
             "largest": largest["params"] if largest else 0, "trials": trials, "curve": curve}

@@ -24,7 +24,7 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
       arena_(arena),
       on_cpu_(compute.device() == Device::cpu),
       format_(ctx.cfg->optimizer_state),
-      master_dtype_(ctx.cfg->bf16_master ? DType::bf16 : DType::f32),
+      master_dtype_(ctx.master_dtype()),
       units_(ctx.units->size()) {
   const Config& cfg = *ctx.cfg;
   const bool pin = cfg.offload_optimizer.pin_memory;
@@ -75,8 +75,8 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
 void MemoryStateTier::load_initial(int u, const float* whole) {
   Unit& s = units_[size_t(u)];
   if (!whole || s.master_buf.empty()) return;  // zeros, or the parameters are the master
-  const int64_t b = ctx_.cfg->stage == 0 ? 0 : ctx_.rank * ctx_.shard(u);
-  compute_.convert(whole + b, DType::f32, s.master, master_dtype_, ctx_.extent(u));
+  compute_.convert(whole + ctx_.extent_start(u), DType::f32, s.master, master_dtype_,
+                   ctx_.extent(u));
   compute_.synchronize();  // before `whole` is refilled
 }
 
@@ -154,7 +154,7 @@ cpu::UnitUpdate MemoryStateTier::unit_update(int u, void* out, int64_t step) con
   w.args.master = s.master;
   w.args.master_dtype = master_dtype_;
   w.args.round_key = cpu::rounding_key(step, u);
-  w.args.index = ctx_.cfg->stage == 0 ? 0 : ctx_.rank * ctx_.shard(u);  // of the extent's start
+  w.args.index = ctx_.extent_start(u);
   w.args.state0 = s.state0;
   w.args.state1 = s.state1;
   w.args.state_format = format_;
