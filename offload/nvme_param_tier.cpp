@@ -48,7 +48,7 @@ void NvmeParamTier::load_initial(int u, const float* whole) {
   char* b = pool_.data(s);
   std::memset(b, 0, pool_.bytes());
   const int64_t n = ctx_.shard(u);
-  if (whole) cpu::convert(arena_.isa(), whole + ctx_.rank * n, DType::f32, b, ctx_.pdt, n);
+  if (whole) cpu::convert(arena_.isa(), whole + ctx_.shard_rank * n, DType::f32, b, ctx_.pdt, n);
   std::vector<Piece> ps;
   store_.pieces(units_[size_t(u)].slot[0], b, &pool_, true, ps);
   const std::string what = "rank " + std::to_string(ctx_.rank) +

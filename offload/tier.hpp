@@ -42,7 +42,8 @@ class Ledger;
 struct TierContext {
   const Config* cfg = nullptr;
   const std::vector<UnitShape>* units = nullptr;
-  int rank = 0, world = 1;
+  int rank = 0;            ///< in the world (what messages name)
+  int shard_rank = 0;      ///< which shard of each unit this rank holds (Config::shard_group_size)
   DType pdt = DType::f32;  ///< parameter and gradient dtype
   size_t pbytes = 4;
   int num_states = 0;  ///< optimizer moments per element: 0, 1 or 2
@@ -66,7 +67,7 @@ struct TierContext {
     return cfg->stage == 0 ? unit(u).layout.padded_numel : unit(u).layout.shard_numel;
   }
   /// Index in unit u of the extent's element 0: 0 in stage 0, else this rank's shard start.
-  int64_t extent_start(int u) const { return cfg->stage == 0 ? 0 : rank * shard(u); }
+  int64_t extent_start(int u) const { return cfg->stage == 0 ? 0 : shard_rank * shard(u); }
   /// The master weights' dtype: f32, or bf16 (Config::bf16_master).
   DType master_dtype() const { return cfg->bf16_master ? DType::bf16 : DType::f32; }
   /// The group runs of the state's extent.

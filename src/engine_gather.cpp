@@ -79,8 +79,9 @@ void Engine::Impl::start_gather(int id) {
   }
   try {
     res.dev->before_collective();
-    u.gather_work = track(comm->all_gather(shard, res.gather.data(slot), layout(id).shard_numel,
-                                           pdt, "unit '" + layout(id).name + "'"));
+    u.gather_work =
+        track(shard_comm->all_gather(shard, res.gather.data(slot), layout(id).shard_numel, pdt,
+                                     "unit '" + layout(id).name + "'"));
   } catch (...) {
     free_gather(id);  // no collective holds the buffer or the tier's source
     throw;

@@ -47,7 +47,32 @@ void Engine::Impl::finish_in_order(int id) {
   }
 }
 
-// Waits for a unit's reduce-scatter, completes stage 0's all-reduce (reduce-scatter + all-gather
+// With hierarchical sharding, a reduced shard (summed within its group) is summed across the
+// groups too, once its reduce-scatter landed: started here, in the order the reductions were
+// issued, so every rank starts them in one order on the replicas' communicator (when, relative
+// to the collectives of the group, may differ between ranks: the two communicators progress
+// independently). Returns whether it started one.
+bool Engine::Impl::cross_groups(int id) {
+  Unit& u = units[size_t(id)];
+  if (!replica_comm || u.crossed) return false;
+  res.dev->before_collective();
+  u.reduction = track(replica_comm->all_reduce_sum(
+      u.reduced, layout(id).shard_numel, pdt, "unit '" + layout(id).name + "' (across groups)"));
+  u.crossed = true;  // not recorded: every reduce-scatter has one, in the same order
+  return true;
+}
+
+// Waits for a unit's reduction (its reduce-scatter, and with groups its all-reduce across them).
+// On failure the handle stays, so the destructor can wait for it to settle.
+void Engine::Impl::land_reduction(int id) {
+  Unit& u = units[size_t(id)];
+  wait_for(*u.reduction);
+  if (cross_groups(id)) wait_for(*u.reduction);
+  u.reduction.reset();
+  u.crossed = false;
+}
+
+// Waits for a unit's reduction, completes stage 0's all-reduce (reduce-scatter + all-gather
 // over the same shards, so every stage sees bitwise the same reduced gradient), and hands the
 // micro-step to the state tier.
 void Engine::Impl::complete_reduction(int id) {
@@ -55,14 +80,12 @@ void Engine::Impl::complete_reduction(int id) {
   // Already waited for, and failed after (stage 0's all-gather), which was thrown then: the
   // micro-step is missing, and step() says so.
   if (!u.reduction) return;
-  // On failure the handle stays, so the destructor can wait for it to settle.
-  wait_for(*u.reduction);
-  u.reduction.reset();
+  land_reduction(id);
   const UnitLayout& L = layout(id);
   if (cfg.stage == 0) {
     res.dev->before_collective();
-    wait_for(*track(comm->all_gather(u.reduced, u.grad_buf.data(), L.shard_numel, pdt,
-                                     "unit '" + L.name + "' (gradients)")));
+    wait_for(*track(shard_comm->all_gather(u.reduced, u.grad_buf.data(), L.shard_numel, pdt,
+                                           "unit '" + L.name + "' (gradients)")));
     record('g', id);
   }
   if (u.grad_slot >= 0) {
@@ -92,6 +115,7 @@ void Engine::Impl::complete_finished() {
       if (!w->done()) return;
       try {
         w->wait();  // done: returns at once, or throws its failure
+        if (cross_groups(in_flight.front())) continue;  // then wait for that one to be done
       } catch (const Error&) {
         return;
       }
@@ -249,8 +273,8 @@ void Engine::Impl::start_reduction(int id) {
   u.reduced = state->grad_target(id);
   res.dev->before_collective();
   try {
-    u.reduction = track(comm->reduce_scatter(grad_buffer(id), u.reduced, layout(id).shard_numel,
-                                             pdt, "unit '" + layout(id).name + "'"));
+    u.reduction = track(shard_comm->reduce_scatter(
+        grad_buffer(id), u.reduced, layout(id).shard_numel, pdt, "unit '" + layout(id).name + "'"));
   } catch (...) {
     // The collective never started: its target is free again, and the trainer may retry.
     state->grad_abandoned(id);
@@ -268,11 +292,10 @@ void Engine::zero_grad() {
   Impl& m = *impl_;
   if (!m.finalized) return;  // nothing to forget yet (or a failed finalize() left no tiers)
   // Reductions in flight land, and are dropped with the rest (no stage-0 all-gather: their
-  // results are forgotten anyway).
-  for (int f : m.in_flight) {
-    if (m.units[size_t(f)].reduction) m.wait_for(*m.units[size_t(f)].reduction);
-    m.units[size_t(f)].reduction.reset();
-  }
+  // results are forgotten anyway). With groups each still gets its all-reduce across them, so
+  // that every rank has issued the same collectives.
+  for (int f : m.in_flight)
+    if (m.units[size_t(f)].reduction) m.land_reduction(f);
   m.in_flight.clear();
   for (size_t i = 0; i < m.units.size(); ++i) {
     Unit& u = m.units[i];

@@ -32,7 +32,8 @@ struct Unit {
   std::vector<Param> init_params;  // kept only until finalize() reads the initial values
   // Stages 0–1: the trainer's whole gradient (stages 2–3 write it into a grad_staging buffer).
   Buffer grad_buf;
-  std::shared_ptr<Work> reduction;  // reduce-scatter in flight
+  std::shared_ptr<Work> reduction;  // reduce-scatter in flight, then its all-reduce across groups
+  bool crossed = false;             // `reduction` is the all-reduce across groups
   void* reduced = nullptr;          // where it writes: the state tier's grad_target()
   bool grads_out = false;           // grads() handed out, grads_ready() not yet called
   bool queued = false;              // grads_ready() called, reduction waits for its turn
@@ -48,8 +49,14 @@ struct Unit {
 // shards go to where its parameter tier keeps them.
 struct Engine::Impl final : ParamSink {
   Config cfg;
-  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<Communicator> comm;  // every rank: agreements, the step's flags
   int rank = 0, world = 1;
+  // Sharding (Config::shard_group_size): this rank holds shard `shard_rank` of `shard_world`
+  // within group `replica` of `replicas`. shard_comm joins the ranks of the group (comm itself
+  // when flat): reduce-scatters and all-gathers. replica_comm joins the ranks holding the same
+  // shard in every group (null when flat): the all-reduce of the reduced gradient shards.
+  std::shared_ptr<Communicator> shard_comm, replica_comm;
+  int shard_rank = 0, shard_world = 1, replica = 0, replicas = 1;
   std::vector<OptimizerOptions> groups;
   Resources res;
   std::vector<UnitShape> shapes;  // fixed at finalize(); the tiers read them
@@ -148,6 +155,8 @@ struct Engine::Impl final : ParamSink {
   std::vector<TensorView> take_grads(int id, int64_t zero_from);
   void issue_reductions();
   void start_reduction(int id);
+  bool cross_groups(int id);  // the reduced shard's all-reduce across groups, once; true if started
+  void land_reduction(int id);    // waits for the reduction, across groups too
   void finish_reduction(int id);  // for the trainer: this unit's, and every one issued before
   void finish_in_order(int id);   // the same, at a point of the sequence every rank shares
   void complete_reduction(int id);

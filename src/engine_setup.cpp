@@ -25,7 +25,7 @@ void Engine::Impl::make_tiers() {
   c.cfg = &cfg;
   c.units = &shapes;
   c.rank = rank;
-  c.world = world;
+  c.shard_rank = shard_rank;
   c.pdt = pdt;
   c.pbytes = pbytes;
   c.num_states = num_states();

@@ -112,7 +112,9 @@ std::pair<double, bool> Engine::Impl::reduce_norm_and_flags() {
   lost_grad.reset();
   const double local = state->sum_squares();
   const double h = double(issued_hash & 0xfffff);
-  double agg[5] = {local, std::isfinite(local) ? 0.0 : 1.0, grad_error ? 1.0 : 0.0, h, h * h};
+  // Every group holds the whole gradient: the first one's shards make the norm.
+  double agg[5] = {replica == 0 ? local : 0.0, std::isfinite(local) ? 0.0 : 1.0,
+                   grad_error ? 1.0 : 0.0, h, h * h};
   wait_for(*track(comm->all_reduce(agg, 5, ReduceOp::sum, "gradient norm and overflow flag")));
   check_same_collectives(agg + 3);
   issued.clear();
@@ -213,9 +215,9 @@ StepResult Engine::Impl::step() {
     std::vector<std::shared_ptr<Work>> works;
     res.dev->before_collective();
     for (size_t i = 0; i < units.size(); ++i)
-      works.push_back(track(comm->all_gather(params->own(int(i)), params->whole(int(i)),
-                                             layout(int(i)).shard_numel, pdt,
-                                             "unit '" + layout(int(i)).name + "' (parameters)")));
+      works.push_back(track(shard_comm->all_gather(
+          params->own(int(i)), params->whole(int(i)), layout(int(i)).shard_numel, pdt,
+          "unit '" + layout(int(i)).name + "' (parameters)")));
     for (auto& w : works) wait_for(*w);
   }
   scaler.update(false);

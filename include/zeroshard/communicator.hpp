@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "zeroshard/export.hpp"
 #include "zeroshard/types.hpp"
@@ -53,10 +54,19 @@ class ZS_API Communicator {
   /// In-place element-wise reduction of `count` doubles over ranks.
   virtual std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
                                            std::string what) = 0;
+  /// In-place element-wise sum of `count` elements of `dtype` over ranks, the same result on
+  /// every rank (bf16/f16 added as in reduce_scatter). Buffers as reduce_scatter takes them.
+  virtual std::shared_ptr<Work> all_reduce_sum(void* inout, int64_t count, DType dtype,
+                                               std::string what) = 0;
   /// `bytes` bytes from `root` to every rank, in place.
   virtual std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root,
                                           std::string what) = 0;
   virtual void barrier(std::string what) = 0;
+  /// A communicator of `ranks` (ranks of this one, ascending, this rank among them), ranked in
+  /// that order, with this one's timeout. Collective over this communicator: every rank calls it
+  /// in the same place of its sequence of collectives, with the group it joins; the groups
+  /// partition the ranks (e.g. {0, 1} and {2, 3}). `what` names it in errors.
+  virtual std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) = 0;
 
   /// Seconds a collective may take before it fails with ErrorCode::timeout. After a timeout the
   /// communicator is unusable (its peers are out of step): later calls fail with comm_failure.

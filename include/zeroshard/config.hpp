@@ -132,6 +132,15 @@ struct ZS_API Config {
   AioOptions aio;
   /// Shards are padded so each unit's flat buffer is a multiple of world_size × this many elements.
   int64_t shard_alignment = 128;
+  /// Hierarchical sharding ("zeroshard.shard_group_size", or DeepSpeed's
+  /// "zero_optimization.mics_shard_size"): stages 1–3 shard within groups of this many
+  /// consecutive ranks (ranks 0 … n−1, n … 2n−1, …; with mpirun's default mapping, the ranks of
+  /// one node) and replicate the shards across the groups, as FSDP's hybrid sharding and
+  /// DeepSpeed's MiCS do. Gradients are reduce-scattered within the group and all-reduced across
+  /// groups; parameters are all-gathered within the group only, so at stage 3 no gather crosses
+  /// a node. Each rank then holds world/n times a flat shard. 0 (or the world size): one group
+  /// of every rank, flat sharding. Must divide the world size; stage 0 shards nothing.
+  int shard_group_size = 0;
   /// Stage 2/3: whole-unit gradient buffers the trainer writes into before reduction, sized at
   /// finalize() by the grad_buffers largest units (so never more than stage 1's whole
   /// gradients); a trainer that keeps a small unit out while a larger one asks for a buffer

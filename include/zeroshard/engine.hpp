@@ -53,10 +53,18 @@ struct StepResult {
 /// Shard geometry of one unit on this rank, in elements.
 struct ShardInfo {
   int64_t numel = 0;         ///< parameters in the unit
-  int64_t padded_numel = 0;  ///< flat buffer length: a multiple of world_size × the padding grain
-                             ///< (shard_alignment; with 8-bit moments its lcm with state_block)
+  int64_t padded_numel = 0;  ///< flat buffer length: a multiple of the shard group's size × the
+                             ///< padding grain (shard_alignment; with 8-bit moments its lcm with
+                             ///< state_block)
   int64_t shard_offset = 0;  ///< first element of this rank's shard in the flat buffer
-  int64_t shard_numel = 0;   ///< padded_numel / world_size
+  int64_t shard_numel = 0;   ///< padded_numel / the shard group's size
+};
+
+/// Where this rank stands in the sharding (Config::shard_group_size): it holds shard `rank` of
+/// each unit, one of `size` in its group, and the group is `index` of `count` groups, which hold
+/// the same shards. Flat sharding: one group, rank and size those of the world.
+struct ShardGroup {
+  int rank = 0, size = 1, index = 0, count = 1;
 };
 
 /// What the nvme tier's swapper moved on this rank since finalize() (all zero without one).
@@ -165,6 +173,7 @@ class ZS_API Engine {
   int num_units() const;
   const std::string& unit_name(UnitId unit) const;
   ShardInfo shard_info(UnitId unit) const;
+  ShardGroup shard_group() const;
   const Config& config() const;
   const std::shared_ptr<Communicator>& communicator() const;
   /// Config::device cuda: the compute stream (a cudaStream_t), else null.

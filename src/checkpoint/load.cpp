@@ -104,7 +104,7 @@ void Engine::load(const std::filesystem::path& path) {
   std::vector<Span> spans;
   for (int u = 0; u < num_units(); ++u) {
     const ShardInfo si = shard_info(u);
-    const Range own = owned_by(si, rank());
+    const Range own = owned_by(si, shard_group().rank);
     spans.push_back({si, own.begin, own.end});
   }
   std::vector<int> states;

@@ -53,7 +53,7 @@ void Engine::load_safetensors(const std::filesystem::path& file) {
     size_t k = 0;
     for (int u = 0; u < num_units(); ++u) {
       const ShardInfo si = shard_info(u);
-      const Range own = owned_by(si, rank());
+      const Range own = owned_by(si, shard_group().rank);
       const int64_t b = own.begin, e = own.end;
       std::vector<float> shard(size_t(si.shard_numel), 0.0f);
       int64_t offset = 0;  // of the parameter in the unit

@@ -151,7 +151,10 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
   Manifest& m = p->m;
   m.tag = tag;
   m.save_id = save_id;
-  m.world_size = e.world_size();
+  // Hierarchical sharding: the first group writes the checkpoint, whose shards are those of a
+  // flat run of the group's size (the other groups hold the same).
+  const ShardGroup sg = e.shard_group();
+  m.world_size = sg.size;
   m.stage = e.config().stage;
   m.dtype = dtype_name(e.config().dtype);
   m.optimizer = optimizer_name(e.config().optimizer.kind);
@@ -166,14 +169,14 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
       m.states.push_back(state_names()[s].name);
       p->states.push_back(int(s));
     }
-  m.ranges.resize(size_t(e.world_size()));
+  m.ranges.resize(size_t(sg.size));
   for (int u = 0; u < e.num_units(); ++u) {
     const ShardInfo s = e.shard_info(u);
-    ZS_CHECK(s.shard_offset == int64_t(e.rank()) * s.shard_numel);
+    ZS_CHECK(s.shard_offset == int64_t(sg.rank) * s.shard_numel);
     UnitInfo info{e.unit_name(u), s.numel, {}};
     for (const Param& prm : e.unit_params(u)) info.params.push_back({prm.name, prm.shape});
     m.units.push_back(std::move(info));
-    for (int r = 0; r < e.world_size(); ++r) {
+    for (int r = 0; r < sg.size; ++r) {
       Range rg = owned_by(s, r);
       if (rg.begin >= rg.end) continue;
       auto& list = m.ranges[size_t(r)];
@@ -289,8 +292,9 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
   std::unique_ptr<PendingSave> p = start(*this, root, tag);
   std::unique_ptr<StateSnapshot> frozen;  // the nvme tier's: each unit's record read once
   const std::optional<Error> written = outcome([&] {
+    if (shard_group().index != 0) return;  // another group writes the same shards
     frozen = impl_->state->snapshot();
-    write_files(*p, rank(), RangeSource(*p, impl_->state.get(), frozen.get()));
+    write_files(*p, shard_group().rank, RangeSource(*p, impl_->state.get(), frozen.get()));
   });
   return finish(*this, *p, written);
 }
@@ -305,14 +309,17 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   std::unique_ptr<StateSnapshot> frozen;
   char* copied = nullptr;
   std::vector<size_t> starts;  // of each state's contents in `copied`
+  const int r = shard_group().rank;
+  const bool writes = shard_group().index == 0;  // the other groups hold the same shards
   try {
     all_or_none(*communicator(), p->at + ": snapshot", [&] {
+      if (!writes) return;
       frozen = impl_->state->snapshot();
       if (frozen) return;
       size_t total = 0;
       for (int s : p->states) {
         starts.push_back(total);
-        total += size_t(expected_header(p->m, rank(), s).data_bytes);
+        total += size_t(expected_header(p->m, r, s).data_bytes);
       }
       if (impl_->save_snapshot.bytes() != total) {
         impl_->save_snapshot = Buffer();
@@ -323,7 +330,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
       RangeSource source(*p, impl_->state.get(), nullptr);
       for (size_t i = 0; i < p->states.size(); ++i) {
         size_t at = starts[i];
-        for (const Range& rg : p->m.ranges[size_t(rank())]) {
+        for (const Range& rg : p->m.ranges[size_t(r)]) {
           const size_t n =
               size_t(encoded_bytes(encoding_of(p->m, p->states[i]), rg.end - rg.begin));
           std::memcpy(copied + at, source(i, rg), n);
@@ -336,8 +343,11 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
     if (rank() == 0) fs::remove_all(p->tmp, ec);
     throw;
   }
-  const int r = rank();
   PendingSave* raw = p.get();
+  if (!writes) {
+    impl_->pending_save = std::move(p);
+    return;
+  }
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
   try {
     p->writer = std::thread([raw, r, copied, starts, frozen = std::move(frozen)]() mutable {

@@ -221,6 +221,12 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
        .member = &C::shard_alignment,
        .json = "zeroshard.shard_alignment",
        .rules = {kAtLeast1, kAlignmentBound}},
+      // The groups decide which ranks every collective joins.
+      {.name = "shard_group_size",
+       .member = &C::shard_group_size,
+       .json = "zeroshard.shard_group_size",
+       .rules = {{[](double v) { return v >= 0; },
+                  "must be >= 0 (0: one group of every rank, flat sharding)"}}},
       // A rank with fewer buffers waits for (or refuses) a unit that the others reduce.
       {.name = "grad_buffers",
        .member = &C::grad_buffers,

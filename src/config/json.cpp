@@ -10,6 +10,7 @@
 // (optimizer "type" before its "params") do not depend on how the user ordered the file.
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -275,6 +276,14 @@ Node zero_optimization_layout() {
              if (!f.boolean()) {
                f.bad("= false is not supported: zeroshard always all-gathers parameters");
              }
+           }},
+          // [-1] MiCS: shards within groups of this many ranks, replicated across them.
+          {"mics_shard_size",
+           [](const JsonField& f, Ctx& x) {
+             const double v = f.number();
+             if (v != -1 && !(v >= 1 && v == std::floor(v)))
+               f.bad("= " + show(v) + " must be -1 (off) or a whole number of ranks >= 1");
+             x.c.shard_group_size = v == -1 ? 0 : int(v);
            }},
           {"sub_group_size", accept_count},                      // [1e9] unit is the grain
           {"stage3_prefetch_bucket_size", accept_count},         // [5e7] see zeroshard.prefetch

@@ -91,7 +91,7 @@ class CudaCompute final : public Compute {
   ~CudaCompute() override {
     // The engine synchronised its stream before freeing its buffers (Engine::~Engine); the
     // communicator outlives this, so it must not keep waiting on a stream about to go.
-    if (device_comm_) device_comm_->set_input_stream(nullptr);
+    for (DeviceCommunicator* c : device_comms_) c->set_input_stream(nullptr);
   }
 
   Device device() const override { return Device::cuda; }
@@ -160,23 +160,23 @@ class CudaCompute final : public Compute {
 
   std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override {
     // A communicator that moves device memory itself (NCCL) is ordered with the compute stream on
-    // the device; any other is wrapped to stage device buffers through host memory.
-    device_comm_ = as_device_communicator(comm.get());
-    if (!device_comm_) return stage_device_buffers(std::move(comm));
-    if (device_comm_->device() != device_)
+    // the device; any other is wrapped to stage device buffers through host memory. An engine
+    // with hierarchical sharding adapts its group communicators too.
+    DeviceCommunicator* dc = as_device_communicator(comm.get());
+    if (!dc) return stage_device_buffers(std::move(comm));
+    if (dc->device() != device_)
       ZS_THROW(invalid_argument, "Engine: the NCCL communicator is on GPU "
-                                     << device_comm_->device() << " but the engine on GPU "
-                                     << device_ << " (zeroshard.device_index)");
+                                     << dc->device() << " but the engine on GPU " << device_
+                                     << " (zeroshard.device_index)");
+    device_comms_.push_back(dc);
     return comm;
   }
   void before_collective() override {
     // NCCL waits for the compute stream on the device (set per call: engines may share the
     // communicator); any other backend reads device memory from the host (staged copies), so
     // the work that wrote it must be done.
-    if (device_comm_)
-      device_comm_->set_input_stream(static_cast<void*>(stream_));
-    else
-      synchronize();
+    if (device_comms_.empty()) synchronize();
+    for (DeviceCommunicator* c : device_comms_) c->set_input_stream(static_cast<void*>(stream_));
   }
 
   void* stream() const override { return static_cast<void*>(stream_); }
@@ -194,7 +194,8 @@ class CudaCompute final : public Compute {
   cuda::Stream d2h_;                     // downloads of finished collectives' outputs
   cuda::DeviceBuffer workspace_, sums_;  // sum_squares_nonfinite's partials and result
   cuda::PinnedBuffer host_sums_;
-  DeviceCommunicator* device_comm_ = nullptr;  // set when the communicator orders by streams
+  std::vector<DeviceCommunicator*> device_comms_;  // the engine's communicators that order by
+                                                   // streams (NCCL's)
 };
 
 }  // namespace

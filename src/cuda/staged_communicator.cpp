@@ -233,7 +233,21 @@ class StagedCommunicator final : public Communicator {
     return st.run([&] { return inner_->broadcast(h, bytes, root, std::move(what)); });
   }
 
+  std::shared_ptr<Work> all_reduce_sum(void* inout, int64_t count, DType dtype,
+                                       std::string what) override {
+    size_t bytes = 0;
+    if (count == 0 || !product(count, dtype_size(dtype), 1, &bytes))
+      return inner_->all_reduce_sum(inout, count, dtype, std::move(what));
+    Staging st(*this, label("all_reduce of ", what));
+    void* h = st.stage(inout, bytes, 0, bytes, true);
+    if (st.empty()) return inner_->all_reduce_sum(inout, count, dtype, std::move(what));
+    return st.run([&] { return inner_->all_reduce_sum(h, count, dtype, std::move(what)); });
+  }
+
   void barrier(std::string what) override { inner_->barrier(std::move(what)); }
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override {
+    return std::make_shared<StagedCommunicator>(inner_->split(ranks, std::move(what)));
+  }
   void set_timeout(double seconds) override { inner_->set_timeout(seconds); }
 
  private:

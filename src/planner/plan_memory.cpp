@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "src/base/check.hpp"
+#include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "src/engine_impl.hpp"
 #include "zeroshard/planner.hpp"
@@ -45,10 +46,18 @@ class PlanCommunicator final : public Communicator {
       for (int64_t i = 0; i < n; ++i) x[i] *= size_;
     return done_work(std::move(what));
   }
+  std::shared_ptr<Work> all_reduce_sum(void*, int64_t, DType, std::string what) override {
+    ZS_THROW(internal, "plan_memory(): a plan runs no " << what);
+  }
   std::shared_ptr<Work> broadcast(void*, int64_t, int, std::string what) override {
     return done_work(std::move(what));
   }
   void barrier(std::string) override {}
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override {
+    check_split(ranks, rank_, size_, what);
+    const auto at = std::find(ranks.begin(), ranks.end(), rank_);
+    return std::make_shared<PlanCommunicator>(int(at - ranks.begin()), int(ranks.size()));
+  }
   void set_timeout(double) override {}
 
  private:

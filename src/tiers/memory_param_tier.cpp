@@ -20,7 +20,7 @@ void* MemoryParamTier::whole(int u) {
 
 void* MemoryParamTier::own(int u) {
   const int st = ctx_.cfg->stage;
-  const int64_t block = st == 1 || st == 2 ? ctx_.rank * ctx_.shard(u) : 0;
+  const int64_t block = st == 1 || st == 2 ? ctx_.shard_rank * ctx_.shard(u) : 0;
   return params_[size_t(u)].as<char>() + size_t(block) * ctx_.pbytes;
 }
 
@@ -40,14 +40,14 @@ void MemoryParamTier::write(void* dst, const float* values, int64_t n) {
 void MemoryParamTier::load_initial(int u, const float* whole) {
   if (!whole) return;  // zeros: the buffer starts zero-filled
   if (ctx_.cfg->stage == 3)
-    write(params_[size_t(u)].data(), whole + ctx_.rank * ctx_.shard(u), ctx_.shard(u));
+    write(params_[size_t(u)].data(), whole + ctx_.shard_rank * ctx_.shard(u), ctx_.shard(u));
   else
     write(params_[size_t(u)].data(), whole, ctx_.unit(u).layout.padded_numel);
 }
 
 std::vector<float> MemoryParamTier::read(int u) const {
   const int64_t n = ctx_.shard(u);
-  const int64_t off = ctx_.cfg->stage == 3 ? 0 : ctx_.rank * n;
+  const int64_t off = ctx_.cfg->stage == 3 ? 0 : ctx_.shard_rank * n;
   std::vector<char> low(size_t(n) * ctx_.pbytes);
   dev_.copy(low.data(), params_[size_t(u)].as<char>() + size_t(off) * ctx_.pbytes, low.size());
   dev_.synchronize();

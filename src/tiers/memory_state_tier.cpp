@@ -91,7 +91,7 @@ void MemoryStateTier::grad_reduced(int u, int micro, const void* whole) {
   const int k = ctx_.accumulation();
   const bool final = micro + 1 == k;
   // This rank's share of the norm: its shard (stage 0 sums the same elements of its whole copy).
-  const int64_t own = ctx_.cfg->stage == 0 ? ctx_.rank * ctx_.shard(u) : 0;
+  const int64_t own = ctx_.cfg->stage == 0 ? ctx_.shard_rank * ctx_.shard(u) : 0;
   const int64_t S = ctx_.shard(u), ext = ctx_.extent(u);
   const void* g = ctx_.cfg->stage == 0 ? whole : s.grad_shard.data();
   if (!on_cpu_) {
@@ -136,7 +136,7 @@ double MemoryStateTier::sum_squares() {
     for (size_t i = 0; i < units_.size(); ++i) {
       const int u = int(i);
       auto [g, dt] = grad(u);
-      const int64_t base = ctx_.cfg->stage == 0 ? ctx_.rank * ctx_.shard(u) : 0;
+      const int64_t base = ctx_.cfg->stage == 0 ? ctx_.shard_rank * ctx_.shard(u) : 0;
       spans.push_back(
           {static_cast<const char*>(g) + size_t(base) * dtype_size(dt), dt, ctx_.shard(u)});
     }
@@ -229,7 +229,7 @@ size_t MemoryStateTier::preview_slot_bytes() const {
 // This rank's shard: the state is whole only in stage 0. A multiple of the q8 block, since
 // shards are padded to whole blocks.
 int64_t MemoryStateTier::shard_offset(int u) const {
-  return ctx_.cfg->stage == 0 ? ctx_.rank * ctx_.shard(u) : 0;
+  return ctx_.cfg->stage == 0 ? ctx_.shard_rank * ctx_.shard(u) : 0;
 }
 
 void MemoryStateTier::check_kind(const char* call, int u, StateKind kind) const {
@@ -319,7 +319,7 @@ void MemoryStateTier::commit(Communicator& comm, ParamSink& sink) {
   if (ctx_.cfg->stage == 0) {  // whole f32 state on every rank: gather the restored shards
     compute_.before_collective();
     for (size_t i = 0; i < units_.size(); ++i) {
-      const int64_t n = ctx_.shard(int(i)), off = ctx_.rank * n;
+      const int64_t n = ctx_.shard(int(i)), off = ctx_.shard_rank * n;
       const std::string what = "unit '" + ctx_.unit(int(i)).layout.name + "' (restored state)";
       const Unit& s = units_[i];
       const size_t mb = dtype_size(master_dtype_);

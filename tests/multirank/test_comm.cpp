@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <thread>
 
 #include "tests/multirank/harness.hpp"
@@ -33,6 +34,63 @@ TEST(Comm, ReduceScatterSumsEveryDtype) {
       }
     }
   }
+}
+
+// all_reduce_sum: every rank gets the same sum, of every dtype; in bf16 one that needs
+// rounding too (the ranks' results must still be bitwise equal).
+TEST(Comm, AllReduceSumGivesEveryRankTheSameSum) {
+  auto c = world();
+  const int n = c->size(), r = c->rank();
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    const int64_t count = 1001;
+    std::vector<char> buf(size_t(count) * dtype_size(dt));
+    for (int64_t i = 0; i < count; ++i) zs_test::store(buf.data(), dt, i, float((i + r) % 13));
+    c->all_reduce_sum(buf.data(), count, dt, "test")->wait();
+    for (int64_t i = 0; i < count; ++i) {
+      float want = 0;
+      for (int q = 0; q < n; ++q) want += float((i + q) % 13);
+      ASSERT_EQ(zs_test::load(buf.data(), dt, i), want) << dtype_name(dt) << " i " << i;
+    }
+    for (int64_t i = 0; i < count; ++i)
+      zs_test::store(buf.data(), dt, i, 1.0f + float(i * 7 + r * 3) / 1024.0f);
+    c->all_reduce_sum(buf.data(), count, dt, "test")->wait();
+    c->broadcast(buf.data(), int64_t(buf.size()), 0, "test")->wait();  // rank 0's result ...
+    std::vector<char> mine(buf.size());
+    for (int64_t i = 0; i < count; ++i)
+      zs_test::store(mine.data(), dt, i, 1.0f + float(i * 7 + r * 3) / 1024.0f);
+    c->all_reduce_sum(mine.data(), count, dt, "test")->wait();
+    EXPECT_EQ(std::memcmp(mine.data(), buf.data(), buf.size()), 0)  // ... is every rank's
+        << dtype_name(dt);
+  }
+}
+
+// split(): groups of consecutive ranks and groups across them, each with its own collectives;
+// bad groups are refused before any rank joins.
+TEST(Comm, SplitMakesGroupsWithTheirOwnCollectives) {
+  auto c = world();
+  const int n = c->size(), r = c->rank();
+  const int per = n % 2 == 0 ? 2 : 1;
+  std::vector<int> mine, across;
+  for (int q = r / per * per; q < r / per * per + per; ++q) mine.push_back(q);
+  for (int q = r % per; q < n; q += per) across.push_back(q);
+  auto g = c->split(mine, "test groups");
+  auto x = c->split(across, "test across");
+  EXPECT_EQ(g->size(), per);
+  EXPECT_EQ(g->rank(), r % per);
+  EXPECT_EQ(x->size(), n / per);
+  EXPECT_EQ(x->rank(), r / per);
+  double v[2] = {double(r), 1.0};
+  g->all_reduce(v, 2, ReduceOp::sum, "test")->wait();
+  double want = 0;
+  for (int q : mine) want += q;
+  EXPECT_EQ(v[0], want);
+  EXPECT_EQ(v[1], double(per));
+  float f = float(r);
+  std::vector<float> all(size_t(x->size()));
+  x->all_gather(&f, all.data(), 1, DType::f32, "test")->wait();
+  for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i], float(across[i]));
+  EXPECT_ZS_ERROR(c->split({r + 1}, "test"), invalid_argument, "this rank among them");
+  EXPECT_ZS_ERROR(c->split({r, r}, "test"), invalid_argument, "must be ascending");
 }
 
 TEST(Comm, AllGatherInPlaceAndOutOfPlace) {

@@ -190,10 +190,16 @@ class DeadPeerComm final : public Communicator {
   std::shared_ptr<Work> all_reduce(double* x, int64_t n, ReduceOp op, std::string w) override {
     return self_->all_reduce(x, n, op, std::move(w));
   }
+  std::shared_ptr<Work> all_reduce_sum(void* x, int64_t n, DType d, std::string w) override {
+    return self_->all_reduce_sum(x, n, d, std::move(w));
+  }
   std::shared_ptr<Work> broadcast(void* x, int64_t n, int root, std::string w) override {
     return self_->broadcast(x, n, root, std::move(w));
   }
   void barrier(std::string w) override { self_->barrier(std::move(w)); }
+  std::shared_ptr<Communicator> split(const std::vector<int>& r, std::string w) override {
+    return self_->split(r, std::move(w));
+  }
   void set_timeout(double) override {}
   std::vector<double> waits;
 

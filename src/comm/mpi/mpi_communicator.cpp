@@ -17,6 +17,7 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "src/base/check.hpp"
 #include "src/base/mpi_check.hpp"
+#include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
 
@@ -89,10 +90,11 @@ class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator() : rt_(MpiRuntime::get()) {
     ZS_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
-    ZS_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-    ZS_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
-    ZS_MPI_CHECK(MPI_Comm_size(comm_, &size_));
-    thread_ = std::thread([this] { run(); });
+    open();
+  }
+  // Takes `comm` over (split()).
+  MpiCommunicator(std::shared_ptr<MpiRuntime> rt, MPI_Comm comm) : rt_(std::move(rt)), comm_(comm) {
+    open();
   }
 
   ~MpiCommunicator() override {
@@ -161,9 +163,48 @@ class MpiCommunicator final : public Communicator {
     submit("barrier " + what, [this](MPI_Request* r) { return MPI_Ibarrier(comm_, r); })->wait();
   }
 
+  std::shared_ptr<Work> all_reduce_sum(void* inout, int64_t count, DType dtype,
+                                       std::string what) override {
+    int n = checked_count(count, what);
+    MPI_Op op = dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? rt_->op_bf16 : rt_->op_f16;
+    return submit(
+        "all_reduce of " + what,
+        [=, this](MPI_Request* r) {
+          return MPI_Iallreduce(MPI_IN_PLACE, inout, n, mpi_type(dtype), op, comm_, r);
+        },
+        " (" + std::to_string(n) + " " + dtype_name(dtype) + ")");
+  }
+
+  // MPI_Comm_split blocks until every rank calls it: a barrier first, which times out, so that
+  // a missing rank fails the split instead of hanging it. It runs on the communication thread,
+  // in its place of the sequence of collectives. A group's smallest rank is its colour.
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override {
+    check_split(ranks, rank_, size_, what);
+    barrier("before the split of " + what);
+    MPI_Comm sub = MPI_COMM_NULL;
+    submit("split of " + what, [&, this](MPI_Request* r) {
+      *r = MPI_REQUEST_NULL;  // done once it returns
+      return MPI_Comm_split(comm_, ranks.front(), rank_, &sub);
+    })->wait();
+    auto c = std::make_shared<MpiCommunicator>(rt_, sub);
+    c->set_timeout(timeout_s_.load());
+    if (c->size() != int(ranks.size()))
+      ZS_THROW(invalid_argument, "rank " << rank_ << ": split of " << what << ": the group of "
+                                         << ranks.size() << " ranks has " << c->size()
+                                         << " (the ranks passed groups that overlap)");
+    return c;
+  }
+
   void set_timeout(double seconds) override { timeout_s_.store(seconds); }
 
  private:
+  void open() {
+    ZS_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    ZS_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    ZS_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    thread_ = std::thread([this] { run(); });
+  }
+
   using Start = std::function<int(MPI_Request*)>;
   struct Pending {
     std::shared_ptr<WorkState> work;

@@ -33,22 +33,35 @@ NcclComm NcclComm::init(int size, const ncclUniqueId& id, int rank, double timeo
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // no NCCL call may wait forever: set-up is polled with a deadline
   ncclComm_t raw = nullptr;
-  ncclResult_t rc = ncclCommInitRankConfig(&raw, size, id, rank, &config);
+  const ncclResult_t rc = ncclCommInitRankConfig(&raw, size, id, rank, &config);
+  return ready(raw, rc, timeout_s, who, "ncclCommInitRankConfig");
+}
+
+NcclComm NcclComm::split(ncclComm_t parent, int color, int key, double timeout_s,
+                         const std::string& who) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t raw = nullptr;
+  const ncclResult_t rc = ncclCommSplit(parent, color, key, &raw, &config);
+  return ready(raw, rc, timeout_s, who, "ncclCommSplit");
+}
+
+NcclComm NcclComm::ready(ncclComm_t raw, ncclResult_t rc, double timeout_s, const std::string& who,
+                         const char* call) {
   // Owned from here on, before the result is checked: a throw aborts a half-made communicator.
   NcclComm comm(raw);
-  ZS_NCCL_CHECK_ASYNC(rc, cuda_error, nullptr, rc, who << " (ncclCommInitRankConfig)");
+  ZS_NCCL_CHECK_ASYNC(rc, cuda_error, nullptr, rc, who << " (" << call << ")");
   const auto deadline = after(timeout_s);
   int polls = 0;
   while (rc == ncclInProgress && comm) {
     if (Clock::now() > deadline)
-      ZS_THROW(timeout, who << ": ncclCommInitRankConfig did not complete within " << timeout_s
+      ZS_THROW(timeout, who << ": " << call << " did not complete within " << timeout_s
                             << " s (a peer rank is late or dead)");
     if (++polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(200));
     rc = comm.async_state();
   }
   if (rc != ncclSuccess)
-    ZS_THROW(cuda_error,
-             who << ": ncclCommInitRankConfig failed: " << nccl::error_string(rc, comm.get()));
+    ZS_THROW(cuda_error, who << ": " << call << " failed: " << nccl::error_string(rc, comm.get()));
   return comm;
 }
 

@@ -19,6 +19,10 @@ class NcclComm {
   /// over the `size` ranks that share `id`; the calling thread's device is the communicator's.
   static NcclComm init(int size, const ncclUniqueId& id, int rank, double timeout_s,
                        const std::string& who);
+  /// The rank's part of `parent` split by `color` (ncclCommSplit, non-blocking, polled as
+  /// init() is), ranked by `key`. Collective over `parent`, whose owner holds its call lock.
+  static NcclComm split(ncclComm_t parent, int color, int key, double timeout_s,
+                        const std::string& who);
   ~NcclComm() { abort(); }
   NcclComm(NcclComm&& o) noexcept;
   NcclComm& operator=(NcclComm&& o) noexcept;
@@ -40,6 +44,9 @@ class NcclComm {
 
  private:
   explicit NcclComm(ncclComm_t comm) noexcept : comm_(comm) {}
+  // Takes `raw` over and polls it until `rc`, the result of `call`, settles.
+  static NcclComm ready(ncclComm_t raw, ncclResult_t rc, double timeout_s, const std::string& who,
+                        const char* call);
   ncclComm_t comm_ = nullptr;
 };
 

@@ -3,6 +3,7 @@
 
 #include "src/comm/nccl/nccl_communicator.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -10,6 +11,7 @@
 #include "src/base/cuda_check.hpp"
 #include "src/base/nccl_check.hpp"
 #include "src/comm/nccl/nccl_impl.hpp"
+#include "src/comm/split_check.hpp"
 
 namespace zeroshard {
 namespace {
@@ -96,6 +98,62 @@ void NcclCommunicator::Impl::require_device(const void* p, const std::string& wh
 
 // ---- construction and teardown ----------------------------------------------------------------
 
+// The communication stream (highest priority, so collectives are not starved by compute
+// kernels) and the staging allocators. The caller holds a DeviceGuard of `device`.
+void NcclCommunicator::Impl::open() {
+  int least = 0, greatest = 0;
+  ZS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  stream = cuda::Stream(device, true, greatest);
+  input_event = cuda::Event(false);
+  order_event = cuda::Event(false);
+  dev_stage = cuda::CachingAllocator::create(cuda::CachingAllocator::Kind::device, device);
+  host_stage = cuda::CachingAllocator::create(cuda::CachingAllocator::Kind::pinned_host, device);
+}
+
+NcclCommunicator::NcclCommunicator(int device, int rank, int size, double timeout_s)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.device = device;
+  m.rank = rank;
+  m.size = size;
+  m.timeout_s.store(timeout_s);
+  cuda::DeviceGuard guard(device);
+  m.open();
+}
+
+// ncclCommSplit on this communicator (under its call lock, after a barrier that times out), and
+// an agreement on the outcome over it, as at set-up.
+std::shared_ptr<Communicator> NcclCommunicator::split(const std::vector<int>& ranks,
+                                                      std::string what) {
+  Impl& m = *impl_;
+  check_split(ranks, m.rank, m.size, what);
+  const std::string who = "rank " + std::to_string(m.rank) + ": split of " + what;
+  barrier("before the split of " + what);
+  const int key = int(std::find(ranks.begin(), ranks.end(), m.rank) - ranks.begin());
+  std::shared_ptr<NcclCommunicator> sub(
+      new NcclCommunicator(m.device, key, int(ranks.size()), m.timeout_s.load()));
+  std::string error;
+  ErrorCode code = ErrorCode::cuda_error;
+  {
+    std::lock_guard<std::mutex> call(m.call_mu);
+    cuda::DeviceGuard guard(m.device);
+    try {
+      if (!m.comm) ZS_THROW(comm_failure, who << ": the communicator is unusable");
+      sub->impl_->comm = NcclComm::split(m.comm.get(), ranks.front(), key, kNcclInitTimeoutS, who);
+    } catch (const Error& e) {
+      error = e.what();
+      code = e.code();
+    }
+  }
+  double ok = error.empty() ? 1.0 : 0.0;
+  all_reduce(&ok, 1, ReduceOp::min, what + " (split status)")->wait();
+  if (!error.empty()) throw Error(code, error);
+  if (ok == 0.0) ZS_THROW(cuda_error, who << ": ncclCommSplit failed on another rank");
+  Impl& s = *sub->impl_;
+  s.watcher = std::thread([&s] { s.watch(); });
+  return sub;
+}
+
 NcclCommunicator::NcclCommunicator(int device, Communicator& bootstrap)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
@@ -108,15 +166,8 @@ NcclCommunicator::NcclCommunicator(int device, Communicator& bootstrap)
   cuda::DeviceGuard guard(device);
   const ncclUniqueId id = exchange_unique_id(bootstrap, who);
 
-  // 3. The communication stream (highest priority, so collectives are not starved by compute
-  //    kernels), the staging allocators, and the non-blocking NCCL communicator.
-  int least = 0, greatest = 0;
-  ZS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  m.stream = cuda::Stream(device, true, greatest);
-  m.input_event = cuda::Event(false);
-  m.order_event = cuda::Event(false);
-  m.dev_stage = cuda::CachingAllocator::create(cuda::CachingAllocator::Kind::device, device);
-  m.host_stage = cuda::CachingAllocator::create(cuda::CachingAllocator::Kind::pinned_host, device);
+  // 3. The streams and staging (open()), and the non-blocking NCCL communicator.
+  m.open();
   std::string init_error;
   ErrorCode init_code = ErrorCode::cuda_error;
   try {
@@ -258,6 +309,20 @@ std::shared_ptr<Work> NcclCommunicator::all_reduce(double* inout, int64_t count,
   return m.submit(name, staging, [=](ncclComm_t c, cudaStream_t s, void* staged) {
     void* buf = staged != nullptr ? staged : static_cast<void*>(inout);
     return ncclAllReduce(buf, buf, n, ncclFloat64, nccl_op(op), c, s);
+  });
+}
+
+std::shared_ptr<Work> NcclCommunicator::all_reduce_sum(void* inout, int64_t count, DType dtype,
+                                                       std::string what) {
+  Impl& m = *impl_;
+  const std::string name = "all_reduce of " + what;
+  if (count < 0)
+    ZS_THROW(invalid_argument, "rank " << m.rank << ": " << name << ": negative count " << count);
+  if (count == 0) return m.empty_work(name);
+  m.require_device(inout, name, "inout");
+  const size_t n = size_t(count);
+  return m.submit(name, {}, [=](ncclComm_t c, cudaStream_t s, void*) {
+    return ncclAllReduce(inout, inout, n, nccl_type(dtype), ncclSum, c, s);
   });
 }
 

@@ -28,8 +28,11 @@ class NcclCommunicator final : public DeviceCommunicator {
                                    std::string what) override;
   std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
                                    std::string what) override;
+  std::shared_ptr<Work> all_reduce_sum(void* inout, int64_t count, DType dtype,
+                                       std::string what) override;
   std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) override;
   void barrier(std::string what) override;
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override;
   void set_timeout(double seconds) override;
 
   int device() const override;
@@ -39,6 +42,9 @@ class NcclCommunicator final : public DeviceCommunicator {
   cudaStream_t comm_stream() const;
 
  private:
+  // split(): the streams and staging of `size` ranks on `device`; the caller sets the NCCL
+  // communicator and starts the watcher.
+  NcclCommunicator(int device, int rank, int size, double timeout_s);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

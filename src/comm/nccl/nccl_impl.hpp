@@ -99,6 +99,9 @@ struct NcclCommunicator::Impl {
 
   std::thread watcher;
 
+  // The communication stream and the staging allocators (nccl_communicator.cpp).
+  void open();
+
   // ---- failure state (nccl_impl.cpp) ----
   void poison(const std::string& why);
   std::string poison_reason();
