@@ -87,6 +87,7 @@ void Engine::Impl::start_gather(int id) {
     throw;
   }
   record('a', id);
+  count_sent(false, group_ring_bytes(id));
 }
 
 void Engine::Impl::prefetch_after(int) {

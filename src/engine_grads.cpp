@@ -59,6 +59,7 @@ bool Engine::Impl::cross_groups(int id) {
   u.reduction = track(replica_comm->all_reduce_sum(
       u.reduced, layout(id).shard_numel, pdt, "unit '" + layout(id).name + "' (across groups)"));
   u.crossed = true;  // not recorded: every reduce-scatter has one, in the same order
+  count_sent(true, 2 * int64_t(replicas - 1) * layout(id).shard_numel * int64_t(pbytes) / replicas);
   return true;
 }
 
@@ -86,6 +87,7 @@ void Engine::Impl::complete_reduction(int id) {
     res.dev->before_collective();
     wait_for(*track(shard_comm->all_gather(u.reduced, u.grad_buf.data(), L.shard_numel, pdt,
                                            "unit '" + L.name + "' (gradients)")));
+    count_sent(false, group_ring_bytes(id));
     record('g', id);
   }
   if (u.grad_slot >= 0) {
@@ -283,6 +285,7 @@ void Engine::Impl::start_reduction(int id) {
     throw;
   }
   record('r', id);
+  count_sent(false, group_ring_bytes(id));
   in_flight.push_back(id);
   u.queued = false;
   if (!cfg.overlap_comm) finish_in_order(id);

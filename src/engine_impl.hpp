@@ -57,6 +57,20 @@ struct Engine::Impl final : ParamSink {
   // shard in every group (null when flat): the all-reduce of the reduced gradient shards.
   std::shared_ptr<Communicator> shard_comm, replica_comm;
   int shard_rank = 0, shard_world = 1, replica = 0, replicas = 1;
+  // Whether the next rank in each communicator's ring is on another host (finalize()), and the
+  // bytes sent since the last step (StepResult::comm_bytes).
+  bool shard_next_remote = false, replica_next_remote = false;
+  int64_t sent_bytes = 0, sent_inter = 0;
+  void find_hosts();
+  /// Counts a collective this rank sends `bytes` of, over the group's or the replicas' ring.
+  void count_sent(bool across_groups, int64_t bytes) {
+    sent_bytes += bytes;
+    if (across_groups ? replica_next_remote : shard_next_remote) sent_inter += bytes;
+  }
+  /// What a reduce-scatter or all-gather of unit `id`'s shards within the group sends.
+  int64_t group_ring_bytes(int id) const {
+    return int64_t(shard_world - 1) * layout(id).shard_numel * int64_t(pbytes);
+  }
   std::vector<OptimizerOptions> groups;
   Resources res;
   std::vector<UnitShape> shapes;  // fixed at finalize(); the tiers read them

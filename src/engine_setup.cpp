@@ -1,4 +1,6 @@
 // Engine: finalize(). The tiers that will hold every unit, and the initial values.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <new>
@@ -147,12 +149,29 @@ void Engine::Impl::drop_tiers() noexcept {
   res.swap.reset();  // removes the swap directory
 }
 
+// Which host every rank runs on (a hash of its host name, in a sum of one slot per rank), so
+// that StepResult can count the bytes each ring sends to another host.
+void Engine::Impl::find_hosts() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, cut to 52 bits: exact in a double
+  for (const char* c = name; *c; ++c) h = (h ^ uint8_t(*c)) * 1099511628211ull;
+  std::vector<double> host(size_t(world), 0.0);
+  host[size_t(rank)] = double(h & ((uint64_t(1) << 52) - 1));
+  comm->all_reduce(host.data(), world, ReduceOp::sum, "host names")->wait();
+  const double mine = host[size_t(rank)];
+  const int base = replica * shard_world;
+  shard_next_remote = host[size_t(base + (shard_rank + 1) % shard_world)] != mine;
+  replica_next_remote = host[size_t((replica + 1) % replicas * shard_world + shard_rank)] != mine;
+}
+
 void Engine::finalize() {
   Impl& m = *impl_;
   if (m.finalized) ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() called twice");
   if (m.units.empty())
     ZS_THROW(invalid_argument, "rank " << m.rank << ": finalize() with no units registered");
   m.check_same_model();
+  m.find_hosts();
   if (m.cfg.offload_optimizer.tier == Tier::nvme ||
       (m.cfg.stage == 3 && m.cfg.offload_param.tier == Tier::nvme)) {
     // Swap files can fail on one rank only (a full or read-only path): every rank must then

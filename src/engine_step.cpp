@@ -170,6 +170,8 @@ StepResult Engine::Impl::step() {
     r.comm_busy_s = busy_union(step_works);
     r.comm_exposed_s = exposed_s;
     r.interval_s = now - interval_start;
+    r.comm_bytes = std::exchange(sent_bytes, 0);
+    r.inter_node_bytes = std::exchange(sent_inter, 0);
     exposed_s = 0;
     interval_start = now;
   };
@@ -214,10 +216,12 @@ StepResult Engine::Impl::step() {
   if (cfg.stage == 1 || cfg.stage == 2) {
     std::vector<std::shared_ptr<Work>> works;
     res.dev->before_collective();
-    for (size_t i = 0; i < units.size(); ++i)
+    for (size_t i = 0; i < units.size(); ++i) {
       works.push_back(track(shard_comm->all_gather(
           params->own(int(i)), params->whole(int(i)), layout(int(i)).shard_numel, pdt,
           "unit '" + layout(int(i)).name + "' (parameters)")));
+      count_sent(false, group_ring_bytes(int(i)));
+    }
     for (auto& w : works) wait_for(*w);
   }
   scaler.update(false);

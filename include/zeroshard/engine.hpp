@@ -44,6 +44,14 @@ struct StepResult {
   double comm_busy_s = 0;     ///< wall time with at least one of the engine's collectives running
   double comm_exposed_s = 0;  ///< wall time the trainer's thread waited for collectives
   double interval_s = 0;      ///< wall time since the previous step() returned (or finalize())
+  /// Bytes this rank's collectives of the interval sent, counted as a ring schedule over each
+  /// communicator's ranks sends them (each rank to the next: (n − 1)/n of the data of a
+  /// reduce-scatter or all-gather, twice that of an all-reduce); the step's small all-reduce of
+  /// flags is left out. inter_node_bytes: the part sent to a rank on another host (by host
+  /// name), which hierarchical sharding (Config::shard_group_size) keeps off the links between
+  /// nodes.
+  int64_t comm_bytes = 0;
+  int64_t inter_node_bytes = 0;
   /// Share of communication hidden behind the trainer's compute: 1 − exposed / busy (1 if none).
   double comm_hidden_fraction() const {
     return comm_busy_s > 0 ? 1.0 - std::min(1.0, comm_exposed_s / comm_busy_s) : 1.0;

@@ -161,6 +161,8 @@ void bind_results(nb::module_& m) {
       .def_ro("comm_busy_s", &StepResult::comm_busy_s)
       .def_ro("comm_exposed_s", &StepResult::comm_exposed_s)
       .def_ro("interval_s", &StepResult::interval_s)
+      .def_ro("comm_bytes", &StepResult::comm_bytes)
+      .def_ro("inter_node_bytes", &StepResult::inter_node_bytes)
       .def("comm_hidden_fraction", &StepResult::comm_hidden_fraction)
       .def("__repr__", &step_repr);
 
@@ -171,6 +173,14 @@ void bind_results(nb::module_& m) {
       .def_rw("hysteresis_left", &LossScalerState::hysteresis_left)
       .def_rw("iteration", &LossScalerState::iteration)
       .def_rw("last_overflow", &LossScalerState::last_overflow);
+
+  nb::class_<ShardGroup>(m, "ShardGroup",
+                         "This rank's place in the sharding (Config.shard_group_size): shard "
+                         "`rank` of the `size` ranks of group `index` of `count`.")
+      .def_ro("rank", &ShardGroup::rank)
+      .def_ro("size", &ShardGroup::size)
+      .def_ro("index", &ShardGroup::index)
+      .def_ro("count", &ShardGroup::count);
 
   nb::class_<ShardInfo>(m, "ShardInfo", "Shard geometry of one unit on this rank, in elements.")
       .def_ro("numel", &ShardInfo::numel)
@@ -438,6 +448,7 @@ void def_accessors(nb::class_<PyEngine>& cls) {
       "shard_info",
       [](PyEngine& e, UnitId u) { return locked(e, [&] { return e.engine.shard_info(u); }); },
       nb::arg("unit"));
+  cls.def("shard_group", [](PyEngine& e) { return e.engine.shard_group(); });
   cls.def(
       "config", [](PyEngine& e) { return e.engine.config(); }, "A copy of the engine's Config.");
   cls.def(

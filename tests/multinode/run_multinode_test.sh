@@ -22,7 +22,7 @@ echo "ranks per host: $names"
 [[ "$names" == "zs-h0:2 zs-h1:2 " ]] || { echo "FAIL: ranks are not two per host"; exit 1; }
 
 rx_before=$(cluster_on 1 cat /sys/class/net/eth0/statistics/rx_bytes)
-cluster_mpirun -np 4 "$bin" --gtest_filter='*/Parity.*:Offload*:Checkpoint*:Restore*'
+cluster_mpirun -np 4 "$bin" --gtest_filter='*/Parity.*:Offload*:Checkpoint*:Restore*:Hybrid*'
 rx=$(( $(cluster_on 1 cat /sys/class/net/eth0/statistics/rx_bytes) - rx_before ))
 echo "host 1 received $rx bytes over its link"
 # Gradients, gathers and checkpoint agreements of many steps: far more than the launch's own.

@@ -9,6 +9,7 @@
 // - a checkpoint is the first group's shards, as a flat run of the group's size writes them,
 //   and loads into flat and hierarchical engines alike.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -282,4 +283,60 @@ TEST(Hybrid, RefusesGroupsThatCannotShard) {
     EXPECT_ZS_ERROR(Engine(make_config(mixed), world()), invalid_config,
                     "shard_group_size differs between ranks");
   }
+}
+
+namespace {
+
+// This rank's host name, and whether world rank `r` runs on the same host.
+bool same_host(int r) {
+  char name[64] = {};
+  ::gethostname(name, sizeof name - 1);
+  std::vector<char> all(64 * size_t(world()->size()));
+  for (int q = 0; q < world()->size(); ++q) {
+    char buf[64];
+    std::memcpy(buf, name, 64);
+    world()->broadcast(buf, 64, q, "test")->wait();
+    std::memcpy(all.data() + 64 * size_t(q), buf, 64);
+  }
+  return std::memcmp(all.data() + 64 * size_t(r), name, 64) == 0;
+}
+
+}  // namespace
+
+// StepResult counts what the collectives of a step send, as a ring over each communicator, and
+// the part that goes to another host: per unit and step, a reduce-scatter and (stages 1-2) an
+// all-gather of the new parameters or (stage 3) the gather, each (n - 1) shards within the
+// group, and an all-reduce across the groups, 2 (g - 1) / g shards. On one host nothing
+// crosses; across hosts (tests/multinode) the group's ring stays on its host.
+TEST(Hybrid, CountsTheBytesThatCrossHosts) {
+  const int w = world()->size();
+  std::vector<int> groups = group_sizes();
+  groups.push_back(w);
+  for (int group : groups)
+    for (int stage = 1; stage <= 3; ++stage) {
+      HybridRun run{stage, DType::bf16, Tier::device, group};
+      SCOPED_TRACE(label(run));
+      Config cfg = make_config(run);
+      cfg.prefetch = false;  // a dropped prefetch would gather once more
+      Engine e(cfg, world());
+      zs_test::register_model(e, zs_test::uneven_model());
+      const ShardGroup g = e.shard_group();
+      const bool group_remote = !same_host(g.index * g.size + (g.rank + 1) % g.size);
+      const bool across_remote = !same_host((g.index + 1) % g.count * g.size + g.rank);
+      int64_t within = 0, across = 0;
+      for (int u = 0; u < e.num_units(); ++u) {
+        const int64_t shard = e.shard_info(u).shard_numel * 2;  // bf16 bytes
+        within += 2 * int64_t(g.size - 1) * shard;              // reduce-scatter, then gather
+        across += 2 * int64_t(g.count - 1) * shard / g.count;
+      }
+      zs_test::TrainOptions opt;
+      opt.steps = 3;
+      for (const StepResult& s : zs_test::train(e, opt)) {
+        EXPECT_EQ(s.comm_bytes, within + across);
+        EXPECT_EQ(s.inter_node_bytes, (group_remote ? within : 0) + (across_remote ? across : 0));
+      }
+      if (group < w) {
+        EXPECT_GT(across, 0);
+      }
+    }
 }
