@@ -224,12 +224,16 @@ int train_and_report(DemoOptions& o) {
     t.interval += l.result.interval_s, t.optimizer += l.result.optimizer_s,
         t.exposed += l.result.comm_exposed_s;
     t.busy += l.result.comm_busy_s, t.compute += l.compute_s, ++t.steps;
+    t.comm_bytes += double(l.result.comm_bytes);
+    t.inter_node_bytes += double(l.result.inter_node_bytes);
   }
-  std::vector<double> tv = gather_rows(
-      *comm, {t.interval, t.optimizer, t.exposed, t.busy, t.compute, double(t.steps)}, "timings");
+  std::vector<double> tv = gather_rows(*comm,
+                                       {t.interval, t.optimizer, t.exposed, t.busy, t.compute,
+                                        t.comm_bytes, t.inter_node_bytes, double(t.steps)},
+                                       "timings");
   for (int r = 0; r < world; ++r) {
-    const double* x = tv.data() + size_t(r) * 6;
-    s.times.push_back({x[0], x[1], x[2], x[3], x[4], int64_t(x[5])});
+    const double* x = tv.data() + size_t(r) * 8;
+    s.times.push_back({x[0], x[1], x[2], x[3], x[4], x[5], x[6], int64_t(x[7])});
   }
 
   // Plain data parallel for the same model, measured: a stage-0 engine (everything whole, on the
@@ -237,6 +241,7 @@ int train_and_report(DemoOptions& o) {
   if (o.dp_reference) {
     zeroshard::Config dp = o.config;
     dp.stage = 0;
+    dp.shard_group_size = 0;  // data parallel replicates everything
     dp.offload_optimizer.tier = zeroshard::Tier::device;
     dp.offload_param.tier = zeroshard::Tier::device;
     dp.device = zeroshard::Device::cpu;  // the same ledger, without taking the GPU's memory

@@ -6,10 +6,15 @@
 // handed over in backward order, then step(). No model math: the trainer's compute is 0, so
 // every collective is exposed, as predict_step() assumes with compute_s = 0. Rank 0 prints the
 // median step time over --steps steps (after two warm-up steps), the slowest rank's, and
-// predict_step()'s from --calibration, split as predicted.
+// predict_step()'s from --calibration, split as predicted. With --shard-group, hierarchical
+// sharding; with --ranks-per-node and --inter-node-gbs (each node's link, GB/s), the nodes
+// predict_step() assumes; then it also prints the bytes the busiest node sent to other nodes
+// per step (the engine's StepResult::inter_node_bytes, summed over the node's ranks) beside
+// the prediction's.
 //
 //   mpirun -np 2 plan_step_bench --calibration cal.json --params 64M --units 16 --stage 2
 //          --tier host [--dtype bf16] [--state f32|bf16|8bit] [--steps 7] [--nvme-path DIR]
+//          [--shard-group N] [--ranks-per-node N --inter-node-gbs X]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -39,7 +44,8 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   std::string calibration, tier = "host", dtype = "bf16", nvme_path, state = "f32";
   int64_t params = int64_t(64) << 20;
-  int units = 16, stage = 2, steps = 7;
+  int units = 16, stage = 2, steps = 7, group = 0, per_node = 0;
+  double link_gbs = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--calibration")
@@ -60,6 +66,12 @@ int main(int argc, char** argv) {
       nvme_path = v;
     else if (k == "--state")
       state = v;
+    else if (k == "--shard-group")
+      group = std::stoi(v);
+    else if (k == "--ranks-per-node")
+      per_node = std::stoi(v);
+    else if (k == "--inter-node-gbs")
+      link_gbs = std::stod(v);
     else {
       std::fprintf(stderr, "plan_step_bench: unknown flag %s\n", k.c_str());
       return 2;
@@ -70,6 +82,7 @@ int main(int argc, char** argv) {
     Config cfg;
     cfg.stage = stage;
     cfg.dtype = dtype == "f32" ? DType::f32 : DType::bf16;
+    cfg.shard_group_size = group;
     cfg.offload_optimizer.tier = tier == "nvme"   ? Tier::nvme
                                  : tier == "host" ? Tier::host
                                                   : Tier::device;
@@ -91,7 +104,7 @@ int main(int argc, char** argv) {
       plan.push_back({"u" + std::to_string(u), {p}});
     }
     e.finalize();
-    std::vector<double> t, opt, exposed;
+    std::vector<double> t, opt, exposed, inter;
     for (int s = 0; s < steps + 2; ++s) {
       comm->barrier("plan_step_bench");
       const double t0 = now();
@@ -118,8 +131,15 @@ int main(int argc, char** argv) {
         t.push_back(dt);
         opt.push_back(r.optimizer_s);
         exposed.push_back(r.comm_exposed_s);
+        inter.push_back(double(r.inter_node_bytes));
       }
     }
+    // Each node's bytes to other nodes per step: its ranks' (median) counts summed.
+    const int nodes_of = per_node > 0 ? per_node : comm->size();
+    std::vector<double> node(size_t(comm->size() / nodes_of + 1), 0.0);
+    node[size_t(comm->rank() / nodes_of)] = median(inter);
+    comm->all_reduce(node.data(), int64_t(node.size()), ReduceOp::sum, "plan_step_bench")->wait();
+    const double busiest = *std::max_element(node.begin(), node.end());
     if (comm->rank() == 0) {
       const double measured = median(t);
       std::printf(
@@ -128,12 +148,17 @@ int main(int argc, char** argv) {
           stage, tier.c_str(), dtype.c_str(), state.c_str(), comm->size(), (long long)params, units,
           measured, median(exposed), median(opt));
       if (!calibration.empty()) {
-        const StepPrediction p =
-            predict_step(cfg, plan, comm->size(), read_calibration(calibration, cfg));
+        MachineRates rates = read_calibration(calibration, cfg);
+        rates.ranks_per_node = per_node;
+        rates.inter_node_gbs = link_gbs;
+        const StepPrediction p = predict_step(cfg, plan, comm->size(), rates);
         std::printf(
             ", predicted %.4f s (comm %.4f, optimizer %.4f, nvme %.4f): predicted / measured "
             "%.3f",
             p.total_s, p.comm_s, p.optimizer_s, p.nvme_s, p.total_s / measured);
+        if (per_node > 0)
+          std::printf("; inter-node MiB per step: engine %.2f, predicted %.2f",
+                      busiest / double(1 << 20), p.inter_node_bytes / double(1 << 20));
       }
       std::printf("\n");
     }

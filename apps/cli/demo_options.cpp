@@ -47,6 +47,10 @@ constexpr Flag kFlags[] = {
      "tier of optimizer state and master weights (default none)", "ZeRO engine"},
     {"--offload-param", "none|cpu|nvme", "tier of parameter shards, stage 3 only (default none)",
      "ZeRO engine"},
+    {"--shard-group", "N",
+     "ranks per shard group: shard within groups of N consecutive ranks, replicate across them "
+     "(hierarchical sharding, stages 1-3; default: one group of every rank)",
+     "ZeRO engine"},
     {"--nvme-path", "DIR[,DIR..]", "directories for the nvme tier (both offload kinds)",
      "ZeRO engine"},
     {"--config", "FILE",
@@ -297,6 +301,8 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
                                           {"8bit", zeroshard::StateFormat::q8}});
     if (has("--master"))
       c.bf16_master = one_of<bool>("--master", val("--master"), {{"f32", false}, {"bf16", true}});
+    if (has("--shard-group"))
+      c.shard_group_size = int(to_int("--shard-group", val("--shard-group"), 1, 1 << 20));
     if (has("--lr")) c.optimizer.lr = float(to_real("--lr", val("--lr"), 0, 10));
     if (has("--weight-decay"))
       c.optimizer.weight_decay = float(to_real("--weight-decay", val("--weight-decay"), 0, 10));

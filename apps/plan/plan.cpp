@@ -23,6 +23,7 @@ using namespace zeroshard;
 struct Options {
   zsdemo::GptShape shape{50304, 1024, 768, 12, 12};  // GPT-2 small by default
   int ranks = 1;
+  int shard_group = 0;  // Config::shard_group_size
   DType dtype = DType::bf16;
   OptimizerKind optimizer = OptimizerKind::adamw;
   StateFormat moments = StateFormat::f32;
@@ -30,6 +31,8 @@ struct Options {
   double device_gib = 0, host_gib = 0, nvme_gib = 0;  // per rank; 0 = not checked
   std::string calibration;                            // empty: no step time
   double compute_s = 0;                               // the trainer's forward + backward
+  int rates_per_node = 0;                             // ranks per node (0: one node)
+  double inter_node_gbs = 0;                          // each node's link, GB/s
   MachineRates rates;                                 // read from `calibration`
 };
 
@@ -40,6 +43,7 @@ Config config(const Options& o) {
   cfg.optimizer.kind = o.optimizer;
   cfg.optimizer_state = o.moments;
   cfg.bf16_master = o.bf16_master;
+  cfg.shard_group_size = o.shard_group;
   return cfg;
 }
 
@@ -48,7 +52,8 @@ const char* kHelp =
     "                      [--dtype bf16|f16|f32] [--optimizer adamw|adam|lion|sgd]\n"
     "                      [--optimizer-state f32|bf16|8bit] [--master f32|bf16]\n"
     "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
-    "                      [--calibration FILE [--compute-s X]]\n\n"
+    "                      [--calibration FILE [--compute-s X]]\n"
+    "                      [--shard-group N] [--ranks-per-node N --inter-node-gbs X]\n\n"
     "For a GPT (the demo's model: token and position embeddings, --layers blocks of width --dim,\n"
     "an untied head; default GPT-2 small) on --ranks ranks, prints for every ZeRO stage and\n"
     "offload choice the bytes one rank holds on each tier once the engine is finalized, computed\n"
@@ -59,7 +64,13 @@ const char* kHelp =
     "node), also the engine's step time per choice: the reductions and gathers the trainer\n"
     "waits for beyond --compute-s (its own forward and backward per step, default 0), the\n"
     "all-gather after the update, and the CPU update or the nvme tier's step. The trainer's\n"
-    "compute is added as given, not predicted.\n";
+    "compute is added as given, not predicted.\n\n"
+    "--shard-group N plans hierarchical sharding (Config::shard_group_size: shards within groups\n"
+    "of N consecutive ranks, replicated across them). --ranks-per-node puts that many\n"
+    "consecutive ranks on each node, and --inter-node-gbs is each node's link to the others\n"
+    "(GB/s each way): collectives whose rings cross nodes take the bytes the busiest node sends\n"
+    "over that link (the calibration's rates stay for the collectives within a node); the\n"
+    "'MiB out' column is that node's bytes per step.\n";
 
 [[noreturn]] void bad(const std::string& why) {
   throw std::invalid_argument(why);
@@ -99,6 +110,12 @@ Options parse(const std::vector<std::string>& args) {
       o.shape.vocab = to_int(f, v);
     else if (f == "--seq")
       o.shape.seq = to_int(f, v);
+    else if (f == "--shard-group")
+      o.shard_group = int(to_int(f, v));
+    else if (f == "--ranks-per-node")
+      o.rates_per_node = int(to_int(f, v));
+    else if (f == "--inter-node-gbs")
+      o.inter_node_gbs = to_number(f, v, "GB/s");
     else if (f == "--ranks")
       o.ranks = int(to_int(f, v));
     else if (f == "--device-gib")
@@ -146,6 +163,8 @@ Options parse(const std::vector<std::string>& args) {
       bad(e.what());
     }
     o.rates.compute_s = o.compute_s;
+    o.rates.ranks_per_node = o.rates_per_node;
+    o.rates.inter_node_gbs = o.inter_node_gbs;
   } else if (o.compute_s > 0) {
     bad("--compute-s needs --calibration");
   }
@@ -184,7 +203,8 @@ int run_plan(const std::vector<std::string>& args) {
   const bool timed = !o.calibration.empty();
   std::printf("%-5s %-9s %-9s %12s %12s %12s %14s  %-10s", "stage", "optimizer", "params",
               "device GiB", "host GiB", "nvme GiB", "model states", "fits");
-  if (timed) std::printf(" %8s %8s %8s %8s", "step s", "comm s", "update s", "nvme s");
+  if (timed)
+    std::printf(" %8s %8s %8s %8s %8s", "step s", "comm s", "update s", "nvme s", "MiB out");
   std::printf("\n");
   const double limit[kNumTiers] = {o.device_gib, o.host_gib, o.nvme_gib};
   for (const PlanChoice& c : plan_choices(cfg, units, o.ranks, {no_decay})) {
@@ -202,7 +222,8 @@ int run_plan(const std::vector<std::string>& args) {
       k.stage = c.stage;
       k.offload_optimizer.tier = c.optimizer;
       const StepPrediction p = predict_step(k, units, o.ranks, o.rates);
-      std::printf(" %8.3f %8.3f %8.3f %8.3f", p.total_s, p.comm_s, p.optimizer_s, p.nvme_s);
+      std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s, p.nvme_s,
+                  p.inter_node_bytes / double(1 << 20));
     }
     std::printf("\n");
   }

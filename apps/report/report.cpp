@@ -59,9 +59,12 @@ void print_header(const RunSummary& s) {
               (long long)s.tokens_per_step);
   std::printf(
       "  engine: ZeRO stage %d, %s parameters and gradients, %s (peak lr %g, %lld warm-up steps, "
-      "cosine), clipping %g%s\n",
+      "cosine), clipping %g%s%s\n",
       c.stage, zeroshard::dtype_name(c.dtype), zeroshard::optimizer_name(c.optimizer.kind),
       double(c.optimizer.lr), (long long)o.warmup, c.gradient_clipping,
+      c.shard_group_size > 0 && c.shard_group_size < s.world
+          ? (", sharded within groups of " + std::to_string(c.shard_group_size) + " ranks").c_str()
+          : "",
       o.config_path.empty() ? "" : (", config " + o.config_path).c_str());
   std::printf(
       "  tiers:  optimizer state (%s moments) + %s master weights on %s, parameter shards on %s\n",
@@ -186,6 +189,13 @@ void print_final(const RunSummary& s) {
     std::printf(" %7.0f%%", t.busy > 0 ? 100.0 * (1.0 - std::min(1.0, t.exposed / t.busy)) : 100.0);
   std::printf(" %7.0f%%\n",
               mean.busy > 0 ? 100.0 * (1.0 - std::min(1.0, mean.exposed / mean.busy)) : 100.0);
+  std::printf("  %-44s", "collectives sent (MiB per step; ring count)");
+  for (const RankTimes& t : s.times)
+    std::printf(" %8.2f", mib(int64_t(t.comm_bytes / double(t.steps))));
+  std::printf("\n  %-44s", "  of which to other hosts");
+  for (const RankTimes& t : s.times)
+    std::printf(" %8.2f", mib(int64_t(t.inter_node_bytes / double(t.steps))));
+  std::printf("\n");
   std::fflush(stdout);
 }
 
@@ -264,6 +274,8 @@ void write_json(const RunSummary& s, const std::string& path) {
          {"comm_exposed_s", t.exposed},
          {"comm_busy_s", t.busy},
          {"compute_s", t.compute},
+         {"comm_bytes", t.comm_bytes},
+         {"inter_node_bytes", t.inter_node_bytes},
          {"comm_hidden_fraction", t.busy > 0 ? 1.0 - std::min(1.0, t.exposed / t.busy) : 1.0}});
   j["sample"] = s.sample;
   std::ofstream out(path);

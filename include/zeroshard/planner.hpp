@@ -77,6 +77,13 @@ struct MachineRates {
   /// The trainer's own forward and backward per step (seconds; 0: none, as in a benchmark of
   /// the engine alone): the window that gradient reductions and gathers can hide behind.
   double compute_s = 0;
+  /// Nodes: this many consecutive ranks share one (0: every rank on one node), and each node's
+  /// link to the others carries this many GB/s each way (0: not measured). A collective whose
+  /// rings stay within nodes takes the calibrated rates above; one whose rings cross takes the
+  /// bytes its busiest node sends to other nodes (a ring count, StepResult::inter_node_bytes)
+  /// over the link: bandwidth only, latency left out.
+  int ranks_per_node = 0;
+  double inter_node_gbs = 0;
 };
 
 /// The rates of a calibration file (schema zeroshard-calibration/1) for an engine configured as
@@ -103,6 +110,8 @@ struct StepPrediction {
   double optimizer_s = 0;  ///< the CPU update in memory
   double nvme_s = 0;       ///< the nvme tier's step (its update included)
   double total_s = 0;
+  /// Bytes the busiest node sends to other nodes per step (ring count, as the engine counts).
+  double inter_node_bytes = 0;
 };
 
 /// The step of rank 0 of an engine with `cfg` on `world` ranks, from the same unit layout the

@@ -134,6 +134,8 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
     for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
       for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
         if ((stage < 3 && par != Tier::device) || (stage == 0 && opt == Tier::nvme)) continue;
+        // Groups smaller than the world shard: stage 0 shards nothing, so it has none.
+        if (stage == 0 && base.shard_group_size > 0 && base.shard_group_size < world) continue;
         Config cfg = base;
         cfg.stage = stage;
         cfg.offload_optimizer.tier = opt;

@@ -42,6 +42,19 @@ std::vector<std::pair<double, double>> points(const nlohmann::json& c, const std
   return p;
 }
 
+// Bytes the busiest node sends to other nodes when, in every ring of `rings` (world ranks in
+// ring order, all at once), each rank sends `bytes` to the next; nodes are `per_node`
+// consecutive ranks.
+double busiest_node(const std::vector<std::vector<int>>& rings, double bytes, int per_node) {
+  std::vector<double> out(size_t(rings.size() * rings.front().size() / size_t(per_node) + 1), 0);
+  for (const std::vector<int>& ring : rings)
+    for (size_t i = 0; i < ring.size(); ++i) {
+      const int from = ring[i], to = ring[(i + 1) % ring.size()];
+      if (from / per_node != to / per_node) out[size_t(from / per_node)] += bytes;
+    }
+  return *std::max_element(out.begin(), out.end());
+}
+
 }  // namespace
 
 std::string calibration_format(const Config& cfg) {
@@ -109,20 +122,57 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
                                    << (nvme ? " --nvme-path DIR" : "") << " measures it)");
   const double pbytes = double(dtype_size(cfg.dtype));
   const int k = cfg.gradient_accumulation_steps;
+  // Groups (Config::shard_group_size) and nodes: the rings of a collective within each group,
+  // and of the all-reduce across the groups.
+  const int group = cfg.shard_group_size > 0 ? cfg.shard_group_size : world;
+  if (world % group != 0)
+    ZS_THROW(invalid_argument,
+             "predict_step(): groups of " << group << " in " << world << " ranks");
+  const int per_node = rates.ranks_per_node > 0 ? rates.ranks_per_node : world;
+  const int replicas = world / group;
+  std::vector<std::vector<int>> within(static_cast<size_t>(replicas)),
+      across(static_cast<size_t>(group));
+  for (int r = 0; r < world; ++r) {
+    within[size_t(r / group)].push_back(r);
+    across[size_t(r % group)].push_back(r);
+  }
+  double crossing = 0;  // bytes the busiest node sends to other nodes per step
+  // One collective of `hop` bytes per rank to the next: the calibrated time `local` if its
+  // rings stay within nodes, else its busiest node's bytes over the link.
+  auto timed = [&](const std::vector<std::vector<int>>& rings, double hop, double local,
+                   double times) {
+    const double out = busiest_node(rings, hop, per_node);
+    crossing += times * out;
+    if (out == 0) return times * local;
+    if (!(rates.inter_node_gbs > 0))
+      ZS_THROW(invalid_argument, "predict_step(): the rings cross nodes ("
+                                     << per_node
+                                     << " ranks per node) but the link between "
+                                        "nodes is not given (inter_node_gbs)");
+    return times * out / (rates.inter_node_gbs * 1e9);
+  };
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
   for (const PlanUnit& u : units) {
-    const UnitLayout L = plan_unit(u.name, u.params, world, padding_grain(cfg));
+    const UnitLayout L = plan_unit(u.name, u.params, group, padding_grain(cfg));
     const double shard = double(L.shard_numel) * pbytes;
+    const double ring = double(group - 1) * shard;  // a reduce-scatter or all-gather's hop
     updated += double(cfg.stage == 0 ? L.padded_numel : L.shard_numel);
     if (world == 1) continue;  // a one-rank engine runs no collective
     // Stages 0-1 reduce each unit's own whole gradient buffer (cold), and stage 0 gathers the
     // reduced shards back into it; stages 2-3 reduce from reused staging slots (warm).
-    grads += k * rates.reduce_scatter.seconds(shard, cfg.stage <= 1);
-    if (cfg.stage == 0) grads += k * rates.all_gather.seconds(shard, true);
-    if (cfg.stage == 3)  // forward and backward, into reused gather slots
-      gathers += 2 * k * rates.all_gather.seconds(shard, false);
-    else if (cfg.stage >= 1)  // the new parameters into each unit's whole buffer
-      after += rates.all_gather.seconds(shard, true);
+    if (group > 1) {
+      grads += timed(within, ring, rates.reduce_scatter.seconds(shard, cfg.stage <= 1), k);
+      if (cfg.stage == 0) grads += timed(within, ring, rates.all_gather.seconds(shard, true), k);
+      if (cfg.stage == 3)  // forward and backward, into reused gather slots
+        gathers += timed(within, ring, rates.all_gather.seconds(shard, false), 2 * k);
+      else if (cfg.stage >= 1)  // the new parameters into each unit's whole buffer
+        after += timed(within, ring, rates.all_gather.seconds(shard, true), 1);
+    }
+    if (replicas > 1)  // the reduced shard across the groups: a reduce-scatter and an all-gather
+      grads += timed(across, 2.0 * (replicas - 1) / replicas * shard,
+                     rates.reduce_scatter.seconds(shard / replicas, false) +
+                         rates.all_gather.seconds(shard / replicas, false),
+                     k);
   }
   StepPrediction p;
   p.compute_s = rates.compute_s;
@@ -135,6 +185,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   else
     p.optimizer_s = updated / rates.update_params_per_s;
   p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.nvme_s;
+  p.inter_node_bytes = crossing;
   return p;
 }
 

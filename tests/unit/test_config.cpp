@@ -500,5 +500,24 @@ TEST(Config, BF16Master) {
               HasSubstr("zeroshard.bf16_master"));
 }
 
+// Hierarchical sharding: zeroshard's key and DeepSpeed's MiCS key set the same field; the group
+// size is in the fingerprint (it decides which ranks each collective joins).
+TEST(Config, ShardGroupSize) {
+  EXPECT_EQ(Config::from_json(R"({"zeroshard": {"shard_group_size": 8}})").shard_group_size, 8);
+  EXPECT_EQ(Config::from_json(R"({"zero_optimization": {"mics_shard_size": 4}})").shard_group_size,
+            4);
+  EXPECT_EQ(Config::from_json(R"({"zero_optimization": {"mics_shard_size": -1}})").shard_group_size,
+            0);
+  EXPECT_THAT(parse_error(R"({"zero_optimization": {"mics_shard_size": 0}})"),
+              AllOf(HasSubstr("zero_optimization.mics_shard_size"), HasSubstr("-1 (off)")));
+  EXPECT_THAT(parse_error(R"({"zero_optimization": {"mics_shard_size": 2.5}})"),
+              HasSubstr("whole number of ranks"));
+  Config c;
+  c.shard_group_size = -2;
+  EXPECT_THAT(validate_error(c), HasSubstr("zeroshard.shard_group_size"));
+  c.shard_group_size = 2;
+  EXPECT_NE(c.fingerprint().find("config shard_group_size=2"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace zeroshard

@@ -79,6 +79,34 @@ TEST(PlanTime, ComputeHidesReductionsAndGathersButNotTheGatherAfterTheUpdate) {
   EXPECT_DOUBLE_EQ(predict_step(cfg(3), model(), 2, r).total_s, 1 + 2560 / 1e9);
 }
 
+// Nodes of 2 ranks at 0.5 GB/s: on 4 ranks flat, each collective's ring leaves each node once
+// with 3 shards; in groups of 2 (one per node) the gathers and reduce-scatters stay within the
+// node (the calibrated rates, over 2 ranks' shards) and the all-reduce across groups sends
+// 2 · (2 − 1) / 2 shards from each of a node's 2 ranks.
+TEST(PlanTime, NodesAndShardGroups) {
+  MachineRates r = rates();
+  r.ranks_per_node = 2;
+  r.inter_node_gbs = 0.5;
+  // 4 ranks: shards of 1024 and 256 (1000 padded to 1024).
+  const double flat_shards = 1024 + 256;
+  StepPrediction p = predict_step(cfg(3, Tier::device), model(), 4, r);
+  EXPECT_DOUBLE_EQ(p.inter_node_bytes, 3 * 3 * flat_shards * 2);  // 2 gathers + 1 reduce-scatter
+  EXPECT_DOUBLE_EQ(p.comm_s, p.inter_node_bytes / 0.5e9);
+  Config h = cfg(3, Tier::device);
+  h.shard_group_size = 2;
+  p = predict_step(h, model(), 4, r);
+  const double group_shards = 2048 + 512;
+  EXPECT_DOUBLE_EQ(p.inter_node_bytes, 2 * 1 * group_shards * 2);
+  const double within = 3 * (coll(2048) + coll(512));
+  EXPECT_DOUBLE_EQ(p.comm_s, within + p.inter_node_bytes / 0.5e9);
+  // One node: nothing crosses; rings that cross without a link rate are refused.
+  r.ranks_per_node = 4;
+  EXPECT_EQ(predict_step(h, model(), 4, r).inter_node_bytes, 0);
+  r.ranks_per_node = 2;
+  r.inter_node_gbs = 0;
+  EXPECT_THROW(predict_step(h, model(), 4, r), Error);
+}
+
 TEST(PlanTime, GradientAccumulationReducesEveryMicroStep) {
   Config c = cfg(3);
   c.gradient_accumulation_steps = 4;
