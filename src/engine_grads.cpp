@@ -63,12 +63,33 @@ bool Engine::Impl::cross_groups(int id) {
   return true;
 }
 
+// Starts the all-reduces across groups of the reductions in flight whose reduce-scatters have
+// landed, in the order they were issued, up to the first still running (or failed: its wait
+// reports it): so that several are on the link at once, not one after the other.
+void Engine::Impl::cross_landed() {
+  if (!replica_comm) return;
+  for (int v : in_flight) {
+    Unit& w = units[size_t(v)];
+    if (!w.reduction || w.crossed) continue;
+    if (!w.reduction->done()) return;
+    try {
+      w.reduction->wait();  // done: returns at once, or throws its failure
+    } catch (const Error&) {
+      return;
+    }
+    cross_groups(v);
+  }
+}
+
 // Waits for a unit's reduction (its reduce-scatter, and with groups its all-reduce across them).
 // On failure the handle stays, so the destructor can wait for it to settle.
 void Engine::Impl::land_reduction(int id) {
   Unit& u = units[size_t(id)];
   wait_for(*u.reduction);
-  if (cross_groups(id)) wait_for(*u.reduction);
+  if (cross_groups(id)) {
+    cross_landed();
+    wait_for(*u.reduction);
+  }
   u.reduction.reset();
   u.crossed = false;
 }
@@ -112,6 +133,11 @@ void Engine::Impl::complete_reduction(int id) {
 // next need of the unit) to report, as every failed reduction is.
 void Engine::Impl::complete_finished() {
   if (cfg.stage == 0) return;
+  try {
+    cross_landed();
+  } catch (const Error&) {
+    return;  // the unit's wait reports it
+  }
   while (!in_flight.empty()) {
     if (Work* w = units[size_t(in_flight.front())].reduction.get()) {
       if (!w->done()) return;
