@@ -963,9 +963,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 # All-gather the parameter shards directly rather than through Engine.gather():
                 # an export between steps must not use gather buffers or enter the gather order
                 # the engine records for its prefetch.
+                # Over every rank: the first shard group's shards, in rank order, are the unit
+                # (with shard_group_size the other groups repeat them).
                 si = self.engine.shard_info(u.index)
                 shard = _dlpack.from_dlpack(self.engine.read_shard(u.index, _core.StateKind.param))
-                flat = torch.empty(si.padded_numel, dtype=torch.float32)
+                flat = torch.empty(si.shard_numel * self.comm.size(), dtype=torch.float32)
                 self.comm.all_gather(shard, flat, f"model_state_dict(): unit '{u.name}'")
                 offset = 0
                 for p, shape, n in zip(u.params, u.shapes, u.numels):

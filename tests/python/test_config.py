@@ -211,3 +211,9 @@ def test_bf16_master_keyword_json_and_its_requirements():
         zs.Config(bf16_master=True).validate()  # f32 parameters
     with pytest.raises(zs.ConfigError, match=r"bf16_master"):
         zs.Config(bf16_master=1)
+
+
+def test_shard_group_size_keyword_and_deepspeeds_mics_key():
+    assert zs.Config(shard_group_size=4).shard_group_size == 4
+    assert zs.Config.from_json('{"zero_optimization": {"mics_shard_size": 2}}').shard_group_size == 2
+    assert zs.Config.from_json('{"zero_optimization": {"mics_shard_size": -1}}').shard_group_size == 0

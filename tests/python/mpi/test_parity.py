@@ -54,6 +54,25 @@ def test_matches_adamw_on_the_whole_batch(stage, offload):
                              f"= {diff:.3g} (bound {BOUND}), moved {moved:.3g}")
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hierarchical_sharding_matches_adamw(stage):
+    # Groups of one rank: every rank holds whole shards, replicated; the reduced gradients are
+    # all-reduced across the groups, in another order than a flat reduce-scatter sums them.
+    comm, rank, size = world()
+    model, data = make_model(), batches(STEPS)
+    ref = train_reference(model, data)
+    opt = zero_opt(model, stage, shard_group_size=1)
+    train_zero(opt, model, data, rank, size)
+    got = opt.model_state_dict()
+    diff = max_abs_diff(got, ref.state_dict())
+    g = opt.engine.shard_group()
+    r = opt.last_result
+    ok = (diff <= BOUND and (g.rank, g.size, g.index, g.count) == (0, 1, rank, size)
+          and (size == 1 or r.comm_bytes > 0) and r.inter_node_bytes == 0)
+    assert agree(comm, ok), (f"rank {rank}: stage {stage}: max |zero - adamw| = {diff:.3g}, "
+                             f"group {g.rank}/{g.size} #{g.index}/{g.count}, bytes {r.comm_bytes}")
+
+
 def test_gradient_accumulation_matches():
     # Two micro-steps per step on each rank: the engine averages over ranks and micro-steps.
     comm, rank, size = world()
