@@ -68,6 +68,10 @@ struct MpiRuntime {
     MPI_Finalized(&finalized);
     if (we_initialized && !finalized) MPI_Finalize();
   }
+  // The sum of `dtype`: MPI's own for f32, the ones above for bf16 and f16.
+  MPI_Op sum(DType dtype) const {
+    return dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? op_bf16 : op_f16;
+  }
   static std::shared_ptr<MpiRuntime> get() {
     // Held by this static and by every communicator: MPI_Finalize runs at process exit, after
     // the last communicator is gone, and never twice.
@@ -115,7 +119,7 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t count, DType dtype,
                                        std::string what) override {
     int n = checked_count(count, what);
-    MPI_Op op = dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? rt_->op_bf16 : rt_->op_f16;
+    MPI_Op op = rt_->sum(dtype);
     return submit(
         "reduce_scatter of " + what,
         [=, this](MPI_Request* r) {
@@ -166,7 +170,7 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> all_reduce_sum(void* inout, int64_t count, DType dtype,
                                        std::string what) override {
     int n = checked_count(count, what);
-    MPI_Op op = dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? rt_->op_bf16 : rt_->op_f16;
+    MPI_Op op = rt_->sum(dtype);
     return submit(
         "all_reduce of " + what,
         [=, this](MPI_Request* r) {
