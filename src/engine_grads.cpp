@@ -133,19 +133,15 @@ void Engine::Impl::complete_reduction(int id) {
 // next need of the unit) to report, as every failed reduction is.
 void Engine::Impl::complete_finished() {
   if (cfg.stage == 0) return;
-  try {
-    cross_landed();
-  } catch (const Error&) {
-    return;  // the unit's wait reports it
-  }
   while (!in_flight.empty()) {
     if (Work* w = units[size_t(in_flight.front())].reduction.get()) {
-      if (!w->done()) return;
       try {
+        cross_landed();  // the front's too, once its reduce-scatter landed
+        w = units[size_t(in_flight.front())].reduction.get();
+        if (!w->done()) return;
         w->wait();  // done: returns at once, or throws its failure
-        if (cross_groups(in_flight.front())) continue;  // then wait for that one to be done
       } catch (const Error&) {
-        return;
+        return;  // the unit's own wait reports it
       }
     }
     complete_reduction(in_flight.front());

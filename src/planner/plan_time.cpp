@@ -42,15 +42,15 @@ std::vector<std::pair<double, double>> points(const nlohmann::json& c, const std
   return p;
 }
 
-// Bytes the busiest node sends to other nodes when, in every ring of `rings` (world ranks in
-// ring order, all at once), each rank sends `bytes` to the next; nodes are `per_node`
-// consecutive ranks.
-double busiest_node(const std::vector<std::vector<int>>& rings, double bytes, int per_node) {
-  std::vector<double> out(size_t(rings.size() * rings.front().size() / size_t(per_node) + 1), 0);
+// The hops to another node the busiest node sends when every ring of `rings` (all `world`
+// ranks, each ring in ring order) runs at once, each rank sending to the next; nodes are
+// `per_node` consecutive ranks. A collective's bytes over the links are this × its hop.
+int busiest_node_hops(const std::vector<std::vector<int>>& rings, int world, int per_node) {
+  std::vector<int> out(size_t((world + per_node - 1) / per_node), 0);
   for (const std::vector<int>& ring : rings)
     for (size_t i = 0; i < ring.size(); ++i) {
       const int from = ring[i], to = ring[(i + 1) % ring.size()];
-      if (from / per_node != to / per_node) out[size_t(from / per_node)] += bytes;
+      if (from / per_node != to / per_node) ++out[size_t(from / per_node)];
     }
   return *std::max_element(out.begin(), out.end());
 }
@@ -136,12 +136,14 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     within[size_t(r / group)].push_back(r);
     across[size_t(r % group)].push_back(r);
   }
+  const int within_hops = busiest_node_hops(within, world, per_node);
+  const int across_hops = busiest_node_hops(across, world, per_node);
   double crossing = 0;  // bytes the busiest node sends to other nodes per step
-  // One collective of `hop` bytes per rank to the next: the calibrated time `local` if its
-  // rings stay within nodes, else its busiest node's bytes over the link.
-  auto timed = [&](const std::vector<std::vector<int>>& rings, double hop, double local,
-                   double times) {
-    const double out = busiest_node(rings, hop, per_node);
+  // One collective of `hop` bytes per rank to the next, over rings whose busiest node sends
+  // `hops` of them to other nodes: the calibrated time `local` if none, else those bytes over
+  // the link.
+  auto timed = [&](int hops, double hop, double local, double times) {
+    const double out = hops * hop;
     crossing += times * out;
     if (out == 0) return times * local;
     if (!(rates.inter_node_gbs > 0))
@@ -161,15 +163,16 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     // Stages 0-1 reduce each unit's own whole gradient buffer (cold), and stage 0 gathers the
     // reduced shards back into it; stages 2-3 reduce from reused staging slots (warm).
     if (group > 1) {
-      grads += timed(within, ring, rates.reduce_scatter.seconds(shard, cfg.stage <= 1), k);
-      if (cfg.stage == 0) grads += timed(within, ring, rates.all_gather.seconds(shard, true), k);
+      grads += timed(within_hops, ring, rates.reduce_scatter.seconds(shard, cfg.stage <= 1), k);
+      if (cfg.stage == 0)
+        grads += timed(within_hops, ring, rates.all_gather.seconds(shard, true), k);
       if (cfg.stage == 3)  // forward and backward, into reused gather slots
-        gathers += timed(within, ring, rates.all_gather.seconds(shard, false), 2 * k);
+        gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, false), 2 * k);
       else if (cfg.stage >= 1)  // the new parameters into each unit's whole buffer
-        after += timed(within, ring, rates.all_gather.seconds(shard, true), 1);
+        after += timed(within_hops, ring, rates.all_gather.seconds(shard, true), 1);
     }
     if (replicas > 1)  // the reduced shard across the groups: a reduce-scatter and an all-gather
-      grads += timed(across, 2.0 * (replicas - 1) / replicas * shard,
+      grads += timed(across_hops, 2.0 * (replicas - 1) / replicas * shard,
                      rates.reduce_scatter.seconds(shard / replicas, false) +
                          rates.all_gather.seconds(shard / replicas, false),
                      k);
