@@ -35,37 +35,18 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// The launcher tells each process its rank before MPI starts; flag errors and --help are
-// printed by rank 0 only, without starting MPI at all.
-int launcher_rank() {
-  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"})
-    if (const char* s = std::getenv(var)) return std::atoi(s);
-  return 0;
-}
-
-[[maybe_unused]] int local_ranks() {
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"})
-    if (const char* s = std::getenv(var)) return std::max(1, std::atoi(s));
-  return 1;
-}
-
 // --device cuda: this rank's GPU (local rank modulo the GPUs, made current for the model) and
 // the engine's communicator: NCCL when every local rank has a GPU of its own, else the MPI one,
 // which stages GPU buffers through host memory so that ranks can share a GPU.
 std::shared_ptr<Communicator> gpu_setup(zeroshard::Config& c, std::shared_ptr<Communicator> mpi) {
 #ifdef ZSDEMO_HAVE_CUDA
-  int local_rank = 0;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
-    if (const char* s = std::getenv(var)) {
-      local_rank = std::max(0, std::atoi(s));
-      break;
-    }
+  const zeroshard::LaunchInfo li = zeroshard::launch_info();
   std::string why;
   const int gpus = zeroshard::cuda_device_count(&why);
   if (gpus == 0) throw std::runtime_error("--device cuda: no usable GPU: " + why);
-  c.device_index = local_rank % gpus;
+  c.device_index = li.local_rank % gpus;
   gpu::set_device(c.device_index);
-  if (gpus >= local_ranks()) return zeroshard::make_nccl_communicator(c.device_index, mpi);
+  if (gpus >= li.local_size) return zeroshard::make_nccl_communicator(c.device_index, mpi);
   return mpi;
 #else
   (void)c;
@@ -112,9 +93,8 @@ int train_and_report(DemoOptions& o) {
 #ifdef ZSDEMO_HAVE_MPI
   std::shared_ptr<Communicator> comm = zeroshard::make_mpi_communicator();
 #else
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"})
-    if (const char* n = std::getenv(var); n && std::atoi(n) > 1)
-      throw std::runtime_error("this build has no MPI (ZEROSHARD_WITH_MPI=OFF): run one rank");
+  if (zeroshard::launch_info().world_size > 1)
+    throw std::runtime_error("this build has no MPI (ZEROSHARD_WITH_MPI=OFF): run one rank");
   std::shared_ptr<Communicator> comm = zeroshard::make_self_communicator();
 #endif
   const int rank = comm->rank(), world = comm->size();
@@ -123,8 +103,9 @@ int train_and_report(DemoOptions& o) {
 #ifdef ZSDEMO_HAVE_BLAS
   // Ranks share the machine's cores: one BLAS thread per core per rank unless told otherwise.
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  openblas_set_num_threads(o.blas_threads > 0 ? o.blas_threads
-                                              : std::max(1, cores / local_ranks()));
+  openblas_set_num_threads(o.blas_threads > 0
+                               ? o.blas_threads
+                               : std::max(1, cores / zeroshard::launch_info().local_size));
 #endif
 
   // Every rank builds the same text and vocabulary, then samples only its own slice.
@@ -262,7 +243,7 @@ int train_and_report(DemoOptions& o) {
 }  // namespace
 
 int run_demo(const std::vector<std::string>& args) {
-  const bool talk = launcher_rank() == 0;
+  const bool talk = zeroshard::launch_info().rank == 0;
   DemoOptions o;
   std::string error;
   switch (parse_demo_options(args, o, error)) {
@@ -288,7 +269,7 @@ int run_demo(const std::vector<std::string>& args) {
       std::fprintf(stderr, "zeroshard demo: %s error: %s\n", zeroshard::error_code_name(e.code()),
                    e.what());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "zeroshard demo: rank %d: %s\n", launcher_rank(), e.what());
+    std::fprintf(stderr, "zeroshard demo: rank %d: %s\n", zeroshard::launch_info().rank, e.what());
   }
   return 1;
 }

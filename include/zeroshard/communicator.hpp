@@ -4,7 +4,9 @@
 /// a collective that does not finish within the timeout fails instead of hanging.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -82,6 +84,29 @@ ZS_API std::shared_ptr<Communicator> make_mpi_communicator();
 
 /// A communicator of one rank (no MPI): collectives are copies.
 ZS_API std::shared_ptr<Communicator> make_self_communicator();
+
+/// A key-value store every rank of a job reaches, such as the TCPStore torchrun's agent serves
+/// (torch.distributed). set() publishes a value under a key, try_get() returns it or nothing
+/// yet, without blocking; erase() (optional) drops a key no rank will read again. Values are
+/// text (hex). The functions may throw; the collective then fails with comm_failure.
+struct KeyValueStore {
+  std::function<void(const std::string& key, const std::string& value)> set;
+  std::function<std::optional<std::string>(const std::string& key)> try_get;
+  std::function<void(const std::string& key)> erase;
+};
+
+/// A communicator of `size` ranks (this one `rank`) whose collectives go through `store`, for
+/// set-up without an MPI launcher (e.g. bootstrapping NCCL under torchrun): each collective is
+/// one round in which every rank publishes its input under "<prefix>/<round>/<rank>" and reads
+/// the others', polling, so its cost is the store's round trips and every byte passes through
+/// the store's server: a path for set-up and small control values, not for training data. Every
+/// rank computes the same result (in rank order). Synchronous: the returned Work is complete.
+/// A rank that has not published within the timeout (set_timeout, default 300 s) fails the
+/// collective with ErrorCode::timeout naming that rank. Throws Error(invalid_argument) on a
+/// rank outside [0, size) or a store without set and try_get.
+ZS_API std::shared_ptr<Communicator> make_store_communicator(KeyValueStore store, int rank,
+                                                             int size,
+                                                             std::string prefix = "zeroshard");
 
 /// `host_comm` (MPI or one-rank) made to accept CUDA device memory as well: reduce_scatter,
 /// all_gather (in place too) and broadcast buffers that are device memory (cudaMalloc and the

@@ -10,6 +10,7 @@
 #include "zeroshard/device.hpp"
 #include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
+#include "zeroshard/launch.hpp"
 #include "zeroshard/quantize.hpp"
 #include "zeroshard/export.hpp"
 #include "zeroshard/memory.hpp"

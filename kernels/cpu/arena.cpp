@@ -7,25 +7,20 @@
 #include <thread>
 #include <vector>
 
+#include "zeroshard/launch.hpp"
+
 namespace zeroshard::cpu {
 namespace {
 
 // Ranks sharing a machine share its cores: by default each takes cores / local ranks, read from
-// the launcher's environment (Open MPI, then Slurm). ZEROSHARD_CPU_THREADS overrides.
+// the launcher's environment (launch_info()). ZEROSHARD_CPU_THREADS overrides.
 int default_threads() {
   if (const char* s = std::getenv("ZEROSHARD_CPU_THREADS")) {
     int n = std::atoi(s);
     if (n > 0) return n;
   }
   int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  int local = 1;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
-    if (const char* s = std::getenv(var)) {
-      local = std::max(1, std::atoi(s));
-      break;
-    }
-  }
-  return std::max(1, cores / local);
+  return std::max(1, cores / launch_info().local_size);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "src/base/check.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
+#include "zeroshard/launch.hpp"
 
 namespace zeroshard {
 
@@ -84,14 +85,7 @@ std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena) {
   if (cfg.device == Device::cpu) return make_cpu_compute(arena);
 #ifdef ZEROSHARD_HAVE_CUDA
   if (cfg.device_index >= 0) return make_cuda_compute(cfg.device_index, -1);
-  // The launcher's local rank: Open MPI, Slurm, then torchrun's variable; else 0.
-  int local = 0;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"})
-    if (const char* s = std::getenv(var)) {
-      local = std::max(0, std::atoi(s));
-      break;
-    }
-  return make_cuda_compute(-1, local);
+  return make_cuda_compute(-1, launch_info().local_rank);
 #else
   ZS_THROW(invalid_config,
            "zeroshard.device = cuda, but this zeroshard was built without CUDA "

@@ -20,6 +20,7 @@
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
+#include "zeroshard/launch.hpp"
 
 namespace zeroshard {
 namespace {
@@ -33,6 +34,27 @@ void f16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
   cpu::add_into(cpu::best_isa(), inout, in, DType::f16, *len);
 }
 
+// A launch whose processes MPI cannot join into one world would either abort in MPI_Init with a
+// message about rebuilding MPI (srun without a PMI plugin) or, worse, give every process a world
+// of its own that trains alone (torchrun): refused before MPI starts, saying what to run instead.
+void refuse_unjoinable_launch() {
+  const LaunchInfo li = launch_info();
+  if (li.mpi_world) return;
+  if (li.launcher == "srun")
+    ZS_THROW(comm_failure, "srun started this process as task "
+                               << li.rank << " of " << li.world_size
+                               << " without a PMI plugin, so MPI cannot find the other tasks: "
+                                  "launch with `srun --mpi=pmix ...` (or set MpiDefault=pmix in "
+                                  "slurm.conf)");
+  ZS_THROW(comm_failure, li.launcher << " started this process as rank " << li.rank << " of "
+                                     << li.world_size
+                                     << " without MPI, so MPI cannot join the ranks into one "
+                                        "world: launch with `mpirun -np "
+                                     << li.world_size
+                                     << " ...` (or, on GPUs from Python, zeroshard's torchrun "
+                                        "bootstrap: zeroshard.default_communicator())");
+}
+
 // Process-wide MPI state: initialised once, finalised when the last holder goes away.
 struct MpiRuntime {
   bool we_initialized = false;
@@ -43,6 +65,7 @@ struct MpiRuntime {
     ZS_MPI_CHECK(MPI_Initialized(&inited));
     int provided = 0;
     if (!inited) {
+      refuse_unjoinable_launch();
       ZS_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
       we_initialized = true;
     } else {
@@ -466,7 +489,16 @@ class MpiCommunicator final : public Communicator {
 }  // namespace
 
 std::shared_ptr<Communicator> make_mpi_communicator() {
-  return std::make_shared<MpiCommunicator>();
+  auto comm = std::make_shared<MpiCommunicator>();
+  // A launcher that announced another world size started the processes with another MPI
+  // library's runtime: each then sees a world of its own.
+  const LaunchInfo li = launch_info();
+  if ((li.launcher == "mpirun" || li.launcher == "srun") && comm->size() != li.world_size)
+    ZS_THROW(comm_failure, "MPI reports " << comm->size() << " ranks but " << li.launcher
+                                          << " started " << li.world_size
+                                          << ": the MPI library zeroshard was built with is not "
+                                             "the one of the launcher that started this process");
+  return comm;
 }
 
 }  // namespace zeroshard

@@ -1,0 +1,263 @@
+// The store communicator: collectives through a key-value store every rank reaches (torchrun's
+// TCPStore), for set-up where no MPI launcher started the ranks. Each collective is one round:
+// every rank publishes its input under (round, rank) and reads every other rank's, then computes
+// the result itself, in rank order, so every rank gets the same bits. A rank erases its key of
+// round k once round k + 1 is complete: by then every rank has published k + 1, so every rank
+// has finished reading k.
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "src/base/check.hpp"
+#include "src/comm/split_check.hpp"
+#include "src/comm/work_state.hpp"
+#include "zeroshard/communicator.hpp"
+
+namespace zeroshard {
+namespace {
+
+std::string to_hex(const void* data, size_t bytes) {
+  static const char digits[] = "0123456789abcdef";
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::string s(bytes * 2, '0');
+  for (size_t i = 0; i < bytes; ++i) {
+    s[2 * i] = digits[p[i] >> 4];
+    s[2 * i + 1] = digits[p[i] & 15];
+  }
+  return s;
+}
+
+// Decodes `hex` into `out` (bytes long); false if it is not that many bytes of hex.
+bool from_hex(const std::string& hex, void* out, size_t bytes) {
+  if (hex.size() != bytes * 2) return false;
+  auto* p = static_cast<unsigned char*>(out);
+  for (size_t i = 0; i < bytes; ++i) {
+    int v = 0;
+    for (int k = 0; k < 2; ++k) {
+      const char c = hex[2 * i + size_t(k)];
+      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      if (d < 0) return false;
+      v = v * 16 + d;
+    }
+    p[i] = static_cast<unsigned char>(v);
+  }
+  return true;
+}
+
+class StoreCommunicator final : public Communicator {
+ public:
+  // `ranks`: the store ranks of this communicator's members, in rank order.
+  StoreCommunicator(KeyValueStore store, std::string prefix, std::vector<int> ranks, int rank,
+                    double timeout_s)
+      : store_(std::move(store)),
+        prefix_(std::move(prefix)),
+        ranks_(std::move(ranks)),
+        rank_(rank),
+        timeout_s_(timeout_s) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return int(ranks_.size()); }
+
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t recv_count,
+                                       DType dtype, std::string what) override {
+    const size_t block = size_t(recv_count) * dtype_size(dtype);
+    auto all = exchange(to_hex(send, block * ranks_.size()), block * ranks_.size(), what);
+    std::vector<unsigned char> acc(block), in(block);
+    for (size_t r = 0; r < all.size(); ++r) {
+      from_hex(all[r].substr(size_t(rank_) * block * 2, block * 2), r == 0 ? acc.data() : in.data(),
+               block);
+      if (r > 0) cpu::add_into(cpu::best_isa(), acc.data(), in.data(), dtype, recv_count);
+    }
+    std::memcpy(recv, acc.data(), block);
+    return done_work(std::move(what));
+  }
+
+  std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t send_count, DType dtype,
+                                   std::string what) override {
+    const size_t block = size_t(send_count) * dtype_size(dtype);
+    auto all = exchange(to_hex(send, block), block, what);
+    for (size_t r = 0; r < all.size(); ++r)
+      from_hex(all[r], static_cast<char*>(recv) + r * block, block);
+    return done_work(std::move(what));
+  }
+
+  std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
+                                   std::string what) override {
+    const size_t bytes = size_t(count) * sizeof(double);
+    auto all = exchange(to_hex(inout, bytes), bytes, what);
+    std::vector<double> in(static_cast<size_t>(count));
+    for (size_t r = 0; r < all.size(); ++r) {
+      from_hex(all[r], in.data(), bytes);
+      for (size_t i = 0; i < in.size(); ++i) {
+        double& a = inout[i];
+        const double b = in[i];
+        if (r == 0)
+          a = b;
+        else if (op == ReduceOp::sum)
+          a += b;
+        else
+          a = op == ReduceOp::max ? std::max(a, b) : std::min(a, b);
+      }
+    }
+    return done_work(std::move(what));
+  }
+
+  std::shared_ptr<Work> all_reduce_sum(void* inout, int64_t count, DType dtype,
+                                       std::string what) override {
+    const size_t bytes = size_t(count) * dtype_size(dtype);
+    auto all = exchange(to_hex(inout, bytes), bytes, what);
+    std::vector<unsigned char> in(bytes);
+    from_hex(all[0], inout, bytes);
+    for (size_t r = 1; r < all.size(); ++r) {
+      from_hex(all[r], in.data(), bytes);
+      cpu::add_into(cpu::best_isa(), inout, in.data(), dtype, count);
+    }
+    return done_work(std::move(what));
+  }
+
+  std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) override {
+    if (root < 0 || root >= size())
+      ZS_THROW(invalid_argument, "rank " << rank_ << ": " << what << ": root " << root
+                                         << " is not a rank of " << size());
+    // Every rank publishes (the others an empty value), so that every round is complete.
+    auto all = exchange(rank_ == root ? to_hex(data, size_t(bytes)) : std::string(), size_t(bytes),
+                        what, root);
+    from_hex(all[size_t(root)], data, size_t(bytes));
+    return done_work(std::move(what));
+  }
+
+  void barrier(std::string what) override { exchange_round(what); }
+
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override {
+    check_split(ranks, rank_, size(), what);
+    // Named by the round of its barrier, so that each group's prefix is unique to it.
+    const uint64_t round = exchange_round(what);
+    std::vector<int> members;
+    std::string name;
+    for (int r : ranks) {
+      members.push_back(ranks_[size_t(r)]);
+      name += "." + std::to_string(r);
+    }
+    const int me = int(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+    return std::make_shared<StoreCommunicator>(
+        store_, prefix_ + "/split" + std::to_string(round) + name, members, me, timeout_s_);
+  }
+
+  void set_timeout(double seconds) override { timeout_s_ = seconds; }
+
+ private:
+  // A barrier; returns its round.
+  uint64_t exchange_round(const std::string& what) {
+    uint64_t round = 0;
+    exchange(std::string(), 0, what, -2, &round);
+    return round;
+  }
+
+  std::string key(uint64_t round, int rank) const {
+    return prefix_ + "/" + std::to_string(round) + "/" + std::to_string(rank);
+  }
+
+  // One round: publishes `mine`, returns every rank's value. Values of ranks other than
+  // `only` (when only >= 0; -2: every value is empty) must be `bytes` bytes of hex.
+  std::vector<std::string> exchange(std::string mine, size_t bytes, const std::string& what,
+                                    int only = -1, uint64_t* round_out = nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_)
+      ZS_THROW(comm_failure, "rank " << rank_ << ": " << what
+                                     << ": the store communicator failed before (" << broken_why_
+                                     << ")");
+    const uint64_t round = round_++;
+    if (round_out) *round_out = round;
+    try {
+      store_.set(key(round, rank_), mine);
+    } catch (const std::exception& e) {
+      fail(ErrorCode::comm_failure, what,
+           std::string("publishing to the store failed: ") + e.what());
+    }
+    std::vector<std::string> all(ranks_.size());
+    all[size_t(rank_)] = std::move(mine);
+    const auto start = std::chrono::steady_clock::now();
+    auto pause = std::chrono::microseconds(200);
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_) continue;
+      for (;;) {
+        std::optional<std::string> v;
+        try {
+          v = store_.try_get(key(round, r));
+        } catch (const std::exception& e) {
+          fail(ErrorCode::comm_failure, what,
+               "reading rank " + std::to_string(r) + "'s value failed: " + e.what());
+        }
+        if (v) {
+          all[size_t(r)] = std::move(*v);
+          break;
+        }
+        const double waited =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (waited > timeout_s_)
+          fail(ErrorCode::timeout, what,
+               "rank " + std::to_string(r) + " (of the store's rank " +
+                   std::to_string(ranks_[size_t(r)]) + ") did not publish within " +
+                   std::to_string(timeout_s_) + " s: it is late, dead, or in another collective");
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(50000));
+      }
+    }
+    const size_t want = only == -2 ? 0 : bytes * 2;
+    for (int r = 0; r < size(); ++r)
+      if ((only < 0 || r == only) && all[size_t(r)].size() != want)
+        fail(ErrorCode::comm_failure, what,
+             "rank " + std::to_string(r) + " published " +
+                 std::to_string(all[size_t(r)].size() / 2) + " bytes where this rank expects " +
+                 std::to_string(want / 2) + " (the ranks called different collectives)");
+    if (round > 0 && store_.erase) {
+      try {
+        store_.erase(key(round - 1, rank_));
+      } catch (const std::exception&) {
+        // A key left behind costs the store a few bytes; the collective itself succeeded.
+      }
+    }
+    return all;
+  }
+
+  [[noreturn]] void fail(ErrorCode code, const std::string& what, const std::string& why) {
+    broken_ = true;
+    broken_why_ = what + ": " + why;
+    throw Error(code, "rank " + std::to_string(rank_) + ": " + what + ": " + why);
+  }
+
+  std::mutex mu_;  // one round at a time, whichever thread calls
+  KeyValueStore store_;
+  std::string prefix_;
+  std::vector<int> ranks_;
+  int rank_;
+  double timeout_s_;
+  uint64_t round_ = 0;
+  bool broken_ = false;
+  std::string broken_why_;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_store_communicator(KeyValueStore store, int rank, int size,
+                                                      std::string prefix) {
+  if (!store.set || !store.try_get)
+    ZS_THROW(invalid_argument, "make_store_communicator: the store needs set and try_get");
+  if (size < 1 || rank < 0 || rank >= size)
+    ZS_THROW(invalid_argument,
+             "make_store_communicator: rank " << rank << " is not a rank of " << size);
+  std::vector<int> ranks(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) ranks[size_t(r)] = r;
+  return std::make_shared<StoreCommunicator>(std::move(store), std::move(prefix), std::move(ranks),
+                                             rank, 300.0);
+}
+
+}  // namespace zeroshard
