@@ -55,3 +55,7 @@ echo "python: single-process tests"
 run "$venv/bin/python" -m pytest tests/python --ignore=tests/python/mpi -q --color=no
 echo "python: 2-rank tests (mpirun -np 2)"
 run timeout 900 mpirun -np 2 "$venv/bin/python" -m pytest tests/python/mpi -q --color=no
+echo "python: under Slurm's srun (tests/launch)"
+rc=0
+bash tests/launch/run_slurm_test.sh --python "$venv/bin/python" || rc=$?
+if ((rc == 77)); then echo "python: srun test skipped (see above)"; elif ((rc != 0)); then exit "$rc"; fi

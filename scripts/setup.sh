@@ -16,6 +16,8 @@ packages=(
   fio
   e2fsprogs
   iproute2
+  slurmctld
+  slurmd
   nlohmann-json3-dev
   libgtest-dev
   libgmock-dev

@@ -6,6 +6,8 @@
 // take after dropping the GIL: two Python threads calling one engine are serialised, not racing.
 // (Lock order is always GIL, then released, then the engine mutex; never the reverse.)
 #include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -16,6 +18,7 @@
 
 #include "python_bindings/src/bindings.hpp"
 #include "zeroshard/checkpoint.hpp"
+#include "zeroshard/launch.hpp"
 #include "zeroshard/planner.hpp"
 
 namespace zeroshard::py {
@@ -147,6 +150,42 @@ void bind_communicator(nb::module_& m) {
         "finalises it when the last one is destroyed). Launch with mpirun.");
   m.def("make_self_communicator", &make_self_communicator,
         "A communicator of one rank, without MPI.");
+  m.def(
+      "make_store_communicator",
+      [](std::function<void(const std::string&, const std::string&)> set,
+         std::function<std::optional<std::string>(const std::string&)> try_get,
+         std::function<void(const std::string&)> erase, int rank, int size,
+         const std::string& prefix) {
+        return make_store_communicator(
+            KeyValueStore{std::move(set), std::move(try_get), std::move(erase)}, rank, size,
+            prefix);
+      },
+      nb::arg("set"), nb::arg("try_get"), nb::arg("erase").none(), nb::arg("rank"),
+      nb::arg("size"), nb::arg("prefix") = "zeroshard",
+      "A communicator whose collectives go through a key-value store every rank reaches: "
+      "set(key, value: str), try_get(key) -> str or None without blocking, erase(key) or None. "
+      "For set-up without an MPI launcher (NCCL under torchrun), not for training data.");
+  m.def(
+      "make_nccl_communicator",
+      [](int device, std::shared_ptr<Communicator> bootstrap) {
+        return bootstrap ? make_nccl_communicator(device, std::move(bootstrap))
+                         : make_nccl_communicator(device);
+      },
+      nb::arg("device"), nb::arg("bootstrap").none() = nb::none(),
+      nb::call_guard<nb::gil_scoped_release>(),
+      "A communicator over NCCL for tensors on CUDA device `device`, bootstrapped through "
+      "`bootstrap` (a Communicator whose rank and size become NCCL's) or, when None, MPI. "
+      "Collective: every rank calls it.");
+  nb::class_<LaunchInfo>(m, "LaunchInfo", "How this process was started (launch_info()).")
+      .def_ro("launcher", &LaunchInfo::launcher)
+      .def_ro("rank", &LaunchInfo::rank)
+      .def_ro("world_size", &LaunchInfo::world_size)
+      .def_ro("local_rank", &LaunchInfo::local_rank)
+      .def_ro("local_size", &LaunchInfo::local_size)
+      .def_ro("mpi_world", &LaunchInfo::mpi_world);
+  m.def("launch_info", &launch_info,
+        "The launcher's view of this process (mpirun, srun, torchrun or none), read from its "
+        "environment without starting anything.");
 }
 
 void bind_results(nb::module_& m) {

@@ -50,12 +50,13 @@ from ._core import (  # noqa: F401  (re-exported API)
     dtype_size,
     export_checkpoint,
     make_mpi_communicator,
+    make_nccl_communicator,
     make_self_communicator,
     plan_memory,
     verify_checkpoint,
     version,
 )
-from ._launch import default_communicator, launch_info  # noqa: F401
+from ._launch import default_communicator, launch_info, store_communicator  # noqa: F401
 from .plan import Estimate, estimate  # noqa: F401
 
 __version__ = _core.__version__
@@ -99,8 +100,10 @@ __all__ = [
     "export_checkpoint",
     "launch_info",
     "make_mpi_communicator",
+    "make_nccl_communicator",
     "make_self_communicator",
     "plan_memory",
+    "store_communicator",
     "verify_checkpoint",
     "version",
 ]

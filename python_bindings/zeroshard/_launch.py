@@ -1,76 +1,102 @@
 """How this process was launched, and the communicator that follows from it.
 
-zeroshard's collectives run over MPI, so a multi-rank job is started with mpirun (Open MPI or
-an MPICH-style launcher); a plain `python script.py` is one rank with no MPI at all. torchrun
-starts its processes without MPI: they cannot join one MPI world, so that launch is refused
-with a message saying what to run instead, rather than each process silently training alone.
+- mpirun (Open MPI, or an MPICH-style launcher) and Slurm's `srun --mpi=pmix`: the ranks form
+  one MPI world; collectives run over MPI (the engine stages GPU tensors through host memory).
+- torchrun, on GPUs: no MPI at all. The ranks find each other through torch.distributed's store
+  (the one torchrun's agent serves, or the default process group's), which carries NCCL's unique
+  id; collectives then run over NCCL, one GPU per rank.
+- torchrun on CPUs: refused with what to run instead, rather than each process silently
+  training alone (zeroshard's CPU collectives need MPI).
+- a plain `python script.py`: one rank, no MPI.
 """
 
 import atexit
-import os
+import datetime
 
 from . import _core
 
-# Variables the MPI launchers set in every process they start.
-_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
-_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
-_default = None
-
-
-def _env_int(names):
-    for n in names:
-        v = os.environ.get(n)
-        if v is not None and v.strip().lstrip("-").isdigit():
-            return int(v)
-    return None
+_default = {}
 
 
 def launch_info():
-    """{'launcher': 'mpi' | 'torchrun' | 'none', 'rank': int, 'world_size': int} from the
-    environment, without starting anything."""
-    if any(n in os.environ for n in _MPI_SIZE_VARS + _MPI_RANK_VARS):
-        size = _env_int(_MPI_SIZE_VARS)
-        return {"launcher": "mpi", "rank": _env_int(_MPI_RANK_VARS) or 0,
-                "world_size": size if size is not None else 1}
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return {"launcher": "torchrun", "rank": _env_int(("RANK",)) or 0,
-                "world_size": _env_int(("WORLD_SIZE",)) or 1}
-    return {"launcher": "none", "rank": 0, "world_size": 1}
+    """{'launcher': 'mpirun' | 'srun' | 'torchrun' | 'none', 'rank', 'world_size',
+    'local_rank', 'local_size', 'mpi_world'} from the launcher's environment, without starting
+    anything. mpi_world is False where MPI cannot join the processes into one world (torchrun,
+    srun without a PMI plugin)."""
+    li = _core.launch_info()
+    return {k: getattr(li, k) for k in ("launcher", "rank", "world_size", "local_rank",
+                                        "local_size", "mpi_world")}
 
 
-def default_communicator():
-    """The process-wide communicator: MPI_COMM_WORLD under mpirun, one rank otherwise.
+def torchrun_store(timeout_s=300.0):
+    """torch.distributed's store of this torchrun job: the default process group's if one is
+    initialised, else the one torchrun's environment points to (MASTER_ADDR/MASTER_PORT, or
+    the agent's store). zeroshard's keys start with 'zeroshard/'."""
+    import torch.distributed as dist
 
-    Created once and reused, because MPI can be initialised only once per process. It is
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    return store
+
+
+def _try_get(store, key):
+    # The value, or None while no rank has set it, without blocking: Store.check() where torch
+    # has it; before (torch < 2.0) compare_set with an expected value no key holds (values are
+    # hex), which returns the stored value if there is one and the expected one, storing
+    # nothing, if there is none. (A wait() that times out would leave the store's socket out of
+    # step with its replies.)
+    if hasattr(store, "check"):
+        return store.get(key).decode() if store.check([key]) else None
+    v = store.compare_set(key, "-", "-").decode()
+    return None if v == "-" else v
+
+
+def store_communicator(store, rank, size):
+    """A Communicator whose collectives go through `store` (a torch.distributed Store): for
+    set-up, such as NCCL's bootstrap; every value passes through the store's server."""
+    return _core.make_store_communicator(
+        lambda k, v: store.set(k, v),
+        lambda k: _try_get(store, k),
+        lambda k: store.delete_key(k),
+        rank, size)
+
+
+def default_communicator(device=None):
+    """The process-wide communicator for tensors on `device` (a torch.device, or None for CPU):
+    MPI_COMM_WORLD under mpirun or srun, NCCL bootstrapped through torch.distributed's store
+    under torchrun on a GPU, one rank otherwise.
+
+    Created once per device and reused (MPI can be initialised only once per process), and
     dropped at interpreter exit so MPI is finalised as soon as no engine still uses it.
-    Raises CommunicationError under a multi-process torchrun launch (see the module doc)."""
-    global _default
-    if _default is not None:
-        return _default
+    Raises CommunicationError under a multi-process torchrun launch on CPU, and under an srun
+    without a PMI plugin (see the module doc)."""
+    cuda = device is not None and getattr(device, "type", None) == "cuda"
     info = launch_info()
+    key = ("cuda", device.index) if cuda and info["launcher"] == "torchrun" else "host"
+    if key in _default:
+        return _default[key]
     if info["launcher"] == "torchrun" and info["world_size"] > 1:
-        raise _core.CommunicationError(
-            "zeroshard needs an MPI launcher: torchrun started this process as rank "
-            f"{info['rank']} of {info['world_size']} (RANK/WORLD_SIZE), but zeroshard's "
-            "collectives run over MPI and torchrun's processes cannot join one MPI world. "
-            f"Launch with `mpirun -np {info['world_size']} python your_script.py` instead "
-            "(as root add --allow-run-as-root).")
-    if info["launcher"] == "mpi":
-        comm = _core.make_mpi_communicator()
-        if comm.size() != info["world_size"] and any(
-                n in os.environ for n in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
+        if not cuda:
             raise _core.CommunicationError(
-                f"MPI reports {comm.size()} ranks but the launcher announced "
-                f"{info['world_size']}: the MPI library zeroshard was built with is not the "
-                "one of the mpirun that started this process")
+                "zeroshard needs an MPI launcher for CPU training: torchrun started this "
+                f"process as rank {info['rank']} of {info['world_size']} (RANK/WORLD_SIZE), but "
+                "zeroshard's CPU collectives run over MPI and torchrun's processes cannot join "
+                f"one MPI world. Launch with `mpirun -np {info['world_size']} python "
+                "your_script.py` instead (as root add --allow-run-as-root); on GPUs torchrun "
+                "works (NCCL, bootstrapped through torch.distributed's store).")
+        index = device.index if device.index is not None else info["local_rank"]
+        boot = store_communicator(torchrun_store(), info["rank"], info["world_size"])
+        comm = _core.make_nccl_communicator(index, boot)
+    elif info["launcher"] in ("mpirun", "srun"):
+        # Refuses an srun without PMI, and a launcher of another MPI library, by name.
+        comm = _core.make_mpi_communicator()
     else:
         comm = _core.make_self_communicator()
-    _default = comm
+    _default[key] = comm
     return comm
 
 
 @atexit.register
 def _drop_default():
-    global _default
-    _default = None
+    _default.clear()

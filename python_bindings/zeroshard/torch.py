@@ -267,7 +267,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradient_clipping, gradient_accumulation_steps: as in Config.
         config: a base Config, a dict of zeroshard/DeepSpeed keys, or a JSON file path; the
             keyword arguments above override it.
-        comm: a Communicator; default zeroshard.default_communicator() (MPI under mpirun).
+        comm: a Communicator; default zeroshard.default_communicator(the model's device): MPI
+            under mpirun or srun, NCCL through torch.distributed's store under torchrun on GPUs.
         units: modules whose parameters form one unit each (default: see module doc).
         unit_numel: the size above which a module is split into its children.
         broadcast_init: start every rank from rank 0's parameters and buffers (as DDP does).
@@ -299,7 +300,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cfg = self._build_config(config, stage, optimizer, lr, betas, eps, weight_decay, momentum,
                                  nesterov, offload_optimizer, offload_param, nvme_path,
                                  gradient_clipping, gradient_accumulation_steps, config_fields)
-        self.comm = comm if comm is not None else default_communicator()
+        self.comm = comm if comm is not None else default_communicator(self._device)
         self.stage = cfg.stage
         self._kind = cfg.optimizer.kind
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zeroshard  # noqa: E402
 
-_UNDER_MPI = zeroshard.launch_info()["launcher"] == "mpi"
+_UNDER_MPI = zeroshard.launch_info()["launcher"] in ("mpirun", "srun")
 
 
 _RANK = zeroshard.launch_info()["rank"] if _UNDER_MPI else 0

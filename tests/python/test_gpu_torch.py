@@ -85,6 +85,31 @@ def test_cuda_model_matches_adamw_on_cuda(stage):
     assert opt.last_result.step == 20 and opt.last_result.grad_norm > 0
 
 
+def test_nccl_bootstrapped_through_a_torch_store_trains_like_adamw():
+    # torchrun's path without torchrun: NCCL's set-up carried by a torch.distributed store
+    # (here a one-rank TCPStore of this process), then stage-3 training over that NCCL.
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=60))
+    comm = zs.make_nccl_communicator(dev().index, zs.store_communicator(store, 0, 1))
+    assert comm.size() == 1 and comm.rank() == 0
+    model, data = make_model().to(dev()), on(batches(20), dev())
+    ref = train_reference(model, data)
+    opt = zt.ZeroOptimizer(model, stage=3, lr=LR, eps=EPS, gradient_clipping=CLIP,
+                           param_groups=groups(model), comm=comm)
+    train_zero(opt, model, data, 0, 1)
+    torch.cuda.synchronize()
+    got, want = cpu(opt.model_state_dict()), cpu(ref.state_dict())
+    assert max_abs_diff(got, want) <= BOUND
+    assert max_abs_diff(got, make_model().state_dict()) > 100 * BOUND
+
+
 def test_parameters_are_cuda_tensors_sharing_engine_memory():
     model = make_model().to(dev())
     opt = zero(model, 2)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "zeroshard/communicator.hpp"
+#include "zeroshard/device.hpp"
 #include "zeroshard/error.hpp"
 
 namespace {
@@ -181,6 +182,30 @@ TEST(StoreComm, RefusesBadArguments) {
   auto c = zeroshard::make_store_communicator(store.handle(), 0, 1);
   char b = 0;
   EXPECT_THROW(c->broadcast(&b, 1, 1, "root out of range"), zeroshard::Error);
+}
+
+TEST(StoreComm, BootstrapsNcclSetUpOnEveryRank) {
+  // make_nccl_communicator() over the store: its device check is a collective through the
+  // store, so on a machine without a GPU every rank reports its own missing device (instead of
+  // one rank failing and the other waiting). On a GPU machine tests/gpu covers the rest.
+  std::string why;
+  if (zeroshard::cuda_device_count(&why) > 0) GTEST_SKIP() << "a GPU is present: tests/gpu";
+  MemoryStore store;
+  std::vector<std::string> errors(2);
+  on_ranks(store, 2, [&](Communicator& c) {
+    auto boot = std::shared_ptr<Communicator>(&c, [](Communicator*) {});
+    try {
+      zeroshard::make_nccl_communicator(c.rank(), boot);
+    } catch (const zeroshard::Error& e) {
+      errors[size_t(c.rank())] = e.what();
+    }
+  });
+  for (const auto& e : errors) EXPECT_THAT(e, testing::HasSubstr("CUDA"));
+#ifdef ZEROSHARD_HAVE_CUDA
+  // Built with CUDA: the ranks got as far as the device check, which went through the store.
+  for (const auto& e : errors) EXPECT_THAT(e, testing::HasSubstr("no CUDA device"));
+  EXPECT_GT(store.size(), 0u);
+#endif
 }
 
 }  // namespace
