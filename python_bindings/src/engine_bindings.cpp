@@ -160,8 +160,8 @@ void bind_communicator(nb::module_& m) {
             KeyValueStore{std::move(set), std::move(try_get), std::move(erase)}, rank, size,
             prefix);
       },
-      nb::arg("set"), nb::arg("try_get"), nb::arg("erase").none(), nb::arg("rank"),
-      nb::arg("size"), nb::arg("prefix") = "zeroshard",
+      nb::arg("set"), nb::arg("try_get"), nb::arg("erase").none(), nb::arg("rank"), nb::arg("size"),
+      nb::arg("prefix") = "zeroshard",
       "A communicator whose collectives go through a key-value store every rank reaches: "
       "set(key, value: str), try_get(key) -> str or None without blocking, erase(key) or None. "
       "For set-up without an MPI launcher (NCCL under torchrun), not for training data.");

@@ -6,7 +6,10 @@
 //                               state bitwise, before and after two more steps. Exit 0 if so;
 //   ckpt_crash load ROOT        only loads it (at another world size, where a replay would sum
 //                               in another order and so not be bitwise) and trains a step.
+// A last argument TIMEOUT_S sets the collective timeout (the host-loss test cuts a host off in
+// the middle of save-loop and waits for the others' errors).
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -54,16 +57,18 @@ bool everywhere(Communicator& comm, bool ok) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: ckpt_crash save-loop|resume|load ROOT\n");
+  if (argc != 3 && argc != 4) {
+    std::fprintf(stderr, "usage: ckpt_crash save-loop|resume|load ROOT [TIMEOUT_S]\n");
     return 2;
   }
   const std::string mode = argv[1], root = argv[2];
+  Config cfg = config();
+  if (argc == 4) cfg.collective_timeout_s = std::atof(argv[3]);
   auto comm = make_mpi_communicator();
   zs_test::TrainOptions one;
   one.steps = 1;
   try {
-    Engine e(config(), comm);
+    Engine e(cfg, comm);
     zs_test::register_model(e, model());
     if (mode == "save-loop") {
       for (;;) {
@@ -80,7 +85,7 @@ int main(int argc, char** argv) {
       if (comm->rank() == 0) std::printf("loaded step %lld and trained on\n", (long long)steps);
       return 0;
     }
-    Engine replay(config(), comm);
+    Engine replay(cfg, comm);
     zs_test::register_model(replay, model());
     // One step per call, as save-loop trained (the harness's gradients depend on the step's
     // index within a call).

@@ -27,6 +27,8 @@ _cluster_ns() { echo "${cluster_id}h$1"; }
 cluster_down() {
   local i
   for ((i = 0; i < cluster_n; ++i)); do
+    # Processes left in a host (ranks of a host cut off by a test) would outlive its namespace.
+    ip netns pids "$(_cluster_ns "$i")" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$(_cluster_ns "$i")" 2>/dev/null || true
     rm -rf "/etc/netns/$(_cluster_ns "$i")"
   done

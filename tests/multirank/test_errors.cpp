@@ -1,9 +1,13 @@
 // Bad input gets a clear error on every rank, never a hang or silent damage.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "tests/multirank/harness.hpp"
 
@@ -154,6 +158,55 @@ TEST(Timeout, LateRankFailsTheCollectiveNamingTheUnit) {
     // Rank 0's engine must outlive the late reduction that still writes into its buffers; its
     // destructor waits for that to settle once every rank has joined.
     world()->barrier("after timeout test");
+  }
+}
+
+// A peer that stops answering (here stopped by SIGSTOP: its process, communication thread
+// included, runs nothing, as when its host is cut off) is named with its host by the ranks whose
+// collective times out; a peer that is merely late still answers, and the error says so.
+TEST(Timeout, NamesThePeerThatStopsAnswering) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  const int rank = world()->rank(), last = world()->size() - 1;
+  std::vector<double> pids(size_t(world()->size()), 0.0);
+  pids[size_t(rank)] = double(getpid());
+  world()->all_reduce(pids.data(), int64_t(pids.size()), ReduceOp::sum, "pids")->wait();
+
+  {  // Late: the last rank arrives after the timeout, its communication thread running.
+    auto comm = make_mpi_communicator();
+    comm->set_timeout(0.5);
+    double x = 1;
+    if (rank == last) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+      comm->all_reduce(&x, 1, ReduceOp::sum, "late norm")->wait();  // completes the others'
+    } else {
+      EXPECT_ZS_ERROR(comm->all_reduce(&x, 1, ReduceOp::sum, "late norm")->wait(), timeout,
+                      "every other rank still answers");
+    }
+    world()->barrier("after the late rank");
+  }
+  {  // Stopped: nothing of the last rank runs until rank 0 wakes it.
+    auto comm = make_mpi_communicator();
+    comm->set_timeout(1.0);
+    world()->barrier("before the stop");
+    double x = 1;
+    if (rank == last) {
+      raise(SIGSTOP);
+      comm->all_reduce(&x, 1, ReduceOp::sum, "the step's norm")->wait();
+    } else {
+      try {
+        comm->all_reduce(&x, 1, ReduceOp::sum, "the step's norm")->wait();
+        ADD_FAILURE() << "no timeout";
+      } catch (const Error& e) {
+        const std::string msg = e.what();
+        EXPECT_EQ(e.code(), ErrorCode::timeout) << msg;
+        EXPECT_THAT(msg, HasSubstr("all_reduce of the step's norm"));
+        EXPECT_THAT(msg, HasSubstr("no answer from rank " + std::to_string(last) + " (host "));
+        for (int q = 0; q < last; ++q)  // the ranks that answer are not named
+          EXPECT_THAT(msg, ::testing::Not(HasSubstr("rank " + std::to_string(q) + " (host")));
+      }
+      if (rank == 0) kill(pid_t(pids[size_t(last)]), SIGCONT);
+    }
+    world()->barrier("after the stopped rank");
   }
 }
 

@@ -11,12 +11,27 @@
 
 namespace {
 
-const char* const kVars[] = {
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
-    "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "PMIX_RANK",
-    "PMIX_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "RANK",
-    "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
+const char* const kVars[] = {"OMPI_COMM_WORLD_RANK",
+                             "OMPI_COMM_WORLD_SIZE",
+                             "OMPI_COMM_WORLD_LOCAL_RANK",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE",
+                             "SLURM_STEP_ID",
+                             "SLURM_PROCID",
+                             "SLURM_STEP_NUM_TASKS",
+                             "SLURM_NTASKS",
+                             "SLURM_LOCALID",
+                             "SLURM_STEP_TASKS_PER_NODE",
+                             "SLURM_NODEID",
+                             "PMIX_RANK",
+                             "PMIX_SIZE",
+                             "PMI_RANK",
+                             "PMI_SIZE",
+                             "MPI_LOCALRANKID",
+                             "MPI_LOCALNRANKS",
+                             "RANK",
+                             "WORLD_SIZE",
+                             "LOCAL_RANK",
+                             "LOCAL_WORLD_SIZE"};
 
 // Sets exactly `vars` among the launchers' variables for the test's lifetime.
 class Env {
@@ -51,11 +66,15 @@ TEST(Launch, NoLauncherIsOneProcess) {
 }
 
 TEST(Launch, OpenMpi) {
-  Env env({{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
-           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+  Env env({{"OMPI_COMM_WORLD_RANK", "5"},
+           {"OMPI_COMM_WORLD_SIZE", "8"},
+           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+           {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
            // mpirun inside a Slurm step (its daemons were started by srun): Open MPI's own
            // variables describe the ranks, Slurm's the daemons.
-           {"SLURM_STEP_ID", "0"}, {"SLURM_PROCID", "1"}, {"SLURM_STEP_NUM_TASKS", "2"}});
+           {"SLURM_STEP_ID", "0"},
+           {"SLURM_PROCID", "1"},
+           {"SLURM_STEP_NUM_TASKS", "2"}});
   const auto li = launch_info();
   EXPECT_EQ(li.launcher, "mpirun");
   EXPECT_EQ(li.rank, 5);
@@ -66,9 +85,14 @@ TEST(Launch, OpenMpi) {
 }
 
 TEST(Launch, SrunStepWithPmix) {
-  Env env({{"SLURM_STEP_ID", "0"}, {"SLURM_PROCID", "6"}, {"SLURM_STEP_NUM_TASKS", "7"},
-           {"SLURM_NTASKS", "99"}, {"SLURM_LOCALID", "0"}, {"SLURM_NODEID", "3"},
-           {"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"}, {"PMIX_RANK", "6"}});
+  Env env({{"SLURM_STEP_ID", "0"},
+           {"SLURM_PROCID", "6"},
+           {"SLURM_STEP_NUM_TASKS", "7"},
+           {"SLURM_NTASKS", "99"},
+           {"SLURM_LOCALID", "0"},
+           {"SLURM_NODEID", "3"},
+           {"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"},
+           {"PMIX_RANK", "6"}});
   const auto li = launch_info();
   EXPECT_EQ(li.launcher, "srun");
   EXPECT_EQ(li.rank, 6);
@@ -79,8 +103,12 @@ TEST(Launch, SrunStepWithPmix) {
 }
 
 TEST(Launch, SrunWithoutPmiCannotMakeOneMpiWorld) {
-  Env env({{"SLURM_STEP_ID", "0"}, {"SLURM_PROCID", "1"}, {"SLURM_STEP_NUM_TASKS", "2"},
-           {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "2"}});
+  Env env({{"SLURM_STEP_ID", "0"},
+           {"SLURM_PROCID", "1"},
+           {"SLURM_STEP_NUM_TASKS", "2"},
+           {"SLURM_LOCALID", "1"},
+           {"SLURM_NODEID", "0"},
+           {"SLURM_STEP_TASKS_PER_NODE", "2"}});
   const auto li = launch_info();
   EXPECT_EQ(li.launcher, "srun");
   EXPECT_EQ(li.local_size, 2);
@@ -97,8 +125,8 @@ TEST(Launch, BatchScriptIsOneProcessWhateverTheAllocation) {
 }
 
 TEST(Launch, MpichHydra) {
-  Env env({{"PMI_RANK", "2"}, {"PMI_SIZE", "3"}, {"MPI_LOCALRANKID", "0"},
-           {"MPI_LOCALNRANKS", "1"}});
+  Env env(
+      {{"PMI_RANK", "2"}, {"PMI_SIZE", "3"}, {"MPI_LOCALRANKID", "0"}, {"MPI_LOCALNRANKS", "1"}});
   const auto li = launch_info();
   EXPECT_EQ(li.launcher, "mpirun");
   EXPECT_EQ(li.rank, 2);
@@ -120,7 +148,8 @@ TEST(Launch, Torchrun) {
 }
 
 TEST(Launch, MalformedValuesKeepTheDefaults) {
-  Env env({{"OMPI_COMM_WORLD_SIZE", "four"}, {"OMPI_COMM_WORLD_RANK", "-1"},
+  Env env({{"OMPI_COMM_WORLD_SIZE", "four"},
+           {"OMPI_COMM_WORLD_RANK", "-1"},
            {"OMPI_COMM_WORLD_LOCAL_SIZE", "0"}});
   const auto li = launch_info();
   EXPECT_EQ(li.world_size, 1);

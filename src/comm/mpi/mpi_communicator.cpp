@@ -11,12 +11,14 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <sstream>
 #include <thread>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "src/base/check.hpp"
 #include "src/base/mpi_check.hpp"
+#include "src/comm/mpi/peer_probe.hpp"
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
@@ -53,6 +55,13 @@ void refuse_unjoinable_launch() {
                                      << li.world_size
                                      << " ...` (or, on GPUs from Python, zeroshard's torchrun "
                                         "bootstrap: zeroshard.default_communicator())");
+}
+
+// "6", "0.5": seconds as people write them.
+std::string seconds_text(double s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
 }
 
 // Process-wide MPI state: initialised once, finalised when the last holder goes away.
@@ -133,6 +142,7 @@ class MpiCommunicator final : public Communicator {
     thread_.join();
     // A collective abandoned after a timeout still references this communicator; freeing it
     // could crash MPI, so it is left to the process's end.
+    probe_->close(abandoned_ != 0);
     if (abandoned_ == 0) MPI_Comm_free(&comm_);
   }
 
@@ -229,6 +239,7 @@ class MpiCommunicator final : public Communicator {
     ZS_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     ZS_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     ZS_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    probe_ = std::make_unique<PeerProbe>(comm_);
     thread_ = std::thread([this] { run(); });
   }
 
@@ -291,6 +302,7 @@ class MpiCommunicator final : public Communicator {
         progress = true;
       }
       progress |= test_inflight(inflight);
+      probe_->serve();
       if (stopping) {
         // Requests that timed out may still complete when a late peer arrives; give them a
         // grace period, then leave them to the process's end.
@@ -311,8 +323,10 @@ class MpiCommunicator final : public Communicator {
         while (!queued_.load(std::memory_order_acquire) &&
                std::chrono::steady_clock::now() < spin_until)
           std::this_thread::yield();
+        // Wakes every 20 ms meanwhile to answer peers' liveness probes (PeerProbe).
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return !queue_.empty() || stop_; });
+        wake_.wait_for(lock, std::chrono::milliseconds(20),
+                       [&] { return !queue_.empty() || stop_; });
       } else if (!progress) {
         // In flight: Open MPI advances non-blocking collectives only inside MPI calls, and a
         // large one needs a call per fragment, so keep testing without sleeping; yield so that
@@ -355,13 +369,23 @@ class MpiCommunicator final : public Communicator {
         progress = true;
         continue;
       }
-      if (!f.timed_out && std::chrono::steady_clock::now() > f.deadline) {
+      const auto now = std::chrono::steady_clock::now();
+      // In the last quarter of the time allowed, ask which peers still answer.
+      if (!f.timed_out &&
+          now > f.deadline - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double>(timeout_s_.load() / 4)))
+        probe_->start();
+      if (!f.timed_out && now > f.deadline) {
         // The request stays in flight: a late peer can still complete it, and MPI must keep
         // the buffers it was given. The caller learns now and the communicator refuses more.
         f.timed_out = true;
-        std::string msg = f.work->what() + " did not complete within " +
-                          std::to_string(timeout_s_.load()) +
-                          " s (a peer rank is late, dead, or called a different collective)";
+        const std::string silent = probe_->silent();
+        std::string msg =
+            f.work->what() + " did not complete within " + seconds_text(timeout_s_.load()) + " s" +
+            (silent.empty()
+                 ? " (every other rank still answers: a peer is late, "
+                   "or called a different collective)"
+                 : ": no answer from " + silent + ", dead, stopped, or cut off from this host");
         poison(msg);
         f.work->fail(ErrorCode::timeout, msg);
       }
@@ -483,6 +507,7 @@ class MpiCommunicator final : public Communicator {
   bool stop_ = false;
   std::string poisoned_;
   int abandoned_ = 0;
+  std::unique_ptr<PeerProbe> probe_;  // comm thread only, once open() made it
   std::thread thread_;
 };
 
