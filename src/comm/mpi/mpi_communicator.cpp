@@ -54,7 +54,7 @@ void refuse_unjoinable_launch() {
                                         "world: launch with `mpirun -np "
                                      << li.world_size
                                      << " ...` (or, on GPUs from Python, zeroshard's torchrun "
-                                        "bootstrap: zeroshard.default_communicator())");
+                                        "bootstrap: zeroshard.default_communicator(device))");
 }
 
 // "6", "0.5": seconds as people write them.
