@@ -9,6 +9,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -88,6 +90,42 @@ TEST_F(Nccl, BroadcastAndBarrier) {
   comm_->broadcast(dev.data(), 5, 0, "device bytes")->wait();
   EXPECT_EQ(dev.download<uint8_t>(), bytes);
   comm_->barrier("after broadcast");
+}
+
+// ncclCommSplit (hierarchical sharding's groups on GPUs), at the one rank a GPU allows: the
+// child communicator works, all_reduce_sum of device bf16 included, and the parent goes on.
+TEST_F(Nccl, SplitMakesAWorkingChild) {
+  auto child = comm_->split({0}, "shard group");
+  ASSERT_EQ(child->size(), 1);
+  EXPECT_EQ(child->rank(), 0);
+  const std::vector<uint16_t> ones(257, 0x3F80);  // bf16 1.0
+  DeviceBytes dev(ones);
+  child->all_reduce_sum(dev.data(), 257, DType::bf16, "replica all-reduce")->wait();
+  EXPECT_EQ(dev.download<uint16_t>(), ones);
+  DeviceBytes send(ones), recv(ones.size() * 2);
+  child->reduce_scatter(send.data(), recv.data(), 257, DType::bf16, "group reduce-scatter")->wait();
+  EXPECT_EQ(recv.download<uint16_t>(), ones);
+  comm_->barrier("parent after split");
+  EXPECT_THROW(comm_->split({1}, "not this rank's group"), Error);
+}
+
+// The store bootstrap (torchrun's path): NCCL's set-up through make_store_communicator().
+TEST(NcclStore, BootstrapsThroughAKeyValueStore) {
+  ZS_REQUIRE_GPU();
+  std::map<std::string, std::string> kv;
+  KeyValueStore store;
+  store.set = [&](const std::string& k, const std::string& v) { kv[k] = v; };
+  store.try_get = [&](const std::string& k) -> std::optional<std::string> {
+    auto it = kv.find(k);
+    if (it == kv.end()) return std::nullopt;
+    return it->second;
+  };
+  auto comm = make_nccl_communicator(0, make_store_communicator(store, 0, 1));
+  EXPECT_EQ(comm->size(), 1);
+  double x[2] = {1.5, 0.0};
+  comm->all_reduce(x, 2, ReduceOp::sum, "norm")->wait();
+  EXPECT_EQ(x[0], 1.5);
+  EXPECT_FALSE(kv.empty());  // the set-up went through the store
 }
 
 // The input stream orders a collective after work the caller queued without synchronising.
