@@ -42,10 +42,10 @@ def torchrun_store(timeout_s=300.0):
 
 def _try_get(store, key):
     # The value, or None while no rank has set it, without blocking: Store.check() where torch
-    # has it; before (torch < 2.0) compare_set with an expected value no key holds (values are
-    # hex), which returns the stored value if there is one and the expected one, storing
-    # nothing, if there is none. (A wait() that times out would leave the store's socket out of
-    # step with its replies.)
+    # has it; where it lacks one (Debian's torch 1.13), compare_set with an expected value no
+    # key holds (values are hex), which returns the stored value if there is one, and else the
+    # expected one, storing nothing. (A wait() that times out would leave the store's socket out
+    # of step with its replies.)
     if hasattr(store, "check"):
         return store.get(key).decode() if store.check([key]) else None
     v = store.compare_set(key, "-", "-").decode()
