@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -171,12 +172,13 @@ TEST(Timeout, NamesThePeerThatStopsAnswering) {
   pids[size_t(rank)] = double(getpid());
   world()->all_reduce(pids.data(), int64_t(pids.size()), ReduceOp::sum, "pids")->wait();
 
-  {  // Late: the last rank arrives after the timeout, its communication thread running.
+  {  // Late: the last rank arrives after the timeout, its communication thread running (and
+     // answering within the probe's window, the last quarter of the timeout: 0.5 s here).
     auto comm = make_mpi_communicator();
-    comm->set_timeout(0.5);
+    comm->set_timeout(2.0);
     double x = 1;
     if (rank == last) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+      std::this_thread::sleep_for(std::chrono::milliseconds(3000));
       comm->all_reduce(&x, 1, ReduceOp::sum, "late norm")->wait();  // completes the others'
     } else {
       EXPECT_ZS_ERROR(comm->all_reduce(&x, 1, ReduceOp::sum, "late norm")->wait(), timeout,
@@ -193,6 +195,18 @@ TEST(Timeout, NamesThePeerThatStopsAnswering) {
       raise(SIGSTOP);
       comm->all_reduce(&x, 1, ReduceOp::sum, "the step's norm")->wait();
     } else {
+      // Only once it is stopped (ranks of these tests share one machine): on a loaded machine
+      // it may leave the barrier late, and answer a probe still.
+      const std::string stat = "/proc/" + std::to_string(int64_t(pids[size_t(last)])) + "/stat";
+      bool stopped = false;
+      for (int i = 0; i < 1000 && !stopped; ++i) {
+        std::ifstream in(stat);
+        std::string pid, name, state;
+        in >> pid >> name >> state;  // the name has no spaces: the test binary's
+        stopped = state == "T";
+        if (!stopped) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      ASSERT_TRUE(stopped) << "rank " << last << " did not stop";
       try {
         comm->all_reduce(&x, 1, ReduceOp::sum, "the step's norm")->wait();
         ADD_FAILURE() << "no timeout";
