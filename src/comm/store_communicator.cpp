@@ -6,17 +6,20 @@
 // has finished reading k.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "src/base/check.hpp"
+#include "src/comm/seconds_text.hpp"
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
@@ -36,7 +39,7 @@ std::string to_hex(const void* data, size_t bytes) {
 }
 
 // Decodes `hex` into `out` (bytes long); false if it is not that many bytes of hex.
-bool from_hex(const std::string& hex, void* out, size_t bytes) {
+bool from_hex(std::string_view hex, void* out, size_t bytes) {
   if (hex.size() != bytes * 2) return false;
   auto* p = static_cast<unsigned char*>(out);
   for (size_t i = 0; i < bytes; ++i) {
@@ -69,11 +72,12 @@ class StoreCommunicator final : public Communicator {
   std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t recv_count,
                                        DType dtype, std::string what) override {
     const size_t block = size_t(recv_count) * dtype_size(dtype);
-    auto all = exchange(to_hex(send, block * ranks_.size()), block * ranks_.size(), what);
+    auto all = exchange(to_hex(send, block * ranks_.size()), what);
+    require_bytes(all, block * ranks_.size(), what);
     std::vector<unsigned char> acc(block), in(block);
     for (size_t r = 0; r < all.size(); ++r) {
-      from_hex(all[r].substr(size_t(rank_) * block * 2, block * 2), r == 0 ? acc.data() : in.data(),
-               block);
+      from_hex(std::string_view(all[r]).substr(size_t(rank_) * block * 2, block * 2),
+               r == 0 ? acc.data() : in.data(), block);
       if (r > 0) cpu::add_into(cpu::best_isa(), acc.data(), in.data(), dtype, recv_count);
     }
     std::memcpy(recv, acc.data(), block);
@@ -83,7 +87,8 @@ class StoreCommunicator final : public Communicator {
   std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t send_count, DType dtype,
                                    std::string what) override {
     const size_t block = size_t(send_count) * dtype_size(dtype);
-    auto all = exchange(to_hex(send, block), block, what);
+    auto all = exchange(to_hex(send, block), what);
+    require_bytes(all, block, what);
     for (size_t r = 0; r < all.size(); ++r)
       from_hex(all[r], static_cast<char*>(recv) + r * block, block);
     return done_work(std::move(what));
@@ -92,7 +97,8 @@ class StoreCommunicator final : public Communicator {
   std::shared_ptr<Work> all_reduce(double* inout, int64_t count, ReduceOp op,
                                    std::string what) override {
     const size_t bytes = size_t(count) * sizeof(double);
-    auto all = exchange(to_hex(inout, bytes), bytes, what);
+    auto all = exchange(to_hex(inout, bytes), what);
+    require_bytes(all, bytes, what);
     std::vector<double> in(static_cast<size_t>(count));
     for (size_t r = 0; r < all.size(); ++r) {
       from_hex(all[r], in.data(), bytes);
@@ -113,7 +119,8 @@ class StoreCommunicator final : public Communicator {
   std::shared_ptr<Work> all_reduce_sum(void* inout, int64_t count, DType dtype,
                                        std::string what) override {
     const size_t bytes = size_t(count) * dtype_size(dtype);
-    auto all = exchange(to_hex(inout, bytes), bytes, what);
+    auto all = exchange(to_hex(inout, bytes), what);
+    require_bytes(all, bytes, what);
     std::vector<unsigned char> in(bytes);
     from_hex(all[0], inout, bytes);
     for (size_t r = 1; r < all.size(); ++r) {
@@ -128,18 +135,20 @@ class StoreCommunicator final : public Communicator {
       ZS_THROW(invalid_argument, "rank " << rank_ << ": " << what << ": root " << root
                                          << " is not a rank of " << size());
     // Every rank publishes (the others an empty value), so that every round is complete.
-    auto all = exchange(rank_ == root ? to_hex(data, size_t(bytes)) : std::string(), size_t(bytes),
-                        what, root);
+    auto all = exchange(rank_ == root ? to_hex(data, size_t(bytes)) : std::string(), what);
+    require_bytes(all, size_t(bytes), what, root);
     from_hex(all[size_t(root)], data, size_t(bytes));
     return done_work(std::move(what));
   }
 
-  void barrier(std::string what) override { exchange_round(what); }
+  void barrier(std::string what) override { require_bytes(exchange(std::string(), what), 0, what); }
 
   std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override {
     check_split(ranks, rank_, size(), what);
-    // Named by the round of its barrier, so that each group's prefix is unique to it.
-    const uint64_t round = exchange_round(what);
+    // Every rank splits in the same place of its sequence, so the count names the split alike
+    // everywhere; the members' ranks name the group.
+    barrier(what);
+    const uint64_t index = splits_++;
     std::vector<int> members;
     std::string name;
     for (int r : ranks) {
@@ -148,34 +157,24 @@ class StoreCommunicator final : public Communicator {
     }
     const int me = int(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
     return std::make_shared<StoreCommunicator>(
-        store_, prefix_ + "/split" + std::to_string(round) + name, members, me, timeout_s_);
+        store_, prefix_ + "/split" + std::to_string(index) + name, members, me, timeout_s_);
   }
 
   void set_timeout(double seconds) override { timeout_s_ = seconds; }
 
  private:
-  // A barrier; returns its round.
-  uint64_t exchange_round(const std::string& what) {
-    uint64_t round = 0;
-    exchange(std::string(), 0, what, -2, &round);
-    return round;
-  }
-
   std::string key(uint64_t round, int rank) const {
     return prefix_ + "/" + std::to_string(round) + "/" + std::to_string(rank);
   }
 
-  // One round: publishes `mine`, returns every rank's value. Values of ranks other than
-  // `only` (when only >= 0; -2: every value is empty) must be `bytes` bytes of hex.
-  std::vector<std::string> exchange(std::string mine, size_t bytes, const std::string& what,
-                                    int only = -1, uint64_t* round_out = nullptr) {
+  // One round: publishes `mine`, returns every rank's value.
+  std::vector<std::string> exchange(std::string mine, const std::string& what) {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_)
       ZS_THROW(comm_failure, "rank " << rank_ << ": " << what
                                      << ": the store communicator failed before (" << broken_why_
                                      << ")");
     const uint64_t round = round_++;
-    if (round_out) *round_out = round;
     try {
       store_.set(key(round, rank_), mine);
     } catch (const std::exception& e) {
@@ -206,18 +205,11 @@ class StoreCommunicator final : public Communicator {
           fail(ErrorCode::timeout, what,
                "rank " + std::to_string(r) + " (of the store's rank " +
                    std::to_string(ranks_[size_t(r)]) + ") did not publish within " +
-                   std::to_string(timeout_s_) + " s: it is late, dead, or in another collective");
+                   seconds_text(timeout_s_) + " s: it is late, dead, or in another collective");
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::microseconds(50000));
       }
     }
-    const size_t want = only == -2 ? 0 : bytes * 2;
-    for (int r = 0; r < size(); ++r)
-      if ((only < 0 || r == only) && all[size_t(r)].size() != want)
-        fail(ErrorCode::comm_failure, what,
-             "rank " + std::to_string(r) + " published " +
-                 std::to_string(all[size_t(r)].size() / 2) + " bytes where this rank expects " +
-                 std::to_string(want / 2) + " (the ranks called different collectives)");
     if (round > 0 && store_.erase) {
       try {
         store_.erase(key(round - 1, rank_));
@@ -226,6 +218,19 @@ class StoreCommunicator final : public Communicator {
       }
     }
     return all;
+  }
+
+  // Every value (or only rank `only`'s) must be `bytes` bytes in hex.
+  void require_bytes(const std::vector<std::string>& all, size_t bytes, const std::string& what,
+                     int only = -1) {
+    for (int r = 0; r < size(); ++r)
+      if ((only < 0 || r == only) && all[size_t(r)].size() != bytes * 2) {
+        std::lock_guard<std::mutex> lock(mu_);
+        fail(ErrorCode::comm_failure, what,
+             "rank " + std::to_string(r) + " published " +
+                 std::to_string(all[size_t(r)].size() / 2) + " bytes where this rank expects " +
+                 std::to_string(bytes) + " (the ranks called different collectives)");
+      }
   }
 
   [[noreturn]] void fail(ErrorCode code, const std::string& what, const std::string& why) {
@@ -241,6 +246,7 @@ class StoreCommunicator final : public Communicator {
   int rank_;
   double timeout_s_;
   uint64_t round_ = 0;
+  std::atomic<uint64_t> splits_{0};  // split() is collective: every rank counts alike
   bool broken_ = false;
   std::string broken_why_;
 };

@@ -188,9 +188,18 @@ TEST(Timeout, NamesThePeerThatStopsAnswering) {
   }
   {  // Stopped: nothing of the last rank runs until rank 0 wakes it.
     auto comm = make_mpi_communicator();
-    comm->set_timeout(1.0);
-    world()->barrier("before the stop");
+    comm->set_timeout(2.0);
     double x = 1;
+    // First a collective that is slow but completes: the others' probe of its last quarter
+    // (from 1.5 s) is answered. That answer must not speak for the collective below.
+    if (rank == last) std::this_thread::sleep_for(std::chrono::milliseconds(1600));
+    comm->all_reduce(&x, 1, ReduceOp::sum, "a slow sum")->wait();
+    // The ranks that stay running, so that rank 0 wakes the stopped one only after every one
+    // of them has had its error (woken earlier, it would answer a later rank's probe).
+    std::vector<int> running(static_cast<size_t>(last));
+    for (int q = 0; q < last; ++q) running[size_t(q)] = q;
+    auto others = world()->split(rank == last ? std::vector<int>{last} : running, "running");
+    world()->barrier("before the stop");
     if (rank == last) {
       raise(SIGSTOP);
       comm->all_reduce(&x, 1, ReduceOp::sum, "the step's norm")->wait();
@@ -218,6 +227,7 @@ TEST(Timeout, NamesThePeerThatStopsAnswering) {
         for (int q = 0; q < last; ++q)  // the ranks that answer are not named
           EXPECT_THAT(msg, ::testing::Not(HasSubstr("rank " + std::to_string(q) + " (host")));
       }
+      others->barrier("every running rank has its error");
       if (rank == 0) kill(pid_t(pids[size_t(last)]), SIGCONT);
     }
     world()->barrier("after the stopped rank");

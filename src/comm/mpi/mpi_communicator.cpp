@@ -11,7 +11,6 @@
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "src/base/check.hpp"
 #include "src/base/mpi_check.hpp"
 #include "src/comm/mpi/peer_probe.hpp"
+#include "src/comm/seconds_text.hpp"
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
@@ -55,13 +55,6 @@ void refuse_unjoinable_launch() {
                                      << li.world_size
                                      << " ...` (or, on GPUs from Python, zeroshard's torchrun "
                                         "bootstrap: zeroshard.default_communicator(device))");
-}
-
-// "6", "0.5": seconds as people write them.
-std::string seconds_text(double s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
 }
 
 // Process-wide MPI state: initialised once, finalised when the last holder goes away.
@@ -370,11 +363,12 @@ class MpiCommunicator final : public Communicator {
         continue;
       }
       const auto now = std::chrono::steady_clock::now();
-      // In the last quarter of the time allowed, ask which peers still answer.
-      if (!f.timed_out &&
-          now > f.deadline - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                 std::chrono::duration<double>(timeout_s_.load() / 4)))
-        probe_->start();
+      // In the last quarter of the time allowed, ask which peers still answer (a probe begun
+      // before that quarter, for an earlier collective, does not count for this one).
+      const auto probe_from =
+          f.deadline - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                           std::chrono::duration<double>(timeout_s_.load() / 4));
+      if (!f.timed_out && now > probe_from) probe_->start(probe_from);
       if (!f.timed_out && now > f.deadline) {
         // The request stays in flight: a late peer can still complete it, and MPI must keep
         // the buffers it was given. The caller learns now and the communicator refuses more.

@@ -62,18 +62,24 @@ void PeerProbe::serve() noexcept {
   }
 }
 
-void PeerProbe::start() noexcept {
-  if (probing_) return;
+void PeerProbe::start(std::chrono::steady_clock::time_point since) noexcept {
+  if (probing_ && started_ >= since) return;
   probing_ = true;
+  started_ = std::chrono::steady_clock::now();
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
     answered_[size_t(q)] = 0;
+    // One answer is awaited per peer. One that came before this ping answered an earlier probe
+    // and is dropped; one still awaited counts for this probe when it comes, since it comes
+    // later. (Tested before the ping goes, so that the ping's own answer is never dropped.)
+    MPI_Request& pong = pong_req_[size_t(q)];
+    int came = 0;
+    if (pong != MPI_REQUEST_NULL) MPI_Test(&pong, &came, MPI_STATUS_IGNORE);
+    if (pong == MPI_REQUEST_NULL)
+      MPI_Irecv(&pong_in_[size_t(q)], 1, MPI_INT, q, kPong, comm_, &pong);
     MPI_Request send = MPI_REQUEST_NULL;
     if (MPI_Isend(&kAnswer, 1, MPI_INT, q, kPing, comm_, &send) == MPI_SUCCESS)
       MPI_Request_free(&send);
-    // One answer is awaited per peer; a late answer to an earlier probe counts for this one.
-    if (pong_req_[size_t(q)] == MPI_REQUEST_NULL)
-      MPI_Irecv(&pong_in_[size_t(q)], 1, MPI_INT, q, kPong, comm_, &pong_req_[size_t(q)]);
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -27,14 +28,12 @@ class PeerProbe {
 
   /// Answers the pings that arrived. Never throws.
   void serve() noexcept;
-  /// Pings every peer that has not answered since the last start() (no-op while probing).
-  void start() noexcept;
-  /// Whether a probe was started and not every peer has answered it yet.
-  bool probing() const { return probing_; }
+  /// Pings every peer, unless a probe begun at or after `since` is running: a probe answers
+  /// for the collectives whose last quarter it began in, not for later ones.
+  void start(std::chrono::steady_clock::time_point since) noexcept;
   /// "rank 2 (host a), rank 3 (host a)": the peers that have not answered the running probe;
   /// empty once all did (then the probe ends, and start() may begin another).
   std::string silent() noexcept;
-  const std::string& host(int rank) const { return hosts_[size_t(rank)]; }
 
  private:
   static constexpr int kPing = 1, kPong = 2, kHostBytes = 64;
@@ -47,6 +46,7 @@ class PeerProbe {
   std::vector<MPI_Request> pong_req_;  // per peer: the pending receive of its answer
   std::vector<char> answered_;
   bool probing_ = false;
+  std::chrono::steady_clock::time_point started_{};
   bool closed_ = false;
 };
 

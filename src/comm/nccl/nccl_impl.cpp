@@ -6,23 +6,17 @@
 
 #include <cstring>
 #include <optional>
-#include <sstream>
 
 #include "src/base/check.hpp"
 #include "src/base/cuda_check.hpp"
 #include "src/base/nccl_check.hpp"
+#include "src/comm/seconds_text.hpp"
 
 namespace zeroshard {
 
 NcclClock::time_point nccl_deadline_after(double seconds) {
   return NcclClock::now() +
          std::chrono::duration_cast<NcclClock::duration>(std::chrono::duration<double>(seconds));
-}
-
-std::string nccl_seconds_string(double s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
 }
 
 // ---- failure state ------------------------------------------------------------------------
@@ -68,7 +62,7 @@ void NcclCommunicator::Impl::wait_enqueued(const std::string& what, ncclResult_t
   while (rc == ncclInProgress) {
     if (NcclClock::now() > deadline) {
       const std::string msg =
-          what + " could not start within " + nccl_seconds_string(timeout_s.load()) +
+          what + " could not start within " + seconds_text(timeout_s.load()) +
           " s (NCCL is still connecting to its peers: a peer rank is late, dead, "
           "or called a different collective); the NCCL communicator was aborted";
       abort_locked(msg);
@@ -238,7 +232,7 @@ bool NcclCommunicator::Impl::poll_inflight(std::string& abort_reason,
     }
     if (!f.failed && NcclClock::now() > f.deadline) {
       const std::string msg = f.work->what() + " did not complete within " +
-                              nccl_seconds_string(timeout_s.load()) +
+                              seconds_text(timeout_s.load()) +
                               " s (a peer rank is late, dead, or called a different collective); "
                               "the NCCL communicator was aborted";
       poison(msg);

@@ -44,7 +44,6 @@ inline constexpr double kNcclAbandonAfterS = 5.0;
 inline constexpr double kNcclFinalizeTimeoutS = 10.0;
 
 NcclClock::time_point nccl_deadline_after(double seconds);
-std::string nccl_seconds_string(double s);
 
 struct NcclCommunicator::Impl {
   int device = 0, rank = 0, size = 1;
