@@ -7,14 +7,15 @@
 // every collective is exposed, as predict_step() assumes with compute_s = 0. Rank 0 prints the
 // median step time over --steps steps (after two warm-up steps), the slowest rank's, and
 // predict_step()'s from --calibration, split as predicted. With --shard-group, hierarchical
-// sharding; with --ranks-per-node and --inter-node-gbs (each node's link, GB/s), the nodes
+// sharding; with --ranks-per-node and --inter-node-gbs (each node's link, GB/s) or
+// --link-calibration (the link per collective kind, read_link_calibration()), the nodes
 // predict_step() assumes; then it also prints the bytes the busiest node sent to other nodes
 // per step (the engine's StepResult::inter_node_bytes, summed over the node's ranks) beside
 // the prediction's.
 //
 //   mpirun -np 2 plan_step_bench --calibration cal.json --params 64M --units 16 --stage 2
 //          --tier host [--dtype bf16] [--state f32|bf16|8bit] [--steps 7] [--nvme-path DIR]
-//          [--shard-group N] [--ranks-per-node N --inter-node-gbs X]
+//          [--shard-group N] [--ranks-per-node N (--inter-node-gbs X | --link-calibration F)]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -42,7 +43,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string calibration, tier = "host", dtype = "bf16", nvme_path, state = "f32";
+  std::string calibration, tier = "host", dtype = "bf16", nvme_path, state = "f32", link_file;
   int64_t params = int64_t(64) << 20;
   int units = 16, stage = 2, steps = 7, group = 0, per_node = 0;
   double link_gbs = 0;
@@ -72,6 +73,8 @@ int main(int argc, char** argv) {
       per_node = std::stoi(v);
     else if (k == "--inter-node-gbs")
       link_gbs = std::stod(v);
+    else if (k == "--link-calibration")
+      link_file = v;
     else {
       std::fprintf(stderr, "plan_step_bench: unknown flag %s\n", k.c_str());
       return 2;
@@ -150,7 +153,8 @@ int main(int argc, char** argv) {
       if (!calibration.empty()) {
         MachineRates rates = read_calibration(calibration, cfg);
         rates.ranks_per_node = per_node;
-        rates.inter_node_gbs = link_gbs;
+        rates.link =
+            link_file.empty() ? LinkRates::uniform(link_gbs) : read_link_calibration(link_file);
         const StepPrediction p = predict_step(cfg, plan, comm->size(), rates);
         std::printf(
             ", predicted %.4f s (comm %.4f, optimizer %.4f, nvme %.4f): predicted / measured "

@@ -6,9 +6,10 @@
 // - optimizer: an engine's update of one unit on the CPU (StepResult::optimizer_s), in
 //   parameters per second, and as a fraction of the same-bytes pass of its own bytes; with the
 //   moments in f32 and, under "state_formats", in bf16 and 8-bit;
-// - collectives: reduce-scatter, all-gather and all-reduce over the launched ranks at sizes from
-//   4 KiB up, on buffers in the caches and (under "cold") on buffers that are not: every
-//   measured point, the latency of the smallest and the bandwidth between the two largest;
+// - collectives: reduce-scatter, all-gather and all-reduce (of bf16, as hierarchical sharding's
+//   across its groups) over the launched ranks at sizes from 4 KiB up, on buffers in the caches and
+//   (under "cold") on buffers that are not: every measured point, the latency of the smallest and
+//   the bandwidth between the two largest;
 // - nvme: an engine step with its optimizer state on the nvme tier (io_uring swap files in
 //   --nvme-path), in parameters per second and in record bytes read and written per second;
 //   the same for bf16 and 8-bit moments under "state_formats" (smaller records).
@@ -216,13 +217,11 @@ json collectives(Communicator& comm, const Options& o) {
     for (int cold = 0; cold < 2; ++cold) {
       const int64_t k = cold ? std::max<int64_t>(1, kRing / (bytes * world)) : 1;
       std::vector<uint16_t> send(size_t(n * world * k), 0x3C00), recv(size_t(n * world * k));
-      std::vector<double> d(size_t(std::max<int64_t>(1, bytes / 8) * k), 1.0);
       std::vector<double> t[3];
       for (int r = 0; r < o.reps + 1; ++r) {
         const size_t at = size_t(cold ? r % k : 0);
         uint16_t* sd = send.data() + at * size_t(n * world);
         uint16_t* rv = recv.data() + at * size_t(n * world);
-        double* dd = d.data() + at * (d.size() / size_t(k));
         double x[3];
         comm.barrier("calibrate");
         double t0 = now_s();
@@ -234,7 +233,7 @@ json collectives(Communicator& comm, const Options& o) {
         x[1] = now_s() - t0;
         comm.barrier("calibrate");
         t0 = now_s();
-        comm.all_reduce(dd, int64_t(d.size() / size_t(k)), ReduceOp::sum, "calibrate")->wait();
+        comm.all_reduce_sum(sd, n, DType::bf16, "calibrate")->wait();
         x[2] = now_s() - t0;
         if (r == 0) continue;
         for (int c = 0; c < 3; ++c) t[c].push_back(x[c]);

@@ -33,6 +33,7 @@ struct Options {
   double compute_s = 0;                               // the trainer's forward + backward
   int rates_per_node = 0;                             // ranks per node (0: one node)
   double inter_node_gbs = 0;                          // each node's link, GB/s
+  std::string link_calibration;                       // or per collective, from this file
   MachineRates rates;                                 // read from `calibration`
 };
 
@@ -53,7 +54,8 @@ const char* kHelp =
     "                      [--optimizer-state f32|bf16|8bit] [--master f32|bf16]\n"
     "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
     "                      [--calibration FILE [--compute-s X]]\n"
-    "                      [--shard-group N] [--ranks-per-node N --inter-node-gbs X]\n\n"
+    "                      [--shard-group N] [--ranks-per-node N\n"
+    "                       (--inter-node-gbs X | --link-calibration FILE)]\n\n"
     "For a GPT (the demo's model: token and position embeddings, --layers blocks of width --dim,\n"
     "an untied head; default GPT-2 small) on --ranks ranks, prints for every ZeRO stage and\n"
     "offload choice the bytes one rank holds on each tier once the engine is finalized, computed\n"
@@ -70,7 +72,10 @@ const char* kHelp =
     "consecutive ranks on each node, and --inter-node-gbs is each node's link to the others\n"
     "(GB/s each way): collectives whose rings cross nodes take the bytes the busiest node sends\n"
     "over that link (the calibration's rates stay for the collectives within a node); the\n"
-    "'MiB out' column is that node's bytes per step.\n";
+    "'MiB out' column is that node's bytes per step. --link-calibration instead takes the link's\n"
+    "rate per collective from a calibration made with one rank on each node\n"
+    "(mpirun --map-by node zeroshard calibrate): reduce-scatter, all-gather and all-reduce\n"
+    "use a link at different rates.\n";
 
 [[noreturn]] void bad(const std::string& why) {
   throw std::invalid_argument(why);
@@ -116,6 +121,8 @@ Options parse(const std::vector<std::string>& args) {
       o.rates_per_node = int(to_int(f, v));
     else if (f == "--inter-node-gbs")
       o.inter_node_gbs = to_number(f, v, "GB/s");
+    else if (f == "--link-calibration")
+      o.link_calibration = v;
     else if (f == "--ranks")
       o.ranks = int(to_int(f, v));
     else if (f == "--device-gib")
@@ -157,14 +164,17 @@ Options parse(const std::vector<std::string>& args) {
   }
   if (o.shape.dim % o.shape.heads != 0) bad("--dim is not a multiple of --heads");
   if (!o.calibration.empty()) {
+    if (o.inter_node_gbs > 0 && !o.link_calibration.empty())
+      bad("--inter-node-gbs and --link-calibration both give the link: one of them");
     try {
       o.rates = read_calibration(o.calibration, config(o));
+      o.rates.link = o.link_calibration.empty() ? LinkRates::uniform(o.inter_node_gbs)
+                                                : read_link_calibration(o.link_calibration);
     } catch (const Error& e) {
       bad(e.what());
     }
     o.rates.compute_s = o.compute_s;
     o.rates.ranks_per_node = o.rates_per_node;
-    o.rates.inter_node_gbs = o.inter_node_gbs;
   } else if (o.compute_s > 0) {
     bad("--compute-s needs --calibration");
   }
@@ -221,9 +231,16 @@ int run_plan(const std::vector<std::string>& args) {
       Config k = cfg;
       k.stage = c.stage;
       k.offload_optimizer.tier = c.optimizer;
-      const StepPrediction p = predict_step(k, units, o.ranks, o.rates);
-      std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s, p.nvme_s,
-                  p.inter_node_bytes / double(1 << 20));
+      try {
+        const StepPrediction p = predict_step(k, units, o.ranks, o.rates);
+        std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s,
+                    p.nvme_s, p.inter_node_bytes / double(1 << 20));
+      } catch (const Error& e) {  // a rate this row needs is not in the files: say which
+        std::string why = e.what();
+        const std::string prefix = "predict_step(): ";
+        if (why.rfind(prefix, 0) == 0) why.erase(0, prefix.size());
+        std::printf(" (%s)", why.c_str());
+      }
     }
     std::printf("\n");
   }

@@ -5,7 +5,8 @@
 # 16 units stepped by plan_step_bench with one group of all four ranks (flat) and with groups
 # of two (one per host). Each row gives the median step, predict_step()'s step for the same
 # configuration (the collectives within a host from a calibration made on host 0, the ones
-# that cross from the link's rate as a calibration of one rank per host measures it), the bytes host 1 sent to host 0 per step as the engine
+# that cross from the link's rate per collective kind as a calibration of one rank per host
+# measures it: read_link_calibration()), the bytes host 1 sent to host 0 per step as the engine
 # counts them (StepResult::inter_node_bytes of its two ranks) and as the planner predicts them,
 # and what host 1's link really sent (its veth counter over the whole run, set-up included,
 # per step).
@@ -32,10 +33,15 @@ echo "hierarchical: $params bf16 parameters in 16 units, AdamW on the device tie
 cal="$cluster_dir/calibration.json"
 cluster_mpirun -np 2 "$zs" calibrate --quick --out "$cal" >/dev/null
 for i in 0 1; do cluster_link "$i" add dev eth0 root tbf rate "${rate}mbit" burst 256kb latency 500ms; done
-# The link as MPI sees it: an all-gather between one rank on each host (calibrate's slope).
-cluster_mpirun -np 2 --map-by node "$zs" calibrate --quick --out "$cluster_dir/link.json" >/dev/null
-gbs=$(python3 -c "import json; print(json.load(open('$cluster_dir/link.json'))['collectives']['all_gather']['bandwidth_gbs'])")
-echo "link: tbf rate $(python3 -c "print($rate / 8000)") GB/s; an MPI all-gather across it: $gbs GB/s"
+# The link as MPI sees it: each collective between one rank on each host.
+link="$cluster_dir/link.json"
+cluster_mpirun -np 2 --map-by node "$zs" calibrate --quick --out "$link" >/dev/null
+python3 - "$link" "$rate" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["collectives"]
+print(f"link: tbf rate {float(sys.argv[2]) / 8000:g} GB/s; between one rank per host (GB/s):",
+      ", ".join(f"{k} {c[k]['bandwidth_gbs']:.4f}" for k in ("reduce_scatter", "all_gather", "all_reduce")))
+PY
 sent() { cluster_on 1 cat /sys/class/net/eth0/statistics/tx_bytes; }
 rows="$cluster_dir/rows"
 for stage in 2 3; do
@@ -43,7 +49,7 @@ for stage in 2 3; do
     before=$(sent)
     row=$(cluster_mpirun -np 4 "$bench" --calibration "$cal" --params "$params" --units 16 \
           --stage "$stage" --tier device --steps "$steps" --shard-group "$group" \
-          --ranks-per-node 2 --inter-node-gbs "$gbs")
+          --ranks-per-node 2 --link-calibration "$link")
     link=$(( $(sent) - before ))
     echo "$row; groups of $group; link $link bytes in $((steps + 2)) steps" | tee -a "$rows"
   done

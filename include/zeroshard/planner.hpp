@@ -64,26 +64,38 @@ struct ZS_API CollectiveRate {
   double seconds(double bytes, bool cold_buffers) const;
 };
 
+/// Each node's link to the other nodes as each collective kind uses it: the bytes a node sends
+/// over it per second (GB/s, each way), counted as a ring sends them
+/// (StepResult::inter_node_bytes). Kinds differ: Open MPI's non-blocking all-reduce between two
+/// hosts moved its bytes at 0.62 of the all-gather's rate over the same link, its
+/// reduce-scatter at 0.41. 0: not measured.
+struct LinkRates {
+  double reduce_scatter_gbs = 0, all_gather_gbs = 0, all_reduce_gbs = 0;
+  /// One rate for every kind (a link's bandwidth typed by hand).
+  static LinkRates uniform(double gbs) { return {gbs, gbs, gbs}; }
+};
+
 /// What a step-time prediction takes of one machine, per rank, with every rank of a node at
 /// work at once: what `zeroshard calibrate` measures (read_calibration()).
 struct MachineRates {
   /// The CPU optimizer update (AdamW) in parameters per second, for the engine's dtype and
   /// moments' format; 0: not measured.
   double update_params_per_s = 0;
-  CollectiveRate reduce_scatter, all_gather;
+  /// all_reduce: the engine's all-reduce of a dtype buffer (Communicator::all_reduce_sum), which
+  /// hierarchical sharding runs across its groups.
+  CollectiveRate reduce_scatter, all_gather, all_reduce;
   /// A step of the nvme tier (records read, updated, written) in parameters per second; 0: not
   /// measured.
   double nvme_step_params_per_s = 0;
   /// The trainer's own forward and backward per step (seconds; 0: none, as in a benchmark of
   /// the engine alone): the window that gradient reductions and gathers can hide behind.
   double compute_s = 0;
-  /// Nodes: this many consecutive ranks share one (0: every rank on one node), and each node's
-  /// link to the others carries this many GB/s each way (0: not measured). A collective whose
-  /// rings stay within nodes takes the calibrated rates above; one whose rings cross takes the
-  /// bytes its busiest node sends to other nodes (a ring count, StepResult::inter_node_bytes)
-  /// over the link: bandwidth only, latency left out.
+  /// Nodes: this many consecutive ranks share one (0: every rank on one node). A collective
+  /// whose rings stay within nodes takes the calibrated rates above; one whose rings cross takes
+  /// the bytes its busiest node sends to other nodes (a ring count) over the link at its kind's
+  /// rate: bandwidth only, latency left out.
   int ranks_per_node = 0;
-  double inter_node_gbs = 0;
+  LinkRates link;
 };
 
 /// The rates of a calibration file (schema zeroshard-calibration/1) for an engine configured as
@@ -94,6 +106,12 @@ struct MachineRates {
 /// Throws Error(invalid_argument) naming the file on a missing file, another schema, or a
 /// missing or mistyped field.
 ZS_API MachineRates read_calibration(const std::string& path, const Config& cfg);
+/// The link between nodes from a calibration file written by `zeroshard calibrate` launched with
+/// one rank on each node (`mpirun --map-by node`): each collective kind's bandwidth between the
+/// two largest sizes, turned into bytes a node sends per second by the ring count of the file's
+/// rank count. Throws Error(invalid_argument) naming the file on what read_calibration() refuses,
+/// on a calibration of one rank, or on a kind it did not measure.
+ZS_API LinkRates read_link_calibration(const std::string& path);
 /// The name a calibration file keeps cfg's rates under: the moments' format ("f32", "bf16",
 /// "8bit"), and "/bf16" after it for a bf16 master ("8bit/bf16"). "f32" rates are the top
 /// level of their section, the others under its "state_formats".

@@ -89,7 +89,8 @@ MachineRates read_calibration(const std::string& path, const Config& cfg) {
     at = "collectives";
     const json& c = j.at("collectives");
     for (auto [name, rate] :
-         {std::pair{"reduce_scatter", &r.reduce_scatter}, std::pair{"all_gather", &r.all_gather}})
+         {std::pair{"reduce_scatter", &r.reduce_scatter}, std::pair{"all_gather", &r.all_gather},
+          std::pair{"all_reduce", &r.all_reduce}})
       if (c.contains(name)) {
         rate->latency_s = c.at(name).at("latency_s").get<double>();
         rate->bandwidth_gbs = c.at(name).at("bandwidth_gbs").get<double>();
@@ -103,6 +104,34 @@ MachineRates read_calibration(const std::string& path, const Config& cfg) {
   } catch (const json::exception& e) {
     ZS_THROW(invalid_argument, "calibration file " << path << ": " << at << ": " << e.what());
   }
+}
+
+LinkRates read_link_calibration(const std::string& path) {
+  Config any;
+  const MachineRates m = read_calibration(path, any);
+  int n = 0;
+  try {
+    std::ifstream f(path);
+    n = nlohmann::json::parse(f).at("collectives").at("world").get<int>();
+  } catch (const nlohmann::json::exception& e) {
+    ZS_THROW(invalid_argument, "calibration file " << path << ": collectives.world: " << e.what());
+  }
+  if (n < 2)
+    ZS_THROW(invalid_argument, "calibration file "
+                                   << path << " was made on " << n
+                                   << " rank: a link between nodes needs one rank on each of "
+                                      "two or more (mpirun --map-by node zeroshard calibrate)");
+  // A ring of n ranks sends (n - 1) blocks from each rank for a reduce-scatter's output block or
+  // an all-gather's input block, and 2 (n - 1) / n of an all-reduce's buffer.
+  auto link = [&](const CollectiveRate& c, const char* name, double ring) {
+    if (!(c.bandwidth_gbs > 0))
+      ZS_THROW(invalid_argument,
+               "calibration file " << path << ": collectives." << name << " is not measured");
+    return c.bandwidth_gbs * ring;
+  };
+  return {link(m.reduce_scatter, "reduce_scatter", n - 1.0),
+          link(m.all_gather, "all_gather", n - 1.0),
+          link(m.all_reduce, "all_reduce", 2.0 * (n - 1) / n)};
 }
 
 StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
@@ -141,18 +170,19 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   double crossing = 0;  // bytes the busiest node sends to other nodes per step
   // One collective of `hop` bytes per rank to the next, over rings whose busiest node sends
   // `hops` of them to other nodes: the calibrated time `local` if none, else those bytes over
-  // the link.
-  auto timed = [&](int hops, double hop, double local, double times) {
+  // the link at the rate of its kind (`link_gbs`, one of rates.link's).
+  auto timed = [&](int hops, double hop, double local, double times, double link_gbs) {
     const double out = hops * hop;
     crossing += times * out;
     if (out == 0) return times * local;
-    if (!(rates.inter_node_gbs > 0))
+    if (!(link_gbs > 0))
       ZS_THROW(invalid_argument, "predict_step(): the rings cross nodes ("
                                      << per_node
-                                     << " ranks per node) but the link between "
-                                        "nodes is not given (inter_node_gbs)");
-    return times * out / (rates.inter_node_gbs * 1e9);
+                                     << " ranks per node) but the link between nodes is not "
+                                        "given for every collective (MachineRates::link)");
+    return times * out / (link_gbs * 1e9);
   };
+  const LinkRates& link = rates.link;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
   for (const PlanUnit& u : units) {
     const UnitLayout L = plan_unit(u.name, u.params, group, padding_grain(cfg));
@@ -163,19 +193,22 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     // Stages 0-1 reduce each unit's own whole gradient buffer (cold), and stage 0 gathers the
     // reduced shards back into it; stages 2-3 reduce from reused staging slots (warm).
     if (group > 1) {
-      grads += timed(within_hops, ring, rates.reduce_scatter.seconds(shard, cfg.stage <= 1), k);
+      grads += timed(within_hops, ring, rates.reduce_scatter.seconds(shard, cfg.stage <= 1), k,
+                     link.reduce_scatter_gbs);
       if (cfg.stage == 0)
-        grads += timed(within_hops, ring, rates.all_gather.seconds(shard, true), k);
+        grads +=
+            timed(within_hops, ring, rates.all_gather.seconds(shard, true), k, link.all_gather_gbs);
       if (cfg.stage == 3)  // forward and backward, into reused gather slots
-        gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, false), 2 * k);
+        gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, false), 2 * k,
+                         link.all_gather_gbs);
       else if (cfg.stage >= 1)  // the new parameters into each unit's whole buffer
-        after += timed(within_hops, ring, rates.all_gather.seconds(shard, true), 1);
+        after +=
+            timed(within_hops, ring, rates.all_gather.seconds(shard, true), 1, link.all_gather_gbs);
     }
-    if (replicas > 1)  // the reduced shard across the groups: a reduce-scatter and an all-gather
+    if (replicas > 1)  // the reduced shard, all-reduced across the groups
       grads += timed(across_hops, 2.0 * (replicas - 1) / replicas * shard,
-                     rates.reduce_scatter.seconds(shard / replicas, false) +
-                         rates.all_gather.seconds(shard / replicas, false),
-                     k);
+                     across_hops > 0 ? 0 : rates.all_reduce.seconds(shard, false), k,
+                     link.all_reduce_gbs);
   }
   StepPrediction p;
   p.compute_s = rates.compute_s;

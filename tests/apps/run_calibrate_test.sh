@@ -75,6 +75,26 @@ b=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan8.txt")
 grep -q "8bit moments and a bf16 master" "$work/plan8m.txt" || { cat "$work/plan8m.txt"; echo "FAIL: master"; exit 1; }
 c=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan8m.txt")
 [[ -n "$c" && "$c" != "$b" ]] || { echo "FAIL: bf16-master nvme step $c, f32 master $b"; exit 1; }
+# Across nodes, the link taken per collective from a calibration of several ranks (here the
+# one just made): 4 ranks, 2 per node, flat, so every collective crosses and every row sends
+# bytes out of its node; typing the link as well is refused.
+if (( np > 1 )); then
+  nodes=(--layers 2 --dim 64 --heads 2 --vocab 100 --seq 16 --ranks 4 --ranks-per-node 2
+         --calibration "$work/c.json")
+  "$bin" plan "${nodes[@]}" --link-calibration "$work/c.json" >"$work/plann.txt"
+  awk '$1 ~ /^[1-3]$/ && $9 != "(params" { rows++; if ($NF <= 0) bad = 1 } END { exit bad || !rows }' \
+    "$work/plann.txt" || { cat "$work/plann.txt"; echo "FAIL: nothing crossed nodes"; exit 1; }
+  if "$bin" plan "${nodes[@]}" --link-calibration "$work/c.json" --inter-node-gbs 1 2>"$work/err"; then
+    echo "FAIL: two links taken"; exit 1
+  fi
+  grep -q "one of them" "$work/err" || { cat "$work/err"; echo "FAIL: reason"; exit 1; }
+fi
+# A calibration without the nvme tier: the nvme rows say so, the others are still predicted.
+/usr/bin/python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["nvme"] = None
+json.dump(c, open(sys.argv[2], "w"))' "$work/c.json" "$work/nonvme.json"
+"$bin" plan "${plan[@]}" --calibration "$work/nonvme.json" >"$work/plan.txt"
+grep -q "^1 *nvme .*nvme step rate with f32 moments is not measured" "$work/plan.txt" &&
+  grep -q "^1 *host  *device .* 0\.[0-9]" "$work/plan.txt" || { cat "$work/plan.txt"; echo "FAIL: rows"; exit 1; }
 echo '{"schema": "zeroshard-calibration/0"}' >"$work/bad.json"
 if "$bin" plan --calibration "$work/bad.json" 2>"$work/err"; then echo "FAIL: bad file taken"; exit 1; fi
 grep -q "zeroshard-calibration/0" "$work/err" || { cat "$work/err"; echo "FAIL: reason"; exit 1; }

@@ -86,7 +86,7 @@ TEST(PlanTime, ComputeHidesReductionsAndGathersButNotTheGatherAfterTheUpdate) {
 TEST(PlanTime, NodesAndShardGroups) {
   MachineRates r = rates();
   r.ranks_per_node = 2;
-  r.inter_node_gbs = 0.5;
+  r.link = LinkRates::uniform(0.5);
   // 4 ranks: shards of 1024 and 256 (1000 padded to 1024).
   const double flat_shards = 1024 + 256;
   StepPrediction p = predict_step(cfg(3, Tier::device), model(), 4, r);
@@ -99,12 +99,35 @@ TEST(PlanTime, NodesAndShardGroups) {
   EXPECT_DOUBLE_EQ(p.inter_node_bytes, 2 * 1 * group_shards * 2);
   const double within = 3 * (coll(2048) + coll(512));
   EXPECT_DOUBLE_EQ(p.comm_s, within + p.inter_node_bytes / 0.5e9);
-  // One node: nothing crosses; rings that cross without a link rate are refused.
+  // One node: nothing crosses, and the all-reduce across groups takes its calibrated time on
+  // the group's shard; rings that cross without a link rate are refused.
   r.ranks_per_node = 4;
-  EXPECT_EQ(predict_step(h, model(), 4, r).inter_node_bytes, 0);
+  r.all_reduce = {0, 1.0, {}, {}};
+  p = predict_step(h, model(), 4, r);
+  EXPECT_EQ(p.inter_node_bytes, 0);
+  EXPECT_DOUBLE_EQ(p.comm_s, within + group_shards * 2 / 1e9);
   r.ranks_per_node = 2;
-  r.inter_node_gbs = 0;
+  r.link = {};
   EXPECT_THROW(predict_step(h, model(), 4, r), Error);
+}
+
+// Each kind crosses at its own rate: flat stage 3's gathers at the all-gather's, its
+// reduce-scatter at the reduce-scatter's, the groups' all-reduce at the all-reduce's; a kind
+// without a rate is refused only where it crosses.
+TEST(PlanTime, EachCollectiveKindCrossesAtItsOwnRate) {
+  MachineRates r = rates();
+  r.ranks_per_node = 2;
+  r.link = {0.25, 0.5, 0.4};
+  const double flat_out = 3 * (1024 + 256) * 2;  // bytes a node sends per collective
+  StepPrediction p = predict_step(cfg(3, Tier::device), model(), 4, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, 2 * flat_out / 0.5e9 + flat_out / 0.25e9);
+  Config h = cfg(3, Tier::device);
+  h.shard_group_size = 2;
+  p = predict_step(h, model(), 4, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, 3 * (coll(2048) + coll(512)) + 2 * (2048 + 512) * 2 / 0.4e9);
+  r.link.reduce_scatter_gbs = 0;  // hierarchical: no reduce-scatter crosses
+  EXPECT_NO_THROW(predict_step(h, model(), 4, r));
+  EXPECT_THROW(predict_step(cfg(3, Tier::device), model(), 4, r), Error);
 }
 
 TEST(PlanTime, GradientAccumulationReducesEveryMicroStep) {
@@ -165,7 +188,9 @@ const char* kGood = R"({"schema": "zeroshard-calibration/1",
   "collectives": {
     "reduce_scatter": {"latency_s": 1e-5, "bandwidth_gbs": 2, "points_bytes_s": [[4096, 1e-5], [8192, 3e-5]],
                        "cold": {"latency_s": 2e-5, "bandwidth_gbs": 1, "points_bytes_s": [[4096, 2e-5], [8192, 5e-5]]}},
-    "all_gather": {"latency_s": 1e-5, "bandwidth_gbs": 4, "points_bytes_s": [[4096, 1e-5]]}},
+    "all_gather": {"latency_s": 1e-5, "bandwidth_gbs": 4, "points_bytes_s": [[4096, 1e-5]]},
+    "all_reduce": {"latency_s": 1e-5, "bandwidth_gbs": 3, "points_bytes_s": [[4096, 1e-5]]},
+    "world": 3},
   "nvme": {"step_params_per_s": 5e7}})";
 
 // An engine's settings as far as a calibration file's rates depend on them.
@@ -206,11 +231,36 @@ TEST(PlanTime, ReadsACalibrationFile) {
   EXPECT_EQ(b.reduce_scatter.cold[1].second, 5e-5);
   EXPECT_EQ(b.all_gather.bandwidth_gbs, 4);
   EXPECT_TRUE(b.all_gather.cold.empty());
+  EXPECT_EQ(b.all_reduce.bandwidth_gbs, 3);
   EXPECT_EQ(b.nvme_step_params_per_s, 5e7);
   EXPECT_EQ(read_calibration(TempFile(replace(kGood, R"({"step_params_per_s": 5e7})", "null")).path,
                              with(DType::bf16))
                 .nvme_step_params_per_s,
             0);
+}
+
+// A calibration of one rank per node, 3 nodes: a ring sends 2 blocks per reduce-scatter or
+// all-gather block and 4/3 of an all-reduce's buffer from each node.
+TEST(PlanTime, ReadsTheLinkFromACalibrationOfOneRankPerNode) {
+  const LinkRates l = read_link_calibration(TempFile(kGood).path);
+  EXPECT_DOUBLE_EQ(l.reduce_scatter_gbs, 2 * 2);
+  EXPECT_DOUBLE_EQ(l.all_gather_gbs, 4 * 2);
+  EXPECT_DOUBLE_EQ(l.all_reduce_gbs, 3 * 4.0 / 3);
+  try {
+    read_link_calibration(TempFile(replace(kGood, R"("world": 3)", R"("world": 1)")).path);
+    ADD_FAILURE() << "took a link from one rank";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--map-by node"), std::string::npos) << e.what();
+  }
+  try {
+    read_link_calibration(
+        TempFile(replace(kGood, R"("bandwidth_gbs": 3)", R"("bandwidth_gbs": 0)")).path);
+    ADD_FAILURE() << "took an unmeasured all-reduce";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("collectives.all_reduce is not measured"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(PlanTime, RefusesBadCalibrationFiles) {
