@@ -34,13 +34,15 @@ cal="$cluster_dir/calibration.json"
 cluster_mpirun -np 2 "$zs" calibrate --quick --out "$cal" >/dev/null
 for i in 0 1; do cluster_link "$i" add dev eth0 root tbf rate "${rate}mbit" burst 256kb latency 500ms; done
 # The link as MPI sees it: each collective between one rank on each host.
-link="$cluster_dir/link.json"
-cluster_mpirun -np 2 --map-by node "$zs" calibrate --quick --out "$link" >/dev/null
-python3 - "$link" "$rate" <<'PY'
+link_cal="$cluster_dir/link.json"
+cluster_mpirun -np 2 --map-by node "$zs" calibrate --quick --out "$link_cal" >/dev/null
+python3 - "$link_cal" "$rate" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))["collectives"]
-print(f"link: tbf rate {float(sys.argv[2]) / 8000:g} GB/s; between one rank per host (GB/s):",
-      ", ".join(f"{k} {c[k]['bandwidth_gbs']:.4f}" for k in ("reduce_scatter", "all_gather", "all_reduce")))
+print(f"link: tbf rate {float(sys.argv[2]) / 8000:g} GB/s; between one rank per host, GB/s at",
+      " / ".join(f"{b / 2**20:g}" for b, _ in c["all_gather"]["points_bytes_s"][-3:]), "MiB:",
+      "; ".join(k + " " + " / ".join(f"{b / t / 1e9:.4f}" for b, t in c[k]["points_bytes_s"][-3:])
+                for k in ("reduce_scatter", "all_gather", "all_reduce")))
 PY
 sent() { cluster_on 1 cat /sys/class/net/eth0/statistics/tx_bytes; }
 rows="$cluster_dir/rows"
@@ -49,7 +51,7 @@ for stage in 2 3; do
     before=$(sent)
     row=$(cluster_mpirun -np 4 "$bench" --calibration "$cal" --params "$params" --units 16 \
           --stage "$stage" --tier device --steps "$steps" --shard-group "$group" \
-          --ranks-per-node 2 --link-calibration "$link")
+          --ranks-per-node 2 --link-calibration "$link_cal")
     link=$(( $(sent) - before ))
     echo "$row; groups of $group; link $link bytes in $((steps + 2)) steps" | tee -a "$rows"
   done

@@ -64,15 +64,22 @@ struct ZS_API CollectiveRate {
   double seconds(double bytes, bool cold_buffers) const;
 };
 
-/// Each node's link to the other nodes as each collective kind uses it: the bytes a node sends
-/// over it per second (GB/s, each way), counted as a ring sends them
-/// (StepResult::inter_node_bytes). Kinds differ: Open MPI's non-blocking all-reduce between two
-/// hosts moved its bytes at 0.62 of the all-gather's rate over the same link, its
-/// reduce-scatter at 0.41. 0: not measured.
+/// Each node's link to the other nodes, per collective kind, as measured between one rank on
+/// each of `nodes` nodes (a calibration launched with `mpirun --map-by node`:
+/// read_link_calibration()). A collective whose rings send B bytes out of its busiest node
+/// (a ring count, StepResult::inter_node_bytes) takes the time measured for the size whose ring
+/// sends B out of one node: B / (nodes − 1) for a reduce-scatter's output or an all-gather's
+/// input block, B · nodes / (2 (nodes − 1)) for an all-reduce's buffer. Kinds differ: Open MPI's
+/// non-blocking reduce-scatter and all-reduce between two hosts moved their bytes at about 0.4
+/// and 0.6 of the all-gather's rate over the same link.
 struct LinkRates {
-  double reduce_scatter_gbs = 0, all_gather_gbs = 0, all_reduce_gbs = 0;
-  /// One rate for every kind (a link's bandwidth typed by hand).
-  static LinkRates uniform(double gbs) { return {gbs, gbs, gbs}; }
+  int nodes = 2;
+  CollectiveRate reduce_scatter, all_gather, all_reduce;
+  /// One bandwidth for every kind (a link typed by hand, GB/s each way; no latency).
+  static LinkRates uniform(double gbs) {
+    const CollectiveRate c{0, gbs, {}, {}};
+    return {2, c, c, c};
+  }
 };
 
 /// What a step-time prediction takes of one machine, per rank, with every rank of a node at
@@ -107,10 +114,10 @@ struct MachineRates {
 /// missing or mistyped field.
 ZS_API MachineRates read_calibration(const std::string& path, const Config& cfg);
 /// The link between nodes from a calibration file written by `zeroshard calibrate` launched with
-/// one rank on each node (`mpirun --map-by node`): each collective kind's bandwidth between the
-/// two largest sizes, turned into bytes a node sends per second by the ring count of the file's
-/// rank count. Throws Error(invalid_argument) naming the file on what read_calibration() refuses,
-/// on a calibration of one rank, or on a kind it did not measure.
+/// one rank on each node (`mpirun --map-by node`): each collective kind's measured points (on
+/// buffers in the caches: the link, not the memory, is what it measures) and the file's rank
+/// count as `nodes`. Throws Error(invalid_argument) naming the file on what read_calibration()
+/// refuses, on a calibration of one rank, or on a kind it did not measure.
 ZS_API LinkRates read_link_calibration(const std::string& path);
 /// The name a calibration file keeps cfg's rates under: the moments' format ("f32", "bf16",
 /// "8bit"), and "/bf16" after it for a bf16 master ("8bit/bf16"). "f32" rates are the top

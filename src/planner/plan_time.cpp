@@ -121,17 +121,15 @@ LinkRates read_link_calibration(const std::string& path) {
                                    << path << " was made on " << n
                                    << " rank: a link between nodes needs one rank on each of "
                                       "two or more (mpirun --map-by node zeroshard calibrate)");
-  // A ring of n ranks sends (n - 1) blocks from each rank for a reduce-scatter's output block or
-  // an all-gather's input block, and 2 (n - 1) / n of an all-reduce's buffer.
-  auto link = [&](const CollectiveRate& c, const char* name, double ring) {
-    if (!(c.bandwidth_gbs > 0))
+  for (auto [c, name] :
+       {std::pair{&m.reduce_scatter, "reduce_scatter"}, std::pair{&m.all_gather, "all_gather"},
+        std::pair{&m.all_reduce, "all_reduce"}})
+    if (!(c->bandwidth_gbs > 0))
       ZS_THROW(invalid_argument,
                "calibration file " << path << ": collectives." << name << " is not measured");
-    return c.bandwidth_gbs * ring;
-  };
-  return {link(m.reduce_scatter, "reduce_scatter", n - 1.0),
-          link(m.all_gather, "all_gather", n - 1.0),
-          link(m.all_reduce, "all_reduce", 2.0 * (n - 1) / n)};
+  LinkRates l{n, m.reduce_scatter, m.all_gather, m.all_reduce};
+  for (CollectiveRate* c : {&l.reduce_scatter, &l.all_gather, &l.all_reduce}) c->cold.clear();
+  return l;
 }
 
 StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
@@ -169,20 +167,23 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   const int across_hops = busiest_node_hops(across, world, per_node);
   double crossing = 0;  // bytes the busiest node sends to other nodes per step
   // One collective of `hop` bytes per rank to the next, over rings whose busiest node sends
-  // `hops` of them to other nodes: the calibrated time `local` if none, else those bytes over
-  // the link at the rate of its kind (`link_gbs`, one of rates.link's).
-  auto timed = [&](int hops, double hop, double local, double times, double link_gbs) {
+  // `hops` of them to other nodes: the calibrated time `local` if none, else the link's time for
+  // those bytes as its kind (`link_kind`, one of rates.link's) sends them; `ring_out` is the
+  // bytes one node sends per byte of the kind's measured size in the link's calibration.
+  const LinkRates& link = rates.link;
+  auto timed = [&](int hops, double hop, double local, double times,
+                   const CollectiveRate& link_kind, double ring_out) {
     const double out = hops * hop;
     crossing += times * out;
     if (out == 0) return times * local;
-    if (!(link_gbs > 0))
+    if (!(link_kind.bandwidth_gbs > 0) || link.nodes < 2)
       ZS_THROW(invalid_argument, "predict_step(): the rings cross nodes ("
                                      << per_node
                                      << " ranks per node) but the link between nodes is not "
                                         "given for every collective (MachineRates::link)");
-    return times * out / (link_gbs * 1e9);
+    return times * link_kind.seconds(out / ring_out, false);
   };
-  const LinkRates& link = rates.link;
+  const double block_out = link.nodes - 1.0, buffer_out = 2.0 * (link.nodes - 1) / link.nodes;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
   for (const PlanUnit& u : units) {
     const UnitLayout L = plan_unit(u.name, u.params, group, padding_grain(cfg));
@@ -194,21 +195,21 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     // reduced shards back into it; stages 2-3 reduce from reused staging slots (warm).
     if (group > 1) {
       grads += timed(within_hops, ring, rates.reduce_scatter.seconds(shard, cfg.stage <= 1), k,
-                     link.reduce_scatter_gbs);
+                     link.reduce_scatter, block_out);
       if (cfg.stage == 0)
-        grads +=
-            timed(within_hops, ring, rates.all_gather.seconds(shard, true), k, link.all_gather_gbs);
+        grads += timed(within_hops, ring, rates.all_gather.seconds(shard, true), k, link.all_gather,
+                       block_out);
       if (cfg.stage == 3)  // forward and backward, into reused gather slots
         gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, false), 2 * k,
-                         link.all_gather_gbs);
+                         link.all_gather, block_out);
       else if (cfg.stage >= 1)  // the new parameters into each unit's whole buffer
-        after +=
-            timed(within_hops, ring, rates.all_gather.seconds(shard, true), 1, link.all_gather_gbs);
+        after += timed(within_hops, ring, rates.all_gather.seconds(shard, true), 1, link.all_gather,
+                       block_out);
     }
     if (replicas > 1)  // the reduced shard, all-reduced across the groups
       grads += timed(across_hops, 2.0 * (replicas - 1) / replicas * shard,
                      across_hops > 0 ? 0 : rates.all_reduce.seconds(shard, false), k,
-                     link.all_reduce_gbs);
+                     link.all_reduce, buffer_out);
   }
   StepPrediction p;
   p.compute_s = rates.compute_s;

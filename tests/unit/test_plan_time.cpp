@@ -117,7 +117,7 @@ TEST(PlanTime, NodesAndShardGroups) {
 TEST(PlanTime, EachCollectiveKindCrossesAtItsOwnRate) {
   MachineRates r = rates();
   r.ranks_per_node = 2;
-  r.link = {0.25, 0.5, 0.4};
+  r.link = {2, {0, 0.25, {}, {}}, {0, 0.5, {}, {}}, {0, 0.4, {}, {}}};
   const double flat_out = 3 * (1024 + 256) * 2;  // bytes a node sends per collective
   StepPrediction p = predict_step(cfg(3, Tier::device), model(), 4, r);
   EXPECT_DOUBLE_EQ(p.comm_s, 2 * flat_out / 0.5e9 + flat_out / 0.25e9);
@@ -125,7 +125,20 @@ TEST(PlanTime, EachCollectiveKindCrossesAtItsOwnRate) {
   h.shard_group_size = 2;
   p = predict_step(h, model(), 4, r);
   EXPECT_DOUBLE_EQ(p.comm_s, 3 * (coll(2048) + coll(512)) + 2 * (2048 + 512) * 2 / 0.4e9);
-  r.link.reduce_scatter_gbs = 0;  // hierarchical: no reduce-scatter crosses
+  // A link calibrated on 3 nodes: a node sends 2 blocks per reduce-scatter or all-gather block
+  // and 4/3 of an all-reduce's buffer, so a node's bytes are timed as the size sending them.
+  r.link.nodes = 3;
+  p = predict_step(cfg(3, Tier::device), model(), 4, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, 2 * flat_out / 2 / 0.5e9 + flat_out / 2 / 0.25e9);
+  p = predict_step(h, model(), 4, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, 3 * (coll(2048) + coll(512)) + 2 * (2048 + 512) * 2 * 3 / 4 / 0.4e9);
+  // Measured points are interpolated at that size (latency and all), as within a node: per
+  // unit, a gather sends 3 · 1024 · 2 and 3 · 256 · 2 bytes out of a node.
+  r.link.nodes = 2;
+  r.link.all_gather.warm = {{1000, 1e-3}, {100000, 2e-3}};
+  p = predict_step(cfg(3, Tier::device), model(), 4, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, 2 * (2e-3 + 1e-3 * (flat_out - 2 * 1000) / 99000) + flat_out / 0.25e9);
+  r.link.reduce_scatter.bandwidth_gbs = 0;  // hierarchical: no reduce-scatter crosses
   EXPECT_NO_THROW(predict_step(h, model(), 4, r));
   EXPECT_THROW(predict_step(cfg(3, Tier::device), model(), 4, r), Error);
 }
@@ -239,13 +252,15 @@ TEST(PlanTime, ReadsACalibrationFile) {
             0);
 }
 
-// A calibration of one rank per node, 3 nodes: a ring sends 2 blocks per reduce-scatter or
-// all-gather block and 4/3 of an all-reduce's buffer from each node.
+// A calibration of one rank per node on 3 nodes.
 TEST(PlanTime, ReadsTheLinkFromACalibrationOfOneRankPerNode) {
   const LinkRates l = read_link_calibration(TempFile(kGood).path);
-  EXPECT_DOUBLE_EQ(l.reduce_scatter_gbs, 2 * 2);
-  EXPECT_DOUBLE_EQ(l.all_gather_gbs, 4 * 2);
-  EXPECT_DOUBLE_EQ(l.all_reduce_gbs, 3 * 4.0 / 3);
+  EXPECT_EQ(l.nodes, 3);
+  EXPECT_EQ(l.reduce_scatter.bandwidth_gbs, 2);
+  ASSERT_EQ(l.reduce_scatter.warm.size(), 2u);
+  EXPECT_TRUE(l.reduce_scatter.cold.empty());  // the link's rate, not the memory's
+  EXPECT_EQ(l.all_gather.bandwidth_gbs, 4);
+  EXPECT_EQ(l.all_reduce.bandwidth_gbs, 3);
   try {
     read_link_calibration(TempFile(replace(kGood, R"("world": 3)", R"("world": 1)")).path);
     ADD_FAILURE() << "took a link from one rank";
