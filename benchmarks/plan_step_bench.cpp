@@ -1,20 +1,21 @@
 // The planner's step time against the engine's, for one configuration (DESIGN.md rule 9: the
 // prediction and the measurement in one run). Under mpirun -np W, an engine of --params
-// parameters in --units equal units (stage, optimizer tier and dtype as given; nvme state under
-// --nvme-path) trains on synthetic gradients: per step, at stage 3 every unit gathered and
-// released in forward order and again in backward order, every unit's gradient written and
-// handed over in backward order, then step(). No model math: the trainer's compute is 0, so
-// every collective is exposed, as predict_step() assumes with compute_s = 0. Rank 0 prints the
-// median step time over --steps steps (after two warm-up steps), the slowest rank's, and
-// predict_step()'s from --calibration, split as predicted. With --shard-group, hierarchical
-// sharding; with --ranks-per-node and --inter-node-gbs (each node's link, GB/s) or
+// parameters in --units equal units (stage, optimizer tier, stage 3's parameter tier and dtype
+// as given; nvme state and parameters under --nvme-path) trains on synthetic gradients: per step,
+// at stage 3 every unit gathered and released in forward order and again in backward order, every
+// unit's gradient written and handed over in backward order, then step(). No model math: the
+// trainer's compute is 0, so every collective is exposed, as predict_step() assumes with compute_s
+// = 0. Rank 0 prints the median step time over --steps steps (after two warm-up steps), the slowest
+// rank's, and predict_step()'s from --calibration, split as predicted. With --shard-group,
+// hierarchical sharding; with --ranks-per-node and --inter-node-gbs (each node's link, GB/s) or
 // --link-calibration (the link per collective kind, read_link_calibration()), the nodes
 // predict_step() assumes; then it also prints the bytes the busiest node sent to other nodes
 // per step (the engine's StepResult::inter_node_bytes, summed over the node's ranks) beside
 // the prediction's.
 //
 //   mpirun -np 2 plan_step_bench --calibration cal.json --params 64M --units 16 --stage 2
-//          --tier host [--dtype bf16] [--state f32|bf16|8bit] [--steps 7] [--nvme-path DIR]
+//          --tier host [--param-tier device|host|nvme] [--dtype bf16] [--state f32|bf16|8bit]
+//          [--steps 7] [--nvme-path DIR]
 //          [--shard-group N] [--ranks-per-node N (--inter-node-gbs X | --link-calibration F)]
 #include <algorithm>
 #include <chrono>
@@ -43,7 +44,8 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string calibration, tier = "host", dtype = "bf16", nvme_path, state = "f32", link_file;
+  std::string calibration, tier = "host", dtype = "bf16", nvme_path, state = "f32", link_file,
+                           param_tier = "device";
   int64_t params = int64_t(64) << 20;
   int units = 16, stage = 2, steps = 7, group = 0, per_node = 0;
   double link_gbs = 0;
@@ -59,6 +61,8 @@ int main(int argc, char** argv) {
       stage = std::stoi(v);
     else if (k == "--tier")
       tier = v;
+    else if (k == "--param-tier")
+      param_tier = v;
     else if (k == "--dtype")
       dtype = v;
     else if (k == "--steps")
@@ -89,7 +93,11 @@ int main(int argc, char** argv) {
     cfg.offload_optimizer.tier = tier == "nvme"   ? Tier::nvme
                                  : tier == "host" ? Tier::host
                                                   : Tier::device;
-    if (!nvme_path.empty()) cfg.offload_optimizer.nvme_paths = {nvme_path};
+    cfg.offload_param.tier = param_tier == "nvme"   ? Tier::nvme
+                             : param_tier == "host" ? Tier::host
+                                                    : Tier::device;
+    if (!nvme_path.empty())
+      cfg.offload_optimizer.nvme_paths = cfg.offload_param.nvme_paths = {nvme_path};
     // The moments' format, and "/bf16" for a bf16 master ("8bit/bf16").
     const std::string moments = state.substr(0, state.find('/'));
     cfg.optimizer_state = moments == "8bit"   ? StateFormat::q8
@@ -146,10 +154,10 @@ int main(int argc, char** argv) {
     if (comm->rank() == 0) {
       const double measured = median(t);
       std::printf(
-          "stage %d tier %s dtype %s state %s ranks %d params %lld units %d: measured %.4f s "
-          "(rank 0: comm exposed %.4f, optimizer %.4f)",
-          stage, tier.c_str(), dtype.c_str(), state.c_str(), comm->size(), (long long)params, units,
-          measured, median(exposed), median(opt));
+          "stage %d tier %s param tier %s dtype %s state %s ranks %d params %lld units %d: "
+          "measured %.4f s (rank 0: comm exposed %.4f, optimizer %.4f)",
+          stage, tier.c_str(), param_tier.c_str(), dtype.c_str(), state.c_str(), comm->size(),
+          (long long)params, units, measured, median(exposed), median(opt));
       if (!calibration.empty()) {
         MachineRates rates = read_calibration(calibration, cfg);
         rates.ranks_per_node = per_node;

@@ -25,7 +25,7 @@ mkdir -p "$nvme"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# ranks stage optimizer-tier [moments' format, default f32]
+# ranks stage optimizer-tier [moments' format, default f32] [stage 3's parameter tier, default device]
 configs=(
   "2 0 device" "2 1 host" "2 2 host" "2 3 device" "2 2 nvme" "2 3 nvme"
   "4 1 host" "4 2 device" "4 3 host" "4 2 nvme"
@@ -43,22 +43,24 @@ PY
 }
 out="$work/rows"
 for c in "${configs[@]}"; do
-  read -r n stage tier state <<<"$c"
+  read -r n stage tier state ptier <<<"$c"
   mpirun -np "$n" "$zs" calibrate --out "$work/before.json" --nvme-path "$nvme" >/dev/null 2>&1
   row=$(mpirun -np "$n" "$bench" --calibration "$work/before.json" --params "$params" \
         --units "$units" --stage "$stage" --tier "$tier" --state "${state:-f32}" \
+        --param-tier "${ptier:-device}" \
         --nvme-path "$nvme" --steps "$steps")
   mpirun -np "$n" "$zs" calibrate --out "$work/after.json" --nvme-path "$nvme" >/dev/null 2>&1
   echo "$row, drift $(drift "$work/before.json" "$work/after.json")" | tee -a "$out"
 done
 python3 - "$out" <<'PY'
 import re, sys
-fields = [r"ranks (\d+)", r"stage (\d)", r"tier (\w+)", r"state (\w+)", r"measured ([0-9.]+) s",
+fields = [r"ranks (\d+)", r"stage (\d)", r"tier (\w+)", r"state (\w+)", r"param tier (\w+)",
+          r"measured ([0-9.]+) s",
           r"predicted ([0-9.]+) s", r"comm ([0-9.]+),", r"optimizer ([0-9.]+), nvme",
           r"nvme ([0-9.]+)\)", r"predicted / measured ([0-9.]+)", r"drift ([0-9.]+)"]
 rows = [[re.search(f, l).group(1) for f in fields] for l in open(sys.argv[1]) if "predicted /" in l]
-print("\n| ranks | stage | optimizer | moments | measured s | predicted s | comm | optimizer | nvme | predicted / measured | drift |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("\n| ranks | stage | optimizer | moments | params | measured s | predicted s | comm | optimizer | nvme | predicted / measured | drift |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     print("| " + " | ".join(r) + " |")
 within = sum(abs(float(r[-2]) - 1) <= 0.25 for r in rows)

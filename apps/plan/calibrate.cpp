@@ -12,7 +12,8 @@
 //   the bandwidth between the two largest;
 // - nvme: an engine step with its optimizer state on the nvme tier (io_uring swap files in
 //   --nvme-path), in parameters per second and in record bytes read and written per second;
-//   the same for bf16 and 8-bit moments under "state_formats" (smaller records).
+//   the same for bf16 and 8-bit moments under "state_formats" (smaller records); and stage 3's
+//   parameter shards on the nvme tier, read for gathers and written by the update ("param_tier").
 // Rank 0 prints a table and writes the JSON file (schema "zeroshard-calibration/1").
 #include "apps/plan/calibrate.hpp"
 
@@ -259,6 +260,48 @@ double mean_over(Communicator& comm, double x) {
   return x / comm.size();
 }
 
+// Stage 3's parameters on the nvme tier (offload_param nvme, the optimizer state in memory), in
+// bytes of bf16 shards per second: an engine of 16 units on this rank alone, whose sweep of
+// gathers in forward and backward order reads every shard from disk twice (into staging, ahead in
+// the order recorded in the first step), and whose step writes every new shard (the step less
+// its update).
+json param_tier(const Options& o) {
+  Config c;
+  c.stage = 3;
+  c.dtype = DType::bf16;
+  c.offload_optimizer.tier = Tier::host;
+  c.offload_param.tier = Tier::nvme;
+  c.offload_param.nvme_paths = {o.nvme_path};
+  Engine e(c, make_self_communicator());
+  constexpr int kUnits = 16;
+  const int64_t n = o.elements / kUnits;
+  for (int u = 0; u < kUnits; ++u) e.add_unit("p" + std::to_string(u), {Param{"w", {n}}});
+  e.finalize();
+  std::vector<double> read, write;
+  for (int s = 0; s < o.reps + 1; ++s) {
+    const double t0 = now_s();
+    for (int pass = 0; pass < 2; ++pass)
+      for (int i = 0; i < kUnits; ++i) {
+        const int u = pass == 0 ? i : kUnits - 1 - i;
+        e.gather(u);
+        e.release(u);
+      }
+    const double t1 = now_s();
+    for (int u = kUnits - 1; u >= 0; --u) {
+      for (const TensorView& g : e.grads(u))
+        std::fill_n(static_cast<uint16_t*>(g.data), g.numel, uint16_t(0x3a83));  // bf16 1e-3
+      e.grads_ready(u);
+    }
+    const StepResult r = e.step();
+    if (s == 0) continue;  // the first sweep records the order the reads follow
+    read.push_back(t1 - t0);
+    write.push_back(now_s() - t1 - r.optimizer_s);
+  }
+  const double bytes = double(kUnits * n) * 2;
+  return {{"read_gbs", 2 * bytes / median(read) / 1e9},
+          {"write_gbs", bytes / std::max(1e-9, median(write)) / 1e9}};
+}
+
 }  // namespace
 
 int run_calibrate(const std::vector<std::string>& args) {
@@ -344,6 +387,11 @@ int run_calibrate(const std::vector<std::string>& args) {
         j["nvme"]["state_formats"][calibration_format(f)] = {
             {"step_params_per_s", mean_over(*comm, double(o.elements) / step_s)}};
       }
+      say("nvme parameter tier (stage 3's shards read for gathers, written by the update)");
+      comm->barrier("calibrate");
+      json pt = param_tier(o);
+      for (const char* k : {"read_gbs", "write_gbs"}) pt[k] = mean_over(*comm, pt[k].get<double>());
+      j["nvme"]["param_tier"] = pt;
     } else {
       j["nvme"] = nullptr;
     }
@@ -379,6 +427,10 @@ int run_calibrate(const std::vector<std::string>& args) {
             j["nvme"]["record_gbs"].get<double>(),
             j["nvme"]["state_formats"]["bf16"]["step_params_per_s"].get<double>() / 1e9,
             j["nvme"]["state_formats"]["8bit"]["step_params_per_s"].get<double>() / 1e9);
+      if (!j["nvme"].is_null())
+        std::printf("  nvme params   shards read %.2f GB/s for gathers, written %.2f GB/s\n",
+                    j["nvme"]["param_tier"]["read_gbs"].get<double>(),
+                    j["nvme"]["param_tier"]["write_gbs"].get<double>());
     }
     return 0;
   } catch (const std::exception& e) {

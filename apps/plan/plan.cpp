@@ -225,12 +225,11 @@ int run_plan(const std::vector<std::string>& args) {
     std::printf("%-5d %-9s %-9s %12.3f %12.3f %12.3f %14.3f  %-10s", c.stage,
                 tier_name(c.optimizer), tier_name(c.params), gib(c.tier_bytes[0]),
                 gib(c.tier_bytes[1]), gib(c.tier_bytes[2]), gib(c.model_states), fits.c_str());
-    if (timed && c.params != Tier::device) {
-      std::printf(" %8s", "(params offloaded: not modelled)");
-    } else if (timed) {
+    if (timed) {
       Config k = cfg;
       k.stage = c.stage;
       k.offload_optimizer.tier = c.optimizer;
+      k.offload_param.tier = c.params;
       try {
         const StepPrediction p = predict_step(k, units, o.ranks, o.rates);
         std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s,

@@ -94,6 +94,9 @@ struct MachineRates {
   /// A step of the nvme tier (records read, updated, written) in parameters per second; 0: not
   /// measured.
   double nvme_step_params_per_s = 0;
+  /// Stage 3's parameter shards on the nvme tier (offload_param nvme): bytes per second read
+  /// into staging for a gather, and written after the update; 0: not measured.
+  double param_read_gbs = 0, param_write_gbs = 0;
   /// The trainer's own forward and backward per step (seconds; 0: none, as in a benchmark of
   /// the engine alone): the window that gradient reductions and gathers can hide behind.
   double compute_s = 0;
@@ -133,15 +136,20 @@ struct StepPrediction {
   double compute_s = 0;
   double comm_s = 0;       ///< exposed communication
   double optimizer_s = 0;  ///< the CPU update in memory
-  double nvme_s = 0;       ///< the nvme tier's step (its update included)
+  /// The nvme tier's step (its update included), and with parameters on the nvme tier their
+  /// reads beyond what the gathers' collectives hide and their writes after the update.
+  double nvme_s = 0;
   double total_s = 0;
   /// Bytes the busiest node sends to other nodes per step (ring count, as the engine counts).
   double inter_node_bytes = 0;
 };
 
 /// The step of rank 0 of an engine with `cfg` on `world` ranks, from the same unit layout the
-/// engine allocates with. Throws Error(invalid_argument) for a configuration it does not model
-/// (GPU engines, parameters offloaded) or a rate it needs that is 0.
+/// engine allocates with. Stage 3's parameters on the host tier are a CPU engine's memory, as on
+/// the device tier; on the nvme tier every gather reads the rank's shard first (ahead, in the
+/// recorded order, so the reads and the gathers' collectives run side by side and the slower
+/// sets the pace) and the update writes every new shard. Throws Error(invalid_argument) for a
+/// configuration it does not model (GPU engines) or a rate it needs that is 0.
 ZS_API StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
                                    const MachineRates& rates);
 

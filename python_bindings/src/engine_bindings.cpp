@@ -696,11 +696,20 @@ void bind_plan(nb::module_& m) {
           for (int t = 0; t < kNumTiers; ++t) d[tier_name(Tier(t))] = c.tier_bytes[t];
           d["model_states"] = c.model_states;
           d["step"] = nb::none();
-          if (!calibration.empty() && c.params == Tier::device && cfg.device == Device::cpu) {
+          d["step_note"] = nb::none();
+          if (!calibration.empty()) {
             Config k = cfg;
             k.stage = c.stage;
             k.offload_optimizer.tier = c.optimizer;
-            const StepPrediction p = predict_step(k, us, world, rates);
+            k.offload_param.tier = c.params;
+            StepPrediction p;
+            try {
+              p = predict_step(k, us, world, rates);
+            } catch (const Error& e) {  // not modelled, or a rate the file lacks
+              d["step_note"] = std::string(e.what());
+              out.append(d);
+              continue;
+            }
             nb::dict st;
             st["total_s"] = p.total_s;
             st["compute_s"] = p.compute_s;
@@ -720,8 +729,8 @@ void bind_plan(nb::module_& m) {
       "of dicts (stage, optimizer, params, bytes on device/host/nvme and model_states, of the "
       "rank that holds the most). With `calibration` (a file `zeroshard calibrate` wrote), each "
       "dict's `step` is predict_step()'s split of the engine's step in seconds (total_s, "
-      "compute_s as given, comm_s, optimizer_s, nvme_s), None where it is not modelled "
-      "(parameters offloaded).");
+      "compute_s as given, comm_s, optimizer_s, nvme_s); where it cannot be predicted (a GPU "
+      "engine, or a rate the file does not hold) `step` is None and `step_note` says why.");
   m.def(
       "plan_memory",
       [](const Config& cfg, const PyUnits& units, int world, int rank,

@@ -98,8 +98,14 @@ MachineRates read_calibration(const std::string& path, const Config& cfg) {
         if (c.at(name).contains("cold")) rate->cold = points(c.at(name).at("cold"), path, name);
       }
     at = "nvme.step_params_per_s";
-    if (j.contains("nvme") && !j.at("nvme").is_null())
+    if (j.contains("nvme") && !j.at("nvme").is_null()) {
       r.nvme_step_params_per_s = measured(j.at("nvme"), "step_params_per_s");
+      at = "nvme.param_tier";  // absent in files from before it was measured
+      if (j.at("nvme").contains("param_tier")) {
+        r.param_read_gbs = j.at("nvme").at("param_tier").at("read_gbs").get<double>();
+        r.param_write_gbs = j.at("nvme").at("param_tier").at("write_gbs").get<double>();
+      }
+    }
     return r;
   } catch (const json::exception& e) {
     ZS_THROW(invalid_argument, "calibration file " << path << ": " << at << ": " << e.what());
@@ -136,9 +142,13 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
                             const MachineRates& rates) {
   if (cfg.device != Device::cpu)
     ZS_THROW(invalid_argument, "predict_step(): CPU engines only (no GPU rates are calibrated)");
-  if (cfg.offload_param.tier != Tier::device)
-    ZS_THROW(invalid_argument, "predict_step(): parameters offloaded are not modelled yet");
   if (world < 1) ZS_THROW(invalid_argument, "predict_step(): world " << world);
+  const bool nvme_params = cfg.stage == 3 && cfg.offload_param.tier == Tier::nvme;
+  if (nvme_params && !(rates.param_read_gbs > 0 && rates.param_write_gbs > 0))
+    ZS_THROW(invalid_argument,
+             "predict_step(): the nvme parameter tier's read and write rates "
+             "are not measured (zeroshard calibrate --nvme-path DIR measures "
+             "them)");
   const bool nvme = cfg.offload_optimizer.tier == Tier::nvme;
   if (nvme ? !(rates.nvme_step_params_per_s > 0) : !(rates.update_params_per_s > 0))
     ZS_THROW(invalid_argument, "predict_step(): the "
@@ -185,11 +195,16 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   };
   const double block_out = link.nodes - 1.0, buffer_out = 2.0 * (link.nodes - 1) / link.nodes;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
+  double param_read = 0, param_write = 0;                 // bytes of nvme parameter shards
   for (const PlanUnit& u : units) {
     const UnitLayout L = plan_unit(u.name, u.params, group, padding_grain(cfg));
     const double shard = double(L.shard_numel) * pbytes;
     const double ring = double(group - 1) * shard;  // a reduce-scatter or all-gather's hop
     updated += double(cfg.stage == 0 ? L.padded_numel : L.shard_numel);
+    if (nvme_params) {  // a read per gather, forward and backward; one write of the new shard
+      param_read += 2.0 * k * shard;
+      param_write += shard;
+    }
     if (world == 1) continue;  // a one-rank engine runs no collective
     // Stages 0-1 reduce each unit's own whole gradient buffer (cold), and stage 0 gathers the
     // reduced shards back into it; stages 2-3 reduce from reused staging slots (warm).
@@ -216,11 +231,17 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   // Reductions start as backward hands units over and stage-3 gathers are prefetched ahead of
   // the unit that needs them: both can hide behind the trainer's compute, once. The all-gather
   // of the new parameters waits for the update and hides behind nothing.
-  p.comm_s = std::max(0.0, grads + gathers - rates.compute_s) + after;
+  const double exposed = std::max(0.0, grads + gathers - rates.compute_s);
+  p.comm_s = exposed + after;
   if (nvme)
     p.nvme_s = updated / rates.nvme_step_params_per_s;
   else
     p.optimizer_s = updated / rates.update_params_per_s;
+  if (nvme_params) {  // reads beside the gathers, the slower sets their pace; then the writes
+    const double reads = param_read / (rates.param_read_gbs * 1e9);
+    p.nvme_s += std::max(0.0, grads + std::max(gathers, reads) - rates.compute_s) - exposed +
+                param_write / (rates.param_write_gbs * 1e9);
+  }
   p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.nvme_s;
   p.inter_node_bytes = crossing;
   return p;

@@ -185,8 +185,9 @@ def test_plan_memory_equals_the_ledger():
 def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
     # With a calibration file every row the model covers gets the engine's step split as
     # predict_step() computes it: on 2 ranks stage 0 updates the whole unit, twice stage 1's
-    # shard; the nvme rows take the nvme tier's step instead of the update; offloaded
-    # parameters are not modelled. A file of another schema is refused by name.
+    # shard; the nvme rows take the nvme tier's step instead of the update; parameters on the
+    # host tier are a CPU engine's memory, on the nvme tier they need the file's parameter-tier
+    # rates (a row without them says so). A file of another schema is refused by name.
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({
         "schema": "zeroshard-calibration/1",
@@ -199,8 +200,8 @@ def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
     est = zs.estimate(units, world=2, dtype="bf16", calibration=cal, compute_s=0.25)
     rows = {(r["stage"], r["optimizer"], r["params"]): r for r in est.rows}
     for key, r in rows.items():
-        if key[2] != "device":
-            assert r["step"] is None, key
+        if key[2] == "nvme":
+            assert r["step"] is None and "parameter tier" in r["step_note"], key
             continue
         st = r["step"]
         assert st["compute_s"] == 0.25
@@ -211,6 +212,19 @@ def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
     assert s0["optimizer_s"] == pytest.approx(2 * s1["optimizer_s"])
     assert s1["optimizer_s"] == pytest.approx(4 * 256 * 256 / 2 / 1e9)
     assert rows[(2, "nvme", "device")]["step"]["nvme_s"] == pytest.approx(4 * 256 * 256 / 2 / 1e8)
+    assert rows[(3, "host", "host")]["step"] == rows[(3, "host", "device")]["step"]
+    c = json.loads(cal.read_text())
+    c["nvme"]["param_tier"] = {"read_gbs": 0.1, "write_gbs": 1.0}
+    cal.write_text(json.dumps(c))
+    rows = {(r["stage"], r["optimizer"], r["params"]): r
+            for r in zs.estimate(units, world=2, dtype="bf16", calibration=cal).rows}
+    # Stage 3 on 2 ranks: this rank's shards (half the model's bf16 bytes) read twice at
+    # 0.1 GB/s, far slower than the 8 gathers of 64 KiB shards (under 1 ms in all), which they
+    # then pace, and written once at 1 GB/s.
+    shards = 4 * 256 * 256 // 2 * 2
+    nv, dev = rows[(3, "host", "nvme")]["step"], rows[(3, "host", "device")]["step"]
+    slowest = 2 * shards / 1e8 + shards / 1e9
+    assert slowest - 1e-3 < nv["nvme_s"] < slowest and nv["comm_s"] == dev["comm_s"]
     assert "step s" in str(est)
     assert all(r["step"] is None for r in zs.estimate(units, world=2).rows)
     # 8-bit moments and a bf16 master: their own rate, and half the master's bytes.

@@ -155,6 +155,41 @@ TEST(PlanTime, NvmeStepReplacesTheUpdate) {
   EXPECT_DOUBLE_EQ(p.nvme_s, 2560 / 1e8);
 }
 
+// Stage 3's parameters: on the host tier a CPU engine's memory, as on the device tier; on the
+// nvme tier each gather reads the rank's shard (2 per unit per step) beside the collectives,
+// the slower of the two setting the pace, and the update writes every new shard.
+TEST(PlanTime, ParametersOnTheNvmeTier) {
+  const StepPrediction dev = predict_step(cfg(3), model(), 2, rates());
+  Config host = cfg(3);
+  host.offload_param.tier = Tier::host;
+  EXPECT_DOUBLE_EQ(predict_step(host, model(), 2, rates()).total_s, dev.total_s);
+  Config nv = cfg(3);
+  nv.offload_param.tier = Tier::nvme;
+  MachineRates r = rates();
+  const double shards = (2048 + 512) * 2;  // bytes of this rank's shards
+  const double gathers = 2 * (coll(2048) + coll(512)), reduce = coll(2048) + coll(512);
+  // Reads faster than the gathers: hidden; only the writes show.
+  r.param_read_gbs = 2 * shards / (gathers / 2) / 1e9;  // in half the gathers' time
+  r.param_write_gbs = 1;
+  StepPrediction p = predict_step(nv, model(), 2, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, dev.comm_s);
+  EXPECT_DOUBLE_EQ(p.nvme_s, shards / 1e9);
+  // Reads slower: they set the pace, and what they take beyond the gathers is the nvme tier's.
+  r.param_read_gbs = 2 * shards / (3 * gathers) / 1e9;
+  p = predict_step(nv, model(), 2, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, reduce + gathers);
+  EXPECT_NEAR(p.nvme_s, 2 * gathers + shards / 1e9, 1e-15);
+  EXPECT_NEAR(p.total_s, reduce + 3 * gathers + shards / 1e9 + p.optimizer_s, 1e-15);
+  // Compute hides the reads too, after the collectives; one rank still reads and writes.
+  r.compute_s = 1;
+  EXPECT_DOUBLE_EQ(predict_step(nv, model(), 2, r).nvme_s, shards / 1e9);
+  r.compute_s = 0;
+  p = predict_step(nv, model(), 1, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, 0);
+  const double whole = (4096 + 1024) * 2;
+  EXPECT_DOUBLE_EQ(p.nvme_s, 2 * whole / (r.param_read_gbs * 1e9) + whole / 1e9);
+}
+
 TEST(PlanTime, MeasuredPointsAreInterpolatedAndExtended) {
   CollectiveRate c{5e-6, 1.0, {{1000, 1e-3}, {2000, 3e-3}}, {{1000, 2e-3}, {2000, 6e-3}}};
   EXPECT_DOUBLE_EQ(c.seconds(500, false), 1e-3);
@@ -170,7 +205,7 @@ TEST(PlanTime, RefusesWhatItDoesNotModel) {
   gpu.device = Device::cuda;
   EXPECT_THROW(predict_step(gpu, model(), 2, rates()), Error);
   Config params = cfg(3);
-  params.offload_param.tier = Tier::host;
+  params.offload_param.tier = Tier::nvme;  // without the parameter tier's rates
   EXPECT_THROW(predict_step(params, model(), 2, rates()), Error);
   MachineRates none = rates();
   none.all_gather.bandwidth_gbs = 0;
@@ -204,7 +239,7 @@ const char* kGood = R"({"schema": "zeroshard-calibration/1",
     "all_gather": {"latency_s": 1e-5, "bandwidth_gbs": 4, "points_bytes_s": [[4096, 1e-5]]},
     "all_reduce": {"latency_s": 1e-5, "bandwidth_gbs": 3, "points_bytes_s": [[4096, 1e-5]]},
     "world": 3},
-  "nvme": {"step_params_per_s": 5e7}})";
+  "nvme": {"step_params_per_s": 5e7, "param_tier": {"read_gbs": 1.5, "write_gbs": 0.7}}})";
 
 // An engine's settings as far as a calibration file's rates depend on them.
 Config with(DType dtype, StateFormat moments = StateFormat::f32, bool bf16_master = false) {
@@ -246,10 +281,19 @@ TEST(PlanTime, ReadsACalibrationFile) {
   EXPECT_TRUE(b.all_gather.cold.empty());
   EXPECT_EQ(b.all_reduce.bandwidth_gbs, 3);
   EXPECT_EQ(b.nvme_step_params_per_s, 5e7);
-  EXPECT_EQ(read_calibration(TempFile(replace(kGood, R"({"step_params_per_s": 5e7})", "null")).path,
-                             with(DType::bf16))
-                .nvme_step_params_per_s,
-            0);
+  EXPECT_EQ(b.param_read_gbs, 1.5);
+  EXPECT_EQ(b.param_write_gbs, 0.7);
+  EXPECT_EQ(
+      read_calibration(
+          TempFile(
+              replace(
+                  kGood,
+                  R"({"step_params_per_s": 5e7, "param_tier": {"read_gbs": 1.5, "write_gbs": 0.7}})",
+                  "null"))
+              .path,
+          with(DType::bf16))
+          .nvme_step_params_per_s,
+      0);
 }
 
 // A calibration of one rank per node on 3 nodes.
@@ -298,7 +342,7 @@ TEST(PlanTime, ReadsEachMomentFormatsOwnRates) {
               R"("bf16": {"params_per_s": 3e9,
                                   "state_formats": {"8bit": {"params_per_s": 1.5e9},
                                                     "8bit/bf16": {"params_per_s": 1.7e9}}})"),
-      R"({"step_params_per_s": 5e7})",
+      R"({"step_params_per_s": 5e7, "param_tier": {"read_gbs": 1.5, "write_gbs": 0.7}})",
       R"({"step_params_per_s": 5e7, "state_formats": {"8bit": {"step_params_per_s": 9e7}}})");
   const TempFile file(text);
   const MachineRates q8 = read_calibration(file.path, with(DType::bf16, StateFormat::q8));
