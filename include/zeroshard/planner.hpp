@@ -94,9 +94,11 @@ struct MachineRates {
   /// A step of the nvme tier (records read, updated, written) in parameters per second; 0: not
   /// measured.
   double nvme_step_params_per_s = 0;
-  /// Stage 3's parameter shards on the nvme tier (offload_param nvme): bytes per second read
-  /// into staging for a gather, and written after the update; 0: not measured.
-  double param_read_gbs = 0, param_write_gbs = 0;
+  /// Stage 3's parameter shards on the nvme tier (offload_param nvme), in bytes of shards per
+  /// second: read into staging for a gather; computed and written by the update with the
+  /// optimizer state in memory (a pass of its own before the state changes); written beside the
+  /// state's records with the state on the nvme tier. 0: not measured.
+  double param_read_gbs = 0, param_write_gbs = 0, param_write_with_records_gbs = 0;
   /// The trainer's own forward and backward per step (seconds; 0: none, as in a benchmark of
   /// the engine alone): the window that gradient reductions and gathers can hide behind.
   double compute_s = 0;

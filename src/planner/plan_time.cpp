@@ -104,6 +104,8 @@ MachineRates read_calibration(const std::string& path, const Config& cfg) {
       if (j.at("nvme").contains("param_tier")) {
         r.param_read_gbs = j.at("nvme").at("param_tier").at("read_gbs").get<double>();
         r.param_write_gbs = j.at("nvme").at("param_tier").at("write_gbs").get<double>();
+        r.param_write_with_records_gbs =
+            j.at("nvme").at("param_tier").at("write_with_records_gbs").get<double>();
       }
     }
     return r;
@@ -143,13 +145,14 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   if (cfg.device != Device::cpu)
     ZS_THROW(invalid_argument, "predict_step(): CPU engines only (no GPU rates are calibrated)");
   if (world < 1) ZS_THROW(invalid_argument, "predict_step(): world " << world);
+  const bool nvme = cfg.offload_optimizer.tier == Tier::nvme;
   const bool nvme_params = cfg.stage == 3 && cfg.offload_param.tier == Tier::nvme;
-  if (nvme_params && !(rates.param_read_gbs > 0 && rates.param_write_gbs > 0))
+  const double write_gbs = nvme ? rates.param_write_with_records_gbs : rates.param_write_gbs;
+  if (nvme_params && !(rates.param_read_gbs > 0 && write_gbs > 0))
     ZS_THROW(invalid_argument,
              "predict_step(): the nvme parameter tier's read and write rates "
              "are not measured (zeroshard calibrate --nvme-path DIR measures "
              "them)");
-  const bool nvme = cfg.offload_optimizer.tier == Tier::nvme;
   if (nvme ? !(rates.nvme_step_params_per_s > 0) : !(rates.update_params_per_s > 0))
     ZS_THROW(invalid_argument, "predict_step(): the "
                                    << (nvme ? "nvme step" : "CPU update") << " rate with "
@@ -240,7 +243,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   if (nvme_params) {  // reads beside the gathers, the slower sets their pace; then the writes
     const double reads = param_read / (rates.param_read_gbs * 1e9);
     p.nvme_s += std::max(0.0, grads + std::max(gathers, reads) - rates.compute_s) - exposed +
-                param_write / (rates.param_write_gbs * 1e9);
+                param_write / (write_gbs * 1e9);
   }
   p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.nvme_s;
   p.inter_node_bytes = crossing;

@@ -214,7 +214,7 @@ def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
     assert rows[(2, "nvme", "device")]["step"]["nvme_s"] == pytest.approx(4 * 256 * 256 / 2 / 1e8)
     assert rows[(3, "host", "host")]["step"] == rows[(3, "host", "device")]["step"]
     c = json.loads(cal.read_text())
-    c["nvme"]["param_tier"] = {"read_gbs": 0.1, "write_gbs": 1.0}
+    c["nvme"]["param_tier"] = {"read_gbs": 0.1, "write_gbs": 1.0, "write_with_records_gbs": 2.0}
     cal.write_text(json.dumps(c))
     rows = {(r["stage"], r["optimizer"], r["params"]): r
             for r in zs.estimate(units, world=2, dtype="bf16", calibration=cal).rows}

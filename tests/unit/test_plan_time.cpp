@@ -188,6 +188,14 @@ TEST(PlanTime, ParametersOnTheNvmeTier) {
   EXPECT_DOUBLE_EQ(p.comm_s, 0);
   const double whole = (4096 + 1024) * 2;
   EXPECT_DOUBLE_EQ(p.nvme_s, 2 * whole / (r.param_read_gbs * 1e9) + whole / 1e9);
+  // With the state on the nvme tier too, the shards are written beside its records, at that
+  // rate; without it, refused.
+  Config both = nv;
+  both.offload_optimizer.tier = Tier::nvme;
+  EXPECT_THROW(predict_step(both, model(), 1, r), Error);
+  r.param_write_with_records_gbs = 4;
+  p = predict_step(both, model(), 1, r);
+  EXPECT_DOUBLE_EQ(p.nvme_s, 5120 / 1e8 + 2 * whole / (r.param_read_gbs * 1e9) + whole / 4e9);
 }
 
 TEST(PlanTime, MeasuredPointsAreInterpolatedAndExtended) {
@@ -239,7 +247,13 @@ const char* kGood = R"({"schema": "zeroshard-calibration/1",
     "all_gather": {"latency_s": 1e-5, "bandwidth_gbs": 4, "points_bytes_s": [[4096, 1e-5]]},
     "all_reduce": {"latency_s": 1e-5, "bandwidth_gbs": 3, "points_bytes_s": [[4096, 1e-5]]},
     "world": 3},
-  "nvme": {"step_params_per_s": 5e7, "param_tier": {"read_gbs": 1.5, "write_gbs": 0.7}}})";
+  "nvme": {"step_params_per_s": 5e7, "param_tier": {"read_gbs": 1.5, "write_gbs": 0.7,
+                                                         "write_with_records_gbs": 3}}})";
+
+// kGood's nvme section, as it stands there.
+const std::string kNvme =
+    R"({"step_params_per_s": 5e7, "param_tier": {"read_gbs": 1.5, "write_gbs": 0.7,
+                                                         "write_with_records_gbs": 3}})";
 
 // An engine's settings as far as a calibration file's rates depend on them.
 Config with(DType dtype, StateFormat moments = StateFormat::f32, bool bf16_master = false) {
@@ -283,17 +297,10 @@ TEST(PlanTime, ReadsACalibrationFile) {
   EXPECT_EQ(b.nvme_step_params_per_s, 5e7);
   EXPECT_EQ(b.param_read_gbs, 1.5);
   EXPECT_EQ(b.param_write_gbs, 0.7);
-  EXPECT_EQ(
-      read_calibration(
-          TempFile(
-              replace(
-                  kGood,
-                  R"({"step_params_per_s": 5e7, "param_tier": {"read_gbs": 1.5, "write_gbs": 0.7}})",
-                  "null"))
-              .path,
-          with(DType::bf16))
-          .nvme_step_params_per_s,
-      0);
+  EXPECT_EQ(b.param_write_with_records_gbs, 3);
+  EXPECT_EQ(read_calibration(TempFile(replace(kGood, kNvme, "null")).path, with(DType::bf16))
+                .nvme_step_params_per_s,
+            0);
 }
 
 // A calibration of one rank per node on 3 nodes.
@@ -342,7 +349,7 @@ TEST(PlanTime, ReadsEachMomentFormatsOwnRates) {
               R"("bf16": {"params_per_s": 3e9,
                                   "state_formats": {"8bit": {"params_per_s": 1.5e9},
                                                     "8bit/bf16": {"params_per_s": 1.7e9}}})"),
-      R"({"step_params_per_s": 5e7, "param_tier": {"read_gbs": 1.5, "write_gbs": 0.7}})",
+      kNvme,
       R"({"step_params_per_s": 5e7, "state_formats": {"8bit": {"step_params_per_s": 9e7}}})");
   const TempFile file(text);
   const MachineRates q8 = read_calibration(file.path, with(DType::bf16, StateFormat::q8));
