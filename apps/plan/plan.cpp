@@ -175,8 +175,9 @@ Options parse(const std::vector<std::string>& args) {
     }
     o.rates.compute_s = o.compute_s;
     o.rates.ranks_per_node = o.rates_per_node;
-  } else if (o.compute_s > 0) {
-    bad("--compute-s needs --calibration");
+  } else if (o.compute_s > 0 || o.inter_node_gbs > 0 || !o.link_calibration.empty()) {
+    bad("--compute-s, --inter-node-gbs and --link-calibration time the step: they need "
+        "--calibration");
   }
   return o;
 }
@@ -232,8 +233,8 @@ int run_plan(const std::vector<std::string>& args) {
       k.offload_param.tier = c.params;
       try {
         const StepPrediction p = predict_step(k, units, o.ranks, o.rates);
-        std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s,
-                    p.nvme_s, p.inter_node_bytes / double(1 << 20));
+        std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s, p.nvme_s,
+                    p.inter_node_bytes / double(1 << 20));
       } catch (const Error& e) {  // a rate this row needs is not in the files: say which
         std::string why = e.what();
         const std::string prefix = "predict_step(): ";

@@ -104,8 +104,8 @@ struct MachineRates {
   double compute_s = 0;
   /// Nodes: this many consecutive ranks share one (0: every rank on one node). A collective
   /// whose rings stay within nodes takes the calibrated rates above; one whose rings cross takes
-  /// the bytes its busiest node sends to other nodes (a ring count) over the link at its kind's
-  /// rate: bandwidth only, latency left out.
+  /// the bytes its busiest node sends to other nodes (a ring count) over the link, timed as its
+  /// kind sends them (LinkRates).
   int ranks_per_node = 0;
   LinkRates link;
 };

@@ -22,6 +22,9 @@ expect 0 "calibrate" --help
 expect 0 "same-bytes pass" calibrate --help
 expect 2 "needs a value" calibrate --out
 expect 0 "zeroshard " --version
+expect 0 "link-calibration" plan --help
+expect 2 "need --calibration" plan --link-calibration /nonexistent/link.json
+expect 2 "need --calibration" plan --compute-s 1
 # capacity runs in Python (tests/python/test_capacity.py tests it): an interpreter that is not
 # there is named, with the way out.
 ZEROSHARD_PYTHON=/nonexistent/python expect 127 "set ZEROSHARD_PYTHON" capacity --memory-gib 1
