@@ -227,12 +227,8 @@ int run_plan(const std::vector<std::string>& args) {
                 tier_name(c.optimizer), tier_name(c.params), gib(c.tier_bytes[0]),
                 gib(c.tier_bytes[1]), gib(c.tier_bytes[2]), gib(c.model_states), fits.c_str());
     if (timed) {
-      Config k = cfg;
-      k.stage = c.stage;
-      k.offload_optimizer.tier = c.optimizer;
-      k.offload_param.tier = c.params;
       try {
-        const StepPrediction p = predict_step(k, units, o.ranks, o.rates);
+        const StepPrediction p = predict_step(c.config, units, o.ranks, o.rates);
         std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s, p.nvme_s,
                     p.inter_node_bytes / double(1 << 20));
       } catch (const Error& e) {  // a rate this row needs is not in the files: say which

@@ -40,6 +40,9 @@ struct PlanChoice {
   Tier params = Tier::device;     ///< offload_param (stage 3; device below)
   int64_t tier_bytes[kNumTiers] = {};
   int64_t model_states = 0;
+  /// The engine's settings for this choice, as planned (what predict_step() takes); nvme paths
+  /// are a stand-in where `base` gave none.
+  Config config;
 };
 
 /// plan_memory() for every stage and offload choice (stages 0–3; optimizer state on the device,

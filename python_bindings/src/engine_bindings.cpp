@@ -698,13 +698,9 @@ void bind_plan(nb::module_& m) {
           d["step"] = nb::none();
           d["step_note"] = nb::none();
           if (!calibration.empty()) {
-            Config k = cfg;
-            k.stage = c.stage;
-            k.offload_optimizer.tier = c.optimizer;
-            k.offload_param.tier = c.params;
             StepPrediction p;
             try {
-              p = predict_step(k, us, world, rates);
+              p = predict_step(c.config, us, world, rates);
             } catch (const Error& e) {  // not modelled, or a rate the file lacks
               d["step_note"] = std::string(e.what());
               out.append(d);

@@ -143,7 +143,7 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
         // The plan lays swap files out in a directory of its own: any path stands for a disk.
         for (OffloadOptions* o : {&cfg.offload_optimizer, &cfg.offload_param})
           if (o->nvme_paths.empty()) o->nvme_paths = {"nvme"};
-        PlanChoice c{stage, opt, par, {}, 0};
+        PlanChoice c{stage, opt, par, {}, 0, cfg};
         for (int r : {0, world - 1}) {
           const MemoryReport m = plan_memory(cfg, units, world, r, groups);
           for (int t = 0; t < kNumTiers; ++t) {
