@@ -97,8 +97,8 @@ struct UpdateSegment {
 };
 /// A q8 update whose blocks hold several parameter groups (or padding): element i is updated
 /// with the segment containing it; elements in none keep their value (and are requantized
-/// with their block). Segments are ascending and disjoint, inside [0, a.n), of one optimizer
-/// kind.
+/// with their block, if a segment touches it; a block no segment touches is left as it is).
+/// Segments are ascending and disjoint, inside [0, a.n), of one optimizer kind.
 void optimizer_update_segments(Isa isa, const UpdateSegment* segments, int count,
                                const UpdateArgs& a);
 

@@ -224,8 +224,11 @@ void optimizer_update_segments(Isa isa, const UpdateSegment* segments, int count
     at = g.end;
   }
   if (count == 0) return;
-  // One kind for all segments, so the first says which moments are read.
-  check_update_args(call, *segments[0].h, a);
+  // One kind for all segments; an SGD segment with momentum (if any) reads the most states.
+  const UpdateSegment* most = segments;
+  for (int s = 0; s < count; ++s)
+    if (segments[s].h->momentum != 0) most = segments + s;
+  check_update_args(call, *most->h, a);
   if (a.n == 0) return;
   table(isa).optimizer_update_segments(segments, count, a);
 }

@@ -210,21 +210,31 @@ template <class V>
 void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
   const QuantCode& c0 = dynamic_code(true);
   const QuantCode& c1 = dynamic_code(false);
-  // The moments the rule keeps (an SGD without momentum keeps none).
-  const Rule rule = rule_of(*segments[0].h);
-  auto* q0 = rule == Rule::sgd ? nullptr : static_cast<uint8_t*>(a.state0);
-  auto* q1 = rule == Rule::adam || rule == Rule::adamw ? static_cast<uint8_t*>(a.state1) : nullptr;
+  // The moments the rules keep (an SGD without momentum keeps none, but may share the unit
+  // with an SGD group that has momentum).
+  bool keeps0 = false, keeps1 = false;
+  for (int s = 0; s < count; ++s) {
+    const Rule rule = rule_of(*segments[s].h);
+    keeps0 |= rule != Rule::sgd;
+    keeps1 |= rule == Rule::adam || rule == Rule::adamw;
+  }
+  auto* q0 = keeps0 ? static_cast<uint8_t*>(a.state0) : nullptr;
+  auto* q1 = keeps1 ? static_cast<uint8_t*>(a.state1) : nullptr;
   alignas(64) float m[kMaxStateBlock];
   alignas(64) float v[kMaxStateBlock];
   const size_t gbytes = a.grad_dtype == DType::f32 ? 4 : 2;
   const size_t obytes = a.out_dtype == DType::f32 ? 4 : 2;
   const size_t mbytes = a.master_dtype == DType::f32 ? 4 : 2;
+  int first = 0;  // the first segment that ends past the block's start
   for (int64_t b = 0; b < a.n; b += a.block) {
     const int64_t len = a.n - b < a.block ? a.n - b : a.block;
     const int64_t blk = b / a.block;
+    // A block no segment touches is left as it is (the GPU kernel does the same).
+    while (first < count && segments[first].end <= b) ++first;
+    if (first == count || segments[first].begin >= b + len) continue;
     if (q0) dequantize_block<V>(c0, q0 + b, a.absmax0[blk], m, len);
     if (q1) dequantize_block<V>(c1, q1 + b, a.absmax1[blk], v, len);
-    for (int s = 0; s < count; ++s) {
+    for (int s = first; s < count && segments[s].begin < b + len; ++s) {
       const int64_t lo = segments[s].begin > b ? segments[s].begin : b;
       const int64_t hi = segments[s].end < b + len ? segments[s].end : b + len;
       if (lo >= hi) continue;

@@ -364,6 +364,75 @@ TEST(StateFormats, SegmentsUpdateEachGroupWithItsOwnHyper) {
   EXPECT_THROW(optimizer_update_segments(best_isa(), bad, 2, st.args()), Error);
 }
 
+// SGD groups with and without momentum share a unit (Engine::num_states keeps the buffer when
+// any group has momentum): whichever group's segment comes first, each element takes the f32
+// update of the widened state with its own group's hyperparameters, and the plain group's
+// elements leave their momentum at zero.
+TEST(StateFormats, SegmentsOfSgdWithAndWithoutMomentum) {
+  const int64_t n = 1024, block = 256, cut = 300;
+  const UpdateHyper plain = hyper(OptimizerKind::sgd), heavy = hyper(OptimizerKind::sgd, 0.9f);
+  for (bool plain_first : {true, false}) {
+    SCOPED_TRACE(plain_first ? "plain group first" : "momentum group first");
+    const UpdateHyper& h1 = plain_first ? plain : heavy;
+    const UpdateHyper& h2 = plain_first ? heavy : plain;
+    State st(StateFormat::q8, n, block, 9);
+    const UpdateSegment segs[] = {{0, cut, &h1}, {cut, n, &h2}};
+    for (int step = 0; step < 3; ++step) {
+      // The f32 reference starts from the compact state widened.
+      State f32(StateFormat::f32, n, block, 9);
+      f32.master = st.master;
+      const std::vector<float> m_before = st.moment(0);
+      std::memcpy(f32.s0.data(), m_before.data(), size_t(n) * 4);
+      optimizer_update_segments(best_isa(), segs, 2, st.args());
+      UpdateArgs a = f32.args();
+      a.n = cut;
+      optimizer_update(Isa::scalar, h1, a);
+      UpdateArgs b = f32.args();
+      b.master = static_cast<float*>(b.master) + cut;
+      b.state0 = static_cast<float*>(b.state0) + cut;
+      b.grad = static_cast<const uint16_t*>(b.grad) + cut;
+      b.out = static_cast<uint16_t*>(b.out) + cut;
+      b.n = n - cut;
+      optimizer_update(Isa::scalar, h2, b);
+      ASSERT_EQ(0, std::memcmp(st.master.data(), f32.master.data(), size_t(n) * 4)) << step;
+      const std::vector<float> m = st.moment(0);
+      for (int64_t i = 0; i < n; ++i) {
+        if ((i < cut) == plain_first) {
+          ASSERT_EQ(m[size_t(i)], 0.0f) << i;
+        } else {
+          ASSERT_NE(m[size_t(i)], 0.0f) << i;  // the momentum group's buffer moved
+        }
+      }
+    }
+  }
+}
+
+// A block that no segment touches keeps its codes and absmax, even where requantizing them
+// would change them (a block whose largest magnitude sits on the signed map's most negative
+// point, -0.99297, would come back with another absmax).
+TEST(StateFormats, BlocksNoSegmentTouchesStayAsTheyAre) {
+  const int64_t n = 1024, block = 256;
+  const UpdateHyper h = hyper(OptimizerKind::adamw);
+  State st(StateFormat::q8, n, block, 4);
+  const QuantCode& c0 = dynamic_code(true);
+  float largest = 0.0f;
+  for (int64_t i = 512; i < n; ++i) {
+    st.s0[size_t(i)] = uint8_t(i % 200);  // code 0 (-0.99297) is the largest magnitude
+    largest = std::max(largest, std::fabs(c0.code[st.s0[size_t(i)]] * 0.5f));
+  }
+  st.a0[2] = st.a0[3] = 0.5f;
+  ASSERT_NE(largest, 0.5f);  // requantizing would change the absmax: the check below can fail
+  const std::vector<unsigned char> s0 = st.s0;
+  const std::vector<float> a0 = st.a0;
+  const UpdateSegment segs[] = {{0, 300, &h}};
+  optimizer_update_segments(best_isa(), segs, 1, st.args());
+  EXPECT_TRUE(std::equal(st.s0.begin() + 512, st.s0.end(), s0.begin() + 512));
+  EXPECT_EQ(st.a0[2], a0[2]);
+  EXPECT_EQ(st.a0[3], a0[3]);
+  // The touched blocks did change.
+  EXPECT_FALSE(std::equal(st.s0.begin(), st.s0.begin() + 300, s0.begin()));
+}
+
 // A q8 state widened to f32 (read_shard, checkpoints) and quantized again is the same state, bit
 // for bit, on every ISA: including blocks whose largest magnitude is negative, where max |x| is
 // not the absmax (the signed map has no −1). Those blocks must occur here, or the test would
