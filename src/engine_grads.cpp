@@ -222,7 +222,7 @@ std::vector<TensorView> Engine::Impl::take_grads(int id, int64_t zero_from) {
                          << cfg.gradient_accumulation_steps << "); call step() first");
   if (cfg.stage >= 2) u.grad_slot = take_grad_staging(id);
   const int64_t padded = layout(id).padded_numel;
-  res.dev->zero(static_cast<char*>(grad_buffer(id)) + size_t(zero_from) * pbytes,
+  res.dev->fill(static_cast<char*>(grad_buffer(id)) + size_t(zero_from) * pbytes, 0,
                 size_t(padded - zero_from) * pbytes);
   u.grads_out = true;
   return views(id, grad_buffer(id));

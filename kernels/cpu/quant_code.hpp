@@ -16,6 +16,14 @@
 
 #include <cstdint>
 
+// The lookup runs in the CUDA kernels too (kernels/cuda/update_q8.cu), on a copy of the tables
+// in device memory: the same code, so the same codes.
+#if defined(__CUDACC__)
+#define ZS_QUANT_HD __host__ __device__
+#else
+#define ZS_QUANT_HD
+#endif
+
 namespace zeroshard::cpu {
 
 struct QuantCode {
@@ -33,17 +41,17 @@ struct QuantCode {
   uint8_t zero;  ///< the index of 0.0
 
   /// The bucket of x: kBuckets × sign + the clamped magnitude key.
-  static int32_t bucket(uint32_t bits) {
+  ZS_QUANT_HD static int32_t bucket(uint32_t bits) {
     int32_t mag = int32_t((bits & 0x7FFFFFFFu) >> kKeyShift) - kMinKey;
     mag = mag < 0 ? 0 : (mag > kBuckets - 1 ? kBuckets - 1 : mag);
     return int32_t(bits >> 31) * kBuckets + mag;
   }
   /// x's low 16 bits in the bucket's order: complemented when x is negative.
-  static uint32_t low_bits(uint32_t bits) {
+  ZS_QUANT_HD static uint32_t low_bits(uint32_t bits) {
     return (bits ^ uint32_t(int32_t(bits) >> 31)) & 0xFFFFu;
   }
   /// The index of x's nearest code point.
-  uint8_t lookup(uint32_t bits) const {
+  ZS_QUANT_HD uint8_t lookup(uint32_t bits) const {
     const uint32_t e = entry[bucket(bits)];
     return uint8_t((e & 0xFFu) + (low_bits(bits) > (e >> 8) ? 1u : 0u));
   }

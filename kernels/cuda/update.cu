@@ -1,8 +1,7 @@
 // The fused optimizer update on the GPU: one pass reads master, state and gradient and writes
 // master, state and the low-precision parameter copy, 8 elements per thread with 16-byte
-// accesses. The arithmetic is cpu::optimizer_update's (kernels/cpu/update_impl.hpp) operation
-// for operation: each multiply, add, divide and square root is an __f*_rn intrinsic, so nvcc
-// cannot contract or reorder them and the results are bitwise equal to the CPU kernels.
+// accesses. Moments in f32 or bf16 (rounded to nearest even, as the CPU stores them); 8-bit
+// moments go to update_q8.cu. The per-element arithmetic is update_one.cuh's.
 
 #include <cuda_runtime.h>
 
@@ -11,30 +10,16 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
+#include "kernels/cuda/update_one.cuh"
 #include "src/base/cuda_check.hpp"
 
 namespace zeroshard::cuda {
 namespace {
 
+using namespace detail;
 using dev::kVec;
-
-// The rules, constants and dispatch of the CPU kernels (kernels/cpu/update_rules.hpp): the same
-// definitions, so the GPU folds and selects exactly as the CPU reference does. Each
-// (rule, grad dtype, copy-out) becomes its own kernel, with no per-element branch on them.
-using cpu::fold_consts;
-using cpu::Out;
-using cpu::out_of;
-using cpu::Rule;
-using cpu::rule_of;
-using cpu::with_dtype;
-using cpu::with_out;
-using cpu::with_rule;
-using Consts = cpu::UpdateConsts;
-
-constexpr int kThreads = 256;
 
 // One run, split into an 8-aligned body [body_begin, body_end) done with vector accesses and a
 // head [begin, body_begin) and tail [body_end, end) of at most 7 elements each, done per element
@@ -49,8 +34,8 @@ struct RunDesc {
 // architecture accepts for kernel parameters.
 struct UpdateParams {
   float* master;
-  float* s0;
-  float* s1;
+  void* s0;  // moments as S (f32 or bf16)
+  void* s1;
   const void* grad;
   void* out;
   int num_runs;
@@ -58,77 +43,22 @@ struct UpdateParams {
 };
 static_assert(sizeof(UpdateParams) <= 4000, "kernel parameters must stay below 4 KiB");
 
-template <Rule R>
-constexpr bool kUsesS0 = R != Rule::sgd;
-template <Rule R>
-constexpr bool kUsesS1 = R == Rule::adam || R == Rule::adamw;
-
-// sign(c) as ScalarVec::sign: ±1, +0 for ±0, NaN for NaN (c - c).
-__device__ __forceinline__ float sign_of(float c) {
-  return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : __fsub_rn(c, c));
-}
-
-// The update of one element, in update_impl.hpp's order. C++ parses `a * b + c * d` as
-// (a*b) + (c*d) and `a * b * c` as (a*b)*c; each step here is one rounded IEEE operation.
-template <Rule R>
-__device__ __forceinline__ void update_one(const Consts& k, float& p, float g_in, float& s0,
-                                           float& s1) {
-  float g = __fmul_rn(g_in, k.grad_scale);
-  if constexpr (R == Rule::adam || R == Rule::adamw) {
-    float m = s0, v = s1;
-    if constexpr (R == Rule::adam) {
-      g = __fadd_rn(g, __fmul_rn(k.wd, p));
-    } else {
-      p = __fsub_rn(p, __fmul_rn(k.lr_wd, p));
-    }
-    m = __fadd_rn(__fmul_rn(k.beta1, m), __fmul_rn(k.omb1, g));
-    v = __fadd_rn(__fmul_rn(k.beta2, v), __fmul_rn(__fmul_rn(k.omb2, g), g));
-    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, k.bc2)), k.eps);
-    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(k.lr, __fdiv_rn(m, k.bc1)), denom));
-    s0 = m;
-    s1 = v;
-  } else if constexpr (R == Rule::lion) {
-    const float m = s0;
-    const float dir = __fadd_rn(__fmul_rn(k.beta1, m), __fmul_rn(k.omb1, g));
-    p = __fsub_rn(p, __fmul_rn(k.lr_wd, p));
-    p = __fsub_rn(p, __fmul_rn(k.lr, sign_of(dir)));
-    s0 = __fadd_rn(__fmul_rn(k.beta2, m), __fmul_rn(k.omb2, g));
-  } else {
-    g = __fadd_rn(g, __fmul_rn(k.wd, p));
-    if constexpr (R == Rule::sgd_momentum || R == Rule::sgd_nesterov) {
-      const float buf = __fadd_rn(__fmul_rn(k.momentum, s0), g);
-      s0 = buf;
-      if constexpr (R == Rule::sgd_nesterov) {
-        g = __fadd_rn(g, __fmul_rn(k.momentum, buf));
-      } else {
-        g = buf;
-      }
-    }
-    p = __fsub_rn(p, __fmul_rn(k.lr, g));
-  }
-}
-
-template <Out O>
-constexpr DType kOutDType = O == Out::bf16  ? DType::bf16
-                            : O == Out::f16 ? DType::f16
-                                            : DType::f32;
-
 // One element e (head or tail of a run): the same update with scalar accesses.
-template <Rule R, DType G, Out O>
+template <Rule R, DType G, Out O, DType S>
 __device__ __forceinline__ void update_element(const UpdateParams& P, const Consts& k, int64_t e) {
   float p = P.master[e];
   float s0 = 0.0f, s1 = 0.0f;
-  if constexpr (kUsesS0<R>) s0 = P.s0[e];
-  if constexpr (kUsesS1<R>) s1 = P.s1[e];
+  if constexpr (kUsesS0<R>) s0 = dev::load1<S>(P.s0, e);
+  if constexpr (kUsesS1<R>) s1 = dev::load1<S>(P.s1, e);
   update_one<R>(k, p, dev::load1<G>(P.grad, e), s0, s1);
   P.master[e] = p;
-  if constexpr (kUsesS0<R>) P.s0[e] = s0;
-  if constexpr (kUsesS1<R>) P.s1[e] = s1;
+  if constexpr (kUsesS0<R>) dev::store1<S>(P.s0, e, s0);
+  if constexpr (kUsesS1<R>) dev::store1<S>(P.s1, e, s1);
   if constexpr (O != Out::none) dev::store1<kOutDType<O>>(P.out, e, p);
 }
 
 // __grid_constant__ keeps the run table in the parameter bank (indexed in place, no local copy).
-template <Rule R, DType G, Out O>
+template <Rule R, DType G, Out O, DType S>
 __global__ void __launch_bounds__(kThreads) update_kernel(const __grid_constant__ UpdateParams P) {
   // The block's run: the last one whose first block is at or before this block (few runs, and
   // the scan is uniform across the block, so it costs a handful of constant-bank reads).
@@ -143,13 +73,13 @@ __global__ void __launch_bounds__(kThreads) update_kernel(const __grid_constant_
     float p[kVec], g[kVec], s0[kVec] = {}, s1[kVec] = {};
     dev::load8f(P.master, i, p);
     dev::load8<G>(P.grad, i, g);
-    if constexpr (kUsesS0<R>) dev::load8f(P.s0, i, s0);
-    if constexpr (kUsesS1<R>) dev::load8f(P.s1, i, s1);
+    if constexpr (kUsesS0<R>) dev::load8<S>(P.s0, i, s0);
+    if constexpr (kUsesS1<R>) dev::load8<S>(P.s1, i, s1);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) update_one<R>(k, p[j], g[j], s0[j], s1[j]);
     dev::store8f(P.master, i, p);
-    if constexpr (kUsesS0<R>) dev::store8f(P.s0, i, s0);
-    if constexpr (kUsesS1<R>) dev::store8f(P.s1, i, s1);
+    if constexpr (kUsesS0<R>) dev::store8<S>(P.s0, i, s0);
+    if constexpr (kUsesS1<R>) dev::store8<S>(P.s1, i, s1);
     if constexpr (O != Out::none) dev::store8<kOutDType<O>>(P.out, i, p);
   }
   // Head (threads 0-7) and tail (threads 8-15) of the run, by its first block.
@@ -157,26 +87,8 @@ __global__ void __launch_bounds__(kThreads) update_kernel(const __grid_constant_
     const int t = int(threadIdx.x);
     const int64_t e = t < kVec ? run.begin + t : run.body_end + (t - kVec);
     const int64_t stop = t < kVec ? run.body_begin : run.end;
-    if (e < stop) update_element<R, G, O>(P, k, e);
+    if (e < stop) update_element<R, G, O, S>(P, k, e);
   }
-}
-
-const char* rule_name(Rule r) {
-  switch (r) {
-    case Rule::adam:
-      return "adam";
-    case Rule::adamw:
-      return "adamw";
-    case Rule::sgd:
-      return "sgd";
-    case Rule::sgd_momentum:
-      return "sgd (momentum)";
-    case Rule::sgd_nesterov:
-      return "sgd (nesterov)";
-    case Rule::lion:
-      return "lion";
-  }
-  return "?";
 }
 
 // float4 / uint4 accesses fault on misaligned addresses, so alignment is checked up front.
@@ -234,6 +146,28 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
                       int num_runs, const cpu::UpdateArgs& a, StreamHandle stream) {
   const std::vector<UpdateRun> sorted = checked_runs(hypers, num_hypers, runs, num_runs, a);
   if (sorted.empty()) return;
+  // A bf16 master rounds stochastically on the CPU; Config::validate() keeps it off the GPU.
+  if (a.master_dtype != DType::f32)
+    ZS_THROW(invalid_argument, "cuda::optimizer_update: a " << dtype_name(a.master_dtype)
+                                                            << " master is not supported on the "
+                                                               "GPU (f32 only)");
+  const StateFormat f = a.state_format;
+  if (f != StateFormat::f32 && f != StateFormat::bf16 && f != StateFormat::q8)
+    ZS_THROW(invalid_argument,
+             "cuda::optimizer_update: invalid state format " << static_cast<int>(f));
+  for (const UpdateRun& u : sorted) {
+    const Rule rule = rule_of(hypers[u.hyper]);
+    const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
+    if ((rule != Rule::sgd && !a.state0) || (needs_s1 && !a.state1))
+      ZS_THROW(invalid_argument, "cuda::optimizer_update: " << rule_name(rule) << " needs state0"
+                                                            << (needs_s1 ? " and state1" : "")
+                                                            << ", got null");
+  }
+  auto cu_stream = static_cast<cudaStream_t>(stream);
+  if (f == StateFormat::q8) {
+    update_q8(hypers, num_hypers, sorted, a, cu_stream);
+    return;
+  }
   // Group the runs by update rule (in practice there is one), then launch each group in batches
   // of at most kMaxRunsPerLaunch runs.
   std::vector<std::pair<Rule, std::vector<UpdateRun>>> by_rule;
@@ -249,28 +183,13 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
   }
   // Every launch takes the same pointers; only the run table and the rule differ.
   const Out out = out_of(a);
-  auto cu_stream = static_cast<cudaStream_t>(stream);
-  // The GPU kernels keep f32 moments; Config::validate() refuses the others on a GPU tier.
-  if (a.state_format != StateFormat::f32)
-    ZS_THROW(invalid_argument, "cuda::optimizer_update: moments stored as "
-                                   << state_format_name(a.state_format)
-                                   << " are not supported on the GPU (f32 only)");
-  if (a.master_dtype != DType::f32)
-    ZS_THROW(invalid_argument, "cuda::optimizer_update: a " << dtype_name(a.master_dtype)
-                                                            << " master is not supported on the "
-                                                               "GPU (f32 only)");
+  const bool bf16_state = f == StateFormat::bf16;
   for (auto& [rule, list] : by_rule) {
-    const bool needs_s0 = rule != Rule::sgd;
-    const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
-    if ((needs_s0 && !a.state0) || (needs_s1 && !a.state1))
-      ZS_THROW(invalid_argument, "cuda::optimizer_update: " << rule_name(rule) << " needs state0"
-                                                            << (needs_s1 ? " and state1" : "")
-                                                            << ", got null");
     for (size_t first = 0; first < list.size(); first += kMaxRunsPerLaunch) {
       UpdateParams P{};
       P.master = static_cast<float*>(a.master);
-      P.s0 = static_cast<float*>(a.state0);
-      P.s1 = static_cast<float*>(a.state1);
+      P.s0 = a.state0;
+      P.s1 = a.state1;
       P.grad = a.grad;
       P.out = a.out;
       P.num_runs = int(std::min<size_t>(kMaxRunsPerLaunch, list.size() - first));
@@ -294,13 +213,21 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
       with_rule(rule, [&](auto R) {
         with_dtype(a.grad_dtype, [&](auto G) {
           with_out(out, [&](auto O) {
-            update_kernel<decltype(R)::value, decltype(G)::value, decltype(O)::value>
-                <<<unsigned(blocks), kThreads, 0, cu_stream>>>(P);
+            constexpr Rule kR = decltype(R)::value;
+            constexpr DType kG = decltype(G)::value;
+            constexpr Out kO = decltype(O)::value;
+            if (bf16_state)
+              update_kernel<kR, kG, kO, DType::bf16>
+                  <<<unsigned(blocks), kThreads, 0, cu_stream>>>(P);
+            else
+              update_kernel<kR, kG, kO, DType::f32>
+                  <<<unsigned(blocks), kThreads, 0, cu_stream>>>(P);
           });
         });
       });
       ZS_CUDA_CHECK_LAUNCH("cuda::optimizer_update (" << rule_name(rule) << ", grad "
-                                                      << dtype_name(a.grad_dtype) << ")");
+                                                      << dtype_name(a.grad_dtype) << ", moments "
+                                                      << state_format_name(f) << ")");
     }
   }
 }

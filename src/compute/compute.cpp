@@ -25,8 +25,8 @@ class CpuCompute final : public Compute {
   Allocator* device_memory() override { return nullptr; }
   Allocator* pinned_memory() override { return nullptr; }
 
-  void zero(void* p, size_t bytes) override {
-    if (bytes) std::memset(p, 0, bytes);
+  void fill(void* p, unsigned char value, size_t bytes) override {
+    if (bytes) std::memset(p, value, bytes);
   }
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
     if (src == dst && sd == dd) return;  // f32 master weights that are the parameters

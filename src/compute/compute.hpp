@@ -48,8 +48,8 @@ class Compute {
   /// Buffer's own mlock'ed heap memory.
   virtual Allocator* pinned_memory() = 0;
 
-  /// bytes of zeros at p (device memory).
-  virtual void zero(void* p, size_t bytes) = 0;
+  /// `bytes` bytes of `value` at p (device memory).
+  virtual void fill(void* p, unsigned char value, size_t bytes) = 0;
   /// dst[i] = convert(src[i]), any dtypes (cpu::convert's rounding), device memory.
   virtual void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) = 0;
   /// acc[i] += float(g[i]), device memory.

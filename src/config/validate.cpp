@@ -106,16 +106,6 @@ void check_tiers(const Config& c) {
   }
 }
 
-// Where compact moments are not kept yet: the GPU's own update holds f32 moments.
-void check_state_format(const Config& c) {
-  if (c.optimizer_state == StateFormat::f32) return;
-  if (c.device == Device::cuda && c.offload_optimizer.tier == Tier::device)
-    fail(std::string("zeroshard.optimizer_state = \"") + state_format_name(c.optimizer_state) +
-         "\" with zeroshard.device = cuda requires zero_optimization.offload_optimizer.device "
-         "cpu or nvme: the GPU update keeps f32 moments (the CPU update, on offloaded state, "
-         "keeps every format)");
-}
-
 // A bf16 master is the parameters' own precision, updated by the CPU kernels only.
 void check_master(const Config& c) {
   if (!c.bf16_master) return;
@@ -155,7 +145,6 @@ void Config::validate() const {
   check_loss_scale_and_optimizer(*this);
   check_tiers(*this);
   check_cuda(*this);
-  check_state_format(*this);
   check_master(*this);
 }
 

@@ -99,9 +99,9 @@ class CudaCompute final : public Compute {
   Allocator* device_memory() override { return &dev_mem_; }
   Allocator* pinned_memory() override { return &pinned_; }
 
-  void zero(void* p, size_t bytes) override {
+  void fill(void* p, unsigned char value, size_t bytes) override {
     cuda::DeviceGuard g(device_);
-    if (bytes) ZS_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+    if (bytes) ZS_CUDA_CHECK(cudaMemsetAsync(p, value, bytes, stream_));
   }
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
     cuda::DeviceGuard g(device_);

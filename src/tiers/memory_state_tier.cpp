@@ -57,7 +57,7 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
       if (format_ != StateFormat::q8) return;
       absmax_buf = ctx.buffer(tier, MemKind::optim_state, absmax_name, blocks * 4, pin);
       absmax = absmax_buf.as<float>();
-      if (!ctx.plan_only) std::memset(data, cpu::dynamic_code(is_signed).zero, ext);
+      if (!ctx.plan_only) compute_.fill(data, cpu::dynamic_code(is_signed).zero, ext);
     };
     if (ctx.num_states >= 1)
       moment("state0", "state0_absmax", s.state0_buf, s.state0, s.absmax0_buf, s.absmax0, true);
@@ -269,8 +269,21 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
   } else {
     const int64_t block = ctx_.cfg->state_block;
     const float* a = first ? s.absmax0 : s.absmax1;  // q8 only
-    cpu::widen_moment(arena_.isa(), format_, src, a ? a + off / block : nullptr, n, block, first,
-                      out.data());
+    if (a) a += off / block;
+    std::vector<char> bytes;  // a GPU's moments, copied to the host to widen them there
+    std::vector<float> absmax;
+    if (!on_cpu_) {
+      bytes.resize(size_t(n) * sb);
+      compute_.copy(bytes.data(), src, bytes.size());
+      if (a) {
+        absmax.resize(size_t(n / block));
+        compute_.copy(absmax.data(), a, absmax.size() * 4);
+      }
+      compute_.synchronize();
+      src = bytes.data();
+      a = a ? absmax.data() : nullptr;
+    }
+    cpu::widen_moment(arena_.isa(), format_, src, a, n, block, first, out.data());
   }
   return out;
 }
@@ -309,8 +322,19 @@ void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& sha
   } else {
     const int64_t block = ctx_.cfg->state_block;
     float* a = first ? s.absmax0 : s.absmax1;  // q8 only
-    cpu::narrow_moment(arena_.isa(), format_, shard.data(), n, block, first, dst,
-                       a ? a + off / block : nullptr);
+    if (a) a += off / block;
+    if (on_cpu_) {
+      cpu::narrow_moment(arena_.isa(), format_, shard.data(), n, block, first, dst, a);
+      return;
+    }
+    // On a GPU: narrowed on the host, then copied up.
+    std::vector<char> bytes(size_t(n) * sb);
+    std::vector<float> absmax(a ? size_t(n / block) : 0);
+    cpu::narrow_moment(arena_.isa(), format_, shard.data(), n, block, first, bytes.data(),
+                       a ? absmax.data() : nullptr);
+    compute_.copy(dst, bytes.data(), bytes.size());
+    if (a) compute_.copy(a, absmax.data(), absmax.size() * 4);
+    compute_.synchronize();
   }
 }
 

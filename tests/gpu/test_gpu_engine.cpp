@@ -35,15 +35,17 @@ struct Case {
   Tier optimizer_tier;
   int micro;
   double clip;
-  bool nccl;                       // one rank over NCCL instead of MPI
-  Tier param_tier = Tier::device;  // stage 3's parameter shards (offload_param)
+  bool nccl;                             // one rank over NCCL instead of MPI
+  Tier param_tier = Tier::device;        // stage 3's parameter shards (offload_param)
+  StateFormat state = StateFormat::f32;  // the moments' format (Config::optimizer_state)
 };
 
 std::string name(const Case& c) {
   return "stage" + std::to_string(c.stage) + "_" + dtype_name(c.dtype) + "_" +
          tier_name(c.optimizer_tier) + "_k" + std::to_string(c.micro) +
          (c.clip > 0 ? "_clip" : "") + (c.nccl ? "_nccl" : "_mpi") +
-         (c.param_tier != Tier::device ? std::string("_params_") + tier_name(c.param_tier) : "");
+         (c.param_tier != Tier::device ? std::string("_params_") + tier_name(c.param_tier) : "") +
+         (c.state != StateFormat::f32 ? std::string("_moments_") + state_format_name(c.state) : "");
 }
 
 // Swap files go where TMPDIR points (a real disk, through io_uring), else /tmp.
@@ -62,6 +64,8 @@ Config config(const Case& c, Device d) {
   if (c.optimizer_tier == Tier::nvme) cfg.offload_optimizer.nvme_paths = {swap_dir()};
   cfg.offload_param.tier = c.param_tier;
   if (c.param_tier == Tier::nvme) cfg.offload_param.nvme_paths = {swap_dir()};
+  cfg.optimizer_state = c.state;
+  cfg.state_block = 256;  // several 8-bit blocks per unit, some holding two parameters
   cfg.gradient_accumulation_steps = c.micro;
   cfg.gradient_clipping = c.clip;
   cfg.optimizer.lr = 1e-2f;
@@ -165,6 +169,13 @@ std::vector<Case> cases() {
   out.push_back({3, DType::f32, Tier::host, 1, 0.0, false, Tier::host});
   out.push_back({3, DType::bf16, Tier::host, 2, 0.5, false, Tier::host});
   out.push_back({3, DType::bf16, Tier::host, 1, 0.0, true, Tier::nvme});
+  // Compact moments in GPU memory (kernels/cuda/update.cu for bf16, update_q8.cu for 8-bit).
+  for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {
+    for (int stage : {0, 1, 2, 3})
+      out.push_back({stage, DType::bf16, Tier::device, 1, 0.0, false, Tier::device, f});
+    out.push_back({2, DType::f32, Tier::device, 2, 0.0, false, Tier::device, f});
+    out.push_back({3, DType::bf16, Tier::device, 1, 0.0, true, Tier::device, f});
+  }
   return out;
 }
 

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "tests/gpu/gpu_test_util.hpp"
-#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "src/cuda/cuda_resources.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "zeroshard/error.hpp"
 
 namespace zeroshard {
@@ -283,6 +283,174 @@ TEST_F(GpuKernels, UpdateMixedSgdRules) {
   EXPECT_NE(first_mismatch(DType::f32, gm.data(), master.data(), n), -1);
 }
 
+// ---- compact moments: bf16 and 8-bit ------------------------------------------------------------
+
+// The moments of n elements in format f, from f32 values (q8: quantized in blocks of `block`).
+struct Moments {
+  std::vector<unsigned char> bytes;
+  std::vector<float> absmax;
+};
+Moments narrow(StateFormat f, const std::vector<float>& x, int64_t block, bool is_signed) {
+  const int64_t n = int64_t(x.size());
+  Moments m;
+  m.bytes.resize(size_t(n) * cpu::state_bytes(f));
+  if (f == StateFormat::bf16) {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t h = cpu::float_to_bf16(x[size_t(i)]);
+      std::memcpy(&m.bytes[size_t(i) * 2], &h, 2);
+    }
+  } else {
+    m.absmax.resize(size_t((n + block - 1) / block));
+    cpu::quantize_blocks(cpu::Isa::scalar, x.data(), n, block, is_signed, m.bytes.data(),
+                         m.absmax.data());
+  }
+  return m;
+}
+
+// Several steps of the GPU update with moments in format f against the CPU's (scalar ISA; q8
+// through optimizer_update_segments over the whole range, as the engine's q8 tasks do), each
+// step reading what the last one wrote: master, moments, absmax and copy-out bitwise equal.
+void check_compact(StateFormat f, const UpdateCase& c, int64_t n, int64_t block,
+                   std::vector<cuda::UpdateRun> runs, uint32_t seed,
+                   std::vector<cpu::UpdateHyper> hypers = {}) {
+  SCOPED_TRACE(std::string(state_format_name(f)) + " " + case_name(c) + " n=" + std::to_string(n) +
+               " block=" + std::to_string(block) + " runs=" + std::to_string(runs.size()));
+  std::mt19937 rng(seed);
+  if (hypers.empty()) hypers = hypers_for(c);
+  std::vector<float> master = uniform(rng, size_t(n), -2.0f, 2.0f);
+  sprinkle(master, false);
+  Moments m0 = narrow(f, uniform(rng, size_t(n), -0.1f, 0.1f), block, true);
+  Moments m1 = narrow(f, uniform(rng, size_t(n), 0.0f, 0.01f), block, false);
+  const auto grad = encode(c.grad, uniform(rng, size_t(n), -3.0f, 3.0f));
+  const DType out_dt = c.has_out ? c.out : DType::f32;
+  std::vector<unsigned char> out(size_t(n) * dtype_size(out_dt), 0xA5);
+  std::sort(runs.begin(), runs.end(), [](auto& x, auto& y) { return x.begin < y.begin; });
+
+  auto args = [&](void* pm, void* s0, void* s1, float* a0, float* a1, const void* g, void* o) {
+    cpu::UpdateArgs a;
+    a.master = pm;
+    a.state0 = s0;
+    a.state1 = s1;
+    a.state_format = f;
+    a.absmax0 = a0;
+    a.absmax1 = a1;
+    a.block = block;
+    a.grad = g;
+    a.grad_dtype = c.grad;
+    a.out = c.has_out ? o : nullptr;
+    a.out_dtype = out_dt;
+    a.n = n;
+    return a;
+  };
+  std::vector<float> rm = master;
+  Moments r0 = m0, r1 = m1;
+  std::vector<unsigned char> rout = out;
+  DeviceBytes dm(master), d0(m0.bytes), d1(m1.bytes), dg(grad), dout(out);
+  DeviceBytes da0(m0.absmax.empty() ? std::vector<float>(1) : m0.absmax),
+      da1(m1.absmax.empty() ? std::vector<float>(1) : m1.absmax);
+  const bool q8 = f == StateFormat::q8;
+  zeroshard::cuda::Stream stream(0);
+  for (int step = 0; step < 3; ++step) {
+    const cpu::UpdateArgs ra =
+        args(rm.data(), r0.bytes.data(), r1.bytes.data(), q8 ? r0.absmax.data() : nullptr,
+             q8 ? r1.absmax.data() : nullptr, grad.data(), rout.data());
+    if (q8) {
+      std::vector<cpu::UpdateSegment> segs;
+      for (const auto& r : runs)
+        if (r.begin < r.end) segs.push_back({r.begin, r.end, &hypers[size_t(r.hyper)]});
+      cpu::optimizer_update_segments(cpu::Isa::scalar, segs.data(), int(segs.size()), ra);
+    } else {
+      for (const auto& r : runs) {
+        cpu::UpdateArgs a = ra;
+        a.master = rm.data() + r.begin;
+        a.state0 = r0.bytes.data() + size_t(r.begin) * 2;
+        a.state1 = r1.bytes.data() + size_t(r.begin) * 2;
+        a.grad = grad.data() + size_t(r.begin) * dtype_size(c.grad);
+        a.out = c.has_out ? rout.data() + size_t(r.begin) * dtype_size(out_dt) : nullptr;
+        a.n = r.end - r.begin;
+        cpu::optimizer_update(cpu::Isa::scalar, hypers[size_t(r.hyper)], a);
+      }
+    }
+    const cpu::UpdateArgs ga = args(dm.data(), d0.data(), d1.data(), q8 ? da0.as<float>() : nullptr,
+                                    q8 ? da1.as<float>() : nullptr, dg.data(), dout.data());
+    cuda::optimizer_update(hypers.data(), int(hypers.size()), runs.data(), int(runs.size()), ga,
+                           stream.handle());
+    stream.synchronize();
+    SCOPED_TRACE("step " + std::to_string(step));
+    const auto gm = dm.download<float>();
+    EXPECT_EQ(first_mismatch(DType::f32, gm.data(), rm.data(), n), -1) << "master";
+    EXPECT_TRUE(d0.download<unsigned char>() == r0.bytes) << "state0";
+    EXPECT_TRUE(d1.download<unsigned char>() == r1.bytes) << "state1";
+    if (q8) {
+      EXPECT_EQ(first_mismatch(DType::f32, da0.download<float>().data(), r0.absmax.data(),
+                               int64_t(r0.absmax.size())),
+                -1)
+          << "absmax0";
+      EXPECT_EQ(first_mismatch(DType::f32, da1.download<float>().data(), r1.absmax.data(),
+                               int64_t(r1.absmax.size())),
+                -1)
+          << "absmax1";
+    }
+    EXPECT_EQ(first_mismatch(out_dt, dout.download<unsigned char>().data(), rout.data(), n), -1)
+        << "out";
+  }
+  // Not a no-op: the master and (where the rule keeps one) the first moment moved.
+  EXPECT_NE(first_mismatch(DType::f32, rm.data(), master.data(), n), -1);
+  if (c.kind != OptimizerKind::sgd || c.momentum != 0) {
+    EXPECT_NE(r0.bytes, m0.bytes);
+  }
+}
+
+TEST_F(GpuKernels, CompactMomentsMatchCpuWholeRange) {
+  for (StateFormat f : {StateFormat::bf16, StateFormat::q8})
+    for (int64_t block : {int64_t{256}, int64_t{2048}})
+      for (int64_t n : {int64_t{7}, int64_t{256}, int64_t{4099}})
+        for (const UpdateCase& c : all_cases()) {
+          if (f == StateFormat::bf16 && block == 2048) continue;  // no blocks in bf16
+          check_compact(f, c, n, block, {{0, n, 0}}, 21u + uint32_t(n));
+        }
+}
+
+// Groups with unaligned ends inside one 8-bit block, a gap of a whole block that no run
+// touches (left as it is, random state included), and the tail of the last block.
+TEST_F(GpuKernels, CompactMomentsMatchCpuGroupRuns) {
+  const std::vector<cuda::UpdateRun> runs = {
+      {3, 700, 0}, {700, 703, 1}, {710, 713, 2}, {1300, 3001, 0}, {3001, 4995, 2}};
+  for (StateFormat f : {StateFormat::bf16, StateFormat::q8})
+    for (const UpdateCase& c : all_cases()) check_compact(f, c, 5000, 256, runs, 8u);
+}
+
+// More runs than one launch holds, in shuffled order: the 8-bit blocks split across launches
+// with every run that touches a block in the block's launch.
+TEST_F(GpuKernels, CompactMomentsMatchCpuManyRuns) {
+  std::mt19937 rng(12);
+  std::vector<cuda::UpdateRun> runs;
+  int64_t pos = 0;
+  for (int r = 0; r < 300; ++r) {
+    const int64_t gap = int64_t(rng() % 3), len = 1 + int64_t(rng() % 60);
+    runs.push_back({pos + gap, pos + gap + len, int(rng() % 3)});
+    pos += gap + len;
+  }
+  std::shuffle(runs.begin(), runs.end(), rng);
+  for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {
+    check_compact(f, {OptimizerKind::adamw, 0, false, DType::bf16, true, DType::bf16}, pos, 2048,
+                  runs, 13u);
+    check_compact(f, {OptimizerKind::lion, 0, false, DType::f32, false, DType::f32}, pos, 256, runs,
+                  14u);
+  }
+}
+
+// SGD groups with and without momentum in one unit share its 8-bit blocks.
+TEST_F(GpuKernels, EightBitMomentsMixedSgdRules) {
+  const UpdateCase c{OptimizerKind::sgd, 0.9f, false, DType::bf16, true, DType::bf16};
+  const std::vector<cuda::UpdateRun> runs = {{0, 1001, 0}, {1001, 2002, 1}, {2002, 3000, 2}};
+  for (int plain : {0, 1}) {  // the plain group first, or in the middle
+    std::vector<cpu::UpdateHyper> hypers = hypers_for(c);
+    hypers[size_t(plain)].momentum = 0.0f;
+    check_compact(StateFormat::q8, c, 3000, 256, runs, 15u, hypers);
+  }
+}
+
 // ---- sum_squares_nonfinite ----------------------------------------------------------------------
 
 struct SumResult {
@@ -473,6 +641,23 @@ TEST(GpuKernelArgs, UpdateRejectsBadRunsAndAlignment) {
   EXPECT_NE(code_of({{0, 8, 0}}, no_state).find("needs state0 and state1"), std::string::npos);
   // Nothing to do is not an error and launches nothing.
   EXPECT_EQ(code_of({{4, 4, 0}}, a), "no error");
+  // 8-bit moments: their absmax arrays, a block size in range, at most 128 runs in one block
+  // (the CPU takes any number; the GPU's run table lives in the kernel's parameters).
+  cpu::UpdateArgs q8 = a;
+  q8.state_format = StateFormat::q8;
+  q8.block = 8;
+  EXPECT_NE(code_of({{0, 8, 0}}, q8).find("absmax"), std::string::npos);
+  q8.absmax0 = q8.absmax1 = buf;
+  q8.block = 0;
+  EXPECT_NE(code_of({{0, 8, 0}}, q8).find("q8 block of 0"), std::string::npos);
+  alignas(16) static float big[4096];
+  q8.master = q8.state0 = q8.state1 = big;
+  q8.grad = big;
+  q8.n = 4096;
+  q8.block = 2048;
+  std::vector<cuda::UpdateRun> crowded;
+  for (int r = 0; r < 130; ++r) crowded.push_back({r * 8, r * 8 + 8, 0});
+  EXPECT_NE(code_of(crowded, q8).find("more than 128 runs"), std::string::npos);
 }
 
 }  // namespace

@@ -171,16 +171,19 @@ def test_config_that_disagrees_with_the_model_is_refused():
         zero(half, 2)
 
 
+@pytest.mark.parametrize("moments", ["f32", "bf16", "8bit"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_engine_on_the_gpu_equals_the_engine_on_the_cpu(stage):
+def test_engine_on_the_gpu_equals_the_engine_on_the_cpu(stage, moments):
     # The low-level binding: CUDA views out, CUDA gradients in (and gradients written into the
     # engine's own CUDA views), against a CPU engine given the same gradients. Without clipping
-    # the CUDA kernels are bitwise equal to the CPU ones (tests/gpu/test_gpu_engine.cpp).
+    # the CUDA kernels are bitwise equal to the CPU ones (tests/gpu/test_gpu_engine.cpp), in
+    # every format of the moments.
     sizes = (300, 7)
     inits = [torch.linspace(-1, 1, n) for n in sizes]
 
     def engine(device):
-        e = zs.Engine(zs.Config(stage=stage, device=device, optimizer={"lr": 0.01}),
+        e = zs.Engine(zs.Config(stage=stage, device=device, optimizer={"lr": 0.01},
+                                optimizer_state=moments, state_block=256),
                       zs.make_self_communicator())
         if device != "cpu":
             e.set_stream(torch.cuda.current_stream(dev()).cuda_stream or 1)
@@ -212,6 +215,9 @@ def test_engine_on_the_gpu_equals_the_engine_on_the_cpu(stage):
     assert not torch.equal(cv[0], inits[0])  # it trained
     g_eng.release(gu)
     c_eng.release(cu)
+    for kind in (zs.StateKind.master, zs.StateKind.state0, zs.StateKind.state1):
+        assert torch.equal(torch.from_dlpack(g_eng.read_shard(gu, kind)),
+                           torch.from_dlpack(c_eng.read_shard(cu, kind))), kind
 
 
 def test_cuda_tensors_where_the_engine_reads_the_host_are_refused():
