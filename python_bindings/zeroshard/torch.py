@@ -27,9 +27,11 @@ with more than `unit_numel` trainable elements is split into its own children (i
 parameters then form a unit of their own), and parameters directly on the model form a unit
 "<root>". A ModuleList or ModuleDict is never a unit (it is never called, so its hooks could
 not fire): its children are, as if they were the model's; a ParameterList or ParameterDict
-belongs to its parent's unit. `units=[module, ...]` sets the boundaries by hand instead (parameters outside them
-form the unit "<rest>", attached to the model). Only parameters with requires_grad=True are
-managed; frozen ones stay ordinary tensors.
+belongs to its parent's unit. An nn.MultiheadAttention is one unit whatever its size (its
+forward reads out_proj's weight itself). `units=[module, ...]` sets the boundaries by hand
+instead (parameters outside them form the unit "<rest>", attached to the model). Only
+parameters with requires_grad=True are managed; frozen ones stay ordinary tensors, and
+requires_grad must not change afterwards (step() refuses it, naming the parameter).
 
 Parameters. The engine owns parameter memory. In stages 0-2 each parameter's .data becomes a
 view of the engine's whole-parameter buffer (DLPack, no copy), which step() updates in place.
@@ -56,6 +58,12 @@ A callback queued on the autograd engine hands over, at the end of backward, any
 not get all its gradients (unused parameters count as zero). This is the same for every stage.
 Ranks may differ in which units get gradients (a branch taken on some ranks only): the engine
 reduces in its own order, the same on every rank.
+
+Writes. At stages 0-2, a parameter written in place between steps (a pruning mask, nn.init, a
+submodule's load_state_dict()) keeps the write: the next step() makes it the master weights of
+its elements first (_param_watch.py). Stage 3 refuses such writes, since its parameters are
+shards. close() gives the model back: ordinary parameters holding their current values, no
+hooks; only then can another ZeroOptimizer take the model.
 
 Stage 3 outside forward(). A released parameter raises when its values are read (it is a
 ShardedParameter): a module that shares a unit's weight (an output head tied to the embedding)
@@ -91,6 +99,7 @@ from torch.utils import dlpack as _dlpack
 
 from . import _core
 from ._launch import default_communicator
+from ._param_watch import ParamWatch, refuse_sparse, same_model_on_every_rank
 from ._torch_guards import HandedGrad, ShardedParameter, handed_grad
 
 __all__ = ["ZeroOptimizer", "partition_units", "HandedGrad"]
@@ -175,6 +184,20 @@ class _Unit:
 
 _MODULE_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 _PARAM_CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict)
+# Modules whose forward() reads their children's parameters itself (MultiheadAttention reads
+# out_proj.weight; out_proj's forward never runs): one unit whatever their size.
+_WHOLE_MODULES = (torch.nn.MultiheadAttention,)
+
+
+def _first_pre_hook(module, hook):
+    """A forward pre-hook that runs before those registered earlier (weight_norm's and
+    spectral_norm's read the parameters it gathers)."""
+    try:
+        return module.register_forward_pre_hook(hook, prepend=True)
+    except TypeError:  # torch before 2.0
+        handle = module.register_forward_pre_hook(hook)
+        module._forward_pre_hooks.move_to_end(handle.id, last=False)
+        return handle
 
 
 def partition_units(model, unit_numel=1 << 25, units=None, trainable=None):
@@ -228,7 +251,8 @@ def partition_units(model, unit_numel=1 << 25, units=None, trainable=None):
         # The model itself always splits into its children; below it, a module is one unit
         # unless it is too large and has children to split into.
         container = isinstance(m, _MODULE_CONTAINERS)
-        if depth > 0 and not container and (total <= unit_numel or not children):
+        whole = total <= unit_numel or not children or isinstance(m, _WHOLE_MODULES)
+        if depth > 0 and not container and whole:
             out.append((prefix, m, take(m, True)))
             return
         own = take(m, False)
@@ -285,10 +309,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise _core.InvalidArgumentError(
                 f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
+        owner = getattr(model, "_zs_optimizer", None)
+        if owner is not None and owner() is not None:
+            raise _core.InvalidArgumentError(
+                "ZeroOptimizer: this model already belongs to a ZeroOptimizer, whose hooks and "
+                "engine memory its parameters still use; call close() on that one first")
         self.model = model
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise _core.InvalidArgumentError("ZeroOptimizer: the model has no trainable parameters")
+        refuse_sparse(model, {id(p) for p in trainable})
         self._device = self._model_device(model)
         dtypes = {p.dtype for p in trainable}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _TORCH_DTYPES:
@@ -334,6 +364,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.add_group(self._options(g))
 
         if broadcast_init and self.comm.size() > 1:
+            same_model_on_every_rank(model, self.comm)
             self._broadcast_from_rank0(model)
 
         self._units = []
@@ -370,32 +401,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._setup_stage3(u)
             for module, indices in tied.items():
                 self._gather_for(module, [self._units[i] for i in indices])
-        # model.load_state_dict() after this point writes parameters the engine keeps a master
-        # copy of: resynchronise it, or (stage 3, where parameters are shards) refuse.
-        model._register_load_state_dict_pre_hook(self._before_model_load)
-        model.register_load_state_dict_post_hook(self._after_model_load)
+        # Writes to the parameters from here on (in place, or a load_state_dict() of the model
+        # or of any submodule) reach the master weights at the next step; stage 3 refuses
+        # loads, since its parameters are shards (see _param_watch.py).
+        managed = {id(p) for u in self._units for p in u.params}
+        self._watch = ParamWatch(self, [(n, p) for n, p in model.named_parameters()
+                                        if id(p) not in managed])
+        if self.stage == 3:
+            for m in model.modules():
+                self._hooks.append(m._register_load_state_dict_pre_hook(self._before_model_load))
+        else:
+            self._hooks.append(model.register_load_state_dict_post_hook(self._after_model_load))
+        model._zs_optimizer = weakref.ref(self)
+        self._forward_methods = []  # (module, name, the method before) for close()
 
     def _before_model_load(self, *args):
-        if self.stage == 3:
-            raise _core.InvalidArgumentError(
-                "model.load_state_dict() after ZeroOptimizer was built: at stage 3 each rank "
-                "holds only shards of the parameters; load the weights before building the "
-                "optimizer, or restore with ZeroOptimizer.load_state_dict()")
+        raise _core.InvalidArgumentError(
+            "load_state_dict() on the model or a submodule after ZeroOptimizer was built: at "
+            "stage 3 each rank holds only shards of the parameters; load the weights before "
+            "building the optimizer, or restore with ZeroOptimizer.load_state_dict()")
 
     def _after_model_load(self, module, incompatible):
-        # Stages 0-2: the parameters are engine memory and now hold the loaded values, but the
-        # next step would rebuild them from the old f32 master weights. Make the loaded values
-        # the master (each rank its shard; collective, as loading is on every rank), keeping the
-        # optimizer's moments, as DeepSpeed does.
+        # Stages 0-2: the parameters hold the loaded values; make them the master now, so that
+        # a state_dict() or checkpoint before the next step has them too (collective, as loading
+        # is on every rank), keeping the optimizer's moments, as DeepSpeed does.
         for u in self._units:
-            si = self.engine.shard_info(u.index)
-            flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in u.params])
-            shard = torch.zeros(si.shard_numel, dtype=torch.float32)
-            lo, hi = si.shard_offset, min(si.shard_offset + si.shard_numel, si.numel)
-            if hi > lo:
-                shard[:hi - lo] = flat[lo:hi]
-            self.engine.write_shard(u.index, _core.StateKind.master, shard)
+            self._watch.adopt(u, [True] * len(u.params))
         self.engine.commit_shards()
+        self._watch.record()
 
     # ---- construction helpers ------------------------------------------------------------------
 
@@ -687,7 +720,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # the garbage collector cannot see a cycle back to the optimizer.
             p._zs_unit = weakref.ref(u)
         u.pre, u.post = self._make_pre_forward(u), self._make_post_forward(u)
-        self._hooks.append(u.module.register_forward_pre_hook(u.pre))
+        self._hooks.append(_first_pre_hook(u.module, u.pre))
         self._hooks.append(u.module.register_forward_hook(u.post))
 
     def _gather_for(self, module, units):
@@ -700,7 +733,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         def post(m, args, out):
             for u in reversed(units):
                 u.post(m, args, out)
-        self._hooks.append(module.register_forward_pre_hook(pre))
+        self._hooks.append(_first_pre_hook(module, pre))
         self._hooks.append(module.register_forward_hook(post))
 
     def _make_pre_forward(self, u):
@@ -851,11 +884,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """One optimizer step: finishes the reductions, updates every shard (skipped on f16
         overflow), and brings the parameters up to date. Returns closure's loss, if given;
         the engine's StepResult is in .last_result."""
+        if self.engine is None:
+            raise _core.InvalidArgumentError("ZeroOptimizer.step() after close()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._sync_hyperparameters()
+        self._watch.check()
+        self._watch.adopt_writes()
         self.last_result = self.engine.step()
         return loss
 
@@ -937,6 +974,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     u.post(module, args, out)
             return out
 
+        self._forward_methods.append((module, name, module.__dict__.get(name)))
         setattr(module, name, wrapped)
 
     @property
@@ -951,6 +989,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def memory(self):
         """The engine's MemoryReport (bytes by tier x kind on this rank, with peaks)."""
         return self.engine.memory()
+
+    @torch.no_grad()
+    def close(self):
+        """Gives the model back (collective at stage 3): every managed parameter becomes an
+        ordinary tensor holding its current values (stage 3: gathered whole), with no gradient;
+        the hooks and forward-method wrappers go, and the engine with its memory once nothing
+        else holds it. The optimizer cannot step afterwards; a new one may take the model."""
+        if getattr(self, "_closed", False):
+            return
+        if self.stage == 3:
+            whole = self.model_state_dict()
+            by_id = {id(t): whole[k] for k, t in self.model.state_dict(keep_vars=True).items()}
+        for u in self._units:
+            for p in u.params:
+                p.grad = None
+                if self.stage == 3:
+                    p.__class__ = torch.nn.Parameter
+                    p.data = by_id[id(p)]
+                else:
+                    p.data = p.data.clone()  # off the engine's memory
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for module, name, before in self._forward_methods:
+            if before is None:
+                delattr(module, name)  # the class's method again
+            else:
+                setattr(module, name, before)
+        self._forward_methods = []
+        self.model._zs_optimizer = None
+        self._units = []
+        self.engine = None
+        self._closed = True
 
     @torch.no_grad()
     def model_state_dict(self):
@@ -989,6 +1060,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         checksummed, in a layout that any world size and any stage can load with
         load_checkpoint(). An existing tag is refused. Returns the tag's path."""
         self._sync_hyperparameters()
+        self._watch.adopt_writes()
         return self.engine.save(str(root), tag or "")
 
     def load_checkpoint(self, path):

@@ -17,6 +17,7 @@ missing or doubled moves ~1e-2, and a sum instead of a mean over ranks changes A
 """
 
 import io
+import time
 
 import pytest
 import torch
@@ -193,3 +194,45 @@ def test_buffers_of_every_dtype_start_from_rank_0():
     zero_opt(model, 2)
     ok = (model.mask.tolist() == [True, True, False] and model.count.tolist() == [0, 0])
     assert agree(comm, ok), f"rank {rank}: mask {model.mask.tolist()}, count {model.count.tolist()}"
+
+
+def test_a_model_with_a_layer_more_on_one_rank_fails_at_once_on_every_rank():
+    # Before the initial values are broadcast: pairing different tensors would otherwise wait
+    # for the collectives' timeout (120 s here) and then report something unrelated.
+    comm, rank, size = world()
+    if size < 2:
+        pytest.skip("needs two ranks")
+    model = make_model()
+    if rank == 1:
+        model.extra = torch.nn.Linear(4, 4)
+    start = time.monotonic()
+    with pytest.raises(zs.ModelMismatchError) as info:
+        zero_opt(model, 2)
+    took = time.monotonic() - start
+    named = "'extra.weight'" in str(info.value) or "rank 1's model differs" in str(info.value)
+    assert agree(comm, named and took < 30), f"rank {rank}: {took:.1f} s: {info.value}"
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_in_place_writes_on_every_rank_are_kept(stage):
+    # The master weights are apart from the parameters (offloaded): each rank's write reaches
+    # its shard of them (at stage 0, collectively, the whole state on every rank).
+    comm, rank, size = world()
+    data = batches(6)
+    ref = make_model()
+    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
+    model = make_model()
+    opt = zero_opt(model, stage, "cpu")
+    for i, (tokens, labels) in enumerate(data):
+        if i == 3:
+            for m in (ref, model):
+                with torch.no_grad():
+                    m.proj.weight[:, ::2] = 0
+                    m.head.bias.fill_(0.25)
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ropt.step()
+        train_zero(opt, model, [(tokens, labels)], rank, size)
+    diff = max_abs_diff(opt.model_state_dict(), ref.state_dict())
+    assert agree(comm, diff <= BOUND), f"rank {rank}: stage {stage}: {diff:.3g}"
