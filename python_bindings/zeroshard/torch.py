@@ -637,28 +637,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return deepest + 1
 
     def _tied_users(self, model, unit_list):
-        """Stage 3: {module: [unit index, ...]} for modules that hold a parameter of a unit whose
-        module does not enclose them (a weight tied across modules, e.g. an output head sharing
-        the embedding's weight). Such a module's forward gathers those units too, as their own
-        modules' forwards do."""
-        parent = self._ancestors(model)
+        """Stage 3: {module: [unit index, ...]} for modules that hold a parameter of a unit and
+        can run without that unit's module running around them: a weight tied across modules
+        (an output head sharing the embedding's weight), or a submodule registered under two
+        parents (a block's MLP shared with another block). Such a module's forward gathers
+        those units too, as their own modules' forwards do."""
         owner = {}
         for index, (_, m, named) in enumerate(unit_list):
             for _, p in named:
                 owner[id(p)] = (index, m)
+        reach = {}
 
-        def encloses(outer, inner):
-            cur = inner
-            while cur is not outer:
-                if id(cur) not in parent:
-                    return False
-                cur = parent[id(cur)]
-            return True
+        def outside(unit_module):
+            """The modules reachable from the model without passing through unit_module."""
+            if id(unit_module) not in reach:
+                seen, stack = set(), [model]
+                while stack:
+                    m = stack.pop()
+                    if m is unit_module or id(m) in seen:
+                        continue
+                    seen.add(id(m))
+                    stack.extend(m.children())
+                reach[id(unit_module)] = seen
+            return reach[id(unit_module)]
 
         users = {}
-        for _, m in model.named_modules():
-            for _, p in m.named_parameters(recurse=False):
-                if id(p) in owner and not encloses(owner[id(p)][1], m):
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                if id(p) in owner and id(m) in outside(owner[id(p)][1]):
                     found = users.setdefault(m, [])
                     if owner[id(p)][0] not in found:
                         found.append(owner[id(p)][0])

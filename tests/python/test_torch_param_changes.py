@@ -225,3 +225,45 @@ def test_modules_that_read_their_parameters_unusually_train_at_stage_3(make):
         loss_fn(model, tokens, labels).backward()
         opt.step()
     assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+
+
+class SharedMlp(nn.Module):
+    """One MLP object registered under two blocks: its parameters are the first block's unit,
+    and the second block runs it without the first block's forward around it."""
+
+    class Block(nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.ln = nn.LayerNorm(16)
+            self.mlp = mlp
+
+        def forward(self, x):
+            return x + self.mlp(self.ln(x))
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 16)
+        shared = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+        self.b0, self.b1 = self.Block(shared), self.Block(shared)
+        self.head = nn.Linear(16, 7)
+
+    def forward(self, tokens):
+        return self.head(self.b1(self.b0(self.embed(tokens).mean(1))))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_submodule_shared_by_two_parents_trains(stage):
+    data = batches(4)
+    ref = SharedMlp()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    model = SharedMlp()
+    opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, comm=zs.make_self_communicator())
+    for tokens, labels in data:
+        ropt.zero_grad()
+        loss_fn(ref, tokens, labels).backward()
+        ropt.step()
+        opt.zero_grad()
+        loss_fn(model, tokens, labels).backward()
+        opt.step()
+    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
