@@ -35,6 +35,23 @@ Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm)
   rank = comm->rank();
   world = comm->size();
   comm->set_timeout(cfg.collective_timeout_s);  // before the split: the groups inherit it
+  if (cfg.train_batch_size > 0 && cfg.train_micro_batch_size_per_gpu > 0) {
+    const int64_t per_step = cfg.train_micro_batch_size_per_gpu *
+                             int64_t(cfg.gradient_accumulation_steps) * int64_t(world);
+    if (per_step != cfg.train_batch_size) {
+      const int64_t across = cfg.train_micro_batch_size_per_gpu * int64_t(world);
+      std::string hint;
+      if (cfg.train_batch_size % across == 0)
+        hint = "; gradient_accumulation_steps = " + std::to_string(cfg.train_batch_size / across) +
+               " would make them agree";
+      ZS_THROW(invalid_config, "rank " << rank << ": train_batch_size = " << cfg.train_batch_size
+                                       << " is not train_micro_batch_size_per_gpu ("
+                                       << cfg.train_micro_batch_size_per_gpu
+                                       << ") x gradient_accumulation_steps ("
+                                       << cfg.gradient_accumulation_steps << ") x world size ("
+                                       << world << ") = " << per_step << hint);
+    }
+  }
   shard_world = cfg.shard_group_size == 0 ? world : cfg.shard_group_size;
   if (world % shard_world != 0)
     ZS_THROW(invalid_config, "rank " << rank << ": zeroshard.shard_group_size = " << shard_world

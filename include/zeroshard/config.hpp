@@ -126,6 +126,12 @@ struct ZS_API Config {
   /// the ranks: summed in f32, then divided by gradient_accumulation_steps × world size (and the
   /// loss scale), as one process would on the whole global batch.
   int gradient_accumulation_steps = 1;
+  /// DeepSpeed's batch sizes ("train_batch_size", "train_micro_batch_size_per_gpu"; 0: not
+  /// given). The trainer's data loader uses them, not the engine; when both are given the
+  /// engine checks, as DeepSpeed does, that train_batch_size = micro × accumulation steps ×
+  /// world size (a mismatch would train with another batch than the one configured).
+  int64_t train_batch_size = 0;
+  int64_t train_micro_batch_size_per_gpu = 0;
   OptimizerOptions optimizer;  ///< parameter group 0
   OffloadOptions offload_optimizer;
   OffloadOptions offload_param;  ///< stage 3 only

@@ -382,9 +382,7 @@ Node layout() {
                {"immediate_grad_update", accept_bool},
            }},
           Node::fields(),  // gradient_clipping, gradient_accumulation_steps
-          // Batch sizes belong to the trainer's data loader; logging knobs to DeepSpeed's engine.
-          {"train_micro_batch_size_per_gpu", accept_count},
-          {"train_batch_size", accept_count},
+          // Logging knobs of DeepSpeed's engine.
           {"steps_per_print", accept_count},
           {"wall_clock_breakdown", accept_bool},
           optimizer_layout(),

@@ -11,7 +11,9 @@
 #include <functional>
 #include <string>
 
+#include "zeroshard/communicator.hpp"
 #include "zeroshard/config.hpp"
+#include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
 
 namespace zeroshard {
@@ -323,7 +325,7 @@ TEST(Config, FloatsAreAcceptedForIntegersOnlyWhenIntegral) {
   EXPECT_THAT(parse_error(R"({"zero_optimization": {"stage": 1e10}})"),
               HasSubstr("\"zero_optimization.stage\" = 1e+10 is out of range for a 32-bit"));
   EXPECT_THAT(parse_error(R"({"train_batch_size": -1})"),
-              HasSubstr("\"train_batch_size\" = -1 must be >= 0"));
+              HasSubstr("train_batch_size = -1 must be >= 0"));
 }
 
 TEST(Config, DeepSpeedValuesWithoutAnEquivalentAreErrorsThatSayWhy) {
@@ -519,6 +521,36 @@ TEST(Config, ShardGroupSize) {
   EXPECT_THAT(validate_error(c), HasSubstr("zeroshard.shard_group_size"));
   c.shard_group_size = 2;
   EXPECT_NE(c.fingerprint().find("config shard_group_size=2"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+// DeepSpeed's batch sizes: given both, the engine checks them against the accumulation steps
+// and its world size (one rank here), as DeepSpeed asserts; one alone is the loader's business.
+TEST(Config, BatchSizesMustAgreeWithAccumulationAndWorld) {
+  Config c = Config::from_json(
+      R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+          "gradient_accumulation_steps": 2})");
+  EXPECT_EQ(c.train_batch_size, 16);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  try {
+    Engine e(c, make_self_communicator());
+    ADD_FAILURE() << "16 != 4 x 2 x 1 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_config);
+    EXPECT_THAT(e.what(),
+                AllOf(HasSubstr("train_batch_size = 16"), HasSubstr("world size (1)"),
+                      HasSubstr("gradient_accumulation_steps = 4 would make them agree")));
+  }
+  c.gradient_accumulation_steps = 4;
+  EXPECT_NO_THROW(Engine(c, make_self_communicator()));
+  c.train_micro_batch_size_per_gpu = 0;  // not given: nothing to check
+  c.gradient_accumulation_steps = 3;
+  EXPECT_NO_THROW(Engine(c, make_self_communicator()));
 }
 
 }  // namespace
