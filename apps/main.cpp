@@ -17,6 +17,7 @@
 #include "apps/demo.hpp"
 #include "apps/plan/calibrate.hpp"
 #include "apps/plan/plan.hpp"
+#include "zeroshard/communicator.hpp"
 #include "zeroshard/version.hpp"
 
 namespace {
@@ -117,8 +118,14 @@ int main(int argc, char** argv) {
     std::printf("zeroshard %s\n", zeroshard::version());
     return 0;
   }
-  for (const Command& c : kCommands)
-    if (cmd == c.name) return c.run(std::vector<std::string>(argv + 2, argv + argc));
+  for (const Command& c : kCommands) {
+    if (cmd != c.name) continue;
+    const int rc = c.run(std::vector<std::string>(argv + 2, argv + argc));
+    // A rank that failed on its own ends the job now: returning would wait in MPI_Finalize for
+    // peers that wait for it in a collective until their timeout.
+    if (rc != 0) zeroshard::abort_mpi_job(rc);
+    return rc;
+  }
   std::fprintf(stderr, "zeroshard: unknown command '%s'\n\n", cmd.c_str());
   usage(stderr);
   return 2;

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "src/base/check.hpp"
+#include "src/comm/timeout.hpp"
 #include "src/engine_impl.hpp"
 #include "zeroshard/config.hpp"
 
@@ -142,8 +143,7 @@ Engine::~Engine() {
   // timed out may still complete when a late peer arrives; wait for that a while, too, but once:
   // one deadline for all of them, so a dead peer costs one timeout, not one per collective.
   using Clock = std::chrono::steady_clock;
-  const auto deadline =
-      Clock::now() + std::chrono::duration<double>(impl_->cfg.collective_timeout_s);
+  const auto deadline = Clock::now() + timeout_duration(impl_->cfg.collective_timeout_s);
   for (Unit& u : impl_->units)
     for (auto* w : {&u.reduction, &u.gather_work})
       if (*w)

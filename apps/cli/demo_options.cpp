@@ -340,7 +340,14 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
       o.blas_threads = int(to_int("--blas-threads", val("--blas-threads"), 1, 1024));
     o.quiet = has("--quiet");
     o.dp_reference = !has("--no-dp-reference");
-    if (has("--report-json")) o.report_json = val("--report-json");
+    if (has("--report-json")) {
+      o.report_json = val("--report-json");
+      // Checked now, not after a long run whose report would then be lost.
+      std::ofstream probe(o.report_json, std::ios::app);
+      if (!probe)
+        throw BadFlag{"--report-json " + o.report_json + ": cannot write there (" +
+                      std::strerror(errno) + ")"};
+    }
 
     if (o.dim % o.heads != 0)
       throw BadFlag{"--dim " + std::to_string(o.dim) + " is not a multiple of --heads " +

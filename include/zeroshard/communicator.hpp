@@ -82,6 +82,15 @@ class ZS_API Communicator {
 /// Buffers are host memory; stage_device_buffers() makes it take CUDA device memory too.
 ZS_API std::shared_ptr<Communicator> make_mpi_communicator();
 
+/// Ends the whole MPI job now (MPI_Abort on MPI_COMM_WORLD with `code`) when MPI is
+/// initialised in this process and its world has more than one rank; returns otherwise. For a rank
+/// that fails on its own (bad input, a local error): returning from main() instead runs
+/// MPI_Finalize, which waits for every peer, while the peers wait in a collective for this rank
+/// until their timeout (Config::collective_timeout_s). The process also aborts the job by itself at
+/// exit, instead of finalising, once a collective of its own timed out and never completed: a
+/// finalize would wait for the peer that never answered.
+ZS_API void abort_mpi_job(int code);
+
 /// A communicator of one rank (no MPI): collectives are copies.
 ZS_API std::shared_ptr<Communicator> make_self_communicator();
 

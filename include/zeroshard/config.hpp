@@ -164,6 +164,7 @@ struct ZS_API Config {
   /// Start gradient reduction on the communication thread as soon as grads_ready() is called.
   bool overlap_comm = true;
   /// A collective that has not completed after this many seconds fails with ErrorCode::timeout.
+  /// Values above 1e8 (about three years) count as 1e8: no timeout, in practice.
   double collective_timeout_s = 300.0;
   /// Engine::save() keeps the newest this many tags of its root, removing older ones (0: all).
   int checkpoint_keep_last = 0;

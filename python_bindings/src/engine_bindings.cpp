@@ -150,6 +150,10 @@ void bind_communicator(nb::module_& m) {
         "finalises it when the last one is destroyed). Launch with mpirun.");
   m.def("make_self_communicator", &make_self_communicator,
         "A communicator of one rank, without MPI.");
+  m.def("abort_mpi_job", &abort_mpi_job, nb::arg("code") = 1,
+        "Ends every rank of the MPI job now (MPI_Abort), if MPI is initialised and the world has "
+        "more than one rank; returns otherwise. For a rank that fails on its own, which would "
+        "otherwise wait in MPI_Finalize while its peers wait for it in a collective.");
   m.def(
       "make_store_communicator",
       [](std::function<void(const std::string&, const std::string&)> set,

@@ -12,6 +12,7 @@
 
 import atexit
 import datetime
+import sys
 
 from . import _core
 
@@ -62,6 +63,24 @@ def store_communicator(store, rank, size):
         rank, size)
 
 
+def _abort_job_on_uncaught_exception():
+    """An exception that ends this rank's script ends the MPI job (after the traceback is
+    printed), as `python -m mpi4py` does: otherwise the interpreter's exit runs MPI_Finalize,
+    which waits for the other ranks, while they wait in a collective for this one until their
+    timeout (collective_timeout_s, 300 s by default). The previous hook still runs first."""
+    previous = sys.excepthook
+    if getattr(previous, "_zeroshard_aborts", False):
+        return
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        if not issubclass(kind, KeyboardInterrupt):
+            sys.stderr.flush()
+            _core.abort_mpi_job(1)
+    hook._zeroshard_aborts = True
+    sys.excepthook = hook
+
+
 def default_communicator(device=None):
     """The process-wide communicator for tensors on `device` (a torch.device, or None for CPU):
     MPI_COMM_WORLD under mpirun or srun, NCCL bootstrapped through torch.distributed's store
@@ -91,6 +110,8 @@ def default_communicator(device=None):
     elif info["launcher"] in ("mpirun", "srun"):
         # Refuses an srun without PMI, and a launcher of another MPI library, by name.
         comm = _core.make_mpi_communicator()
+        if comm.size() > 1:
+            _abort_job_on_uncaught_exception()
     else:
         comm = _core.make_self_communicator()
     _default[key] = comm

@@ -162,12 +162,8 @@ void DataFileWriter::finish() {
 }
 
 DataFileReader::DataFileReader(std::filesystem::path path, const FileHeader& expected)
-    : path_(std::move(path)), fd_(::open(path_.c_str(), O_RDONLY | O_CLOEXEC)) {
-  if (!fd_) {
-    if (errno == ENOENT)
-      ZS_THROW(corrupted, "checkpoint: " << path_ << " is missing (the manifest lists it)");
-    io_failure(path_, "opening", errno);
-  }
+    : path_(std::move(path)), fd_(open_regular(path_, O_RDONLY)) {
+  if (!fd_) ZS_THROW(corrupted, "checkpoint: " << path_ << " is missing (the manifest lists it)");
   std::vector<char> header(static_cast<size_t>(kHeaderBytes));
   read_at(header.data(), header.size(), 0, "header");
   h_ = decode_header(header.data(), header.size(), path_.string());

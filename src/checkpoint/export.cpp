@@ -59,31 +59,39 @@ void export_checkpoint(const fs::path& path, const fs::path& out_dir,
                                                    {"tag", m.tag},
                                                    {"step", std::to_string(m.step)},
                                                    {"optimizer", m.optimizer}};
-  fs::create_directories(out_dir);
-  StWriter model(out_dir / "model.safetensors.tmp", names, shapes, meta);
-  std::unique_ptr<StWriter> opt;
-  if (!states.empty())
-    opt = std::make_unique<StWriter>(out_dir / "optimizer.safetensors.tmp", opt_names, opt_shapes,
-                                     meta);
-  int64_t done = 0;
-  std::vector<float> v;
-  for (size_t u = 0; u < m.units.size(); ++u) {
-    const int64_t n = m.units[u].numel;
-    v.resize(size_t(n));
-    src.read(0, int(u), 0, n, v.data());  // state_names()[0] is the master
-    model.append(v.data(), n);
-    for (int s : state_index) {
-      src.read(s, int(u), 0, n, v.data());
-      opt->append(v.data(), n);
+  make_directories(out_dir);
+  const fs::path model_tmp = out_dir / "model.safetensors.tmp",
+                 opt_tmp = out_dir / "optimizer.safetensors.tmp";
+  try {
+    StWriter model(model_tmp, names, shapes, meta);
+    std::unique_ptr<StWriter> opt;
+    if (!states.empty()) opt = std::make_unique<StWriter>(opt_tmp, opt_names, opt_shapes, meta);
+    int64_t done = 0;
+    std::vector<float> v;
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      const int64_t n = m.units[u].numel;
+      v.resize(size_t(n));
+      src.read(0, int(u), 0, n, v.data());  // state_names()[0] is the master
+      model.append(v.data(), n);
+      for (int s : state_index) {
+        src.read(s, int(u), 0, n, v.data());
+        opt->append(v.data(), n);
+      }
+      done += n * int64_t(1 + states.size()) * 4;
+      if (progress) progress(done, total);
     }
-    done += n * int64_t(1 + states.size()) * 4;
-    if (progress) progress(done, total);
+    // Both files complete and durable before either takes its name.
+    model.finish();
+    if (opt) opt->finish();
+    rename_path(model_tmp, out_dir / "model.safetensors");
+    if (opt) rename_path(opt_tmp, out_dir / "optimizer.safetensors");
+  } catch (...) {
+    // A failed export (a full disk) leaves no partial file behind.
+    std::error_code ec;
+    fs::remove(model_tmp, ec);
+    fs::remove(opt_tmp, ec);
+    throw;
   }
-  // Both files complete and durable before either takes its name.
-  model.finish();
-  if (opt) opt->finish();
-  fs::rename(out_dir / "model.safetensors.tmp", out_dir / "model.safetensors");
-  if (opt) fs::rename(out_dir / "optimizer.safetensors.tmp", out_dir / "optimizer.safetensors");
   fsync_path(out_dir);
 }
 

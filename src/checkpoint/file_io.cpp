@@ -2,6 +2,7 @@
 #include "src/checkpoint/file_io.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -42,6 +43,49 @@ void pread_all(int fd, void* data, size_t bytes, int64_t offset, const std::file
                                          << offset << ")");
     c += n, bytes -= size_t(n), offset += n;
   }
+}
+
+int open_regular(const std::filesystem::path& path, int flags) {
+  // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
+  UniqueFd fd(::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC));
+  if (!fd) {
+    if (errno == ENOENT) return -1;
+    io_failure(path, "opening", errno);
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) io_failure(path, "inspecting", errno);
+  if (!S_ISREG(st.st_mode))
+    ZS_THROW(corrupted, "checkpoint: " << path
+                                       << " is not a regular file (a directory, FIFO, "
+                                          "device or socket): refused");
+  const int fl = ::fcntl(fd.get(), F_GETFL);
+  if (fl < 0 || ::fcntl(fd.get(), F_SETFL, fl & ~O_NONBLOCK) != 0)
+    io_failure(path, "opening", errno);
+  return fd.release();
+}
+
+namespace {
+void check_ec(const std::error_code& ec, const std::filesystem::path& path, const char* what) {
+  if (ec) io_failure(path, what, ec.value());
+}
+}  // namespace
+
+void make_directories(const std::filesystem::path& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  check_ec(ec, path, "creating directory");
+}
+
+void make_directory(const std::filesystem::path& path) {
+  std::error_code ec;
+  std::filesystem::create_directory(path, ec);
+  check_ec(ec, path, "creating directory");
+}
+
+void rename_path(const std::filesystem::path& from, const std::filesystem::path& to) {
+  std::error_code ec;
+  std::filesystem::rename(from, to, ec);
+  check_ec(ec, to, "renaming into");
 }
 
 void fsync_fd(int fd, const std::filesystem::path& path) {

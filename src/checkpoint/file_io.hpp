@@ -20,6 +20,18 @@ void pwrite_all(int fd, const void* data, size_t bytes, int64_t offset,
 void pread_all(int fd, void* data, size_t bytes, int64_t offset, const std::filesystem::path& path,
                const char* what);
 
+/// open(path, flags) of a file to read, refused unless it is a regular file: a FIFO or a device
+/// (a damaged or hostile checkpoint: `latest` pointing at /dev/zero) would block the open or
+/// read without end. Error(corrupted) naming the file if it is not one, io_failure() if the
+/// open fails; ENOENT is returned as an invalid descriptor, for the caller to name.
+int open_regular(const std::filesystem::path& path, int flags);
+
+/// create_directories()/create_directory() with the errors above (a full disk: no_space).
+void make_directories(const std::filesystem::path& path);
+void make_directory(const std::filesystem::path& path);
+/// rename() with the errors above.
+void rename_path(const std::filesystem::path& from, const std::filesystem::path& to);
+
 /// fsync() of an open file or of a path (a directory, opened read-only for it).
 void fsync_fd(int fd, const std::filesystem::path& path);
 void fsync_path(const std::filesystem::path& path);

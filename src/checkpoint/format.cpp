@@ -3,20 +3,23 @@
 // before use, and an error names the file and the field.
 #include "src/checkpoint/format.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <optional>
 
 #include "offload/checksum.hpp"
 #include "src/base/check.hpp"
+#include "src/base/unique_fd.hpp"
 #include "src/checkpoint/encoding.hpp"
+#include "src/checkpoint/file_io.hpp"
 
 namespace zeroshard::ckpt {
 
@@ -424,17 +427,33 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
   return m;
 }
 
+// The whole of a small regular file, refused above `limit` bytes (kept out of messages then).
+// Empty optional: the file does not exist.
+std::optional<std::string> read_small_file(const std::filesystem::path& file, uintmax_t limit) {
+  UniqueFd fd(open_regular(file, O_RDONLY));
+  if (!fd) return std::nullopt;
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) io_failure(file, "inspecting", errno);
+  if (uintmax_t(st.st_size) > limit)
+    ZS_THROW(corrupted, "checkpoint: " << file << " is " << st.st_size << " bytes, over the "
+                                       << limit << " it can be");
+  std::string text(size_t(st.st_size), '\0');
+  pread_all(fd.get(), text.data(), text.size(), 0, file, "end");
+  return text;
+}
+
 std::filesystem::path resolve(const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (fs::exists(path / "manifest.json", ec)) return path;
-  std::ifstream is(path / "latest");
-  if (!is)
+  // `latest` holds a tag name (at most 200 bytes) and a newline, as save() writes it.
+  const std::optional<std::string> latest = read_small_file(path / "latest", 256);
+  if (!latest)
     ZS_THROW(invalid_argument, "checkpoint: " << path
                                               << " holds neither manifest.json (a tag) nor "
                                                  "latest (a root of tags): not a checkpoint, "
                                                  "or no save completed there");
-  std::string text((std::istreambuf_iterator<char>(is)), std::istreambuf_iterator<char>());
+  const std::string& text = *latest;
   // Exactly "<tag>\n", as save() writes it.
   const std::string tag =
       text.size() > 1 && text.back() == '\n' ? text.substr(0, text.size() - 1) : std::string();
@@ -451,15 +470,9 @@ std::filesystem::path resolve(const std::filesystem::path& path) {
 
 Manifest read_manifest(const std::filesystem::path& tag_dir) {
   const std::filesystem::path file = tag_dir / "manifest.json";
-  std::error_code ec;
-  const uintmax_t size = std::filesystem::file_size(file, ec);
-  if (ec) ZS_THROW(invalid_argument, "checkpoint: cannot open " << file << ": " << ec.message());
-  if (size > (uintmax_t(1) << 30)) ZS_THROW(corrupted, "checkpoint: " << file << " is over 1 GiB");
-  std::ifstream is(file, std::ios::binary);
-  if (!is) ZS_THROW(invalid_argument, "checkpoint: cannot open " << file);
-  std::stringstream ss;
-  ss << is.rdbuf();
-  return parse_manifest(ss.str(), file.string());
+  const std::optional<std::string> text = read_small_file(file, uintmax_t(1) << 30);
+  if (!text) ZS_THROW(invalid_argument, "checkpoint: cannot open " << file << ": no such file");
+  return parse_manifest(*text, file.string());
 }
 
 }  // namespace zeroshard::ckpt

@@ -51,14 +51,14 @@ void write_file(const fs::path& p, const std::string& text) {
 // Rank 0, before anything is written: the tag must be new; temporary directories of saves
 // that died are removed; this save's is created.
 void prepare(const fs::path& root, const std::string& tag, const fs::path& tmp) {
-  fs::create_directories(root);
+  make_directories(root);
   if (fs::exists(root / tag))
     ZS_THROW(invalid_argument, "checkpoint: tag " << (root / tag)
                                                   << " exists; a save never modifies an existing "
                                                      "tag (give another tag, or remove it)");
   for (const fs::directory_entry& d : fs::directory_iterator(root))
     if (d.path().filename().string().rfind(kTempPrefix, 0) == 0) fs::remove_all(d.path());
-  fs::create_directory(tmp);
+  make_directory(tmp);
 }
 
 // Whether root/latest names `tag` (and nothing else).
@@ -73,10 +73,10 @@ bool names_latest(const fs::path& root, const std::string& tag) {
 void publish(const fs::path& root, const fs::path& tmp, const std::string& tag, const Manifest& m) {
   write_file(tmp / "manifest.json", manifest_text(m));
   fsync_path(tmp);
-  fs::rename(tmp, root / tag);
+  rename_path(tmp, root / tag);
   fsync_path(root);
   write_file(root / "latest.tmp", tag + "\n");
-  fs::rename(root / "latest.tmp", root / "latest");
+  rename_path(root / "latest.tmp", root / "latest");
   fsync_path(root);
 }
 

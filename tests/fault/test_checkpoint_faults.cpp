@@ -124,5 +124,29 @@ TEST_P(CheckpointFaults, FullDiskFailsEveryRankAndKeepsThePreviousTag) {
   unmount(mnt);
 }
 
+// A disk already full when a save begins: even creating the tag's temporary directory fails,
+// and that is Error(no_space) too, like every later failure of a save (it was io_error).
+TEST_P(CheckpointFaults, AFullDiskBeforeTheSaveBeginsIsNoSpace) {
+  const fs::path mnt = mount_small(GetParam());
+  if (mnt.empty())
+    GTEST_SKIP() << "mounting a " << GetParam()
+                 << " needs root (and loop devices and mkfs.ext4 for ext4; CI has them)";
+  if (world()->rank() == 0) {  // fill it: a file of zeros until the disk refuses more
+    std::ofstream fill(mnt / "fill", std::ios::binary);
+    const std::string mib(1 << 20, '\0');
+    for (int i = 0; i < 8 && fill; ++i) fill.write(mib.data(), std::streamsize(mib.size()));
+  }
+  world()->barrier("filled");
+  Engine e(config(), world());
+  zs_test::register_model(e, model());
+  try {
+    e.save(mnt / "run");
+    ADD_FAILURE() << "a save onto a full disk succeeded";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), ErrorCode::no_space) << err.what();
+  }
+  unmount(mnt);
+}
+
 INSTANTIATE_TEST_SUITE_P(FileSystems, CheckpointFaults, ::testing::Values("ext4", "tmpfs"),
                          [](const auto& p) { return p.param; });

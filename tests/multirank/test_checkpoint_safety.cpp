@@ -4,11 +4,13 @@
 // of file (data blocks, headers, checksum tables, manifests, `latest`, files of another save or
 // model): each fails the load on every rank with the file named and leaves the engine as it was.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "src/checkpoint/format.hpp"
@@ -307,6 +309,14 @@ TEST(CheckpointDamage, DataFiles) {
   expect_refused(
       "missing", [&](const fs::path& t) { fs::remove(t / fl); }, ErrorCode::corrupted,
       "is missing");
+  // A FIFO would block the open (and every read) forever.
+  expect_refused(
+      "a FIFO",
+      [&](const fs::path& t) {
+        fs::remove(t / fl);
+        ASSERT_EQ(::mkfifo((t / fl).c_str(), 0644), 0);
+      },
+      ErrorCode::corrupted, "is not a regular file");
 }
 
 TEST(CheckpointDamage, ManifestsAndPointers) {
@@ -329,6 +339,27 @@ TEST(CheckpointDamage, ManifestsAndPointers) {
         spill(t.parent_path() / "latest", "../../etc\n");
       },
       ErrorCode::corrupted, "names no tag");
+  // `latest` is read whole: a device would be read without end, a FIFO block, a long file be
+  // pasted into the message.
+  auto latest_is = [](std::function<void(const fs::path&)> make) {
+    return [make](const fs::path& t) {
+      fs::remove(t / "manifest.json");
+      fs::remove(t.parent_path() / "latest");
+      make(t.parent_path() / "latest");
+    };
+  };
+  expect_refused("latest a device",
+                 latest_is([](const fs::path& l) { fs::create_symlink("/dev/zero", l); }),
+                 ErrorCode::corrupted, "is not a regular file");
+  expect_refused("latest a FIFO",
+                 latest_is([](const fs::path& l) { ASSERT_EQ(::mkfifo(l.c_str(), 0644), 0); }),
+                 ErrorCode::corrupted, "is not a regular file");
+  expect_refused("latest a directory",
+                 latest_is([](const fs::path& l) { fs::create_directory(l); }),
+                 ErrorCode::corrupted, "is not a regular file");
+  expect_refused("latest too long",
+                 latest_is([](const fs::path& l) { spill(l, std::string(5000, 'a') + "\n"); }),
+                 ErrorCode::corrupted, "over the 256");
 }
 
 // Two saves of the same state: a file of one copied into the other is caught by its header.

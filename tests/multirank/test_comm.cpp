@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include "tests/multirank/harness.hpp"
@@ -152,6 +153,19 @@ TEST(Comm, TimeoutNamesTheCollective) {
     c->all_reduce(&v, 1, ReduceOp::sum, "the slow sum")->wait();
   }
   world()->barrier("after comm timeout");
+}
+
+// "Never time out" written as a huge number is a deadline far ahead, not one that overflowed
+// into the past and failed every collective at once (it did, from 1e10 s up).
+TEST(Comm, HugeTimeoutMeansNoTimeout) {
+  auto c = make_mpi_communicator();
+  for (double t : {1e10, 1e300, std::numeric_limits<double>::infinity()}) {
+    c->set_timeout(t);
+    double v = 1;
+    if (c->rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_NO_THROW(c->all_reduce(&v, 1, ReduceOp::sum, "a sum under a huge timeout")->wait()) << t;
+    EXPECT_EQ(v, c->size());
+  }
 }
 
 }  // namespace

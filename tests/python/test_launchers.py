@@ -82,3 +82,30 @@ def test_torchrun_store_bootstrap(tmp_path):
         else:
             # No GPU here (or a build without CUDA): a CUDA error on this rank, not a hang.
             assert "NCCL error" in line and "CUDA" in line, line
+
+
+def test_an_uncaught_exception_on_one_rank_ends_the_mpi_job(tmp_path):
+    # Without the abort, rank 1's interpreter would wait in MPI_Finalize for rank 0, which waits
+    # in its barrier for rank 1 until the collective timeout (300 s by default).
+    import shutil
+    import time
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun on this machine")
+    script = tmp_path / "fail_on_rank_1.py"
+    script.write_text(textwrap.dedent("""
+        import zeroshard as zs
+        comm = zs.default_communicator()
+        if comm.rank() == 1:
+            raise ValueError("rank 1 found no data")
+        comm.barrier("waits for rank 1")
+    """))
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1",
+               OMPI_MCA_btl_vader_single_copy_mechanism="none")
+    start = time.monotonic()
+    r = subprocess.run(["mpirun", "-np", "2", sys.executable, str(script)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert r.returncode != 0
+    assert "rank 1 found no data" in r.stderr + r.stdout
+    assert took < 60, f"the job took {took:.0f} s to end"

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -20,6 +21,7 @@
 #include "src/comm/mpi/peer_probe.hpp"
 #include "src/comm/seconds_text.hpp"
 #include "src/comm/split_check.hpp"
+#include "src/comm/timeout.hpp"
 #include "src/comm/work_state.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/launch.hpp"
@@ -60,6 +62,9 @@ void refuse_unjoinable_launch() {
 // Process-wide MPI state: initialised once, finalised when the last holder goes away.
 struct MpiRuntime {
   bool we_initialized = false;
+  // A collective of this process timed out and never completed: MPI_Finalize would wait for
+  // the peer that did not answer (frozen, or cut off), so the end of the process aborts the job.
+  std::atomic<bool> abandoned{false};
   MPI_Op op_bf16 = MPI_OP_NULL, op_f16 = MPI_OP_NULL;
 
   MpiRuntime() {
@@ -87,10 +92,17 @@ struct MpiRuntime {
     ZS_MPI_CHECK(MPI_Op_create(&f16_sum, 1, &op_f16));
   }
   ~MpiRuntime() {
-    MPI_Op_free(&op_bf16);
-    MPI_Op_free(&op_f16);
     int finalized = 0;
     MPI_Finalized(&finalized);
+    if (we_initialized && !finalized && abandoned) {
+      std::fprintf(stderr,
+                   "zeroshard: a collective of this rank timed out and never completed; "
+                   "aborting the MPI job rather than waiting in MPI_Finalize for that peer\n");
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    MPI_Op_free(&op_bf16);
+    MPI_Op_free(&op_f16);
     if (we_initialized && !finalized) MPI_Finalize();
   }
   // The sum of `dtype`: MPI's own for f32, the ones above for bf16 and f16.
@@ -137,6 +149,7 @@ class MpiCommunicator final : public Communicator {
     // could crash MPI, so it is left to the process's end.
     probe_->close(abandoned_ != 0);
     if (abandoned_ == 0) MPI_Comm_free(&comm_);
+    if (abandoned_ != 0) rt_->abandoned = true;
   }
 
   int rank() const override { return rank_; }
@@ -365,9 +378,7 @@ class MpiCommunicator final : public Communicator {
       const auto now = std::chrono::steady_clock::now();
       // In the last quarter of the time allowed, ask which peers still answer (a probe begun
       // before that quarter, for an earlier collective, does not count for this one).
-      const auto probe_from =
-          f.deadline - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                           std::chrono::duration<double>(timeout_s_.load() / 4));
+      const auto probe_from = f.deadline - timeout_duration(timeout_s_.load() / 4);
       if (!f.timed_out && now > probe_from) probe_->start(probe_from);
       if (!f.timed_out && now > f.deadline) {
         // The request stays in flight: a late peer can still complete it, and MPI must keep
@@ -420,9 +431,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::chrono::steady_clock::time_point deadline_from_now() const {
-    return std::chrono::steady_clock::now() +
-           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-               std::chrono::duration<double>(timeout_s_.load()));
+    return std::chrono::steady_clock::now() + timeout_duration(timeout_s_.load());
   }
 
   void start_one(Pending& p, std::vector<InFlight>& inflight) {
@@ -506,6 +515,18 @@ class MpiCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+void abort_mpi_job(int code) {
+  int inited = 0, finalized = 0, size = 1;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (!inited || finalized) return;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size <= 1) return;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, code);
+}
 
 std::shared_ptr<Communicator> make_mpi_communicator() {
   auto comm = std::make_shared<MpiCommunicator>();

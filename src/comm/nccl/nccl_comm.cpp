@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "src/base/nccl_check.hpp"
+#include "src/comm/timeout.hpp"
 
 namespace zeroshard {
 namespace {
@@ -12,8 +13,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 Clock::time_point after(double seconds) {
-  return Clock::now() +
-         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  return Clock::now() + timeout_duration<Clock>(seconds);
 }
 
 }  // namespace

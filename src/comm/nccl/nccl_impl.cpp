@@ -11,12 +11,12 @@
 #include "src/base/cuda_check.hpp"
 #include "src/base/nccl_check.hpp"
 #include "src/comm/seconds_text.hpp"
+#include "src/comm/timeout.hpp"
 
 namespace zeroshard {
 
 NcclClock::time_point nccl_deadline_after(double seconds) {
-  return NcclClock::now() +
-         std::chrono::duration_cast<NcclClock::duration>(std::chrono::duration<double>(seconds));
+  return NcclClock::now() + timeout_duration<NcclClock>(seconds);
 }
 
 // ---- failure state ------------------------------------------------------------------------
