@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -138,6 +139,23 @@ int train_and_report(DemoOptions& o) {
                       ? "generated corpus, " + std::to_string(text.size()) + " characters"
                       : o.text_path + ", " + std::to_string(text.size()) + " characters";
   s.tokens_per_step = int64_t(world) * o.batch * o.seq * o.config.gradient_accumulation_steps;
+  int64_t first_step = 1;
+  if (!o.resume.empty()) {
+    // Master weights, moments, step count, loss scaler and hyperparameters; the data sampler
+    // then draws past the batches of the steps already taken, so that with the same world
+    // size the run goes on exactly as it would have without stopping.
+    engine.load(o.resume);
+    first_step = engine.step_count() + 1;
+    if (first_step > o.steps)
+      throw std::runtime_error("--resume " + o.resume + ": the checkpoint is after step " +
+                               std::to_string(engine.step_count()) + ", and --steps is " +
+                               std::to_string(o.steps) + ": nothing left to train");
+    for (int64_t k = 0; k < engine.step_count() * o.config.gradient_accumulation_steps; ++k)
+      data.next_train(o.batch);
+    if (talk)
+      std::printf("resumed from %s after step %lld\n", o.resume.c_str(),
+                  (long long)engine.step_count());
+  }
   s.val_before = validation_loss(engine, model, data, o.batch, *comm);
   if (talk) print_header(s);
 
@@ -157,7 +175,13 @@ int train_and_report(DemoOptions& o) {
   ts.warmup = o.warmup;
   ts.batch = o.batch;
   ts.peak_lr = o.config.optimizer.lr;
+  ts.first_step = first_step;
   ts.on_step = [&](StepLog& log) {
+    if (!o.save_root.empty() &&
+        (log.step == o.steps || (o.save_every > 0 && log.step % o.save_every == 0))) {
+      const std::filesystem::path tag = engine.save(o.save_root);
+      if (talk && !o.quiet) std::printf("saved %s\n", tag.c_str());
+    }
     logs.push_back(log);
     pending.push_back(log.local_loss);
     ++window_steps;

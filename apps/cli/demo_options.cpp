@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -73,6 +74,14 @@ constexpr Flag kFlags[] = {
     {"--clip", "X", "global gradient-norm clipping threshold, 0 = off (default 1.0)", "training"},
     {"--seed", "N", "seed of the corpus, the initial weights and the batches (default 1234)",
      "training"},
+    {"--save", "DIR",
+     "checkpoint root: a crash-safe tag step<N> after the last step (and every --save-every)",
+     "checkpoints"},
+    {"--save-every", "N", "also save every N steps (needs --save)", "checkpoints"},
+    {"--resume", "PATH",
+     "continue from a checkpoint (a tag, or a root's latest) to --steps; any world size and "
+     "stage load it, and with the same ones the run continues bitwise",
+     "checkpoints"},
     {"--layers", "N", "transformer blocks (default 4)", "model and data"},
     {"--dim", "N", "model width (default 256)", "model and data"},
     {"--heads", "N", "attention heads, must divide --dim (default 4)", "model and data"},
@@ -328,6 +337,12 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
     if (has("--seq")) o.seq = to_int("--seq", val("--seq"), 2, 8192);
     if (has("--batch")) o.batch = to_int("--batch", val("--batch"), 1, 1 << 20);
     if (has("--steps")) o.steps = to_int("--steps", val("--steps"), 1, kBig);
+    if (has("--save")) o.save_root = val("--save");
+    if (has("--save-every")) {
+      if (o.save_root.empty()) throw BadFlag{"--save-every needs --save DIR"};
+      o.save_every = to_int("--save-every", val("--save-every"), 1, kBig);
+    }
+    if (has("--resume")) o.resume = val("--resume");
     if (has("--warmup")) o.warmup = to_int("--warmup", val("--warmup"), 0, kBig);
     if (has("--seed")) o.seed = uint64_t(to_int("--seed", val("--seed"), 0, kBig));
     if (has("--text")) o.text_path = val("--text");

@@ -21,6 +21,10 @@ struct DemoOptions {
   // Schedule.
   int64_t steps = 100;
   int64_t warmup = -1;  ///< −1: steps / 10
+  // Checkpoints.
+  std::string save_root;   ///< empty: no checkpoint
+  int64_t save_every = 0;  ///< 0: only after the last step
+  std::string resume;      ///< a tag directory, or a root (its latest tag); empty: from scratch
   // Output.
   int log_every = 0;  ///< 0: about 30 progress lines per run
   bool quiet = false;

@@ -192,7 +192,7 @@ std::vector<StepLog> train(Engine& engine, Gpt& model, BatchSampler& data, const
   const int accum = engine.config().gradient_accumulation_steps;
   std::vector<StepLog> logs;
   double sample_s = 0;
-  for (int64_t step = 1; step <= s.steps; ++step) {
+  for (int64_t step = s.first_step; step <= s.steps; ++step) {
     StepLog log;
     log.step = step;
     log.lr = lr_at(step, s.steps, s.warmup, s.peak_lr);

@@ -61,6 +61,7 @@ class UnitRunner {
 
 struct TrainSettings {
   int64_t steps = 0, warmup = 0, batch = 0;
+  int64_t first_step = 1;  ///< > 1: resuming after step first_step - 1
   float peak_lr = 0;
   /// Called on every rank after each step; may run collectives (all ranks call it alike).
   std::function<void(StepLog&)> on_step;

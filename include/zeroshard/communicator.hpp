@@ -87,8 +87,8 @@ ZS_API std::shared_ptr<Communicator> make_mpi_communicator();
 /// that fails on its own (bad input, a local error): returning from main() instead runs
 /// MPI_Finalize, which waits for every peer, while the peers wait in a collective for this rank
 /// until their timeout (Config::collective_timeout_s). The process also aborts the job by itself at
-/// exit, instead of finalising, once a collective of its own timed out and never completed: a
-/// finalize would wait for the peer that never answered.
+/// exit, instead of finalising, once a collective of its own timed out on peers that no longer
+/// answered and never completed: a finalize would wait for them.
 ZS_API void abort_mpi_job(int code);
 
 /// A communicator of one rank (no MPI): collectives are copies.

@@ -129,7 +129,9 @@ struct ZS_API Config {
   /// DeepSpeed's batch sizes ("train_batch_size", "train_micro_batch_size_per_gpu"; 0: not
   /// given). The trainer's data loader uses them, not the engine; when both are given the
   /// engine checks, as DeepSpeed does, that train_batch_size = micro × accumulation steps ×
-  /// world size (a mismatch would train with another batch than the one configured).
+  /// world size (a mismatch would train with another batch than the one configured). DeepSpeed
+  /// derives absent accumulation steps from the two; here the error names the value to set,
+  /// since the trainer's loop must run that many micro-steps per step().
   int64_t train_batch_size = 0;
   int64_t train_micro_batch_size_per_gpu = 0;
   OptimizerOptions optimizer;  ///< parameter group 0

@@ -34,9 +34,11 @@ void ensure_tables() {
   std::lock_guard<std::mutex> lock(mu);
   if (size_t(device) < done.size() && done[size_t(device)]) return;
   const cpu::QuantCode host[2] = {cpu::dynamic_code(true), cpu::dynamic_code(false)};
-  // Synchronous: done before any kernel launched after it reads the tables.
+  // From pageable memory the copy may return before the data lands, on the legacy stream,
+  // which the engine's non-blocking streams do not wait for: wait for it here.
   ZS_CUDA_CHECK_CTX(cudaMemcpyToSymbol(g_code, host, sizeof(host)),
                     "copying the 8-bit codes to GPU " << device);
+  ZS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   if (done.size() <= size_t(device)) done.resize(size_t(device) + 1, false);
   done[size_t(device)] = true;
 }

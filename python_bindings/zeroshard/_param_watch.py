@@ -91,7 +91,9 @@ class ParamWatch:
 
     def adopt(self, u, which):
         """This rank's shard of unit u's master weights takes the values of the parameters
-        `which` marks (all: a whole load)."""
+        `which` marks (all: a whole load), element by element where the parameter differs from
+        its master rounded to the parameter's dtype: the other elements keep their f32 master
+        (a pruning mask applied every step must not round the whole master to bf16)."""
         opt = self._opt
         si = opt.engine.shard_info(u.index)
         master = torch.from_dlpack(opt.engine.read_shard(u.index, _core.StateKind.master))
@@ -101,8 +103,10 @@ class ParamWatch:
             for p, n, take in zip(u.params, u.numels, which):
                 lo, hi = max(offset, lo_shard), min(offset + n, hi_shard)
                 if take and hi > lo:
-                    flat = p.detach().reshape(-1)[lo - offset:hi - offset]
-                    master[lo - lo_shard:hi - lo_shard] = flat.float().cpu()
+                    flat = p.detach().reshape(-1)[lo - offset:hi - offset].cpu()
+                    m = master[lo - lo_shard:hi - lo_shard]
+                    written = flat != m.to(flat.dtype)  # what the engine last made it
+                    m[written] = flat[written].float()
                 offset += n
         opt.engine.write_shard(u.index, _core.StateKind.master, master)
 
@@ -110,8 +114,8 @@ class ParamWatch:
 def refuse_sparse(model, trainable_ids):
     """Sparse gradients (nn.Embedding(sparse=True)) cannot be reduced into a unit's flat buffer."""
     for name, m in model.named_modules():
-        if getattr(m, "sparse", False) and any(id(p) in trainable_ids
-                                               for p in m.parameters(recurse=False)):
+        if (isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+                and any(id(p) in trainable_ids for p in m.parameters(recurse=False))):
             raise _core.InvalidArgumentError(
                 f"ZeroOptimizer: '{name or '<root>'}' ({type(m).__name__}) has sparse=True; its "
                 "gradients would be sparse tensors, which the engine's flat gradient buffers do "

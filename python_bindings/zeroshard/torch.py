@@ -92,6 +92,7 @@ restores the model's parameters (they are rebuilt from the master weights).
 import contextlib
 import difflib
 import functools
+import gc
 import weakref
 
 import torch
@@ -310,6 +311,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise _core.InvalidArgumentError(
                 f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         owner = getattr(model, "_zs_optimizer", None)
+        if owner is not None and owner() is not None:
+            gc.collect()  # one dropped by the trainer lives on in a cycle through its hooks
         if owner is not None and owner() is not None:
             raise _core.InvalidArgumentError(
                 "ZeroOptimizer: this model already belongs to a ZeroOptimizer, whose hooks and "
@@ -868,6 +871,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         """Drops the gradients accumulated since the last step (in the engine and in .grad)."""
+        if self.engine is None:
+            raise _core.InvalidArgumentError("ZeroOptimizer.zero_grad() after close()")
         for u in self._units:
             for p in u.params:
                 p.grad = None
@@ -1085,8 +1090,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if key in g:
                     g[key] = getattr(o, key)
             self._engine_options[gi] = self._options(g)
+        self._watch.record()  # the parameters are the loaded ones: nothing to adopt
 
     def state_dict(self):
+        if self.engine is None:
+            raise _core.InvalidArgumentError("ZeroOptimizer.state_dict() after close()")
         """This rank's shard of the optimizer: f32 master weights and optimizer state per unit
         (CPU tensors, on a GPU too), step count, loss scale, and the param groups'
         hyperparameters (params as indices)."""
@@ -1183,6 +1191,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if key in saved:
                     g[key] = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
         self._sync_hyperparameters()
+        self._watch.record()  # the parameters are the loaded ones: nothing to adopt
 
 
 def _scaler_dict(ls):

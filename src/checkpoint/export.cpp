@@ -83,10 +83,17 @@ void export_checkpoint(const fs::path& path, const fs::path& out_dir,
     // Both files complete and durable before either takes its name.
     model.finish();
     if (opt) opt->finish();
-    rename_path(model_tmp, out_dir / "model.safetensors");
+    // The optimizer's file first: model.safetensors, the one loaders look for, appears last.
     if (opt) rename_path(opt_tmp, out_dir / "optimizer.safetensors");
+    try {
+      rename_path(model_tmp, out_dir / "model.safetensors");
+    } catch (...) {
+      std::error_code ec;
+      if (opt) fs::remove(out_dir / "optimizer.safetensors", ec);
+      throw;
+    }
   } catch (...) {
-    // A failed export (a full disk) leaves no partial file behind.
+    // A failed export (a full disk) leaves no partial or lone file behind.
     std::error_code ec;
     fs::remove(model_tmp, ec);
     fs::remove(opt_tmp, ec);

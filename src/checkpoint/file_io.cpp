@@ -49,7 +49,7 @@ int open_regular(const std::filesystem::path& path, int flags) {
   // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
   UniqueFd fd(::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC));
   if (!fd) {
-    if (errno == ENOENT) return -1;
+    if (errno == ENOENT || errno == ENOTDIR) return -1;
     io_failure(path, "opening", errno);
   }
   struct stat st {};

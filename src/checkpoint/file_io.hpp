@@ -23,7 +23,7 @@ void pread_all(int fd, void* data, size_t bytes, int64_t offset, const std::file
 /// open(path, flags) of a file to read, refused unless it is a regular file: a FIFO or a device
 /// (a damaged or hostile checkpoint: `latest` pointing at /dev/zero) would block the open or
 /// read without end. Error(corrupted) naming the file if it is not one, io_failure() if the
-/// open fails; ENOENT is returned as an invalid descriptor, for the caller to name.
+/// open fails; ENOENT and ENOTDIR are returned as an invalid descriptor, for the caller to name.
 int open_regular(const std::filesystem::path& path, int flags);
 
 /// create_directories()/create_directory() with the errors above (a full disk: no_space).

@@ -267,3 +267,29 @@ def test_a_submodule_shared_by_two_parents_trains(stage):
         loss_fn(model, tokens, labels).backward()
         opt.step()
     assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+
+
+def test_a_write_keeps_the_f32_master_of_the_elements_it_did_not_change():
+    # A bf16 model's master weights are f32: a mask applied to a few elements must not round the
+    # master of the rest of the parameter to bf16 (updates below half a bf16 step would be lost).
+    model = make_model().to(torch.bfloat16)
+    opt = zero(model, 2)
+    tokens, labels = batches(1)[0]
+    loss_fn(model, tokens, labels).float().backward()
+    opt.step()  # the masters now hold values bf16 cannot
+    unit = next(u for u in opt._units if "proj.weight" in u.names)
+    before = torch.from_dlpack(opt.engine.read_shard(unit.index, zs.StateKind.master)).clone()
+    assert not torch.equal(before, before.to(torch.bfloat16).float())
+    with torch.no_grad():
+        model.proj.weight[0, 0] = 0
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+        g["weight_decay"] = 0.0
+    loss_fn(model, tokens, labels).float().backward()
+    opt.step()
+    after = torch.from_dlpack(opt.engine.read_shard(unit.index, zs.StateKind.master))
+    at = unit.names.index("proj.weight")
+    offset = sum(unit.numels[:at])
+    assert after[offset].item() == 0.0
+    changed = (after != before).nonzero().flatten().tolist()
+    assert changed == [offset], f"elements {changed[:5]} of the master changed"

@@ -62,9 +62,10 @@ void refuse_unjoinable_launch() {
 // Process-wide MPI state: initialised once, finalised when the last holder goes away.
 struct MpiRuntime {
   bool we_initialized = false;
-  // A collective of this process timed out and never completed: MPI_Finalize would wait for
-  // the peer that did not answer (frozen, or cut off), so the end of the process aborts the job.
-  std::atomic<bool> abandoned{false};
+  // A collective of this process timed out on peers that no longer answered (frozen, failed
+  // alone, or cut off) and never completed: MPI_Finalize would wait for them, so the end of the
+  // process aborts the job instead. (Peers that answer but called another collective finalise.)
+  std::atomic<bool> peer_lost{false};
   MPI_Op op_bf16 = MPI_OP_NULL, op_f16 = MPI_OP_NULL;
 
   MpiRuntime() {
@@ -94,10 +95,10 @@ struct MpiRuntime {
   ~MpiRuntime() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (we_initialized && !finalized && abandoned) {
+    if (we_initialized && !finalized && peer_lost) {
       std::fprintf(stderr,
-                   "zeroshard: a collective of this rank timed out and never completed; "
-                   "aborting the MPI job rather than waiting in MPI_Finalize for that peer\n");
+                   "zeroshard: a collective of this rank timed out on peers that no longer "
+                   "answer; aborting the MPI job rather than waiting for them in MPI_Finalize\n");
       std::fflush(stderr);
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
@@ -149,7 +150,7 @@ class MpiCommunicator final : public Communicator {
     // could crash MPI, so it is left to the process's end.
     probe_->close(abandoned_ != 0);
     if (abandoned_ == 0) MPI_Comm_free(&comm_);
-    if (abandoned_ != 0) rt_->abandoned = true;
+    if (abandoned_ != 0 && peer_silent_) rt_->peer_lost = true;
   }
 
   int rank() const override { return rank_; }
@@ -385,6 +386,7 @@ class MpiCommunicator final : public Communicator {
         // the buffers it was given. The caller learns now and the communicator refuses more.
         f.timed_out = true;
         const std::string silent = probe_->silent();
+        if (!silent.empty()) peer_silent_ = true;
         std::string msg =
             f.work->what() + " did not complete within " + seconds_text(timeout_s_.load()) + " s" +
             (silent.empty()
@@ -510,6 +512,7 @@ class MpiCommunicator final : public Communicator {
   bool stop_ = false;
   std::string poisoned_;
   int abandoned_ = 0;
+  bool peer_silent_ = false;          // a timeout found peers that no longer answer (comm thread)
   std::unique_ptr<PeerProbe> probe_;  // comm thread only, once open() made it
   std::thread thread_;
 };
