@@ -13,7 +13,9 @@
 // __f*_rn intrinsic, and the file is built with --fmad=false, so no multiply-add contraction),
 // honour subnormals (no flush to zero), and round every narrowing conversion to nearest even.
 // A NaN result is a NaN on both, but the GPU writes the canonical NaN where the CPU keeps the
-// payload. sum_squares_nonfinite sums in double in another order than the CPU (threads, blocks):
+// payload; with 8-bit moments, a block whose new absmax is inf (an inf moment) turns x / absmax
+// into NaN, whose sign (positive on the GPU, negative on x86) picks the code: such blocks may
+// differ. sum_squares_nonfinite sums in double in another order than the CPU (threads, blocks):
 // its error relative to the exact sum stays below 1e-12 up to 2^31 elements (squares of floats
 // are exact in double; each thread chains at most n / 2^18 + 30 additions), and for a given n
 // the result is the same bits on every run.

@@ -210,13 +210,18 @@ class WeightNormed(nn.Module):
 
 @pytest.mark.parametrize("make", [Attention, WeightNormed])
 def test_modules_that_read_their_parameters_unusually_train_at_stage_3(make):
-    data = batches(4)
-    ref = make()
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    model = make()  # the same seed (weight_norm's module cannot be deep-copied)
     # unit_numel below the attention's size: it would be split into its children otherwise.
-    opt = zt.ZeroOptimizer(model, stage=3, lr=LR, eps=EPS, unit_numel=600,
-                           comm=zs.make_self_communicator())
+    assert_trains_like_adamw(make, 3, unit_numel=600)
+
+
+def assert_trains_like_adamw(make, stage, **kw):
+    """Four steps of ZeroOptimizer on make() against torch.optim.AdamW on another make() (the
+    same seed: weight_norm's module cannot be deep-copied)."""
+    data = batches(4)
+    ref, model = make(), make()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, comm=zs.make_self_communicator(),
+                           **kw)
     for tokens, labels in data:
         ropt.zero_grad()
         loss_fn(ref, tokens, labels).backward()
@@ -254,19 +259,7 @@ class SharedMlp(nn.Module):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_submodule_shared_by_two_parents_trains(stage):
-    data = batches(4)
-    ref = SharedMlp()
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    model = SharedMlp()
-    opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, comm=zs.make_self_communicator())
-    for tokens, labels in data:
-        ropt.zero_grad()
-        loss_fn(ref, tokens, labels).backward()
-        ropt.step()
-        opt.zero_grad()
-        loss_fn(model, tokens, labels).backward()
-        opt.step()
-    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+    assert_trains_like_adamw(SharedMlp, stage)
 
 
 def test_a_write_keeps_the_f32_master_of_the_elements_it_did_not_change():
