@@ -177,7 +177,6 @@ __global__ void __launch_bounds__(kThreads) update_q8_kernel(const __grid_consta
 
 void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector<UpdateRun>& runs,
                const cpu::UpdateArgs& a, cudaStream_t stream) {
-  (void)num_hypers;  // checked by the caller
   const int64_t block = a.block;
   if (block < 1 || block > cpu::kMaxStateBlock)
     ZS_THROW(invalid_argument, "cuda::optimizer_update: q8 block of "
