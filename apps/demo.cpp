@@ -56,6 +56,45 @@ std::shared_ptr<Communicator> gpu_setup(zeroshard::Config& c, std::shared_ptr<Co
 #endif
 }
 
+// The flags that make the run (the engine compares its own Config at finalize()), one per line.
+std::string run_flags(const DemoOptions& o) {
+  std::ostringstream os;
+  os << "--layers " << o.layers << "\n--dim " << o.dim << "\n--heads " << o.heads << "\n--seq "
+     << o.seq << "\n--batch " << o.batch << "\n--corpus-chars " << o.corpus_chars << "\n--seed "
+     << o.seed << "\n--steps " << o.steps << "\n--warmup " << o.warmup << "\n--save-every "
+     << o.save_every << "\n--resume " << o.resume << "\n--save " << o.save_root << "\n--sample "
+     << o.sample_chars << "\n--text " << (o.text_path.empty() ? "(generated)" : "(a file)")
+     << "\n--no-dp-reference " << !o.dp_reference << "\n";
+  return os.str();
+}
+
+// Every rank must run the same training: flags that differ (another --steps on one rank) would
+// pair different collectives and fail late, with a message about something else. Each rank
+// compares its flags with rank 0's and every rank fails at once, naming the first difference.
+void check_same_flags(const DemoOptions& o, Communicator& comm) {
+  if (comm.size() == 1) return;
+  const std::string mine = run_flags(o);
+  double len = double(mine.size());
+  comm.broadcast(&len, sizeof len, 0, "the demo's flags (length)")->wait();
+  std::string theirs(size_t(len), '\0');
+  if (comm.rank() == 0) theirs = mine;
+  comm.broadcast(theirs.data(), theirs.size(), 0, "the demo's flags")->wait();
+  std::string why;
+  if (theirs != mine) {
+    std::istringstream a(theirs), b(mine);
+    std::string la, lb;
+    while (std::getline(a, la) && std::getline(b, lb) && la == lb) {
+    }
+    why = "rank " + std::to_string(comm.rank()) + " has " + lb + " where rank 0 has " + la;
+  }
+  double differs[1] = {why.empty() ? 0.0 : 1.0};
+  comm.all_reduce(differs, 1, ReduceOp::max, "whether the demo's flags agree")->wait();
+  if (differs[0] > 0)
+    throw std::runtime_error(why.empty()
+                                 ? "another rank was given other flags (its message names them)"
+                                 : why + ": every rank must be given the same flags");
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read --text " + path);
@@ -98,6 +137,7 @@ int train_and_report(DemoOptions& o) {
     throw std::runtime_error("this build has no MPI (ZEROSHARD_WITH_MPI=OFF): run one rank");
   std::shared_ptr<Communicator> comm = zeroshard::make_self_communicator();
 #endif
+  check_same_flags(o, *comm);
   const int rank = comm->rank(), world = comm->size();
   const bool talk = rank == 0;
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # A rank that fails on its own, or freezes, must end the whole job within about the collective
 # timeout, not hang it: the demo trainer on 2 ranks (mpirun),
-#  1. one rank (MPMD) given a --text file that does not exist, under the default 300 s timeout:
+#  1. one rank (MPMD) given a --text file that does not exist (rank 0's does), under the
+#     default 300 s timeout:
 #     it fails at once and aborts the job (zeroshard::abort_mpi_job from main), rather than
 #     waiting in MPI_Finalize while the other rank waits in a collective for it;
-#  2. one rank frozen with SIGSTOP while training, under a 5 s timeout: the other rank's
+#  2. the ranks given different flags (--steps): every rank fails at once, naming the flag,
+#     instead of pairing different collectives and failing late with another message;
+#  3. one rank frozen with SIGSTOP while training, under a 5 s timeout: the other rank's
 #     collective times out, it reports it, and its exit aborts the job (a collective that never
 #     completed), rather than waiting in MPI_Finalize for the frozen rank forever.
 # Each case must end non-zero within its bound, with the failing rank's message in the log.
@@ -44,13 +47,22 @@ bounded() {
 }
 
 echo "1. one rank fails on its own (default collective timeout, 300 s)"
-bounded 60 "$mpirun" -np 1 "$zs" demo "${small[@]}" --stage 2 --steps 50 : \
+head -c 300000 < <(yes "the quick brown fox jumps over the lazy dog") > "$work/corpus.txt"
+bounded 60 "$mpirun" -np 1 "$zs" demo "${small[@]}" --stage 2 --steps 50 --text "$work/corpus.txt" : \
                     -np 1 "$zs" demo "${small[@]}" --stage 2 --steps 50 --text "$work/no-such-file"
 grep -q "no-such-file" "$work/log" || { cat "$work/log"; echo "FAIL: the failing rank's error"; exit 1; }
 (( rc != 0 )) || { cat "$work/log"; echo "FAIL: the job exited 0"; exit 1; }
 echo "   ended with rc $rc after ${took} s"
 
-echo "2. one rank frozen (SIGSTOP) while training, collective timeout 5 s"
+echo "2. the ranks given different flags (--steps)"
+bounded 60 "$mpirun" -np 1 "$zs" demo "${small[@]}" --stage 2 --steps 50 : \
+                    -np 1 "$zs" demo "${small[@]}" --stage 2 --steps 40
+grep -q "rank 1 has --steps 40 where rank 0 has --steps 50" "$work/log" ||
+  { cat "$work/log"; echo "FAIL: the differing flag is not named"; exit 1; }
+(( rc != 0 )) || { cat "$work/log"; echo "FAIL: the job exited 0"; exit 1; }
+echo "   ended with rc $rc after ${took} s"
+
+echo "3. one rank frozen (SIGSTOP) while training, collective timeout 5 s"
 echo '{"zeroshard": {"collective_timeout_s": 5}}' > "$work/timeout5.json"
 "$mpirun" -np 2 "$zs" demo "${small[@]}" --stage 3 --steps 100000 --log-every 1000 \
   --config "$work/timeout5.json" > "$work/log" 2>&1 &
