@@ -14,7 +14,34 @@ from . import _core
 
 # Calls that only touch a tensor's metadata or Python identity: let them through.
 _METADATA = frozenset({"__get__", "__set__", "__hash__", "size", "dim", "numel", "register_hook",
-                       "requires_grad_", "__reduce_ex__", "__deepcopy__"})
+                       "requires_grad_", "__reduce_ex__", "__deepcopy__", "is_floating_point",
+                       "is_complex", "_has_compatible_shallow_copy_type"})
+# Conversions, by the dtype and device each one asks for (None: unchanged); "to" parses its own.
+_CONVERSIONS = {"float": (torch.float32, None), "double": (torch.float64, None),
+                "half": (torch.float16, None), "bfloat16": (torch.bfloat16, None),
+                "cpu": (None, torch.device("cpu"))}
+
+
+def _conversion_target(func, args, kwargs):
+    """(dtype, device) that a conversion call asks for, or None if func is no conversion."""
+    name = getattr(func, "__name__", "")
+    if name in _CONVERSIONS:
+        return _CONVERSIONS[name]
+    if name == "to":
+        device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **(kwargs or {}))
+        return dtype, device
+    return None
+
+
+def _converts_to_itself(t, target):
+    """Whether a conversion to `target` (_conversion_target()) leaves tensor t as it is."""
+    dtype, device = target
+    if dtype is not None and dtype != t.dtype:
+        return False
+    if device is None:
+        return True
+    device = torch.device(device)
+    return device.type == t.device.type and device.index in (None, t.device.index)
 _PROPERTIES_WITH_VALUES = frozenset({"data"})
 
 
@@ -42,6 +69,9 @@ class HandedGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in cls._ZEROING:
+            return args[0]
+        target = _conversion_target(func, args, kwargs)  # model.to(its own device), say
+        if target is not None and args and _converts_to_itself(args[0], target):
             return args[0]
         if not _reads_values(func):
             return _call(func, args, kwargs)
@@ -75,6 +105,17 @@ class ShardedParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        target = _conversion_target(func, args, kwargs)
+        if target is not None and args and isinstance(args[0], ShardedParameter):
+            # model.to(device), .float(), .cpu() go through every parameter: to what it
+            # already is, a released parameter is itself; anything else cannot be done.
+            p, (dtype, device) = args[0], target
+            if _converts_to_itself(p, target):
+                return p
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: a stage-3 parameter cannot be converted to {dtype or p.dtype} "
+                f"on {device or p.device} after the optimizer was built (the engine owns it); "
+                "move or convert the model before building the optimizer")
         if _reads_values(func):
             for a in args:
                 if isinstance(a, ShardedParameter):

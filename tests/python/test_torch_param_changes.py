@@ -286,3 +286,21 @@ def test_a_write_keeps_the_f32_master_of_the_elements_it_did_not_change():
     assert after[offset].item() == 0.0
     changed = (after != before).nonzero().flatten().tolist()
     assert changed == [offset], f"elements {changed[:5]} of the master changed"
+
+
+def test_stage_3_model_to_what_it_already_is_passes_and_a_real_move_is_refused():
+    model = make_model()
+    opt = zero(model, 3)
+    for call in (lambda: model.to("cpu"), lambda: model.to(torch.float32), model.float,
+                 model.cpu, lambda: model.to(torch.device("cpu"))):
+        call()
+    with pytest.raises(zs.InvalidArgumentError, match="cannot be converted.*before building"):
+        model.to(torch.bfloat16)
+    tokens, labels = batches(1)[0]  # and training goes on
+    loss_fn(model, tokens, labels).backward()
+    opt.step()
+    assert opt.last_result.step == 1
+    # With the gradients handed over (.grad holds placeholders) too.
+    loss_fn(model, tokens, labels).backward()
+    model.to("cpu")
+    opt.step()
