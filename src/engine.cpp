@@ -2,6 +2,7 @@
 // The flow of a step lives in the files engine_impl.hpp lists.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <set>
 
 #include "src/base/check.hpp"
@@ -212,6 +213,11 @@ UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
       ZS_THROW(invalid_argument, at << ": initial values of '" << p.name << "' have "
                                     << p.init.numel << " elements (need " << shape_numel(p.shape)
                                     << ", on the CPU)");
+    if (!p.init.data && p.init.numel != 0)
+      ZS_THROW(invalid_argument, at << ": initial values of '" << p.name << "' have "
+                                    << p.init.numel
+                                    << " elements but no data (a null pointer; leave init empty "
+                                       "for zeros)");
   }
   UnitShape s;
   s.layout = plan_unit(name, params, m.shard_world, padding_grain(m.cfg));
@@ -228,7 +234,8 @@ UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
 void Engine::set_lr(int group, float lr) {
   if (group < 0 || size_t(group) >= impl_->groups.size())
     ZS_THROW(invalid_argument, "set_lr(): no parameter group " << group);
-  if (!(lr >= 0)) ZS_THROW(invalid_argument, "set_lr(): lr = " << lr << " must be >= 0");
+  if (!(lr >= 0) || !std::isfinite(lr))
+    ZS_THROW(invalid_argument, "set_lr(): lr = " << lr << " must be finite and >= 0");
   impl_->groups[size_t(group)].lr = lr;
 }
 float Engine::lr(int group) const {

@@ -1,5 +1,8 @@
 // Engine: state access for checkpoints. Shards are read and written where their tier keeps them;
 // commit_shards() then rebuilds the low-precision parameters from the restored master weights.
+#include <algorithm>
+#include <cmath>
+
 #include "src/base/check.hpp"
 #include "src/engine_impl.hpp"
 
@@ -21,6 +24,26 @@ void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v)
   // Parameters are not state: commit_shards() rounds them from the master weights.
   if (kind == StateKind::param)
     ZS_THROW(invalid_argument, "write_shard(): " << m.where(id) << ": no such writable state");
+  // What no update could have produced: the state would train on as NaN, or differ per rank
+  // where stage 0 keeps the padding of every shard.
+  const int64_t real = std::clamp<int64_t>(m.layout(id).numel - m.shard_rank * n, 0, n);
+  const bool second_moment =
+      kind == StateKind::state1 &&
+      (m.cfg.optimizer.kind == OptimizerKind::adam || m.cfg.optimizer.kind == OptimizerKind::adamw);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = v[size_t(i)];
+    if (i >= real && x != 0.0f)
+      ZS_THROW(invalid_argument, "write_shard(): " << m.where(id) << ": value " << i << " = " << x
+                                                   << " lies in the padding past the unit's "
+                                                   << m.layout(id).numel
+                                                   << " elements, which must be 0");
+    if (!std::isfinite(x))
+      ZS_THROW(invalid_argument, "write_shard(): " << m.where(id) << ": value " << i << " is " << x
+                                                   << " (state must be finite)");
+    if (second_moment && x < 0)
+      ZS_THROW(invalid_argument, "write_shard(): " << m.where(id) << ": value " << i << " = " << x
+                                                   << " of Adam's second moment is negative");
+  }
   m.state->write(id, kind, v);
 }
 

@@ -236,7 +236,9 @@ std::string manifest_text(const Manifest& m) {
     json params = json::array();
     int64_t offset = 0;  // of the parameter in the unit's values
     for (const ParamInfo& p : u.params) {
-      params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", offset}});
+      json entry = {{"name", p.name}, {"shape", p.shape}, {"offset", offset}};
+      if (p.group >= 0) entry["group"] = p.group;
+      params.push_back(std::move(entry));
       offset += shape_numel(p.shape);
     }
     units.push_back({{"name", u.name}, {"numel", u.numel}, {"params", params}});
@@ -367,6 +369,8 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
         n *= dim;
         pi.shape.push_back(dim);
       }
+      if (params[i].is_object() && params[i].contains("group"))
+        pi.group = int(r.integer(params[i], "group", pp, 0, int64_t(1) << 20));
       if (r.integer(params[i], "offset", pp, 0, int64_t(1) << 48) != total)
         r.bad(pp + ".offset", "is not where the parameters before it end");
       total += n;

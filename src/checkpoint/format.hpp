@@ -75,6 +75,7 @@ struct Range {
 struct ParamInfo {
   std::string name;
   std::vector<int64_t> shape;
+  int group = -1;  ///< its parameter group; -1: not recorded (a checkpoint written before)
 };
 struct UnitInfo {
   std::string name;

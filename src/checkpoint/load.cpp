@@ -48,13 +48,22 @@ void check_fits(const Engine& e, const Manifest& m, const std::string& at) {
                                     << "has '" << got.name << "' with " << got.params.size()
                                     << " parameters, this engine '" << e.unit_name(u) << "' with "
                                     << want.size());
-    for (size_t i = 0; i < want.size(); ++i)
+    for (size_t i = 0; i < want.size(); ++i) {
+      // The group decides the parameter's hyperparameters: another one would resume it with
+      // another learning rate and decay, silently.
+      if (got.params[i].group >= 0 && got.params[i].group != want[i].group &&
+          got.params[i].name == want[i].name)
+        ZS_THROW(invalid_argument, at << ": the checkpoint has '" << want[i].name << "' (unit '"
+                                      << e.unit_name(u) << "') in parameter group "
+                                      << got.params[i].group << ", this engine in group "
+                                      << want[i].group);
       if (got.params[i].name != want[i].name || got.params[i].shape != want[i].shape)
         ZS_THROW(invalid_argument, at << ": the model differs at unit " << u << " ('"
                                       << e.unit_name(u) << "'), parameter " << i
                                       << ": the checkpoint has '" << got.params[i].name << "' "
                                       << shape_string(got.params[i].shape) << ", this engine '"
                                       << want[i].name << "' " << shape_string(want[i].shape));
+    }
   }
 }
 

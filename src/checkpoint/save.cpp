@@ -174,7 +174,8 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
     const ShardInfo s = e.shard_info(u);
     ZS_CHECK(s.shard_offset == int64_t(sg.rank) * s.shard_numel);
     UnitInfo info{e.unit_name(u), s.numel, {}};
-    for (const Param& prm : e.unit_params(u)) info.params.push_back({prm.name, prm.shape});
+    for (const Param& prm : e.unit_params(u))
+      info.params.push_back({prm.name, prm.shape, prm.group});
     m.units.push_back(std::move(info));
     for (int r = 0; r < sg.size; ++r) {
       Range rg = owned_by(s, r);

@@ -388,6 +388,35 @@ TEST(CheckpointDamage, AFileOfAnotherSave) {
   cleanup(dir);
 }
 
+// The same model with its biases in another parameter group: the checkpoint records each
+// parameter's group, and a load that would resume them with another group's hyperparameters is
+// refused, naming the parameter and both groups.
+TEST(CheckpointDamage, AParameterInAnotherGroupIsNamed) {
+  const fs::path dir = shared_dir("groups");
+  Config c = cfg_for(2);
+  Engine a(c, world());
+  OptimizerOptions biases = c.optimizer;
+  biases.weight_decay = 0.0f;
+  a.add_group(biases);
+  zs_test::register_model(a, zs_test::uneven_model(), /*bias_group=*/1);
+  a.save(dir);
+  Engine b(c, world());
+  b.add_group(biases);
+  zs_test::register_model(b, zs_test::uneven_model(), /*bias_group=*/0);
+  const Snapshot before = snapshot(b);
+  try {
+    b.load(dir);
+    ADD_FAILURE() << "loaded biases of group 1 into group 0";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("in parameter group 1, this engine in group 0"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(same(before, snapshot(b)));
+  cleanup(dir);
+}
+
 TEST(CheckpointDamage, AnotherModelIsNamedByItsFirstDifferentParameter) {
   const fs::path dir = shared_dir("model");
   Engine a(cfg_for(2), world());

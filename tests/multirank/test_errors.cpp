@@ -4,8 +4,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -379,3 +382,44 @@ TEST(Misuse, NvmeTierChecksStageAndPaths) {
 }
 
 }  // namespace
+
+namespace zeroshard {
+namespace {
+
+// Inputs no update could have produced are refused where they come in, instead of training on
+// as inf or NaN: an infinite learning rate, state that is not finite, a negative second moment,
+// non-zero padding, and initial values announced without data.
+TEST(InputChecks, RefusedWhereTheyComeIn) {
+  Config c;
+  c.stage = 2;
+  c.optimizer.kind = OptimizerKind::adamw;
+  Engine e(c, zs_test::world());
+  Param bad{"w", {5}};
+  bad.init.numel = 5;  // but no data
+  EXPECT_ZS_ERROR(e.add_unit("u", {bad}), invalid_argument, "but no data");
+  const UnitId u = e.add_unit("u", {Param{"w", {5}}});
+  e.finalize();
+  EXPECT_ZS_ERROR(e.set_lr(0, std::numeric_limits<float>::infinity()), invalid_argument,
+                  "must be finite");
+  const ShardInfo si = e.shard_info(u);
+  std::vector<float> v(size_t(si.shard_numel), 0.0f);
+  const int64_t real = std::max<int64_t>(0, std::min(si.numel - si.shard_offset, si.shard_numel));
+  if (real > 0) {
+    std::vector<float> nan = v;
+    nan[0] = std::nanf("");
+    EXPECT_ZS_ERROR(e.write_shard(u, StateKind::master, nan), invalid_argument, "must be finite");
+    std::vector<float> neg = v;
+    neg[0] = -1.0f;
+    EXPECT_ZS_ERROR(e.write_shard(u, StateKind::state1, neg), invalid_argument, "is negative");
+    EXPECT_NO_THROW(e.write_shard(u, StateKind::state0, neg));  // a first moment may be
+  }
+  if (real < si.shard_numel) {
+    std::vector<float> pad = v;
+    pad[size_t(si.shard_numel - 1)] = 1.0f;
+    EXPECT_ZS_ERROR(e.write_shard(u, StateKind::master, pad), invalid_argument, "padding");
+  }
+  e.commit_shards();
+}
+
+}  // namespace
+}  // namespace zeroshard
