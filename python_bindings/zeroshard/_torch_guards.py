@@ -42,6 +42,8 @@ def _converts_to_itself(t, target):
         return True
     device = torch.device(device)
     return device.type == t.device.type and device.index in (None, t.device.index)
+
+
 _PROPERTIES_WITH_VALUES = frozenset({"data"})
 
 
@@ -106,16 +108,19 @@ class ShardedParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         target = _conversion_target(func, args, kwargs)
-        if target is not None and args and isinstance(args[0], ShardedParameter):
+        if target is not None and args and isinstance(args[0], ShardedParameter) and (
+                args[0]._zs_unit() is None or not args[0]._zs_unit().gathered):
             # model.to(device), .float(), .cpu() go through every parameter: to what it
-            # already is, a released parameter is itself; anything else cannot be done.
+            # already is, a released parameter is itself; anything else cannot be done. (A
+            # gathered one converts as any tensor: weight.float() inside forward.)
             p, (dtype, device) = args[0], target
             if _converts_to_itself(p, target):
                 return p
             raise _core.InvalidArgumentError(
-                f"ZeroOptimizer: a stage-3 parameter cannot be converted to {dtype or p.dtype} "
-                f"on {device or p.device} after the optimizer was built (the engine owns it); "
-                "move or convert the model before building the optimizer")
+                f"ZeroOptimizer: a released stage-3 parameter cannot be converted to "
+                f"{dtype or p.dtype} on {device or p.device}: the engine owns it. Move or "
+                "convert the model before building the optimizer; inside a forward, read it "
+                "while its own module runs (or opt.register_forward_method / opt.gathered)")
         if _reads_values(func):
             for a in args:
                 if isinstance(a, ShardedParameter):

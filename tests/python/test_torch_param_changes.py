@@ -294,7 +294,7 @@ def test_stage_3_model_to_what_it_already_is_passes_and_a_real_move_is_refused()
     for call in (lambda: model.to("cpu"), lambda: model.to(torch.float32), model.float,
                  model.cpu, lambda: model.to(torch.device("cpu"))):
         call()
-    with pytest.raises(zs.InvalidArgumentError, match="cannot be converted.*before building"):
+    with pytest.raises(zs.InvalidArgumentError, match="cannot be converted.*before building the optimizer"):
         model.to(torch.bfloat16)
     tokens, labels = batches(1)[0]  # and training goes on
     loss_fn(model, tokens, labels).backward()
@@ -304,3 +304,30 @@ def test_stage_3_model_to_what_it_already_is_passes_and_a_real_move_is_refused()
     loss_fn(model, tokens, labels).backward()
     model.to("cpu")
     opt.step()
+
+
+class CastsInForward(nn.Module):
+    """A bf16 model whose head converts its gathered weight in its own forward (as a LayerNorm
+    computed in f32 does)."""
+
+    class Head(nn.Linear):
+        def forward(self, x):
+            return x.float() @ self.weight.float().t() + self.bias.to(torch.float32)
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 16)
+        self.head = self.Head(16, 7)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1))
+
+
+def test_stage_3_gathered_parameters_convert_inside_forward():
+    model = CastsInForward().to(torch.bfloat16)
+    opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
+    tokens, labels = batches(1)[0]
+    loss_fn(model, tokens, labels).backward()
+    opt.step()
+    assert opt.last_result.step == 1
