@@ -96,6 +96,10 @@ void check_same_flags(const DemoOptions& o, Communicator& comm) {
 }
 
 std::string read_file(const std::string& path) {
+  // A directory opens as a stream that reads nothing; say what it is rather than "0 tokens".
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::runtime_error("--text " + path + " is a directory, not a text file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read --text " + path);
   std::ostringstream os;

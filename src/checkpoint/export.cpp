@@ -1,5 +1,6 @@
 // export_checkpoint() (zeroshard/checkpoint.hpp): a checkpoint's f32 master weights and its
 // optimizer state as safetensors files, streamed unit by unit (memory: one unit's values).
+#include <algorithm>
 #include <cstdio>
 
 #include "src/base/check.hpp"
@@ -27,6 +28,13 @@ const char* torch_state_name(const std::string& optimizer, const std::string& st
 void export_checkpoint(const fs::path& path, const fs::path& out_dir,
                        const std::function<void(int64_t, int64_t)>& progress) {
   const fs::path dir = resolve(path);
+  // A saved tag is never modified (and the export would be pruned with it).
+  const fs::path tag = fs::weakly_canonical(dir), out = fs::weakly_canonical(out_dir);
+  const auto [t, o] = std::mismatch(tag.begin(), tag.end(), out.begin(), out.end());
+  if (t == tag.end())
+    ZS_THROW(invalid_argument, "export: " << out_dir << " is inside the checkpoint's tag directory "
+                                          << dir << ", which a saved checkpoint never changes; "
+                                             "export to a directory of its own");
   const Manifest m = read_manifest(dir);
   UnitReader src(dir, m);
   const std::vector<std::string> names = tensor_names(m.units);

@@ -243,8 +243,7 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
       {.name = "max_live_units",
        .member = &C::max_live_units,
        .json = "zeroshard.max_live_units",
-       .rules = {{[](double v) { return v >= 2; },
-                  "must be >= 2 (the unit in use plus the one being prefetched)"}}},
+       .rules = {kAtLeast1}},
       // Prefetching issues the next unit's all-gather early: the order of collectives changes.
       {.name = "prefetch", .member = &C::prefetch, .json = "zeroshard.prefetch"},
       // Read-ahead of this rank's swap files: local I/O.

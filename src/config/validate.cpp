@@ -106,6 +106,14 @@ void check_tiers(const Config& c) {
   }
 }
 
+// A prefetch gathers the next unit into a free buffer while the current one is in use.
+void check_prefetch(const Config& c) {
+  if (c.prefetch && c.stage == 3 && c.max_live_units < 2)
+    fail("zeroshard.max_live_units = " + show(c.max_live_units) +
+         " leaves no buffer to prefetch into (the unit in use plus the one being prefetched): "
+         "raise it to 2 or set zeroshard.prefetch = false");
+}
+
 // A bf16 master is the parameters' own precision, updated by the CPU kernels only.
 void check_master(const Config& c) {
   if (!c.bf16_master) return;
@@ -144,6 +152,7 @@ void Config::validate() const {
   check_field_rules(*this);
   check_loss_scale_and_optimizer(*this);
   check_tiers(*this);
+  check_prefetch(*this);
   check_cuda(*this);
   check_master(*this);
 }

@@ -41,6 +41,8 @@ expect 2 "not a multiple of --heads" demo --dim 100 --heads 3
 expect 2 "needs a value" demo --steps
 expect 2 "requires zero_optimization.stage = 3" demo --stage 1 --offload-param cpu
 expect 2 "configuration" demo --config /nonexistent/ds_config.json
+# A directory opens as a stream that reads nothing: named as such, not as a text of 0 tokens.
+expect 1 "is a directory, not a text file" demo --text / --steps 1
 # plan: every stage and offload choice, against the memory given (a byte of device memory fits
 # nothing), and clear errors on bad flags.
 small=(--layers 2 --dim 64 --heads 4 --vocab 128 --seq 16 --ranks 2)

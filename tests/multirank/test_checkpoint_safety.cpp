@@ -450,7 +450,22 @@ TEST(CheckpointExport, SafetensorsRoundTripAndRefusal) {
   train_some(a, 2);
   a.save(dir);
   world()->barrier("saved");
-  if (world()->rank() == 0) export_checkpoint(dir, dir / "export");
+  if (world()->rank() == 0) {
+    export_checkpoint(dir, dir / "export");
+    // Not into the tag itself: a saved tag never changes.
+    std::ifstream latest(dir / "latest");
+    std::string tag;
+    std::getline(latest, tag);
+    try {
+      export_checkpoint(dir, dir / tag / "." / "weights");
+      ADD_FAILURE() << "exported into the tag directory";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("inside the checkpoint's tag directory"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_FALSE(fs::exists(dir / tag / "weights"));
+  }
   world()->barrier("exported");
   ASSERT_TRUE(fs::exists(dir / "export" / "model.safetensors"));
   ASSERT_TRUE(fs::exists(dir / "export" / "optimizer.safetensors"));

@@ -66,8 +66,10 @@ bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
 }
 
-Snapshot run(const Case& c, int stage) {
-  Engine e(make_config(c, stage), world());
+Snapshot run(const Case& c, int stage, void (*adjust)(Config&) = nullptr) {
+  Config cfg = make_config(c, stage);
+  if (adjust) adjust(cfg);
+  Engine e(cfg, world());
   OptimizerOptions bias = e.config().optimizer;
   bias.weight_decay = 0.0f;  // biases excluded from decay, with their own lr
   bias.lr = 2e-2f;
@@ -172,6 +174,21 @@ INSTANTIATE_TEST_SUITE_P(
         Case{DType::bf16, 2, OptimizerKind::lion, StateFormat::bf16, Tier::device, true},
         Case{DType::bf16, 1, OptimizerKind::sgd, StateFormat::q8, Tier::device, true}),
     case_name);
+
+// Stage 3 with one gather buffer and no prefetch, the least memory a trainer that gathers a
+// unit at a time can ask for, takes the same steps.
+TEST(ParityOneLiveUnit, Stage3MatchesStageZeroBitwise) {
+  const Case c{DType::bf16, 1, OptimizerKind::adamw};
+  const Snapshot ref = run(c, 0);
+  const Snapshot s = run(c, 3, [](Config& cfg) {
+    cfg.max_live_units = 1;
+    cfg.prefetch = false;
+  });
+  for (size_t u = 0; u < ref.param.size(); ++u) {
+    EXPECT_TRUE(bitwise_equal(ref.param[u], s.param[u])) << "unit " << u;
+    EXPECT_TRUE(bitwise_equal(ref.master[u], s.master[u])) << "unit " << u;
+  }
+}
 
 // k micro-batches of gradients accumulated by the engine equal one step on their mean.
 // Bound: the merged run rounds the mean once to the gradient dtype, the accumulated one rounds

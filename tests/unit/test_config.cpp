@@ -395,8 +395,15 @@ TEST(Config, ValidateNamesFieldValueAndRule) {
               HasSubstr("aio.block_size = 1000 must be a positive multiple of 4096"));
 
   c = Config{};
-  c.max_live_units = 1;
-  EXPECT_THAT(validate_error(c), HasSubstr("zeroshard.max_live_units = 1 must be >= 2"));
+  c.max_live_units = 0;
+  EXPECT_THAT(validate_error(c), HasSubstr("zeroshard.max_live_units = 0 must be >= 1"));
+  c.stage = 3;
+  c.max_live_units = 1;  // with prefetch, which needs a second buffer
+  EXPECT_THAT(validate_error(c),
+              AllOf(HasSubstr("zeroshard.max_live_units = 1 leaves no buffer to prefetch into"),
+                    HasSubstr("zeroshard.prefetch = false")));
+  c.prefetch = false;
+  EXPECT_NO_THROW(c.validate());
 
   c = Config{};
   c.loss_scale.window = 0;
