@@ -150,7 +150,8 @@ double Engine::clip_grad_norm(double max_norm) {
     ZS_THROW(invalid_argument,
              "clip_grad_norm(): max_norm must be a finite number >= 0, got " << max_norm);
   const auto [sumsq, overflow] = m.close_grads();
-  m.clip_now = max_norm;
+  // Clipping twice clips at the smaller threshold, as two clip_grad_norm_ calls in torch do.
+  if (max_norm > 0) m.clip_now = m.clip_now > 0 ? std::min(m.clip_now, max_norm) : max_norm;
   return overflow ? std::numeric_limits<double>::infinity() : std::sqrt(sumsq) * m.grad_scale();
 }
 

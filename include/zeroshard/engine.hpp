@@ -155,7 +155,8 @@ class ZS_API Engine {
   /// over micro-steps and ranks, as StepResult::grad_norm; +inf on overflow), and makes the
   /// coming step() clip at max_norm (0: only Config::gradient_clipping; both set: the smaller).
   /// torch.nn.utils.clip_grad_norm_'s place in a loop: after the last micro-step, before
-  /// step(). No gradient may be handed over between it and step() (or zero_grad()). Collective.
+  /// step(). No gradient may be handed over between it and step() (or zero_grad()). Called
+  /// again before step(), the smallest max_norm given applies. Collective.
   double clip_grad_norm(double max_norm);
 
   /// Forgets the gradients accumulated since the last step (collective-free).

@@ -282,8 +282,9 @@ TEST(Clipping, CopyingHandOverMatchesTheInPlaceOne) {
 }
 
 // clip_grad_norm() before step() (torch.nn.utils.clip_grad_norm_'s place in a loop) returns the
-// norm step() reports and trains bitwise like Config::gradient_clipping; it closes the step's
-// gradients (a further hand-over is refused) until step() or zero_grad().
+// norm step() reports and trains bitwise like Config::gradient_clipping, also when called again
+// with looser thresholds; it closes the step's gradients (a further hand-over is refused) until
+// step() or zero_grad().
 TEST(Clipping, ClipGradNormBeforeStepActsLikeTheConfig) {
   for (int stage : {0, 2, 3}) {
     Config a = sgd_config(stage), b = a;
@@ -299,7 +300,10 @@ TEST(Clipping, ClipGradNormBeforeStepActsLikeTheConfig) {
     std::vector<double> norms;
     o.before_step = [&](Engine& e) {
       norms.push_back(e.clip_grad_norm(0.5));
-      EXPECT_EQ(e.clip_grad_norm(0.5), norms.back()) << "a second call reuses the reduction";
+      // A second call reuses the reduction, and neither a looser threshold nor 0 undoes the
+      // first one's (clipping twice clips at the smaller).
+      EXPECT_EQ(e.clip_grad_norm(50.0), norms.back()) << "a second call reuses the reduction";
+      EXPECT_EQ(e.clip_grad_norm(0.0), norms.back());
       EXPECT_THROW(e.grads(0), Error) << "gradients after clip_grad_norm()";
     };
     const std::vector<StepResult> rb = zs_test::train(eb, o);
