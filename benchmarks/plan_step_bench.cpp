@@ -13,10 +13,19 @@
 // per step (the engine's StepResult::inter_node_bytes, summed over the node's ranks) beside
 // the prediction's.
 //
+// With --alternate R (flat sharding on one node), the run alternates R rounds of --steps steps
+// with a measurement of the step's own collectives (reduce-scatter, all-gather and all-reduce of
+// one shard's bytes, on a reused buffer and on fresh ones, as `zeroshard calibrate` measures
+// them) in the same process, and predicts each round from the collectives measured beside it
+// (the CPU update and nvme rates still from --calibration). It prints each round's ratio and
+// their median: the model checked against the rates the step ran at, on a machine whose
+// collectives change speed from one minute to the next.
+//
 //   mpirun -np 2 plan_step_bench --calibration cal.json --params 64M --units 16 --stage 2
 //          --tier host [--param-tier device|host|nvme] [--dtype bf16] [--state f32|bf16|8bit]
 //          [--steps 7] [--nvme-path DIR]
 //          [--shard-group N] [--ranks-per-node N (--inter-node-gbs X | --link-calibration F)]
+//          [--alternate R]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -41,13 +50,58 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The slowest rank's median of `reps` timed calls of `op(i)` (after one untimed), each between
+// barriers.
+template <class Op>
+double timed(Communicator& comm, int reps, Op op) {
+  std::vector<double> t;
+  for (int r = 0; r <= reps; ++r) {
+    comm.barrier("plan_step_bench");
+    const double t0 = now();
+    op(r);
+    if (r > 0) t.push_back(now() - t0);
+  }
+  double m = median(t);
+  comm.all_reduce(&m, 1, ReduceOp::max, "plan_step_bench")->wait();
+  return m;
+}
+
+// The step's collectives of one shard of `bytes` (per rank, elements of `dt`), as `zeroshard
+// calibrate` measures them: warm on one buffer used again and again, cold on a fresh buffer each
+// time from a ring of 256 MiB. Returns `rates` with these as its only points.
+MachineRates measured_beside(Communicator& comm, MachineRates rates, int64_t bytes, DType dt) {
+  const int64_t n = bytes / int64_t(dtype_size(dt)), world = comm.size();
+  const int64_t k = std::max<int64_t>(1, (int64_t(256) << 20) / (bytes * world));
+  std::vector<uint8_t> send(size_t(bytes * world * k)), recv(send.size());
+  std::fill(send.begin(), send.end(), uint8_t(0x3C));  // 0x3C3C: a finite bf16 and f32 pattern
+  for (int cold = 0; cold < 2; ++cold) {
+    auto at = [&](std::vector<uint8_t>& v, int r) {
+      return v.data() + size_t(cold ? r % k : 0) * size_t(bytes * world);
+    };
+    const double rs = timed(comm, 5, [&](int r) {
+      comm.reduce_scatter(at(send, r), at(recv, r), n, dt, "plan_step_bench")->wait();
+    });
+    const double ag = timed(comm, 5, [&](int r) {
+      comm.all_gather(at(recv, r), at(send, r), n, dt, "plan_step_bench")->wait();
+    });
+    const double ar = timed(comm, 5, [&](int r) {
+      comm.all_reduce_sum(at(send, r), n, dt, "plan_step_bench")->wait();
+    });
+    const double b = double(bytes);
+    (cold ? rates.reduce_scatter.cold : rates.reduce_scatter.warm) = {{b, rs}};
+    (cold ? rates.all_gather.cold : rates.all_gather.warm) = {{b, ag}};
+    (cold ? rates.all_reduce.cold : rates.all_reduce.warm) = {{b, ar}};
+  }
+  return rates;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string calibration, tier = "host", dtype = "bf16", nvme_path, state = "f32", link_file,
                            param_tier = "device";
   int64_t params = int64_t(64) << 20;
-  int units = 16, stage = 2, steps = 7, group = 0, per_node = 0;
+  int units = 16, stage = 2, steps = 7, group = 0, per_node = 0, alternate = 0;
   double link_gbs = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -79,6 +133,8 @@ int main(int argc, char** argv) {
       link_gbs = std::stod(v);
     else if (k == "--link-calibration")
       link_file = v;
+    else if (k == "--alternate")
+      alternate = std::stoi(v);
     else {
       std::fprintf(stderr, "plan_step_bench: unknown flag %s\n", k.c_str());
       return 2;
@@ -115,36 +171,86 @@ int main(int argc, char** argv) {
       plan.push_back({"u" + std::to_string(u), {p}});
     }
     e.finalize();
+    if (alternate > 0 && (calibration.empty() || group > 0 || per_node > 0))
+      throw std::invalid_argument(
+          "--alternate needs --calibration, and flat sharding on one node (no --shard-group, "
+          "--ranks-per-node)");
     std::vector<double> t, opt, exposed, inter;
-    for (int s = 0; s < steps + 2; ++s) {
-      comm->barrier("plan_step_bench");
-      const double t0 = now();
-      if (stage == 3)
-        for (int pass = 0; pass < 2; ++pass)
-          for (int i = 0; i < units; ++i) {
-            const int u = pass == 0 ? i : units - 1 - i;
-            e.gather(u);
-            e.release(u);
+    // `count` steps, each timed (the slowest rank's) and, with `keep`, recorded.
+    auto run_steps = [&](int count, bool keep) {
+      for (int s = 0; s < count; ++s) {
+        comm->barrier("plan_step_bench");
+        const double t0 = now();
+        if (stage == 3)
+          for (int pass = 0; pass < 2; ++pass)
+            for (int i = 0; i < units; ++i) {
+              const int u = pass == 0 ? i : units - 1 - i;
+              e.gather(u);
+              e.release(u);
+            }
+        for (int u = units - 1; u >= 0; --u) {
+          for (const TensorView& g : e.grads(u)) {
+            if (cfg.dtype == DType::f32)
+              std::fill_n(static_cast<float*>(g.data), g.numel, 1e-3f);
+            else
+              std::fill_n(static_cast<uint16_t*>(g.data), g.numel, uint16_t(0x3a83));  // 1e-3
           }
-      for (int u = units - 1; u >= 0; --u) {
-        for (const TensorView& g : e.grads(u)) {
-          if (cfg.dtype == DType::f32)
-            std::fill_n(static_cast<float*>(g.data), g.numel, 1e-3f);
-          else
-            std::fill_n(static_cast<uint16_t*>(g.data), g.numel, uint16_t(0x3a83));  // 1e-3
+          e.grads_ready(u);
         }
-        e.grads_ready(u);
+        const StepResult r = e.step();
+        double dt = now() - t0;
+        comm->all_reduce(&dt, 1, ReduceOp::max, "plan_step_bench")->wait();
+        if (keep) {
+          t.push_back(dt);
+          opt.push_back(r.optimizer_s);
+          exposed.push_back(r.comm_exposed_s);
+          inter.push_back(double(r.inter_node_bytes));
+        }
       }
-      const StepResult r = e.step();
-      double dt = now() - t0;
-      comm->all_reduce(&dt, 1, ReduceOp::max, "plan_step_bench")->wait();
-      if (s >= 2) {  // the first steps touch the state and write the swap files
-        t.push_back(dt);
-        opt.push_back(r.optimizer_s);
-        exposed.push_back(r.comm_exposed_s);
-        inter.push_back(double(r.inter_node_bytes));
+    };
+    run_steps(2, false);  // the first steps touch the state and write the swap files
+    if (alternate > 0) {
+      const MachineRates file = read_calibration(calibration, cfg);
+      const int64_t shard_bytes = e.shard_info(0).shard_numel * int64_t(dtype_size(cfg.dtype));
+      std::vector<double> ratio, measured, rs;
+      std::vector<StepPrediction> predicted;
+      for (int round = 0; round < alternate; ++round) {
+        t.clear();
+        run_steps(steps, true);
+        const MachineRates rates = measured_beside(*comm, file, shard_bytes, cfg.dtype);
+        predicted.push_back(predict_step(cfg, plan, comm->size(), rates));
+        const StepPrediction& p = predicted.back();
+        measured.push_back(median(t));
+        ratio.push_back(p.total_s / measured.back());
+        rs.push_back(rates.reduce_scatter.warm[0].second);
+        if (comm->rank() == 0)
+          std::printf(
+              "round %d: measured %.4f s, predicted %.4f s (comm %.4f, optimizer %.4f, "
+              "nvme %.4f; a warm reduce-scatter of one shard %.2f ms): %.3f\n",
+              round, measured.back(), p.total_s, p.comm_s, p.optimizer_s, p.nvme_s, rs.back() * 1e3,
+              ratio.back());
       }
+      // The round whose ratio is the median, in the line plan_vs_measured.sh reads; its drift:
+      // how far the warm reduce-scatter's time moved over the rounds (largest / smallest - 1).
+      std::vector<size_t> order(ratio.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(),
+                [&](size_t a, size_t b) { return ratio[a] < ratio[b]; });
+      const size_t mid = order[order.size() / 2];
+      const StepPrediction& p = predicted[mid];
+      const double drift =
+          *std::max_element(rs.begin(), rs.end()) / *std::min_element(rs.begin(), rs.end()) - 1;
+      if (comm->rank() == 0)
+        std::printf(
+            "stage %d tier %s param tier %s dtype %s state %s ranks %d params %lld units %d: "
+            "measured %.4f s, predicted %.4f s (comm %.4f, optimizer %.4f, nvme %.4f): "
+            "predicted / measured %.3f (median of %d alternated rounds), drift %.2f\n",
+            stage, tier.c_str(), param_tier.c_str(), dtype.c_str(), state.c_str(), comm->size(),
+            (long long)params, units, measured[mid], p.total_s, p.comm_s, p.optimizer_s, p.nvme_s,
+            ratio[mid], alternate, drift);
+      return 0;
     }
+    run_steps(steps, true);
     // Each node's bytes to other nodes per step: its ranks' (median) counts summed.
     const int nodes_of = per_node > 0 ? per_node : comm->size();
     std::vector<double> node(size_t(comm->size() / nodes_of + 1), 0.0);

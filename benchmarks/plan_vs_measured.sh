@@ -9,7 +9,12 @@
 # levels up to 3x apart from one minute to the next). Ends with the table, and how many
 # configurations came within 25 % of their measured step.
 #
-#   [CONFIGS="2 2 nvme 8bit"] benchmarks/plan_vs_measured.sh BUILD_DIR NVME_DIR [PARAMS=64M] [UNITS=16] [STEPS=7]
+# With ALTERNATE=R, each configuration's plan_step_bench alternates R rounds of STEPS steps with
+# a measurement of the step's own collectives in the same process, and predicts each round from
+# those (the update and nvme rates still from the calibration before): the median round's ratio
+# is printed, and the drift is how far the collectives' time moved over the rounds.
+#
+#   [CONFIGS="2 2 nvme 8bit"] [ALTERNATE=5] benchmarks/plan_vs_measured.sh BUILD_DIR NVME_DIR [PARAMS=64M] [UNITS=16] [STEPS=7]
 set -euo pipefail
 build=${1:?usage: $0 BUILD_DIR NVME_DIR [PARAMS] [UNITS] [STEPS]}
 nvme=${2:?usage: $0 BUILD_DIR NVME_DIR [PARAMS] [UNITS] [STEPS]}
@@ -48,7 +53,11 @@ for c in "${configs[@]}"; do
   row=$(mpirun -np "$n" "$bench" --calibration "$work/before.json" --params "$params" \
         --units "$units" --stage "$stage" --tier "$tier" --state "${state:-f32}" \
         --param-tier "${ptier:-device}" \
-        --nvme-path "$nvme" --steps "$steps")
+        --nvme-path "$nvme" --steps "$steps" ${ALTERNATE:+--alternate "$ALTERNATE"})
+  if [[ -n "${ALTERNATE:-}" ]]; then  # its rounds, then its line with the drift over them
+    echo "$row" | tee -a "$out"
+    continue
+  fi
   mpirun -np "$n" "$zs" calibrate --out "$work/after.json" --nvme-path "$nvme" >/dev/null 2>&1
   echo "$row, drift $(drift "$work/before.json" "$work/after.json")" | tee -a "$out"
 done

@@ -53,6 +53,15 @@ Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm)
                                        << cfg.gradient_accumulation_steps << ") x world size ("
                                        << world << ") = " << per_step << hint);
     }
+  } else if (cfg.train_batch_size > 0) {
+    // The micro-batch DeepSpeed would derive must be whole.
+    const int64_t per_micro = int64_t(cfg.gradient_accumulation_steps) * int64_t(world);
+    if (cfg.train_batch_size % per_micro != 0)
+      ZS_THROW(invalid_config, "rank " << rank << ": train_batch_size = " << cfg.train_batch_size
+                                       << " is not a multiple of gradient_accumulation_steps ("
+                                       << cfg.gradient_accumulation_steps << ") x world size ("
+                                       << world << ") = " << per_micro
+                                       << ": no whole micro-batch per rank gives it");
   }
   shard_world = cfg.shard_group_size == 0 ? world : cfg.shard_group_size;
   if (world % shard_world != 0)

@@ -1,13 +1,12 @@
 #include "apps/cli/demo_options.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
-#include <optional>
 #include <sstream>
 
 #include "zeroshard/error.hpp"
@@ -188,18 +187,6 @@ float default_lr(OptimizerKind k) {
   }
 }
 
-// DeepSpeed's micro-batch key is accepted (and ignored) by the library; the demo uses it as the
-// default --batch, so one file configures both.
-std::optional<int64_t> micro_batch_from(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;  // Config::from_json_file reports the unreadable file
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (j.is_object() && j.contains("train_micro_batch_size_per_gpu") &&
-      j["train_micro_batch_size_per_gpu"].is_number_integer())
-    return j["train_micro_batch_size_per_gpu"].get<int64_t>();
-  return std::nullopt;
-}
-
 }  // namespace
 
 std::string demo_help() {
@@ -270,7 +257,8 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
     if (has("--config")) {
       o.config_path = val("--config");
       c = Config::from_json_file(o.config_path);  // throws zeroshard::Error naming the bad key
-      if (auto mb = micro_batch_from(o.config_path)) o.batch = *mb;
+      // The file's micro-batch is the default --batch, so one file configures both.
+      if (c.train_micro_batch_size_per_gpu > 0) o.batch = c.train_micro_batch_size_per_gpu;
     } else {
       c.stage = 3;
       c.dtype = DType::bf16;
@@ -285,9 +273,12 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
       c.device = one_of<zeroshard::Device>(
           "--device", val("--device"),
           {{"cpu", zeroshard::Device::cpu}, {"cuda", zeroshard::Device::cuda}});
-    if (has("--dtype"))
+    if (has("--dtype")) {
       c.dtype = one_of<DType>("--dtype", val("--dtype"),
                               {{"f32", DType::f32}, {"bf16", DType::bf16}, {"f16", DType::f16}});
+      if (c.dtype != DType::f16)
+        c.loss_scale = zeroshard::LossScaleOptions{};  // a file's f16 scaling
+    }
     if (has("--optimizer")) {
       const OptimizerKind kind = one_of<OptimizerKind>("--optimizer", val("--optimizer"),
                                                        {{"adamw", OptimizerKind::adamw},
@@ -299,6 +290,10 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
       // momentum barely trains in 100 steps: the demo's default adds it.
       const OptimizerKind before = c.optimizer.kind;
       c.optimizer.kind = kind;
+      if (kind != OptimizerKind::sgd) {  // a file's SGD momentum was meant for SGD
+        c.optimizer.momentum = 0.0f;
+        c.optimizer.nesterov = false;
+      }
       if (!has("--lr") && (kind != before || !has("--config"))) c.optimizer.lr = default_lr(kind);
       if (kind == OptimizerKind::sgd && !has("--config")) c.optimizer.momentum = 0.9f;
     }
@@ -335,7 +330,12 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
     if (has("--dim")) o.dim = to_int("--dim", val("--dim"), 8, 16384);
     if (has("--heads")) o.heads = to_int("--heads", val("--heads"), 1, 256);
     if (has("--seq")) o.seq = to_int("--seq", val("--seq"), 2, 8192);
-    if (has("--batch")) o.batch = to_int("--batch", val("--batch"), 1, 1 << 20);
+    if (has("--batch")) {
+      o.batch = to_int("--batch", val("--batch"), 1, 1 << 20);
+      // The engine checks a file's train_batch_size against the micro-batch that really runs.
+      if (c.train_batch_size > 0 || c.train_micro_batch_size_per_gpu > 0)
+        c.train_micro_batch_size_per_gpu = o.batch;
+    }
     if (has("--steps")) o.steps = to_int("--steps", val("--steps"), 1, kBig);
     if (has("--save")) o.save_root = val("--save");
     if (has("--save-every")) {

@@ -33,6 +33,26 @@ std::string describe(nb::handle v) {
   return std::string(nb::type_name(v.type()).c_str()) + " " + r;
 }
 
+// "<dotted path> = <value>" of the first float in `v` that is not finite ("" if none): JSON has
+// no NaN or infinity, and json.dumps would write tokens that no JSON reader takes.
+std::string non_finite_at(nb::handle v, const std::string& path) {
+  if (PyFloat_Check(v.ptr()))
+    return std::isfinite(PyFloat_AsDouble(v.ptr())) ? ""
+                                                    : "\"" + path + "\" = " + nb::repr(v).c_str();
+  std::string at;
+  if (PyDict_Check(v.ptr())) {
+    for (auto [k, x] : nb::borrow<nb::dict>(v)) {
+      const std::string key = nb::str(k).c_str();
+      if (!(at = non_finite_at(x, path.empty() ? key : path + "." + key)).empty()) return at;
+    }
+  } else if (PyList_Check(v.ptr()) || PyTuple_Check(v.ptr())) {
+    size_t i = 0;
+    for (nb::handle x : v)
+      if (!(at = non_finite_at(x, path + "[" + std::to_string(i++) + "]")).empty()) return at;
+  }
+  return at;
+}
+
 // Strict scalar conversions: Python's bool is an int, but True for a count is a mistake.
 int64_t as_int(nb::handle v, const std::string& path) {
   if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr()))
@@ -342,6 +362,8 @@ void bind_config(nb::module_& m) {
           "from_dict",
           [](nb::handle d) {
             if (!PyDict_Check(d.ptr())) config_fail("from_dict() takes a dict, got " + describe(d));
+            if (const std::string at = non_finite_at(d, ""); !at.empty())
+              config_fail(at + " is not a finite number");
             std::string text;
             try {
               text = nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(d));

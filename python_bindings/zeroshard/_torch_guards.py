@@ -62,8 +62,10 @@ def _call(func, args, kwargs):
 class HandedGrad(torch.Tensor):
     """What p.grad holds after backward: the parameter's shape, dtype and device, no values. The
     gradient itself went to the engine (averaged over ranks, sharded from stage 2). Reading it
-    raises; model.zero_grad() (zero_, requires_grad_, detach_) passes; the next backward
-    replaces it (ZeroOptimizer's hook on the parameter clears it first)."""
+    raises; model.zero_grad() (zero_, requires_grad_, detach_) passes, and a zero_() of
+    gradients the engine still holds for the coming step is refused by that step (they were
+    reduced already); the next backward replaces it (ZeroOptimizer's hook on the parameter
+    clears it first)."""
 
     _ZEROING = frozenset({"zero_", "requires_grad_", "detach_"})
 
@@ -71,6 +73,8 @@ class HandedGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in cls._ZEROING:
+            if name == "zero_" and isinstance(args[0], HandedGrad):
+                args[0]._zs_zeroed = True
             return args[0]
         target = _conversion_target(func, args, kwargs)  # model.to(its own device), say
         if target is not None and args and _converts_to_itself(args[0], target):
@@ -87,6 +91,14 @@ class HandedGrad(torch.Tensor):
             "(opt.backward(loss)), not torch's GradScaler")
 
 
+# Why a change to .grad cannot reach the step, and what to do instead.
+GRAD_NOT_READ = (
+    "Each unit's gradients go to the engine as backward produces them (reduced over ranks at "
+    "once), so .grad is not what the step reads and changing it cannot change the step. To drop "
+    "this step's gradients call opt.zero_grad(); to keep parameters fixed, set "
+    "requires_grad=False before building the optimizer or give their group lr 0; to scale or "
+    "edit gradients, use a hook (p.register_hook) that runs during backward")
+
 _ZERO = {}
 
 
@@ -94,9 +106,10 @@ def handed_grad(shape, dtype, device, name):
     """A HandedGrad for parameter `name` (a zero-stride view of one shared element)."""
     key = (dtype, device)
     if key not in _ZERO:
-        _ZERO[key] = torch.zeros(1, dtype=dtype, device=device)
+        _ZERO[key] = torch.zeros((), dtype=dtype, device=device)  # expands to any shape, () too
     g = torch.Tensor._make_subclass(HandedGrad, _ZERO[key].expand(shape))
     g._zs_name = name
+    g._zs_zeroed = False
     return g
 
 
@@ -107,6 +120,14 @@ class ShardedParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if (getattr(func, "__name__", "") == "__set__" and len(args) == 2
+                and getattr(getattr(func, "__self__", None), "__name__", "") == "grad"
+                and args[1] is not None and not isinstance(args[1], HandedGrad)):
+            u = args[0]._zs_unit()
+            name = u.names[next(i for i, q in enumerate(u.params) if q is args[0])] if u else "?"
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: a tensor was assigned to the .grad of stage-3 parameter "
+                f"'{name}'. {GRAD_NOT_READ}")
         target = _conversion_target(func, args, kwargs)
         if target is not None and args and isinstance(args[0], ShardedParameter) and (
                 args[0]._zs_unit() is None or not args[0]._zs_unit().gathered):

@@ -56,6 +56,12 @@ max_norm) returns the global norm and clips the coming step, as torch's does; ev
 is in opt.last_result.grad_norm. model.zero_grad() passes over it, the next backward replaces it.
 A callback queued on the autograd engine hands over, at the end of backward, any unit that did
 not get all its gradients (unused parameters count as zero). This is the same for every stage.
+It is queued on the trainer's own backward, not on an autograd pass nested in it (a
+torch.utils.checkpoint segment with use_reentrant=True runs a backward of its own inside the
+trainer's) or run beside it (torch.autograd.grad(), as a gradient penalty calls it): a hook on
+the model's outputs queues it as backward begins, and hooks that fire inside such passes do not
+queue it. A .grad cleared (None, zero_()) or replaced between backward and step() is refused by
+step(): those gradients were reduced already, and the step would silently apply them.
 Ranks may differ in which units get gradients (a branch taken on some ranks only): the engine
 reduces in its own order, the same on every rank.
 
@@ -93,6 +99,7 @@ import contextlib
 import difflib
 import functools
 import gc
+import sys
 import weakref
 
 import torch
@@ -101,7 +108,7 @@ from torch.utils import dlpack as _dlpack
 from . import _core
 from ._launch import default_communicator
 from ._param_watch import ParamWatch, refuse_sparse, same_model_on_every_rank
-from ._torch_guards import HandedGrad, ShardedParameter, handed_grad
+from ._torch_guards import GRAD_NOT_READ, HandedGrad, ShardedParameter, handed_grad
 
 __all__ = ["ZeroOptimizer", "partition_units", "HandedGrad"]
 
@@ -130,6 +137,25 @@ _STATE_FORMAT = "zeroshard.sharded/1"
 
 # cudaStreamLegacy, the legacy default stream as a handle (DLPack spells it 1 too).
 _CUDA_STREAM_LEGACY = 1
+
+
+_BACKWARD_CODE = torch.autograd.backward.__code__
+_GRAD_CODE = torch.autograd.grad.__code__
+
+
+def _nested_or_grad_pass():
+    """Whether the autograd pass running now is not the trainer's own backward: a
+    torch.autograd.grad() (which fills no .grad), or a backward nested in another one (a
+    use_reentrant=True checkpoint runs one per segment inside the trainer's). Read from the
+    Python stack, which on the CPU holds the calls that started the pass; a hook that runs on
+    an autograd device thread sees none of them and counts as the trainer's backward."""
+    calls = []
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is _BACKWARD_CODE or f.f_code is _GRAD_CODE:
+            calls.append(f.f_code)
+        f = f.f_back
+    return bool(calls) and calls != [_BACKWARD_CODE]
 
 
 def _stream_handle(stream):
@@ -390,6 +416,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._grad_accs = []  # AccumulateGrad nodes: torch holds them weakly, the hooks need them
         self._callback_queued = False
+        # id(p) -> the HandedGrad put in p.grad for gradients the engine holds for the coming
+        # step (cleared by step() and zero_grad()); names for the messages.
+        self._handed = {}
+        self._names = {id(p): n for u in self._units for n, p in zip(u.names, u.params)}
         self.last_result = None
         self._engine_options = [self._options(g) for g in self.param_groups]
         self._built = True  # param_groups are the engine's from here on (add_param_group)
@@ -404,6 +434,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._setup_stage3(u)
             for module, indices in tied.items():
                 self._gather_for(module, [self._units[i] for i in indices])
+        self._hooks.append(model.register_forward_hook(self._make_root_post(model)))
         # Writes to the parameters from here on (in place, or a load_state_dict() of the model
         # or of any submodule) reach the master weights at the next step; stage 3 refuses
         # loads, since its parameters are shards (see _param_watch.py).
@@ -460,10 +491,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cfg = _core.Config() if config is None else _coerce_config(config)
         model_dtype = _TORCH_DTYPES[self._torch_dtype]
         if config is not None and cfg.dtype != _core.DType.__members__[model_dtype]:
+            json_dtype = {"f32": "neither fp16 nor bf16 enabled",
+                          "bf16": '"bf16": {"enabled": true}',
+                          "f16": '"fp16": {"enabled": true}'}
+            from_json = not isinstance(config, _core.Config)
+            said = json_dtype[cfg.dtype.name] if from_json else f"Config.dtype {cfg.dtype.name}"
+            fix = json_dtype[model_dtype] if from_json else f"Config.dtype = '{model_dtype}'"
             raise _core.ConfigError(
-                f"config: dtype is {cfg.dtype.name} (fp16/bf16 sections) but the model's "
-                f"parameters are {self._torch_dtype}; convert the model first (e.g. "
-                f"model.to(torch.bfloat16)) -- zeroshard does not convert silently")
+                f"config: dtype is {cfg.dtype.name} ({said}) but the model's parameters are "
+                f"{self._torch_dtype}; zeroshard does not convert silently: convert the model "
+                f"(model.to({_ZS_TO_TORCH[cfg.dtype]})) or configure {fix}")
         cfg.dtype = model_dtype
         if stage is not None:
             cfg.stage = stage
@@ -683,21 +720,65 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._grad_accs.append(acc)
                 self._hooks.append(p.register_hook(self._make_clear_handed(p)))
 
-    @staticmethod
-    def _make_clear_handed(p):
+    def _make_clear_handed(self, p):
         # Runs before the gradient accumulates into .grad: the HandedGrad of the last backward
-        # must not be accumulated into (a new micro-step without zero_grad()). The tensor holds
-        # its hooks in C++, where the garbage collector cannot see a cycle back to it: a weak
-        # reference, or the parameter (and through its unit, the engine and its communicator,
-        # which finalises MPI) would never be freed.
-        ref = weakref.ref(p)
+        # must not be accumulated into (a new micro-step without zero_grad()), and one the user
+        # cleared since is an error (_check_grad). The tensor holds its hooks in C++, where the
+        # garbage collector cannot see a cycle back to it: weak references, or the parameter
+        # (and through its unit, the engine and its communicator, which finalises MPI) would
+        # never be freed.
+        ref, opt = weakref.ref(p), weakref.ref(self)
 
         def hook(grad):
-            q = ref()
-            if q is not None and isinstance(q.grad, HandedGrad):
-                q.grad = None
+            q, me = ref(), opt()
+            if q is not None and me is not None:
+                me._check_grad(q, handed_only=True)
+                if isinstance(q.grad, HandedGrad):
+                    q.grad = None
             return grad
         return hook
+
+    def _make_root_post(self, model):
+        # The gradient of the model's output is the first thing the trainer's backward computes:
+        # the end-of-backward callback is queued there, on that pass, before any pass nested in
+        # it could take it (see _nested_or_grad_pass). A copy of the model (copy.deepcopy
+        # copies its hooks) is not this optimizer's.
+        opt, mine = weakref.ref(self), weakref.ref(model)
+
+        def queue(grad):
+            me = opt()
+            if me is not None:
+                me._queue_end_of_backward()
+
+        def hook(module, inputs, output):
+            if torch.is_grad_enabled() and module is mine():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(queue)
+        return hook
+
+    def _check_grad(self, p, handed_only=False):
+        """Refuses a .grad that is not what backward left there: the gradients were handed to
+        the engine already, so a change to .grad would be silently ignored."""
+        want, g = self._handed.get(id(p)), p.grad
+        if want is None:
+            if handed_only or g is None or isinstance(g, HandedGrad):
+                return
+            what = "holds a tensor no backward() produced (assigned to .grad)"
+        elif g is want and not want._zs_zeroed:
+            return
+        else:
+            what = ("was set to None" if g is None else "was zeroed" if g is want
+                    else "was replaced")
+            what += " after backward()"
+        raise _core.InvalidArgumentError(
+            f"ZeroOptimizer: the .grad of '{self._names.get(id(p), '?')}' {what}. "
+            f"{GRAD_NOT_READ}")
+
+    def _check_grads(self):
+        for u in self._units:
+            for p in u.params:
+                self._check_grad(p)
 
     def _make_grad_hook(self, u, i):
         # Weak, as pre_backward in _make_post_forward: an autograd graph the trainer keeps
@@ -765,7 +846,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     if me is None or un is None:
                         return
                     me._queue_end_of_backward()
-                    if not un.gathered and not un.handed:
+                    if un.handed:  # its gradients went to the engine: a second pass through it
+                        me._refuse_second_pass(un, un.names[0])
+                    if not un.gathered:
                         me._gather(un)
                 for t in _tensors(output):
                     if t.requires_grad:
@@ -799,21 +882,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "its checkpoints")
 
     def _queue_end_of_backward(self):
-        if not self._callback_queued:
+        if not self._callback_queued and not _nested_or_grad_pass():
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
 
     def _on_grad(self, u, i):
         self._queue_end_of_backward()
         if u.handed:
-            raise _core.InvalidArgumentError(
-                f"ZeroOptimizer: unit '{u.name}' got gradient of '{u.names[i]}' after its "
-                "gradients were handed to the engine in this backward pass")
+            self._refuse_second_pass(u, u.names[i])
         if not u.ready[i]:
             u.ready[i] = True
             u.n_ready += 1
         if u.n_ready == len(u.params):
             self._hand_off(u)
+
+    @staticmethod
+    def _refuse_second_pass(u, name):
+        raise _core.InvalidArgumentError(
+            f"ZeroOptimizer: unit '{u.name}' got gradient of '{name}' after its gradients were "
+            "handed to the engine in this backward pass: a parameter whose gradient is "
+            "accumulated by more than one autograd pass within one backward, as a module used in "
+            "several torch.utils.checkpoint segments with use_reentrant=True is (each segment "
+            "runs its own backward); checkpoint with use_reentrant=False")
 
     def _hand_off(self, u):
         grads = []
@@ -836,17 +926,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # .grad says where the gradient went: reading it raises, naming the alternatives.
         for p, name, shape in zip(u.params, u.names, u.shapes):
             g = handed_grad(shape, p.dtype, p.device, name)
+            self._handed[id(p)] = g
             if p.shape == shape:
                 p.grad = g
             else:  # a released stage-3 parameter: the setter checks the shape against .data
-                p.data = torch.zeros(1, dtype=p.dtype, device=p.device).expand(shape)
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(shape)
                 p.grad = g
                 p.data = u.placeholder
 
     def _end_of_backward(self):
         # Runs on the autograd thread once backward is done: units some of whose parameters got
-        # no gradient are handed over now (in unit order, the same on every rank).
+        # no gradient are handed over now (in unit order, the same on every rank), from
+        # parameters that are still the engine's (the watch names what changed).
         self._callback_queued = False
+        self._watch.check()
         for u in self._units:
             if not u.handed:
                 self._hand_off(u)
@@ -879,6 +972,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             u.ready = [False] * len(u.params)
             u.n_ready = 0
             u.handed = False
+        self._handed.clear()
         self.engine.zero_grad()
 
     def _sync_hyperparameters(self):
@@ -902,9 +996,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_hyperparameters()
+        self._check_grads()
         self._watch.check()
         self._watch.adopt_writes()
         self.last_result = self.engine.step()
+        self._handed.clear()
         return loss
 
     def backward(self, loss):
@@ -925,6 +1021,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not max_norm > 0:
             raise _core.InvalidArgumentError(f"clip_grad_norm_(): max_norm must be > 0, got "
                                              f"{max_norm}")
+        self._check_grads()
         norm = self.engine.clip_grad_norm(0.0 if max_norm == float("inf") else max_norm)
         if error_if_nonfinite and norm == float("inf"):
             raise RuntimeError("clip_grad_norm_(): the total norm of the gradients is "

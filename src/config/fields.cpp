@@ -273,12 +273,12 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
        .member = &C::reduce_bucket_size,
        .json = "zero_optimization.reduce_bucket_size",
        .fingerprint = false,
-       .rules = {kAtLeast1}},
+       .rules = {{[](double v) { return v >= 0; }, "must be >= 0"}}},
       {.name = "allgather_bucket_size",
        .member = &C::allgather_bucket_size,
        .json = "zero_optimization.allgather_bucket_size",
        .fingerprint = false,
-       .rules = {kAtLeast1}},
+       .rules = {{[](double v) { return v >= 0; }, "must be >= 0"}}},
   };
   return rows;
 }

@@ -39,7 +39,9 @@ struct Ctx {
   Config c;
   bool fp16 = false;
   bool bf16 = false;
-  bool adam_type = false;  // optimizer.type was "Adam": adam_w_mode picks adam or adamw
+  bool adam_type = false;     // optimizer.type was "Adam": adam_w_mode picks adam or adamw
+  bool torch_adam = false;    // optimizer.params.torch_adam: torch's own defaults apply
+  bool weight_decay = false;  // optimizer.params.weight_decay was given
 };
 
 using Setter = std::function<void(const JsonField&, Ctx&)>;
@@ -186,12 +188,21 @@ void add_table(Node& section, const std::function<S&(Config&)>& get) {
 
 // ---- the layout: DeepSpeed's sections and its keys that are not one field ----------------------
 
-// Setters for keys DeepSpeed users bring that change nothing here: type-checked, then dropped.
+// Setters for keys DeepSpeed users bring that change nothing here: type-checked, then dropped
+// ("auto" too, which DeepSpeed itself drops for them).
 void accept_bool(const JsonField& f, Ctx&) {
-  f.boolean();
+  if (!f.is_auto()) f.boolean();
 }
 void accept_count(const JsonField& f, Ctx&) {
-  f.count();
+  if (!f.is_auto()) f.count();
+}
+void accept_number(const JsonField& f, Ctx&) {
+  if (!f.is_auto()) f.number();
+}
+// A section that configures a part of DeepSpeed other than its optimizer (logging, profiling,
+// activation checkpointing): it must be an object; what is in it is not zeroshard's.
+void accept_section(const JsonField& f, Ctx&) {
+  f.object();
 }
 
 bool adam_family(OptimizerKind k) {
@@ -291,6 +302,7 @@ Node zero_optimization_layout() {
           {"stage3_max_live_parameters", accept_count},  // [1e9] see zeroshard.max_live_units
           {"stage3_max_reuse_distance", accept_count},   // [1e9]
           {"stage3_gather_16bit_weights_on_model_save", accept_bool},  // [false]
+          {"round_robin_gradients", accept_bool},  // [false] a CPU-offload copy order
           {"offload_optimizer",
            {
                Node::fields(),  // device, nvme_path, buffer_count, pin_memory
@@ -340,70 +352,112 @@ Node optimizer_layout() {
                           x.c.optimizer.beta2 = b[1];
                         }},
                        {"adam_w_mode", set_adam_w_mode},
-                       {"torch_adam",  // which Adam implementation DeepSpeed picks: moot here
+                       // Which Adam DeepSpeed builds: torch.optim's, with torch's defaults
+                       // (AdamW's weight decay 0.01), or its own fused one (0).
+                       {"torch_adam",
                         [](const JsonField& f, Ctx& x) {
                           adam_only(f, x);
-                          f.boolean();
+                          x.torch_adam = f.boolean();
+                        }},
+                       // [true] Adam without bias correction is not implemented.
+                       {"bias_correction",
+                        [](const JsonField& f, Ctx& x) {
+                          adam_only(f, x);
+                          if (!f.boolean())
+                            f.bad(
+                                "= false is not supported: zeroshard's Adam always corrects "
+                                "the moments' bias; remove the key or set it true");
                         }},
                    }},
               });
+}
+
+// bf16 (or its older name bfloat16): enabling it sets Config::dtype once every section is read.
+Node bf16_layout(std::string_view name) {
+  return Node(
+      name,
+      {
+          {"enabled", [](const JsonField& f, Ctx& x) { x.bf16 = x.bf16 || f.boolean(); }},
+          // zeroshard checks every step's gradients for inf/NaN and skips such a step on every
+          // rank; the flag rides on the norm's all-reduce, so it costs nothing.
+          {"check_grad_overflow",
+           [](const JsonField& f, Ctx&) {
+             if (!f.boolean())
+               f.bad(
+                   "= false is not taken: zeroshard always skips a step whose gradients hold "
+                   "inf or NaN, at no cost (the check rides on the gradient norm's all-reduce); "
+                   "remove the key or set it true");
+           }},
+          // Each micro-step's reduced gradient is folded into its f32 accumulator as soon as its
+          // reduction lands, which is what DeepSpeed's flag asks for: either value is accepted,
+          // and the engine does that.
+          {"immediate_grad_update", accept_bool},
+      });
 }
 
 // The layout. DeepSpeed defaults are in brackets; "no effect" keys are accepted so that real
 // DeepSpeed files load, because the unit (not a bucket) is zeroshard's grain for all of them.
 Node layout() {
   return Node(
-      "",
-      {
-          zero_optimization_layout(),
-          // Enabling a precision sets Config::dtype once both sections are read (from_json).
-          {"fp16",
-           {
-               {"enabled", [](const JsonField& f, Ctx& x) { x.fp16 = f.boolean(); }},
-               Node::fields(),              // loss_scale, initial_scale_power, ... min_loss_scale
-               {"auto_cast", accept_bool},  // the trainer owns its autocast
-           }},
-          {"bf16",
-           {
-               {"enabled", [](const JsonField& f, Ctx& x) { x.bf16 = f.boolean(); }},
-               // zeroshard checks every step's gradients for inf/NaN and skips such a step on
-               // every rank; the flag rides on the norm's all-reduce, so it costs nothing.
-               {"check_grad_overflow",
-                [](const JsonField& f, Ctx&) {
-                  if (!f.boolean())
-                    fail(
-                        "bf16.check_grad_overflow = false is not taken: zeroshard always skips "
-                        "a step whose gradients hold inf or NaN, at no cost (the check rides on "
-                        "the gradient norm's all-reduce); remove the key or set it true");
-                }},
-               // Each micro-step's reduced gradient is folded into its f32 accumulator as soon
-               // as its reduction lands, which is what DeepSpeed's flag asks for: either value
-               // is accepted, and the engine does that.
-               {"immediate_grad_update", accept_bool},
-           }},
-          Node::fields(),  // gradient_clipping, gradient_accumulation_steps
-          // Logging knobs of DeepSpeed's engine.
-          {"steps_per_print", accept_count},
-          {"wall_clock_breakdown", accept_bool},
-          optimizer_layout(),
-          {"aio",
-           {
-               // The table's block_size [1 MiB] and queue_depth [8], then libaio threading knobs:
-               // io_uring needs none of them.
-               Node::fields(),
-               {"intra_op_parallelism", accept_count},
-               {"single_submit", accept_bool},
-               {"overlap_events", accept_bool},
-               {"thread_count", accept_count},
-           }},
-          {"zeroshard", {Node::fields()}},
-      });
+      "", {
+              zero_optimization_layout(),
+              // Enabling a precision sets Config::dtype once both sections are read (from_json).
+              {"fp16",
+               {
+                   {"enabled", [](const JsonField& f, Ctx& x) { x.fp16 = f.boolean(); }},
+                   Node::fields(),  // loss_scale, initial_scale_power, ... min_loss_scale
+                   {"auto_cast", accept_bool},  // the trainer owns its autocast
+               }},
+              bf16_layout("bf16"),
+              bf16_layout("bfloat16"),  // DeepSpeed's older name for the same section
+              Node::fields(),           // gradient_clipping, gradient_accumulation_steps
+              // Logging knobs of DeepSpeed's engine.
+              {"steps_per_print", accept_count},
+              {"wall_clock_breakdown", accept_bool},
+              {"memory_breakdown", accept_bool},
+              {"dump_state", accept_bool},
+              // Sections for other parts of DeepSpeed: its monitors, profilers and activation
+              // checkpointing (the trainer's torch.utils.checkpoint does that here).
+              {"tensorboard", accept_section},
+              {"wandb", accept_section},
+              {"csv_monitor", accept_section},
+              {"comet", accept_section},
+              {"flops_profiler", accept_section},
+              {"comms_logger", accept_section},
+              {"activation_checkpointing", accept_section},
+              // Whether DeepSpeed allows a client optimizer under ZeRO, or forces its CPU Adam: the
+              // optimizer here is always zeroshard's own.
+              {"zero_allow_untested_optimizer", accept_bool},
+              {"zero_force_ds_cpu_optimizer", accept_bool},
+              // Dividing the gradients by the world size before or after the sum: the engine takes
+              // the mean over ranks and micro-steps either way.
+              {"prescale_gradients", accept_bool},
+              {"gradient_predivide_factor", accept_number},
+              optimizer_layout(),
+
+              {"aio",
+               {
+                   // The table's block_size [1 MiB] and queue_depth [8], then libaio threading
+                   // knobs: io_uring needs none of them.
+                   Node::fields(),
+                   {"intra_op_parallelism", accept_count},
+                   {"single_submit", accept_bool},
+                   {"overlap_events", accept_bool},
+                   {"thread_count", accept_count},
+               }},
+              {"zeroshard", {Node::fields()}},
+          });
 }
 
 // Table fields that apply to some optimizers only.
+// A batch size written in the file is a size: 0 is not "not given" there (leave it out).
+void batch_size(const JsonField& f, const Ctx&) {
+  if (f.count() < 1) f.bad("= 0 must be >= 1 (leave the key out when not given)");
+}
+
 constexpr std::pair<std::string_view, Guard> kGuards[] = {
-    {"optimizer.params.eps", adam_only},
-    {"optimizer.params.momentum", sgd_only},
+    {"train_batch_size", batch_size},        {"train_micro_batch_size_per_gpu", batch_size},
+    {"optimizer.params.eps", adam_only},     {"optimizer.params.momentum", sgd_only},
     {"optimizer.params.nesterov", sgd_only},
 };
 
@@ -413,7 +467,9 @@ const Node& schema() {
     add_table<Config>(r, [](Config& c) -> Config& { return c; });
     for (const auto& [path, guard] : kGuards) {
       const size_t dot = path.rfind('.');
-      Node* leaf = r.section(path.substr(0, dot)).child(path.substr(dot + 1));
+      Node* leaf = dot == std::string_view::npos
+                       ? r.child(path)
+                       : r.section(path.substr(0, dot)).child(path.substr(dot + 1));
       if (!leaf || !leaf->set) {
         throw Error(ErrorCode::internal, "config: guarded key " + std::string(path) + " is gone");
       }
@@ -430,6 +486,12 @@ const Node& schema() {
 constexpr std::pair<std::string_view, std::string_view> kRejected[] = {
     {"scheduler",
      "zeroshard does not schedule the learning rate; drive it from the trainer (remove the key)"},
+    {"zero_optimization.cpu_offload",
+     "DeepSpeed's deprecated name; write \"offload_optimizer\": {\"device\": \"cpu\"} instead"},
+    {"optimizer.params.max_grad_norm", "clipping is the top-level \"gradient_clipping\" key"},
+    {"communication_data_type",
+     "zeroshard reduces gradients in the parameters' dtype, summing in f32 on the CPU; remove the "
+     "key"},
 };
 
 void collect_paths(const Node& n, const std::string& prefix, std::vector<std::string>& out) {
@@ -468,6 +530,22 @@ void collect_paths(const Node& n, const std::string& prefix, std::vector<std::st
   fail(msg);
 }
 
+// Values DeepSpeed drops for the default: null for the keys it declares Optional (config
+// generators write them), and "auto" for the table's keys that have no effect here.
+bool dropped(std::string_view path, const json& v) {
+  if (v.is_null()) {
+    for (std::string_view k : {"zero_optimization.offload_optimizer.nvme_path",
+                               "zero_optimization.offload_param.nvme_path", "train_batch_size",
+                               "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"})
+      if (path == k) return true;
+  } else if (JsonField(v, std::string(path)).is_auto()) {
+    for (std::string_view k :
+         {"zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size"})
+      if (path == k) return true;
+  }
+  return false;
+}
+
 void walk(const json& obj, const Node& section, const std::string& prefix, Ctx& x) {
   // Reject unknown keys before storing anything: the typo is the error the user needs to see.
   for (const auto& item : obj.items()) {
@@ -480,6 +558,7 @@ void walk(const json& obj, const Node& section, const std::string& prefix, Ctx& 
       if (n.required) fail("missing key \"" + path + "\"");
       continue;
     }
+    if (dropped(path, *it)) continue;
     if (n.set) {
       const JsonField f(*it, path);
       if (n.pre) n.pre(f, x);
@@ -500,10 +579,20 @@ Config Config::from_json(std::string_view text) {
   }
   Ctx x;
   walk(doc, schema(), "", x);
+  const json* params = nullptr;  // optimizer.params, where walk() found an object
+  if (const auto o = doc.find("optimizer"); o != doc.end() && o->contains("params"))
+    params = &(*o)["params"];
+  x.weight_decay = params && params->contains("weight_decay");
   if (x.fp16 && x.bf16) {
     fail("fp16.enabled and bf16.enabled are both true; enable one of them");
   }
   x.c.dtype = x.fp16 ? DType::f16 : x.bf16 ? DType::bf16 : DType::f32;
+  // A disabled fp16 section's loss scale is DeepSpeed's to ignore, and ours: applied to bf16 or
+  // f32 gradients it would divide them by a scale the loss was never multiplied by.
+  if (!x.fp16) x.c.loss_scale = LossScaleOptions{};
+  // torch.optim.AdamW's default weight decay, where DeepSpeed builds it (torch_adam).
+  if (x.torch_adam && !x.weight_decay && x.c.optimizer.kind == OptimizerKind::adamw)
+    x.c.optimizer.weight_decay = 0.01f;
   x.c.validate();
   return x.c;
 }

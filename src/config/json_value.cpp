@@ -17,13 +17,13 @@ void JsonField::bad(const std::string& rule) const {
 void JsonField::wrong_type(const std::string& expected) const {
   std::string got = j_.type_name();
   // Scalars are short enough to quote, and seeing "true" in quotes explains the error at once.
-  if (j_.is_primitive()) {
+  if (j_.is_primitive() && !j_.is_null()) {
     std::string text = j_.dump();
     if (text.size() > 40) text = text.substr(0, 37) + "...";
     got += " " + text;
   }
   // Hugging Face's DeepSpeed integration fills in "auto" itself; a raw HF config lands here.
-  if (j_.is_string() && j_.get_ref<const std::string&>() == "auto") {
+  if (is_auto()) {
     got +=
         " (\"auto\" is a placeholder the Hugging Face Trainer replaces before DeepSpeed reads"
         " the file; give a value)";
@@ -45,6 +45,10 @@ float JsonField::single() const {
   const double d = number();
   if (std::fabs(d) > std::numeric_limits<float>::max()) {
     bad("= " + show(d) + " does not fit in a 32-bit float");
+  }
+  // Not silently 0 either (an lr of 1e-50 would train nothing).
+  if (d != 0 && std::fabs(d) < std::numeric_limits<float>::denorm_min()) {
+    bad("= " + show(d) + " is below the smallest 32-bit float (it would be stored as 0)");
   }
   return static_cast<float>(d);
 }
@@ -88,6 +92,10 @@ int64_t JsonField::count() const {
 std::string JsonField::string() const {
   if (!j_.is_string()) wrong_type("a string");
   return j_.get<std::string>();
+}
+
+void JsonField::object() const {
+  if (!j_.is_object()) wrong_type("an object");
 }
 
 std::vector<std::string> JsonField::strings() const {
@@ -145,13 +153,16 @@ json parse_strict(std::string_view text) {
     return true;
   };
   try {
-    return json::parse(text.begin(), text.end(), cb);
+    return json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true,
+                       /*ignore_comments=*/true);
   } catch (const json::exception& e) {
     // A syntax error, or a number no double holds (1e309): drop nlohmann's
     // "[json.exception.parse_error.101] " tag and keep its own text (line, column, token).
     std::string what = e.what();
     const size_t tag = what.find("] ");
-    fail("invalid JSON: " + (tag == std::string::npos ? what : what.substr(tag + 2)));
+    fail("invalid JSON: " + (tag == std::string::npos ? what : what.substr(tag + 2)) +
+         " (comments // and /* */ are allowed; hjson's # comments, unquoted keys and trailing "
+         "commas are not)");
   }
 }
 

@@ -15,7 +15,8 @@ namespace zeroshard::config_detail {
 using json = nlohmann::json;
 
 /// json::parse with DeepSpeed's extra strictness: a key repeated in one object is an error
-/// (Python's json keeps the last silently; DeepSpeed rejects it, and so do we).
+/// (Python's json keeps the last silently; DeepSpeed rejects it, and so do we). Comments (// and
+/// /* */) are allowed, as DeepSpeed's hjson reader allows them.
 json parse_strict(std::string_view text);
 
 /// One JSON value and its path ("zero_optimization.stage"). Holds a reference to the value:
@@ -25,6 +26,9 @@ class JsonField {
   JsonField(const json& j, std::string path) : j_(j), path_(std::move(path)) {}
 
   const std::string& path() const { return path_; }
+  /// The string "auto": DeepSpeed drops it where a key has a default, and so do the keys that
+  /// have no effect here.
+  bool is_auto() const { return j_.is_string() && j_.get_ref<const std::string&>() == "auto"; }
 
   /// Throws "config: \"<path>\" <rule>".
   [[noreturn]] void bad(const std::string& rule) const;
@@ -41,6 +45,8 @@ class JsonField {
   /// A count that is accepted for compatibility and has no effect: still must be >= 0.
   int64_t count() const;
   std::string string() const;
+  /// An object (its contents read by nobody here).
+  void object() const;
   /// A string or an array of strings (DeepSpeed's nvme_path is one directory, ours several).
   std::vector<std::string> strings() const;
   /// An array of exactly n numbers, each fitting in a float.

@@ -60,6 +60,12 @@ void check_loss_scale_and_optimizer(const Config& c) {
             "is above the initial scale 2^" + show(ls.initial_scale_power) +
                 " (fp16.initial_scale_power)");
   }
+  // Loss scaling is f16's: on bf16 or f32 gradients a static scale would divide them by a
+  // factor the trainer has no reason to have multiplied the loss by.
+  if (ls.static_scale > 0 && c.dtype != DType::f16)
+    fail("fp16.loss_scale = " + show(ls.static_scale) +
+         " applies to f16 parameters only (dtype is " + dtype_name(c.dtype) +
+         "); remove it, or set it to 0");
   const OptimizerOptions& o = c.optimizer;
   const bool sgd = o.kind == OptimizerKind::sgd;
   // Only SGD reads momentum; silently ignoring it elsewhere would hide a misconfiguration.

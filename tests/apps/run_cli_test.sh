@@ -41,6 +41,16 @@ expect 2 "not a multiple of --heads" demo --dim 100 --heads 3
 expect 2 "needs a value" demo --steps
 expect 2 "requires zero_optimization.stage = 3" demo --stage 1 --offload-param cpu
 expect 2 "configuration" demo --config /nonexistent/ds_config.json
+# Flags over a DeepSpeed file: a changed optimizer drops the file's SGD momentum (it refused to
+# start), and --batch is the micro-batch the file's train_batch_size is checked against.
+cfgs=$(mktemp -d)
+trap 'rm -rf "$cfgs"' EXIT
+echo '{"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}' >"$cfgs/sgd.json"
+echo '{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 16}' >"$cfgs/tbs.json"
+tiny=(--steps 1 --layers 1 --dim 32 --heads 2 --seq 16)
+expect 0 "stage 0, f32 parameters and gradients, adamw" demo --config "$cfgs/sgd.json" --optimizer adamw "${tiny[@]}"
+expect 1 "train_batch_size = 16 is not train_micro_batch_size_per_gpu (4)" \
+  demo --config "$cfgs/tbs.json" --batch 4 "${tiny[@]}"
 # A directory opens as a stream that reads nothing: named as such, not as a text of 0 tokens.
 expect 1 "is a directory, not a text file" demo --text / --steps 1
 # plan: every stage and offload choice, against the memory given (a byte of device memory fits

@@ -217,8 +217,21 @@ def test_config_errors_surface_as_python_exceptions():
     with pytest.raises(zs.ConfigError, match=r"zero_optimization\.stag"):
         zt.ZeroOptimizer(m, config={"zero_optimization": {"stag": 2}},
                          comm=zs.make_self_communicator())
-    with pytest.raises(zs.ConfigError, match="convert the model first"):
+    with pytest.raises(zs.ConfigError, match=r"convert the model \(model.to\(torch.bfloat16\)\) "
+                       r"or configure neither fp16 nor bf16 enabled"):
         zt.ZeroOptimizer(m, config={"bf16": {"enabled": True}}, comm=zs.make_self_communicator())
+    # The way out the message gives is the one that fits: a bf16 model under an f32 config or
+    # Config object is told to enable bf16, not to convert to what it already is.
+    mb = make_model().to(torch.bfloat16)
+    with pytest.raises(zs.ConfigError, match=r'configure "bf16": \{"enabled": true\}'):
+        zt.ZeroOptimizer(mb, config={"zero_optimization": {"stage": 1}},
+                         comm=zs.make_self_communicator())
+    with pytest.raises(zs.ConfigError, match=r"\(Config.dtype f32\).*configure Config.dtype = 'bf16'"):
+        zt.ZeroOptimizer(mb, config=zs.Config(stage=2), comm=zs.make_self_communicator())
+    # JSON has no NaN: named by its key, not as a parse error.
+    with pytest.raises(zs.ConfigError, match=r'"optimizer.params.lr" = nan is not a finite number'):
+        zt.ZeroOptimizer(m, config={"optimizer": {"type": "AdamW", "params": {"lr": float("nan")}}},
+                         comm=zs.make_self_communicator())
     with pytest.raises(zs.ConfigError, match="does not take"):
         zt.ZeroOptimizer(m, param_groups=[{"params": list(m.parameters()), "momentum": 0.9}],
                          comm=zs.make_self_communicator())

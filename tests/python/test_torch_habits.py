@@ -76,8 +76,11 @@ def test_grad_after_backward_raises_and_names_clip_grad_norm(stage):
     with pytest.raises(zs.InvalidArgumentError, match="'proj.weight'"):
         model.proj.weight.grad.norm()
     assert model.proj.weight.grad.shape == (32, 16)  # metadata reads pass
-    model.zero_grad(set_to_none=False)  # torch 1.x's default: passes, and changes nothing
-    opt.step()
+    # Zeroing .grad before step() drops the step's gradients in torch; here they were reduced
+    # already, so step() refuses rather than apply them silently (test_torch_autograd_passes).
+    model.zero_grad(set_to_none=False)
+    with pytest.raises(zs.InvalidArgumentError, match="was zeroed after backward"):
+        opt.step()
     # A new micro-step without zero_grad() replaces the placeholders (no accumulation into
     # them), and training matches the reference.
     ref = train_reference(make_model(), data)

@@ -325,7 +325,11 @@ TEST(Config, FloatsAreAcceptedForIntegersOnlyWhenIntegral) {
   EXPECT_THAT(parse_error(R"({"zero_optimization": {"stage": 1e10}})"),
               HasSubstr("\"zero_optimization.stage\" = 1e+10 is out of range for a 32-bit"));
   EXPECT_THAT(parse_error(R"({"train_batch_size": -1})"),
-              HasSubstr("train_batch_size = -1 must be >= 0"));
+              HasSubstr("\"train_batch_size\" = -1 must be >= 0"));
+  // In a file a batch size is a size (C++'s 0 "not given" is leaving the key out, or null).
+  EXPECT_THAT(parse_error(R"({"train_micro_batch_size_per_gpu": 0})"),
+              HasSubstr("\"train_micro_batch_size_per_gpu\" = 0 must be >= 1"));
+  EXPECT_EQ(Config::from_json(R"({"train_batch_size": null})").train_batch_size, 0);
 }
 
 TEST(Config, DeepSpeedValuesWithoutAnEquivalentAreErrorsThatSayWhy) {
@@ -340,15 +344,15 @@ TEST(Config, DeepSpeedValuesWithoutAnEquivalentAreErrorsThatSayWhy) {
 }
 
 // DeepSpeed keys of the fp16/bf16 sections in common use: taken with DeepSpeed's meaning, or
-// refused with the reason; and gradient clipping, absent, is off as in DeepSpeed (its default
-// is 0.0).
+// refused with the reason; and gradient clipping, absent, is off (DeepSpeed's default was 0.0
+// until its recent versions made it 1.0; README says so).
 TEST(Config, DeepSpeedPrecisionKeysAndClippingDefault) {
   EXPECT_FALSE(Config::from_json("{}").loss_scale.consecutive_hysteresis);
   EXPECT_TRUE(Config::from_json(R"({"fp16": {"enabled": true, "consecutive_hysteresis": true}})")
                   .loss_scale.consecutive_hysteresis);
   EXPECT_NO_THROW(Config::from_json(R"({"bf16": {"enabled": true, "check_grad_overflow": true}})"));
   EXPECT_THAT(parse_error(R"({"bf16": {"enabled": true, "check_grad_overflow": false}})"),
-              AllOf(HasSubstr("bf16.check_grad_overflow = false"),
+              AllOf(HasSubstr("\"bf16.check_grad_overflow\" = false"),
                     HasSubstr("always skips a step whose gradients hold inf or NaN")));
   for (const char* v : {"true", "false"})
     EXPECT_EQ(Config::from_json(std::string(R"({"bf16": {"enabled": true, )"
@@ -357,6 +361,74 @@ TEST(Config, DeepSpeedPrecisionKeysAndClippingDefault) {
                   .dtype,
               DType::bf16);
   EXPECT_EQ(Config::from_json(R"({"zero_optimization": {"stage": 2}})").gradient_clipping, 0.0);
+}
+
+// What real DeepSpeed files hold, taken as DeepSpeed takes it: each case comes from a published
+// configuration that failed to load or trained differently before.
+TEST(Config, DeepSpeedFilesFromTheWild) {
+  // A disabled fp16 section's loss scale is ignored (it divided bf16 gradients by 1024), and a
+  // static scale on anything but f16 is refused where it is set by hand.
+  for (const char* doc :
+       {R"({"fp16": {"enabled": false, "loss_scale": 1024}})",
+        R"({"fp16": {"enabled": false, "loss_scale": 1024}, "bf16": {"enabled": true}})"}) {
+    const Config c = Config::from_json(doc);
+    EXPECT_EQ(c.loss_scale.static_scale, 0.0f) << doc;
+    EXPECT_EQ(Engine(c, make_self_communicator()).loss_scale(), 1.0f) << doc;
+  }
+  Config bf;
+  bf.dtype = DType::bf16;
+  bf.loss_scale.static_scale = 128;
+  EXPECT_THAT(validate_error(bf),
+              HasSubstr("fp16.loss_scale = 128 applies to f16 parameters only"));
+  // torch_adam: DeepSpeed builds torch.optim.AdamW, whose weight decay defaults to 0.01.
+  EXPECT_FLOAT_EQ(
+      Config::from_json(R"({"optimizer": {"type": "AdamW", "params": {"torch_adam": true}}})")
+          .optimizer.weight_decay,
+      0.01f);
+  EXPECT_EQ(
+      Config::from_json(
+          R"({"optimizer": {"type": "AdamW", "params": {"torch_adam": true, "weight_decay": 0}}})")
+          .optimizer.weight_decay,
+      0.0f);
+  EXPECT_EQ(
+      Config::from_json(R"({"optimizer": {"type": "AdamW", "params": {}}})").optimizer.weight_decay,
+      0.0f);  // DeepSpeed's fused AdamW
+  // Keys for other parts of DeepSpeed, or with nothing to change here, load.
+  const Config c = Config::from_json(R"({
+    // a comment, as DeepSpeed's hjson reader allows
+    "zero_allow_untested_optimizer": true, "prescale_gradients": false, "memory_breakdown": false,
+    "tensorboard": {"enabled": true, "output_path": "logs/"}, "flops_profiler": {"enabled": false},
+    "activation_checkpointing": {"partition_activations": false},
+    "bfloat16": {"enabled": true}, /* the old name of bf16 */
+    "zero_optimization": {"stage": 3, "round_robin_gradients": true, "reduce_bucket_size": "auto",
+      "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+      "allgather_bucket_size": 0,
+      "offload_optimizer": {"device": "cpu", "nvme_path": null}},
+    "train_micro_batch_size_per_gpu": null
+  })");
+  EXPECT_EQ(c.dtype, DType::bf16);
+  EXPECT_EQ(c.stage, 3);
+  EXPECT_EQ(c.offload_optimizer.tier, Tier::host);
+  // Refused with the way out, not as a bare unknown key.
+  EXPECT_THAT(parse_error(R"({"zero_optimization": {"cpu_offload": true}})"),
+              HasSubstr(R"(write "offload_optimizer": {"device": "cpu"} instead)"));
+  EXPECT_THAT(parse_error(R"({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}})"),
+              HasSubstr("gradient_clipping"));
+  EXPECT_THAT(parse_error(R"({"communication_data_type": "fp32"})"),
+              HasSubstr("reduces gradients in the parameters' dtype"));
+  EXPECT_THAT(
+      parse_error(R"({"optimizer": {"type": "Adam", "params": {"bias_correction": false}}})"),
+      HasSubstr("always corrects the moments' bias"));
+  EXPECT_NO_THROW(
+      Config::from_json(R"({"optimizer": {"type": "Adam", "params": {"bias_correction": true}}})"));
+  // Values that would not be what the file says.
+  EXPECT_THAT(parse_error(R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e-50}}})"),
+              HasSubstr("below the smallest 32-bit float"));
+  EXPECT_THAT(parse_error(R"({"zero_optimization": {"stage": null}})"),
+              HasSubstr("must be an integer, got null"));
+  EXPECT_THAT(parse_error(R"({"tensorboard": true})"), HasSubstr("must be an object"));
+  EXPECT_THAT(parse_error("{\"fp16\": {\"enabled\": true,}}"),
+              HasSubstr("comments // and /* */ are allowed"));
 }
 
 TEST(Config, SyntaxErrorsDuplicatesAndNonObjects) {
@@ -555,9 +627,17 @@ TEST(Config, BatchSizesMustAgreeWithAccumulationAndWorld) {
   }
   c.gradient_accumulation_steps = 4;
   EXPECT_NO_THROW(Engine(c, make_self_communicator()));
-  c.train_micro_batch_size_per_gpu = 0;  // not given: nothing to check
-  c.gradient_accumulation_steps = 3;
+  c.train_micro_batch_size_per_gpu = 0;  // not given: the micro-batch it implies must be whole
   EXPECT_NO_THROW(Engine(c, make_self_communicator()));
+  c.gradient_accumulation_steps = 3;
+  try {
+    Engine e(c, make_self_communicator());
+    ADD_FAILURE() << "16 / (3 x 1) micro-batches was accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("train_batch_size = 16 is not a multiple of "
+                                          "gradient_accumulation_steps (3) x world size (1)"),
+                                HasSubstr("no whole micro-batch")));
+  }
 }
 
 }  // namespace

@@ -179,12 +179,14 @@ TEST(ConfigFields, EveryJsonFieldReadsBackAndChangesOnlyItself) {
   for (const Field& f : fields()) {
     if (f.json.empty() || f.by_hand) continue;
     // Optimizer hyperparameters need the optimizer's type; offload_param needs stage 3;
-    // bf16_master needs bf16 parameters.
+    // bf16_master needs bf16 parameters; the loss scale is read only with fp16 enabled.
     const std::vector<Doc> bases =
         f.json.rfind("optimizer.", 0) == 0
             ? std::vector<Doc>{{{"optimizer.type", R"("AdamW")"}},
                                {{"optimizer.type", R"("SGD")"},
                                 {"optimizer.params.momentum", "0.5"}}}
+        : f.json.rfind("fp16.", 0) == 0
+            ? std::vector<Doc>{{{"fp16.enabled", "true"}}}
             : std::vector<Doc>{{}, {{"zero_optimization.stage", "3"}}, {{"bf16.enabled", "true"}}};
     bool done = false;
     for (const Doc& base : bases) {
