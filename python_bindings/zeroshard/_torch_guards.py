@@ -118,6 +118,25 @@ class ShardedParameter(torch.nn.Parameter):
     (`_zs_unit().gathered`, a weak reference to ZeroOptimizer's bookkeeping). Any use of its
     values while released raises, naming what to use."""
 
+    def _refuse_copy(self):
+        u = self._zs_unit()
+        if u is None or not u.gathered:
+            raise _core.InvalidArgumentError(
+                "ZeroOptimizer: a released stage-3 parameter cannot be pickled or copied (its "
+                "values are shards in the engine). Something saved or copied holds the "
+                "parameters: the model, or an optimizer's param_groups, which torch 1.13's "
+                "OneCycleLR/CyclicLR state_dict() reaches through its bound anneal_func (drop "
+                "that key before saving). Save the model with opt.model_state_dict() and the "
+                "optimizer with opt.state_dict()")
+
+    def __reduce_ex__(self, proto):
+        self._refuse_copy()
+        return super().__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy()
+        return super().__deepcopy__(memo)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if (getattr(func, "__name__", "") == "__set__" and len(args) == 2

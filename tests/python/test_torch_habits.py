@@ -263,3 +263,18 @@ def test_export_is_read_by_the_safetensors_package(fmt, tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in weights)
     assert "proj.weight [32, 16]" in zs.describe_checkpoint(tag)
     assert zs.verify_checkpoint(tmp_path / "ckpt") > 0
+
+
+def test_pickling_or_copying_released_stage3_parameters_names_the_way_out():
+    # torch 1.13's OneCycleLR state_dict() holds the optimizer (its bound anneal_func), so a
+    # torch.save of it pickles param_groups: the error said only "read by __get__()".
+    import io
+    model = make_model()
+    opt = zero(model, 3)
+    with pytest.raises(zs.InvalidArgumentError, match=r"cannot be pickled or copied.*anneal_func"):
+        torch.save(opt.param_groups, io.BytesIO())
+    with pytest.raises(zs.InvalidArgumentError, match=r"cannot be pickled or copied"):
+        copy.deepcopy(model)
+    torch.save(opt.model_state_dict(), io.BytesIO())  # the way out
+    opt.close()
+    copy.deepcopy(model)  # given back: ordinary parameters
