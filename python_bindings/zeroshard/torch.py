@@ -419,6 +419,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # id(p) -> the HandedGrad put in p.grad for gradients the engine holds for the coming
         # step (cleared by step() and zero_grad()); names for the messages.
         self._handed = {}
+        self._backwards = 0  # backward passes (micro-steps) since the last step or zero_grad
+        self._accum = self.engine.config().gradient_accumulation_steps
         self._names = {id(p): n for u in self._units for n, p in zip(u.names, u.params)}
         self.last_result = None
         self._engine_options = [self._options(g) for g in self.param_groups]
@@ -883,8 +885,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _queue_end_of_backward(self):
         if not self._callback_queued and not _nested_or_grad_pass():
+            if self._backwards == self._accum:  # this backward would be one micro-step too many
+                raise _core.InvalidArgumentError(
+                    f"ZeroOptimizer: backward() number {self._backwards + 1} since the last "
+                    f"step; {self._micro_steps_rule()}")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
+
+    def _micro_steps_rule(self):
+        k = self._accum
+        return (f"with gradient_accumulation_steps = {k} each backward() is one micro-step and "
+                f"a step takes exactly {k}: call step() after every {k} backward() call(s), or "
+                "opt.zero_grad() to drop the ones taken")
 
     def _on_grad(self, u, i):
         self._queue_end_of_backward()
@@ -939,6 +951,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # no gradient are handed over now (in unit order, the same on every rank), from
         # parameters that are still the engine's (the watch names what changed).
         self._callback_queued = False
+        self._backwards += 1
         self._watch.check()
         for u in self._units:
             if not u.handed:
@@ -973,6 +986,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             u.n_ready = 0
             u.handed = False
         self._handed.clear()
+        self._backwards = 0
         self.engine.zero_grad()
 
     def _sync_hyperparameters(self):
@@ -997,10 +1011,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._sync_hyperparameters()
         self._check_grads()
+        if self._backwards != self._accum:
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer.step() after {self._backwards} backward() call(s) since the "
+                f"last step; {self._micro_steps_rule()}")
         self._watch.check()
         self._watch.adopt_writes()
         self.last_result = self.engine.step()
         self._handed.clear()
+        self._backwards = 0
         return loss
 
     def backward(self, loss):

@@ -203,3 +203,22 @@ def test_a_grad_assigned_without_backward_is_refused():
     with pytest.raises(zs.InvalidArgumentError, match="no backward"):
         opt.step()
     opt.close()
+
+
+def test_micro_steps_that_do_not_add_up_are_named_in_torch_terms():
+    # The engine's own words were "each unit needs grads_ready() once per micro-step".
+    model = make(Critic)
+    opt = zt.ZeroOptimizer(model, stage=2, gradient_accumulation_steps=2,
+                           comm=zs.make_self_communicator())
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    with pytest.raises(zs.InvalidArgumentError, match=r"after 1 backward\(\) call.*= 2"):
+        opt.step()
+    model(x).sum().backward()
+    opt.step()  # two: a step
+    for _ in range(2):
+        model(x).sum().backward()
+    with pytest.raises(Exception, match=r"backward\(\) number 3 since the last step"):
+        model(x).sum().backward()
+    opt.zero_grad()
+    opt.close()
