@@ -170,13 +170,6 @@ struct ZS_API Config {
   double collective_timeout_s = 300.0;
   /// Engine::save() keeps the newest this many tags of its root, removing older ones (0: all).
   int checkpoint_keep_last = 0;
-  /// Engine::load() verifies every block it reads before it changes any state, then writes the
-  /// state: it keeps up to this many bytes of verified blocks in host memory between the two
-  /// passes (in the ledger as the buffer "checkpoint_load" while the load runs) and reads the
-  /// rest from the disk a second time. -1: half the host memory available when the load starts,
-  /// shared among the ranks on the host (a load then reads the disk once wherever that holds
-  /// the rank's part of the checkpoint); 0: read every block twice and hold no memory.
-  int64_t checkpoint_load_buffer_bytes = -1;
   /// Accepted for DeepSpeed compatibility; the unit is the reduction and gather grain here.
   int64_t reduce_bucket_size = 500000000;
   int64_t allgather_bucket_size = 500000000;

@@ -28,11 +28,8 @@ struct Segment {
 // One block of one file, and where its bytes go.
 struct Job {
   const DataFileReader* file = nullptr;
-  int state = 0, rank = 0;
   int64_t block = 0;
   std::vector<Segment> segments;
-  char* keep_into = nullptr;   // first pass: where it is kept (KeptBlocks), if it is
-  const char* kept = nullptr;  // second pass: its bytes kept by the first, if they were
   // The whole block lands in one place that O_DIRECT can write to.
   bool direct() const {
     const Segment& s = segments.front();
@@ -57,7 +54,7 @@ void touch(char* p, int64_t bytes) {
 }  // namespace
 
 void read_blocks(const std::filesystem::path& dir, const Manifest& m,
-                 const std::vector<ReadTarget>& targets, bool verify_only, KeptBlocks* kept) {
+                 const std::vector<ReadTarget>& targets, bool verify_only) {
   if (!verify_only)
     for (const ReadTarget& t : targets) ZS_CHECK(t.out);
   // Every block to read, in file order, each file opened (header and table checked) once.
@@ -82,7 +79,7 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
         const int64_t take = std::min(end - byte, f->block_len(b) - in);
         Job& job = by_block[{t.s, p.rank, b}];
         job.file = f.get();
-        job.state = t.s, job.rank = p.rank, job.block = b;
+        job.block = b;
         job.segments.push_back({in, take, to});
         byte += take;
         if (to) to += take;
@@ -92,17 +89,6 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
   std::vector<Job> jobs;
   jobs.reserve(by_block.size());
   for (auto& [key, job] : by_block) jobs.push_back(std::move(job));
-  if (kept && verify_only) {  // the first blocks, in file order, as many as the budget holds
-    int64_t total = 0;
-    for (const Job& job : jobs) total += job.file->block_len(job.block);
-    kept->size_for(total);
-    for (Job& job : jobs) {
-      job.keep_into = kept->keep(job.state, job.rank, job.block, job.file->block_len(job.block));
-      if (!job.keep_into) break;
-    }
-  } else if (kept) {
-    for (Job& job : jobs) job.kept = kept->find(job.state, job.rank, job.block);
-  }
 
   // Readers take the blocks in order; one more thread runs ahead of them touching where the
   // blocks go. A reader's error stops the others at their next block.
@@ -111,9 +97,7 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
   in_threads(kReaders + 1, [&](size_t t) {
     if (t == kReaders) {
       for (size_t k = 0; k < jobs.size() && !failed.load(std::memory_order_relaxed); ++k) {
-        if (jobs[k].keep_into)
-          touch(jobs[k].keep_into, jobs[k].file->block_len(jobs[k].block));
-        else if (!verify_only)
+        if (!verify_only)
           for (const Segment& s : jobs[k].segments) touch(s.to, s.bytes);
         touched.store(k + 1, std::memory_order_release);
         touched.notify_all();
@@ -129,14 +113,6 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
           touched.wait(seen, std::memory_order_acquire);
         if (failed.load(std::memory_order_relaxed)) break;
         const Job& job = jobs[k];
-        if (job.keep_into) {  // read once: verified into memory the next pass copies
-          job.file->fetch_block(job.block, job.keep_into);
-          continue;
-        }
-        if (job.kept) {  // verified when it was kept: no disk read
-          for (const Segment& s : job.segments) std::memcpy(s.to, job.kept + s.in, size_t(s.bytes));
-          continue;
-        }
         if (!verify_only && job.direct()) {
           job.file->fetch_block(job.block, job.segments.front().to);
           continue;

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "src/checkpoint/format.hpp"
-#include "src/checkpoint/kept_blocks.hpp"
 
 namespace zeroshard::ckpt {
 
@@ -20,14 +19,11 @@ struct ReadTarget {
 };
 
 /// Reads every target from the checkpoint in `dir` (manifest m); with `verify_only`, reads and
-/// verifies the blocks they take and writes nothing (`out` may be null), keeping in `kept` (if
-/// given, and sized by this call) as many of them as its budget holds, in file order. Without
-/// it every target's state must be stored in f32 (encoding.hpp): the values land as the file
-/// holds them, copied from `kept` where it holds their block and read from the disk elsewhere.
+/// verifies the blocks they take and writes nothing (`out` may be null). Without it every
+/// target's state must be stored in f32 (encoding.hpp): the values land as the file holds them.
 /// Throws Error(corrupted) naming file, block and offset on damage, Error(io_error) on a failed
 /// read; the targets may then hold part of what was read.
 void read_blocks(const std::filesystem::path& dir, const Manifest& m,
-                 const std::vector<ReadTarget>& targets, bool verify_only,
-                 KeptBlocks* kept = nullptr);
+                 const std::vector<ReadTarget>& targets, bool verify_only);
 
 }  // namespace zeroshard::ckpt

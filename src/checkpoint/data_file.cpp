@@ -221,10 +221,6 @@ int64_t DataFileReader::block_len(int64_t b) const {
 // (readahead started by the kernel, no copy): a few reads in flight, as the disk needs to reach
 // its bandwidth.
 void DataFileReader::read_block(int64_t b, char* into) {
-  if (const char* k = kept_ ? kept_->find(h_.state, h_.rank, b) : nullptr) {
-    std::memcpy(into, k, size_t(block_len(b)));  // verified when it was kept
-    return;
-  }
   constexpr int64_t kAhead = 8;
   ahead_ = std::max(ahead_, b + 1);
   for (; ahead_ < std::min(blocks(), b + 1 + kAhead); ++ahead_)
@@ -262,8 +258,7 @@ void DataFileReader::read(int64_t at, int64_t bytes, char* out) {
   }
 }
 
-UnitReader::UnitReader(std::filesystem::path dir, const Manifest& m, const KeptBlocks* kept)
-    : dir_(std::move(dir)), m_(m), kept_(kept) {
+UnitReader::UnitReader(std::filesystem::path dir, const Manifest& m) : dir_(std::move(dir)), m_(m) {
   by_unit_.resize(m.units.size());
   for (size_t r = 0; r < m.ranges.size(); ++r)
     for (size_t i = 0; i < m.ranges[r].size(); ++i)
@@ -326,11 +321,9 @@ void UnitReader::pieces(int s, int u, int64_t b, int64_t e, std::vector<Piece>& 
 
 DataFileReader& UnitReader::file(int r, int s) {
   std::unique_ptr<DataFileReader>& f = files_[{r, s}];
-  if (!f) {
+  if (!f)
     f = std::make_unique<DataFileReader>(dir_ / data_file_name(r, state_names()[size_t(s)].name),
                                          expected_header(m_, r, s));
-    f->take_from(kept_);
-  }
   return *f;
 }
 

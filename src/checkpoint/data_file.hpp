@@ -15,7 +15,6 @@
 
 #include "src/base/unique_fd.hpp"
 #include "src/checkpoint/format.hpp"
-#include "src/checkpoint/kept_blocks.hpp"
 
 namespace zeroshard::ckpt {
 
@@ -82,8 +81,6 @@ class DataFileReader {
   /// Opens `path` and checks its header against what the manifest expects of it, its size, and
   /// its checksum table's own checksum. Throws Error(corrupted) naming the file.
   DataFileReader(std::filesystem::path path, const FileHeader& expected);
-  /// Blocks found in `kept` (verified when kept) come from there instead of the disk.
-  void take_from(const KeptBlocks* kept) { kept_ = kept; }
   /// Data bytes [at, at + bytes) into out, every block they touch verified (on failure, out may
   /// hold part of the damaged block).
   void read(int64_t at, int64_t bytes, char* out);
@@ -117,7 +114,6 @@ class DataFileReader {
   std::vector<char> block_;
   int64_t cached_ = -1;  // index of the block in block_
   int64_t ahead_ = 0;    // blocks before this one were asked of the disk ahead of their read
-  const KeptBlocks* kept_ = nullptr;
 };
 
 /// Unit values out of a checkpoint's files, whichever ranks wrote them: one DataFileReader per
@@ -125,8 +121,7 @@ class DataFileReader {
 /// range, so that reading units in order holds few files open.
 class UnitReader {
  public:
-  /// Blocks in `kept` (if given) come from there instead of the disk.
-  UnitReader(std::filesystem::path dir, const Manifest& m, const KeptBlocks* kept = nullptr);
+  UnitReader(std::filesystem::path dir, const Manifest& m);
   /// Values [b, e) of unit u's state s (an index into state_names()) into out as f32, every
   /// block verified.
   void read(int s, int u, int64_t b, int64_t e, float* out);
@@ -154,7 +149,6 @@ class UnitReader {
   std::vector<std::vector<std::vector<int64_t>>> at_;         // [state][rank][range]: byte
   std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files_;
   std::vector<char> encoded_;  // a piece of a state that is not f32
-  const KeptBlocks* kept_;
 };
 
 }  // namespace zeroshard::ckpt

@@ -13,7 +13,6 @@
 #include "src/checkpoint/data_file.hpp"
 #include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/format.hpp"
-#include "src/checkpoint/kept_blocks.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {
@@ -121,15 +120,14 @@ void Engine::load(const std::filesystem::path& path) {
   for (size_t s = 0; s < state_names().size(); ++s)
     if (has_state(state_names()[s].kind)) states.push_back(int(s));
 
-  // The first pass reads every block this rank needs, only to verify it, and keeps as many of
-  // them in memory as Config::checkpoint_load_buffer_bytes allows (kept_blocks.hpp); once every
-  // rank found everything intact the second pass writes the shards, on this thread (a GPU's
-  // current device is per thread), from the kept blocks and, for the others, from the disk
-  // again (verified again, so a block changed in between is caught): in place where the tier
-  // stores a state in host memory in the checkpoint's format (f32 straight from the disk; bf16
-  // and 8-bit through a block buffer, as they are: 8-bit only in the same blocks), else
-  // converted and through write_shard(). With every block kept the disk is read once, at the
-  // price of the rank's part of the checkpoint in memory until the load returns.
+  // The first pass reads every block this rank needs, only to verify it; once every rank found
+  // everything intact the second reads them again and writes the shards, on this thread (a
+  // GPU's current device is per thread): in place where the tier stores a state in host memory
+  // in the checkpoint's format (f32 straight from the disk; bf16 and 8-bit through a block
+  // buffer, as they are: 8-bit only in the same blocks), else converted and through
+  // write_shard(). The second pass verifies again what it reads, so a block changed in between
+  // is caught. Keeping the first pass's blocks for the second instead would take the rank's
+  // whole state in memory a second time.
   std::vector<ReadTarget> verify, direct;
   struct Stored {
     int s, u;
@@ -152,13 +150,11 @@ void Engine::load(const std::filesystem::path& path) {
       else  // the padding past e keeps its zero codes
         as_stored.push_back({s, u, into});
     }
-  KeptBlocks kept(load_buffer_budget(comm, config().checkpoint_load_buffer_bytes, at),
-                  &impl.res.ledger);
-  all_or_none(comm, at + ": verifying", [&] { read_blocks(dir, m, verify, true, &kept); });
+  all_or_none(comm, at + ": verifying", [&] { read_blocks(dir, m, verify, true); });
   try {
     all_or_none(comm, at + ": reading shards", [&] {
-      read_blocks(dir, m, direct, false, &kept);
-      UnitReader src(dir, m, &kept);
+      read_blocks(dir, m, direct, false);
+      UnitReader src(dir, m);
       for (const Stored& t : as_stored)
         src.read_stored(t.s, t.u, spans[size_t(t.u)].b, spans[size_t(t.u)].e, t.into.data,
                         t.into.absmax);

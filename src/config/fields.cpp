@@ -268,12 +268,6 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
        .json = "zeroshard.checkpoint_keep_last",
        .fingerprint = false,
        .rules = {{[](double v) { return v >= 0; }, "must be >= 0 (0 = keep every tag)"}}},
-      // Memory a load may hold for its own speed: a local choice.
-      {.name = "checkpoint_load_buffer_bytes",
-       .member = &C::checkpoint_load_buffer_bytes,
-       .json = "zeroshard.checkpoint_load_buffer_bytes",
-       .fingerprint = false,
-       .rules = {{[](double v) { return v >= -1; }, "must be >= -1 (-1 = automatic, 0 = none)"}}},
       // Stored for DeepSpeed compatibility and read by nothing (the unit is the grain).
       {.name = "reduce_bucket_size",
        .member = &C::reduce_bucket_size,

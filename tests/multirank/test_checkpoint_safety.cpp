@@ -7,15 +7,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
 
-#include "src/checkpoint/block_read.hpp"
-#include "src/checkpoint/data_file.hpp"
 #include "src/checkpoint/format.hpp"
 #include "tests/multirank/harness.hpp"
 #include "zeroshard/checkpoint.hpp"
@@ -137,27 +134,22 @@ TEST(CheckpointResume, BitwiseOnEveryStageAndTier) {
   cleanup(dir);
 }
 
-// A load writes the state where it lies, and holds no memory past its end: with
-// checkpoint_load_buffer_bytes = 0 the engine's memory is what it was before the load (peaks
-// included where the state is in memory: it is written in place, with no copy held); by default
-// the verified blocks it kept between its passes show as the peak of the buffer
-// "checkpoint_load", held no more once it returns. The state is the checkpoint's either way, at
-// every stage (stage 0 keeps the whole state, gathered after the load) and with the state in
-// host memory or on the nvme tier (through its records).
-TEST(CheckpointResume, LoadHoldsNoMemoryPastItsEnd) {
+// A load writes the state where it lies: the engine's memory is what it was before the load
+// (peaks included where the state is in memory: it is written in place, with no copy held), and
+// the state is the checkpoint's, at every stage (stage 0 keeps the whole state, gathered after
+// the load) and with the state in host memory or on the nvme tier (through its records).
+TEST(CheckpointResume, LoadTakesNoMemoryOfItsOwn) {
   const fs::path dir = shared_dir("in-place");
   for (int stage : {0, 1, 3})
     for (Tier tier : {Tier::host, Tier::nvme}) {
       if (stage == 0 && tier == Tier::nvme) continue;  // offload needs a stage >= 1
       const Tier t = stage == 0 ? Tier::device : tier;
       const std::string what = "stage " + std::to_string(stage) + ", " + tier_name(t) + " tier";
-      Config none = cfg_for(stage, t);
-      none.checkpoint_load_buffer_bytes = 0;
-      Engine a(cfg_for(stage, t), world()), b(none, world()), c(cfg_for(stage, t), world());
-      for (Engine* e : {&a, &b, &c}) zs_test::register_model(*e, zs_test::uneven_model());
+      Engine a(cfg_for(stage, t), world()), b(cfg_for(stage, t), world());
+      zs_test::register_model(a, zs_test::uneven_model());
+      zs_test::register_model(b, zs_test::uneven_model());
       train_some(a, 3);
       train_some(b, 1);
-      train_some(c, 1);
       a.save(dir, "s" + std::to_string(stage) + tier_name(t));
       const MemoryReport held = b.memory();
       b.load(dir);
@@ -166,120 +158,11 @@ TEST(CheckpointResume, LoadHoldsNoMemoryPastItsEnd) {
       if (t != Tier::nvme) {  // the nvme tier's write() stages through buffers of its own
         EXPECT_EQ(after.peak, held.peak) << what;
       }
-      const MemoryReport held_c = c.memory();
-      c.load(dir);
-      const MemoryReport after_c = c.memory();
-      EXPECT_EQ(after_c.bytes, held_c.bytes) << what;
-      const auto kept =
-          std::find_if(after_c.buffers.begin(), after_c.buffers.end(),
-                       [](const NamedBuffer& n) { return n.name == "checkpoint_load"; });
-      ASSERT_NE(kept, after_c.buffers.end()) << what;
-      EXPECT_EQ(kept->bytes, 0) << what;
-      EXPECT_GT(kept->peak, 0) << what;
-      for (Engine* e : {&b, &c}) EXPECT_TRUE(same(snapshot(a), snapshot(*e))) << what;
-      for (Engine* e : {&a, &b, &c}) train_some(*e, 1);
-      for (Engine* e : {&b, &c})
-        EXPECT_TRUE(same(snapshot(a), snapshot(*e))) << what << ", a step later";
+      EXPECT_TRUE(same(snapshot(a), snapshot(b))) << what;
+      train_some(a, 1);
+      train_some(b, 1);
+      EXPECT_TRUE(same(snapshot(a), snapshot(b))) << what << ", a step later";
     }
-  cleanup(dir);
-}
-
-// Units whose f32 states take two 4 MiB blocks of a checkpoint at world size 1, and at every
-// world size up to 4 more blocks than one fits in 4 MiB.
-std::vector<zs_test::UnitSpec> multi_block_model() {
-  return {{"big0", {{"w", {1024, 1024}}}}, {"big1", {{"w", {1024, 640}}, {"b", {640}}}}};
-}
-
-// Whatever the memory a load may keep (none, one block of the many it reads, all of it), it
-// resumes bitwise: f32 moments land in place, 8-bit ones as they are stored, and the nvme tier
-// takes them through write_shard(), each from kept blocks and from blocks read again.
-TEST(CheckpointResume, BitwiseWithAnyLoadBuffer) {
-  const fs::path dir = shared_dir("load-buffer");
-  int n = 0;
-  for (auto [f, tier] : {std::pair{StateFormat::f32, Tier::host},
-                         {StateFormat::q8, Tier::host},
-                         {StateFormat::f32, Tier::nvme}}) {
-    Engine a(cfg_for(1, tier, f), world());
-    zs_test::register_model(a, multi_block_model());
-    train_some(a, 1);
-    const std::string tag = "b" + std::to_string(n++);
-    a.save(dir, tag);
-    for (int64_t budget : {int64_t(0), int64_t(4) << 20, int64_t(-1)}) {
-      Config c = cfg_for(1, tier, f);
-      c.checkpoint_load_buffer_bytes = budget;
-      Engine b(c, world());
-      zs_test::register_model(b, multi_block_model());
-      b.load(dir / tag);
-      EXPECT_TRUE(same(snapshot(a), snapshot(b)))
-          << tier_name(tier) << " tier, moments " << int(f) << ", load buffer " << budget;
-    }
-  }
-  cleanup(dir);
-}
-
-// The second pass takes a kept block from memory and never from the disk: a kept block damaged
-// on disk after the first pass verified it still loads the values it verified, while a block
-// that was not kept is read again and its damage is caught.
-TEST(CheckpointLoadPasses, KeptBlocksAreNotReadAgain) {
-  const fs::path dir = shared_dir("kept");
-  Engine a(cfg_for(1), world());
-  zs_test::register_model(a, multi_block_model());
-  const fs::path tag = a.save(dir, "t");
-  const ckpt::Manifest m = ckpt::read_manifest(tag);
-  int s = 0;
-  while (std::string(ckpt::state_names()[size_t(s)].name) != "master") ++s;
-  // Every unit whole, as rank 0's engine would read it at world size 1.
-  std::vector<std::vector<float>> want(m.units.size()), got(m.units.size());
-  std::vector<ckpt::ReadTarget> verify, apply;
-  for (size_t u = 0; u < m.units.size(); ++u) {
-    want[u].resize(size_t(m.units[u].numel));
-    got[u].assign(want[u].size(), 0.0f);
-    ckpt::UnitReader(tag, m).read(s, int(u), 0, m.units[u].numel, want[u].data());
-    verify.push_back({s, int(u), 0, m.units[u].numel, nullptr});
-    apply.push_back({s, int(u), 0, m.units[u].numel, got[u].data()});
-  }
-  const int last = m.world_size - 1;
-  const fs::path first_file = tag / ckpt::data_file_name(0, "master");
-  const fs::path last_file = tag / ckpt::data_file_name(last, "master");
-  const ckpt::FileHeader lh = ckpt::expected_header(m, last, s);
-  const int64_t last_block = ckpt::block_count(lh.data_bytes, lh.block_bytes) - 1;
-  ASSERT_TRUE(last > 0 || last_block > 0) << "the model must take several blocks";
-
-  ckpt::KeptBlocks none(0, nullptr);
-  ckpt::read_blocks(tag, m, verify, true, &none);
-  EXPECT_EQ(none.bytes(), 0);
-  EXPECT_EQ(none.find(s, 0, 0), nullptr);
-
-  ckpt::KeptBlocks kept(m.block_bytes, nullptr);  // room for the first block only
-  ckpt::read_blocks(tag, m, verify, true, &kept);
-  EXPECT_EQ(kept.bytes(), m.block_bytes);
-  EXPECT_NE(kept.find(s, 0, 0), nullptr);
-  EXPECT_EQ(kept.find(s, last, last_block), nullptr);
-
-  world()->barrier("verified");
-  if (world()->rank() == 0) flip_byte(first_file, ckpt::kHeaderBytes + 100);  // a kept block
-  world()->barrier("kept block damaged");
-  ckpt::read_blocks(tag, m, apply, false, &kept);
-  for (size_t u = 0; u < m.units.size(); ++u)
-    EXPECT_EQ(std::memcmp(got[u].data(), want[u].data(), want[u].size() * 4), 0) << "unit " << u;
-  std::vector<float> again(want[0].size());
-  ckpt::UnitReader(tag, m, &kept).read(s, 0, 0, m.units[0].numel, again.data());
-  EXPECT_EQ(std::memcmp(again.data(), want[0].data(), want[0].size() * 4), 0);
-
-  world()->barrier("read from memory");
-  if (world()->rank() == 0)
-    flip_byte(last_file, ckpt::kHeaderBytes + last_block * m.block_bytes + 8);  // not kept
-  world()->barrier("a block not kept damaged");
-  try {
-    ckpt::read_blocks(tag, m, apply, false, &kept);
-    ADD_FAILURE() << "a damaged block that was not kept loaded";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::corrupted) << e.what();
-    EXPECT_NE(std::string(e.what()).find(last_file.filename().string()), std::string::npos)
-        << e.what();
-    EXPECT_NE(std::string(e.what()).find("block " + std::to_string(last_block)), std::string::npos)
-        << e.what();
-  }
   cleanup(dir);
 }
 
@@ -610,9 +493,8 @@ TEST(CheckpointExport, SafetensorsRoundTripAndRefusal) {
 }
 
 // One rank writes, every rank of this world size reads: each shard is the matching range of
-// the one-rank state, bitwise (the other direction is
-// Checkpoint.LoadsAtAnotherStageAndWorldSize). Training on from there differs from the one-rank
-// run only by the order of the gradient sums.
+// the one-rank state, bitwise (the other direction is Checkpoint.LoadsAtAnotherStageAndWorldSize).
+// Training on from there differs from the one-rank run only by the order of the gradient sums.
 TEST(CheckpointResume, FromOneRankToThisWorldSize) {
   const fs::path dir = shared_dir("grow");
   // Every rank trains the same one-rank engine (its synthetic gradients are rank 0's).
