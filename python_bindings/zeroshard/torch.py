@@ -60,7 +60,10 @@ It is queued on the trainer's own backward, not on an autograd pass nested in it
 torch.utils.checkpoint segment with use_reentrant=True runs a backward of its own inside the
 trainer's) or run beside it (torch.autograd.grad(), as a gradient penalty calls it): a hook on
 the model's outputs queues it as backward begins, and hooks that fire inside such passes do not
-queue it. A .grad cleared (None, zero_()) or replaced between backward and step() is refused by
+queue it (the thread's Python stack shows which pass a hook runs in, and on an autograd device
+thread, where it shows none, autograd says whether the pass fills .grad; a pass nested in the
+trainer's is taken only where the model's own forward ran under no_grad, as when the whole
+model runs inside one checkpoint). A .grad cleared (None, zero_()) or replaced between backward and step() is refused by
 step(): those gradients were reduced already, and the step would silently apply them.
 Ranks may differ in which units get gradients (a branch taken on some ranks only): the engine
 reduces in its own order, the same on every rank.
@@ -143,19 +146,21 @@ _BACKWARD_CODE = torch.autograd.backward.__code__
 _GRAD_CODE = torch.autograd.grad.__code__
 
 
-def _nested_or_grad_pass():
-    """Whether the autograd pass running now is not the trainer's own backward: a
-    torch.autograd.grad() (which fills no .grad), or a backward nested in another one (a
-    use_reentrant=True checkpoint runs one per segment inside the trainer's). Read from the
-    Python stack, which on the CPU holds the calls that started the pass; a hook that runs on
-    an autograd device thread sees none of them and counts as the trainer's backward."""
-    calls = []
+def _autograd_calls():
+    """(grad, backward): the torch.autograd.grad() and backward() calls on this thread's Python
+    stack. On the CPU they are the call that started the pass running now and those it is nested
+    in (a use_reentrant=True checkpoint runs a backward of its own per segment inside the
+    trainer's); a hook that runs on an autograd device thread (CUDA) sees only the passes
+    started on that thread, usually none."""
+    grad = backward = 0
     f = sys._getframe(1)
     while f is not None:
-        if f.f_code is _BACKWARD_CODE or f.f_code is _GRAD_CODE:
-            calls.append(f.f_code)
+        if f.f_code is _BACKWARD_CODE:
+            backward += 1
+        elif f.f_code is _GRAD_CODE:
+            grad += 1
         f = f.f_back
-    return bool(calls) and calls != [_BACKWARD_CODE]
+    return grad, backward
 
 
 def _stream_handle(stream):
@@ -416,6 +421,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._grad_accs = []  # AccumulateGrad nodes: torch holds them weakly, the hooks need them
         self._callback_queued = False
+        self._root_armed = False  # the last forward of the model outside backward ran with grad
         # id(p) -> the HandedGrad put in p.grad for gradients the engine holds for the coming
         # step (cleared by step() and zero_grad()); names for the messages.
         self._handed = {}
@@ -493,12 +499,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cfg = _core.Config() if config is None else _coerce_config(config)
         model_dtype = _TORCH_DTYPES[self._torch_dtype]
         if config is not None and cfg.dtype != _core.DType.__members__[model_dtype]:
-            json_dtype = {"f32": "neither fp16 nor bf16 enabled",
+            json_dtype = {"f32": 'neither "fp16" nor "bf16" enabled',
                           "bf16": '"bf16": {"enabled": true}',
                           "f16": '"fp16": {"enabled": true}'}
+            json_fix = {"f32": 'no "fp16" or "bf16" section enabled',
+                        "bf16": '"bf16": {"enabled": true}',
+                        "f16": '"fp16": {"enabled": true}'}
             from_json = not isinstance(config, _core.Config)
             said = json_dtype[cfg.dtype.name] if from_json else f"Config.dtype {cfg.dtype.name}"
-            fix = json_dtype[model_dtype] if from_json else f"Config.dtype = '{model_dtype}'"
+            fix = json_fix[model_dtype] if from_json else f"Config.dtype = '{model_dtype}'"
             raise _core.ConfigError(
                 f"config: dtype is {cfg.dtype.name} ({said}) but the model's parameters are "
                 f"{self._torch_dtype}; zeroshard does not convert silently: convert the model "
@@ -743,7 +752,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _make_root_post(self, model):
         # The gradient of the model's output is the first thing the trainer's backward computes:
         # the end-of-backward callback is queued there, on that pass, before any pass nested in
-        # it could take it (see _nested_or_grad_pass). A copy of the model (copy.deepcopy
+        # it could take it (see _queue_end_of_backward). A copy of the model (copy.deepcopy
         # copies its hooks) is not this optimizer's.
         opt, mine = weakref.ref(self), weakref.ref(model)
 
@@ -753,7 +762,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 me._queue_end_of_backward()
 
         def hook(module, inputs, output):
-            if torch.is_grad_enabled() and module is mine():
+            me = opt()
+            if me is None or module is not mine():
+                return
+            # Whether the trainer's backward will start at this output: not when the model ran
+            # under no_grad (inside a reentrant checkpoint); a checkpoint's recomputation inside
+            # a backward says nothing of it.
+            if _autograd_calls() == (0, 0):
+                me._root_armed = torch.is_grad_enabled()
+            if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:
                         t.register_hook(queue)
@@ -851,7 +868,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     if un.handed:  # its gradients went to the engine: a second pass through it
                         me._refuse_second_pass(un, un.names[0])
                     if not un.gathered:
-                        me._gather(un)
+                        me._gather_for_backward(un)
                 for t in _tensors(output):
                     if t.requires_grad:
                         t.register_hook(pre_backward)
@@ -859,6 +876,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if not was_gathered:
                 self._release(u)
         return hook
+
+    def _gather_for_backward(self, u):
+        try:
+            self._gather(u)
+        except _core.InvalidArgumentError as e:
+            if "max_live_units" not in str(e) or not self._in_grad_pass():
+                raise
+            # A torch.autograd.grad() pass (create_graph=True) leaves a graph the trainer's
+            # backward reads the gathered weights through, with no hook to gather them again.
+            live = self.engine.config().max_live_units
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: a torch.autograd.grad() pass (a gradient penalty) reached unit "
+                f"'{u.name}' with {live} units gathered: at stage 3 the units such a pass goes "
+                "through stay gathered until the trainer's backward, which reads them again. "
+                "Raise zeroshard.max_live_units (ZeroOptimizer(..., max_live_units=N)) to the "
+                "number of units the pass goes through, plus 2") from e
 
     def _gather(self, u):
         views = self.engine.gather(u.index)
@@ -883,14 +916,41 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "is lost at release. Change parameters before building the optimizer, or through "
                 "its checkpoints")
 
+    def _fills_grads(self):
+        """Whether the autograd pass running now accumulates into the parameters' .grad (a
+        backward) rather than returning gradients (torch.autograd.grad(), as a gradient penalty
+        calls it), asked of autograd: for a hook on an autograd device thread, whose stack does
+        not show the pass. (A parameter whose dtype changed since the build has a new
+        AccumulateGrad node, which this does not know.)"""
+        for acc in self._grad_accs:
+            try:
+                if torch._C._will_engine_execute_node(acc):
+                    return True
+            except RuntimeError:  # torch.autograd.grad() of the parameters themselves
+                return False
+        return False
+
+    def _in_grad_pass(self):
+        """Whether the pass running now is a torch.autograd.grad(): seen on the stack, or, on a
+        device thread whose stack shows no pass, asked of autograd."""
+        grad, backward = _autograd_calls()
+        return grad > 0 or (backward == 0 and not self._fills_grads())
+
     def _queue_end_of_backward(self):
-        if not self._callback_queued and not _nested_or_grad_pass():
-            if self._backwards == self._accum:  # this backward would be one micro-step too many
-                raise _core.InvalidArgumentError(
-                    f"ZeroOptimizer: backward() number {self._backwards + 1} since the last "
-                    f"step; {self._micro_steps_rule()}")
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
+        """Queues the end-of-backward callback on the trainer's backward: not on a
+        torch.autograd.grad() pass, and not on a pass nested in the trainer's when the model's
+        output will queue it there (a reentrant checkpoint segment's; where the whole model ran
+        inside one checkpoint, that segment's pass is the one there is)."""
+        if self._callback_queued or self._in_grad_pass():
+            return
+        if _autograd_calls()[1] > 1 and self._root_armed:
+            return
+        if self._backwards == self._accum:  # this backward would be one micro-step too many
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: backward() number {self._backwards + 1} since the last "
+                f"step; {self._micro_steps_rule()}")
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._callback_queued = True
 
     def _micro_steps_rule(self):
         k = self._accum

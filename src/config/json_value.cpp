@@ -160,9 +160,12 @@ json parse_strict(std::string_view text) {
     // "[json.exception.parse_error.101] " tag and keep its own text (line, column, token).
     std::string what = e.what();
     const size_t tag = what.find("] ");
+    // The syntax note only where the syntax is what failed.
+    const bool syntax = dynamic_cast<const json::parse_error*>(&e) != nullptr;
     fail("invalid JSON: " + (tag == std::string::npos ? what : what.substr(tag + 2)) +
-         " (comments // and /* */ are allowed; hjson's # comments, unquoted keys and trailing "
-         "commas are not)");
+         (syntax ? " (comments // and /* */ are allowed; hjson's # comments, unquoted keys and "
+                   "trailing commas are not)"
+                 : ""));
   }
 }
 

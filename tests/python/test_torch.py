@@ -218,7 +218,7 @@ def test_config_errors_surface_as_python_exceptions():
         zt.ZeroOptimizer(m, config={"zero_optimization": {"stag": 2}},
                          comm=zs.make_self_communicator())
     with pytest.raises(zs.ConfigError, match=r"convert the model \(model.to\(torch.bfloat16\)\) "
-                       r"or configure neither fp16 nor bf16 enabled"):
+                       r'or configure no "fp16" or "bf16" section enabled'):
         zt.ZeroOptimizer(m, config={"bf16": {"enabled": True}}, comm=zs.make_self_communicator())
     # The way out the message gives is the one that fits: a bf16 model under an f32 config or
     # Config object is told to enable bf16, not to convert to what it already is.

@@ -4,7 +4,11 @@
   own for each segment, inside the trainer's: the end of the trainer's backward must not be
   taken from the first segment's (it handed every other unit over as zeros, then again).
 - torch.autograd.grad() inside the loss (a gradient penalty) runs a pass that fills no .grad:
-  at stage 3 it released units the real backward then read.
+  at stage 3 it released units the real backward then read. Whether a pass fills .grad is asked
+  of autograd (torch._C._will_engine_execute_node), which also answers on a GPU's device
+  thread, where the Python stack shows nothing of the pass.
+- The whole model inside one reentrant checkpoint: its forward runs under no_grad, and the end
+  of backward can only be taken from the checkpoint's own pass.
 - A 0-dim parameter (a logit scale, a ReZero gate).
 - A .grad set to None, zeroed or replaced between backward() and step() was silently ignored:
   the engine already held those gradients. Now step() refuses it.
@@ -75,13 +79,14 @@ def make(cls=CheckpointedLM, **kw):
     return cls(**kw)
 
 
-def train_both(model, loss, stage, micro=1, steps=3):
+def train_both(model, loss, stage, micro=1, steps=3, **config_fields):
     """(max |zeroshard - torch.optim.AdamW|, zeroshard's model) after `steps` steps of
     `micro` micro-batches each."""
     ref = copy.deepcopy(model)
     topt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
     opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, weight_decay=0.01,
-                           gradient_accumulation_steps=micro, comm=zs.make_self_communicator())
+                           gradient_accumulation_steps=micro, comm=zs.make_self_communicator(),
+                           **config_fields)
     batches = data(steps * micro)
     for s in range(steps):
         topt.zero_grad()
@@ -112,6 +117,31 @@ def test_a_block_in_several_reentrant_segments_is_refused_with_the_way_out(stage
     opt.close()
 
 
+class Trunk(nn.Module):
+    """Blocks and a head, run whole inside one reentrant checkpoint by its loss."""
+
+    def __init__(self, d=16, layers=3):
+        super().__init__()
+        self.h = nn.Sequential(*[Block(d) for _ in range(layers)])
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.h(x))
+
+
+def whole_model_checkpointed_loss(model, tokens, targets):
+    # The model's own forward runs under no_grad; its backward pass is the checkpoint's, nested
+    # in the trainer's: the end of backward can only be taken from there.
+    x = (tokens.float() / 20).repeat(1, 3)[:, :16].requires_grad_(True)
+    out = checkpoint(model, x, use_reentrant=True)
+    return (out - targets[:, :1].float() / 20).pow(2).mean()
+
+
+@pytest.mark.parametrize("stage,micro", [(0, 1), (2, 2), (3, 1)])
+def test_the_whole_model_in_one_reentrant_checkpoint_trains_like_adamw(stage, micro):
+    assert train_both(make(Trunk), whole_model_checkpointed_loss, stage, micro) < 2e-5
+
+
 class Critic(nn.Module):
     def __init__(self):
         super().__init__()
@@ -131,9 +161,50 @@ def penalised_loss(model, tokens, targets):
     return out.mean() + 0.5 * gx.pow(2).sum()
 
 
+def test_autograd_says_which_passes_fill_grad():
+    # What a hook on a GPU's autograd device thread goes by, where the Python stack shows no
+    # pass: checked here from a CPU hook, against the passes it runs in.
+    model = make(Critic)
+    opt = zt.ZeroOptimizer(model, stage=1, comm=zs.make_self_communicator())
+    seen = []
+    x = torch.randn(4, 8, requires_grad=True)
+    out = model(x)
+    out.register_hook(lambda g: seen.append(opt._fills_grads()))
+    torch.autograd.grad(out.sum(), x, retain_graph=True)
+    torch.autograd.grad(out.sum(), list(model.parameters()), retain_graph=True)
+    out.sum().backward()
+    assert seen == [False, False, True]
+    opt.step()
+    opt.close()
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_gradient_penalty_trains_like_adamw(stage):
     assert train_both(make(Critic), penalised_loss, stage) < 2e-5
+
+
+class DeepCritic(nn.Module):
+    def __init__(self, layers=5):
+        super().__init__()
+        self.h = nn.ModuleList([nn.Linear(8 if i == 0 else 16, 16) for i in range(layers)])
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for m in self.h:
+            x = torch.tanh(m(x))
+        return self.out(x)
+
+
+def test_a_stage_3_gradient_penalty_through_many_units_names_max_live_units():
+    # Every unit the penalty's pass gathers stays gathered until the trainer's backward reads it
+    # again through the penalty's graph: the engine's bare "already gathered" said nothing of it.
+    model = make(DeepCritic)
+    opt = zt.ZeroOptimizer(model, stage=3, comm=zs.make_self_communicator())
+    tokens, targets = data(1)[0]
+    with pytest.raises(zs.InvalidArgumentError, match=r"gradient penalty.*max_live_units"):
+        penalised_loss(model, tokens, targets)
+    opt.close()
+    assert train_both(make(DeepCritic), penalised_loss, 3, max_live_units=8) < 2e-5
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -21,6 +21,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 // Runs `f`, expects Error(invalid_config) and returns its message ("" and a failure otherwise).
@@ -429,6 +430,9 @@ TEST(Config, DeepSpeedFilesFromTheWild) {
   EXPECT_THAT(parse_error(R"({"tensorboard": true})"), HasSubstr("must be an object"));
   EXPECT_THAT(parse_error("{\"fp16\": {\"enabled\": true,}}"),
               HasSubstr("comments // and /* */ are allowed"));
+  // A number no double holds is no syntax error: no note on comments there.
+  EXPECT_THAT(parse_error(R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e309}}})"),
+              AllOf(HasSubstr("invalid JSON"), Not(HasSubstr("comments"))));
 }
 
 TEST(Config, SyntaxErrorsDuplicatesAndNonObjects) {
