@@ -4,8 +4,10 @@
 // as given; nvme state and parameters under --nvme-path) trains on synthetic gradients: per step,
 // at stage 3 every unit gathered and released in forward order and again in backward order, every
 // unit's gradient written and handed over in backward order, then step(). No model math: the
-// trainer's compute is 0, so every collective is exposed, as predict_step() assumes with compute_s
-// = 0. Rank 0 prints the median step time over --steps steps (after two warm-up steps), the slowest
+// trainer's compute is the writing of the gradients, timed alone (the slowest rank's median of
+// writes of every unit's gradients, with no hand-over) and given to predict_step() as compute_s,
+// with the calibration's comm_overlap saying how much of it the reductions can hide behind.
+// Rank 0 prints the median step time over --steps steps (after two warm-up steps), the slowest
 // rank's, and predict_step()'s from --calibration, split as predicted. With --shard-group,
 // hierarchical sharding; with --ranks-per-node and --inter-node-gbs (each node's link, GB/s) or
 // --link-calibration (the link per collective kind, read_link_calibration()), the nodes
@@ -175,7 +177,30 @@ int main(int argc, char** argv) {
       throw std::invalid_argument(
           "--alternate needs --calibration, and flat sharding on one node (no --shard-group, "
           "--ranks-per-node)");
-    std::vector<double> t, opt, exposed, inter;
+    std::vector<double> t, opt, exposed, busy, inter;
+    auto write_grads = [&](int u) {
+      for (const TensorView& g : e.grads(u)) {
+        if (cfg.dtype == DType::f32)
+          std::fill_n(static_cast<float*>(g.data), g.numel, 1e-3f);
+        else
+          std::fill_n(static_cast<uint16_t*>(g.data), g.numel, uint16_t(0x3a83));  // 1e-3
+      }
+    };
+    // The trainer's compute: every unit's gradients written, without the hand-over (the slowest
+    // rank's median of 5), into buffers as the engine's: one per unit at stages 0-1 (its whole
+    // gradient buffers), two used in turn at stages 2-3 (its staging slots, which grads() hands
+    // out only once the one before was handed over).
+    std::vector<std::vector<uint32_t>> alone(size_t(stage <= 1 ? units : 2));
+    for (std::vector<uint32_t>& b : alone)
+      b.assign(size_t((params / units * int64_t(dtype_size(cfg.dtype)) + 3) / 4), 0);
+    auto compute_s = [&] {
+      return timed(*comm, 5, [&](int) {
+        for (int u = units - 1; u >= 0; --u) {
+          std::vector<uint32_t>& b = alone[size_t(u) % alone.size()];
+          std::fill(b.begin(), b.end(), 0x3a833a83u);  // 1e-3 in bf16, twice; a finite f32
+        }
+      });
+    };
     // `count` steps, each timed (the slowest rank's) and, with `keep`, recorded.
     auto run_steps = [&](int count, bool keep) {
       for (int s = 0; s < count; ++s) {
@@ -189,12 +214,7 @@ int main(int argc, char** argv) {
               e.release(u);
             }
         for (int u = units - 1; u >= 0; --u) {
-          for (const TensorView& g : e.grads(u)) {
-            if (cfg.dtype == DType::f32)
-              std::fill_n(static_cast<float*>(g.data), g.numel, 1e-3f);
-            else
-              std::fill_n(static_cast<uint16_t*>(g.data), g.numel, uint16_t(0x3a83));  // 1e-3
-          }
+          write_grads(u);
           e.grads_ready(u);
         }
         const StepResult r = e.step();
@@ -204,6 +224,7 @@ int main(int argc, char** argv) {
           t.push_back(dt);
           opt.push_back(r.optimizer_s);
           exposed.push_back(r.comm_exposed_s);
+          busy.push_back(r.comm_busy_s);
           inter.push_back(double(r.inter_node_bytes));
         }
       }
@@ -217,7 +238,8 @@ int main(int argc, char** argv) {
       for (int round = 0; round < alternate; ++round) {
         t.clear();
         run_steps(steps, true);
-        const MachineRates rates = measured_beside(*comm, file, shard_bytes, cfg.dtype);
+        MachineRates rates = measured_beside(*comm, file, shard_bytes, cfg.dtype);
+        rates.compute_s = compute_s();
         predicted.push_back(predict_step(cfg, plan, comm->size(), rates));
         const StepPrediction& p = predicted.back();
         measured.push_back(median(t));
@@ -225,10 +247,10 @@ int main(int argc, char** argv) {
         rs.push_back(rates.reduce_scatter.warm[0].second);
         if (comm->rank() == 0)
           std::printf(
-              "round %d: measured %.4f s, predicted %.4f s (comm %.4f, optimizer %.4f, "
-              "nvme %.4f; a warm reduce-scatter of one shard %.2f ms): %.3f\n",
-              round, measured.back(), p.total_s, p.comm_s, p.optimizer_s, p.nvme_s, rs.back() * 1e3,
-              ratio.back());
+              "round %d: measured %.4f s, predicted %.4f s (compute %.4f, comm %.4f, optimizer "
+              "%.4f, nvme %.4f; a warm reduce-scatter of one shard %.2f ms): %.3f\n",
+              round, measured.back(), p.total_s, p.compute_s, p.comm_s, p.optimizer_s, p.nvme_s,
+              rs.back() * 1e3, ratio.back());
       }
       // The round whose ratio is the median, in the line plan_vs_measured.sh reads; its drift:
       // how far the warm reduce-scatter's time moved over the rounds (largest / smallest - 1).
@@ -243,14 +265,15 @@ int main(int argc, char** argv) {
       if (comm->rank() == 0)
         std::printf(
             "stage %d tier %s param tier %s dtype %s state %s ranks %d params %lld units %d: "
-            "measured %.4f s, predicted %.4f s (comm %.4f, optimizer %.4f, nvme %.4f): "
-            "predicted / measured %.3f (median of %d alternated rounds), drift %.2f\n",
+            "measured %.4f s, predicted %.4f s (compute %.4f, comm %.4f, optimizer %.4f, nvme "
+            "%.4f): predicted / measured %.3f (median of %d alternated rounds), drift %.2f\n",
             stage, tier.c_str(), param_tier.c_str(), dtype.c_str(), state.c_str(), comm->size(),
-            (long long)params, units, measured[mid], p.total_s, p.comm_s, p.optimizer_s, p.nvme_s,
-            ratio[mid], alternate, drift);
+            (long long)params, units, measured[mid], p.total_s, p.compute_s, p.comm_s,
+            p.optimizer_s, p.nvme_s, ratio[mid], alternate, drift);
       return 0;
     }
     run_steps(steps, true);
+    const double compute = compute_s();
     // Each node's bytes to other nodes per step: its ranks' (median) counts summed.
     const int nodes_of = per_node > 0 ? per_node : comm->size();
     std::vector<double> node(size_t(comm->size() / nodes_of + 1), 0.0);
@@ -261,19 +284,20 @@ int main(int argc, char** argv) {
       const double measured = median(t);
       std::printf(
           "stage %d tier %s param tier %s dtype %s state %s ranks %d params %lld units %d: "
-          "measured %.4f s (rank 0: comm exposed %.4f, optimizer %.4f)",
+          "measured %.4f s (rank 0: comm exposed %.4f of %.4f busy, optimizer %.4f)",
           stage, tier.c_str(), param_tier.c_str(), dtype.c_str(), state.c_str(), comm->size(),
-          (long long)params, units, measured, median(exposed), median(opt));
+          (long long)params, units, measured, median(exposed), median(busy), median(opt));
       if (!calibration.empty()) {
         MachineRates rates = read_calibration(calibration, cfg);
+        rates.compute_s = compute;
         rates.ranks_per_node = per_node;
         rates.link =
             link_file.empty() ? LinkRates::uniform(link_gbs) : read_link_calibration(link_file);
         const StepPrediction p = predict_step(cfg, plan, comm->size(), rates);
         std::printf(
-            ", predicted %.4f s (comm %.4f, optimizer %.4f, nvme %.4f): predicted / measured "
-            "%.3f",
-            p.total_s, p.comm_s, p.optimizer_s, p.nvme_s, p.total_s / measured);
+            ", predicted %.4f s (compute %.4f, comm %.4f, optimizer %.4f, nvme %.4f): "
+            "predicted / measured %.3f",
+            p.total_s, p.compute_s, p.comm_s, p.optimizer_s, p.nvme_s, p.total_s / measured);
         if (per_node > 0)
           std::printf("; inter-node MiB per step: engine %.2f, predicted %.2f",
                       busiest / double(1 << 20), p.inter_node_bytes / double(1 << 20));

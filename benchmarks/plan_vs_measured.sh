@@ -2,8 +2,9 @@
 # The planner's step time against the engine's on this machine (issue 14's validation): for
 # each configuration below, `zeroshard calibrate` under mpirun -np N, then at once
 # plan_step_bench, which measures the median step of an engine of PARAMS parameters in UNITS
-# units (synthetic gradients, no model math) and prints predict_step()'s figure from that
-# calibration beside it, then a second calibration: its "drift" column is how far the
+# units (synthetic gradients, no model math: the trainer's compute is the writing of the
+# gradients, timed alone) and prints predict_step()'s figure from that calibration beside it,
+# then a second calibration: its "drift" column is how far the
 # reduce-scatter and all-gather times (256 KiB to 16 MiB) of the two calibrations differ, the
 # machine's own noise (on the 2-core virtual machine of benchmarks/RESULTS.md they jump between
 # levels up to 3x apart from one minute to the next). Ends with the table, and how many
@@ -65,11 +66,12 @@ python3 - "$out" <<'PY'
 import re, sys
 fields = [r"ranks (\d+)", r"stage (\d)", r"tier (\w+)", r"state (\w+)", r"param tier (\w+)",
           r"measured ([0-9.]+) s",
-          r"predicted ([0-9.]+) s", r"comm ([0-9.]+),", r"optimizer ([0-9.]+), nvme",
+          r"predicted ([0-9.]+) s", r"compute ([0-9.]+),", r"comm ([0-9.]+),",
+          r"optimizer ([0-9.]+), nvme",
           r"nvme ([0-9.]+)\)", r"predicted / measured ([0-9.]+)", r"drift ([0-9.]+)"]
 rows = [[re.search(f, l).group(1) for f in fields] for l in open(sys.argv[1]) if "predicted /" in l]
-print("\n| ranks | stage | optimizer | moments | params | measured s | predicted s | comm | optimizer | nvme | predicted / measured | drift |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("\n| ranks | stage | optimizer | moments | params | measured s | predicted s | compute | comm | optimizer | nvme | predicted / measured | drift |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     print("| " + " | ".join(r) + " |")
 within = sum(abs(float(r[-2]) - 1) <= 0.25 for r in rows)

@@ -9,7 +9,8 @@
 // - collectives: reduce-scatter, all-gather and all-reduce (of bf16, as hierarchical sharding's
 //   across its groups) over the launched ranks at sizes from 4 KiB up, on buffers in the caches and
 //   (under "cold") on buffers that are not: every measured point, the latency of the smallest and
-//   the bandwidth between the two largest;
+//   the bandwidth between the two largest; and how much of the reductions the trainer's own
+//   work hides ("overlap");
 // - nvme: an engine step with its optimizer state on the nvme tier (io_uring swap files in
 //   --nvme-path), in parameters per second and in record bytes read and written per second;
 //   the same for bf16 and 8-bit moments under "state_formats" (smaller records); and stage 3's
@@ -254,6 +255,54 @@ json collectives(Communicator& comm, const Options& o) {
                // per rank, an all-reduce's buffer
 }
 
+// How much of the collectives the trainer's work hides ("overlap"), measured as a backward runs
+// them: units of gradients written one after another (here 16 units of 4 MiB of bf16 per rank,
+// filled) and each unit's reduce-scatter started on the communication thread once it is
+// written. overlap = (writes alone + reductions alone - both together) / the shorter of the
+// two, in [0, 1]: 1 where they run side by side unhindered, 0 where they take turns (2 ranks
+// on 2 cores, each with its communication thread).
+json overlap(Communicator& comm, const Options& o) {
+  constexpr int kUnits = 16;
+  const int64_t n = (int64_t(2) << 20) / comm.size();  // bf16 elements a rank keeps of a unit
+  const int64_t per = n * comm.size();                 // a unit's gradient buffer
+  std::vector<uint16_t> grads(size_t(per * kUnits)), out(size_t(n * kUnits));
+  auto write = [&](int u, int r) {
+    std::fill_n(grads.data() + u * per, per, uint16_t(0x3C00 + (r & 0xff)));
+  };
+  auto reduce = [&](int u) {
+    return comm.reduce_scatter(grads.data() + u * per, out.data() + u * n, n, DType::bf16,
+                               "calibrate");
+  };
+  std::vector<double> t[3];  // writes, reductions, both
+  for (int r = 0; r < o.reps + 1; ++r) {
+    double x[3];
+    comm.barrier("calibrate");
+    double t0 = now_s();
+    for (int u = 0; u < kUnits; ++u) write(u, r);
+    x[0] = now_s() - t0;
+    comm.barrier("calibrate");
+    t0 = now_s();
+    for (int u = 0; u < kUnits; ++u) reduce(u)->wait();
+    x[1] = now_s() - t0;
+    comm.barrier("calibrate");
+    t0 = now_s();
+    std::vector<std::shared_ptr<Work>> started;
+    for (int u = 0; u < kUnits; ++u) {
+      write(u, r + 1);
+      started.push_back(reduce(u));
+    }
+    for (const std::shared_ptr<Work>& w : started) w->wait();
+    x[2] = now_s() - t0;
+    if (r == 0) continue;  // first touch
+    for (int c = 0; c < 3; ++c) t[c].push_back(x[c]);
+  }
+  double m[3] = {median(t[0]), median(t[1]), median(t[2])};
+  comm.all_reduce(m, 3, ReduceOp::max, "calibrate")->wait();
+  const double hidden = (m[0] + m[1] - m[2]) / std::min(m[0], m[1]);
+  return {{"overlap", std::clamp(hidden, 0.0, 1.0)},
+          {"overlap_times_s", {{"writes", m[0]}, {"reductions", m[1]}, {"both", m[2]}}}};
+}
+
 // The same value on every rank: the mean over ranks (each measured its own share at once).
 double mean_over(Communicator& comm, double x) {
   comm.all_reduce(&x, 1, ReduceOp::sum, "calibrate")->wait();
@@ -386,6 +435,7 @@ int run_calibrate(const std::vector<std::string>& args) {
     say("collectives");
     comm->set_timeout(300);
     j["collectives"] = collectives(*comm, o);
+    if (comm->size() > 1) j["collectives"].update(overlap(*comm, o));
 
     if (!o.nvme_path.empty()) {
       say("nvme tier (an engine step through the swap files)");
@@ -443,6 +493,9 @@ int run_calibrate(const std::vector<std::string>& args) {
         if (cl.contains(k))
           std::printf("  %-14s latency %8.1f us, bandwidth %7.2f GB/s\n", k,
                       cl[k]["latency_s"].get<double>() * 1e6, cl[k]["bandwidth_gbs"].get<double>());
+      if (cl.contains("overlap"))
+        std::printf("  overlap        %.2f of the reductions hidden behind the gradients' writes\n",
+                    cl["overlap"].get<double>());
       if (!j["nvme"].is_null())
         std::printf(
             "  nvme step     %7.3f Gparam/s per rank, records %.2f GB/s read+write; bf16 "

@@ -105,6 +105,12 @@ struct MachineRates {
   /// The trainer's own forward and backward per step (seconds; 0: none, as in a benchmark of
   /// the engine alone): the window that gradient reductions and gathers can hide behind.
   double compute_s = 0;
+  /// How much of that window the collectives really take: the share of a collective's time
+  /// hidden while the trainer's thread computes beside the communication thread (`zeroshard
+  /// calibrate` measures it as collectives.overlap: 1 where they run side by side unhindered,
+  /// 0 where the two take turns, as on 2 cores shared by 2 ranks). A step hides
+  /// overlap × min(compute_s, the collectives' time).
+  double comm_overlap = 1;
   /// Nodes: this many consecutive ranks share one (0: every rank on one node). A collective
   /// whose rings stay within nodes takes the calibrated rates above; one whose rings cross takes
   /// the bytes its busiest node sends to other nodes (a ring count) over the link, timed as its
@@ -135,8 +141,9 @@ ZS_API std::string calibration_format(const Config& cfg);
 /// A step of a CPU engine (optimizer on the device or host tier, or nvme), in seconds, split as
 /// it is spent. Communication is what the trainer waits for: the reduction of the gradients
 /// (a reduce-scatter, and at stage 0 an all-gather of the reduced shards) and the stage-3 gathers
-/// (one per unit in forward and one in backward), beyond what compute_s hides of them, and the
-/// parameters' all-gather after the update (stages 1–2), which nothing hides.
+/// (one per unit in forward and one in backward), beyond what compute_s hides of them
+/// (MachineRates::comm_overlap), and the parameters' all-gather after the update (stages 1–2),
+/// which nothing hides.
 struct StepPrediction {
   double compute_s = 0;
   double comm_s = 0;       ///< exposed communication

@@ -97,6 +97,13 @@ MachineRates read_calibration(const std::string& path, const Config& cfg) {
         rate->warm = points(c.at(name), path, name);
         if (c.at(name).contains("cold")) rate->cold = points(c.at(name).at("cold"), path, name);
       }
+    at = "collectives.overlap";  // absent in files from before it was measured: full overlap
+    if (c.contains("overlap")) {
+      r.comm_overlap = c.at("overlap").get<double>();
+      if (!(r.comm_overlap >= 0 && r.comm_overlap <= 1))
+        ZS_THROW(invalid_argument, "calibration file " << path << ": collectives.overlap = "
+                                                       << r.comm_overlap << ", not in [0, 1]");
+    }
     at = "nvme.step_params_per_s";
     if (j.contains("nvme") && !j.at("nvme").is_null()) {
       r.nvme_step_params_per_s = measured(j.at("nvme"), "step_params_per_s");
@@ -229,12 +236,19 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
                      across_hops > 0 ? 0 : rates.all_reduce.seconds(shard, false), k,
                      link.all_reduce, buffer_out);
   }
+  if (!(rates.comm_overlap >= 0 && rates.comm_overlap <= 1))
+    ZS_THROW(invalid_argument, "predict_step(): MachineRates::comm_overlap = "
+                                   << rates.comm_overlap << ", not in [0, 1]");
   StepPrediction p;
   p.compute_s = rates.compute_s;
   // Reductions start as backward hands units over and stage-3 gathers are prefetched ahead of
-  // the unit that needs them: both can hide behind the trainer's compute, once. The all-gather
-  // of the new parameters waits for the update and hides behind nothing.
-  const double exposed = std::max(0.0, grads + gathers - rates.compute_s);
+  // the unit that needs them: both can hide behind the trainer's compute, once, as far as the
+  // two run side by side on this machine. The all-gather of the new parameters waits for the
+  // update and hides behind nothing.
+  auto exposed_of = [&](double comm) {
+    return comm - rates.comm_overlap * std::min(rates.compute_s, comm);
+  };
+  const double exposed = exposed_of(grads + gathers);
   p.comm_s = exposed + after;
   if (nvme)
     p.nvme_s = updated / rates.nvme_step_params_per_s;
@@ -242,8 +256,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     p.optimizer_s = updated / rates.update_params_per_s;
   if (nvme_params) {  // reads beside the gathers, the slower sets their pace; then the writes
     const double reads = param_read / (rates.param_read_gbs * 1e9);
-    p.nvme_s += std::max(0.0, grads + std::max(gathers, reads) - rates.compute_s) - exposed +
-                param_write / (write_gbs * 1e9);
+    p.nvme_s +=
+        exposed_of(grads + std::max(gathers, reads)) - exposed + param_write / (write_gbs * 1e9);
   }
   p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.nvme_s;
   p.inter_node_bytes = crossing;

@@ -79,6 +79,27 @@ TEST(PlanTime, ComputeHidesReductionsAndGathersButNotTheGatherAfterTheUpdate) {
   EXPECT_DOUBLE_EQ(predict_step(cfg(3), model(), 2, r).total_s, 1 + 2560 / 1e9);
 }
 
+// Compute hides collectives only as far as the two run side by side on the machine
+// (comm_overlap): none where they take turns, and by default (1) all it can.
+TEST(PlanTime, ComputeHidesOnlyWhatTheMachineOverlaps) {
+  MachineRates r = rates();
+  const double reduce = coll(2048) + coll(512);
+  r.compute_s = reduce / 2;
+  EXPECT_EQ(r.comm_overlap, 1);
+  r.comm_overlap = 0;
+  StepPrediction p = predict_step(cfg(2), model(), 2, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, 2 * reduce);
+  EXPECT_DOUBLE_EQ(p.total_s, r.compute_s + 2 * reduce + 2560 / 1e9);
+  r.comm_overlap = 0.5;  // half of the compute's window
+  EXPECT_DOUBLE_EQ(predict_step(cfg(2), model(), 2, r).comm_s, 2 * reduce - reduce / 4);
+  r.compute_s = 1;  // a window longer than the collectives (2 gathers, 1 reduction): half hidden
+  EXPECT_DOUBLE_EQ(predict_step(cfg(3), model(), 2, r).comm_s, 3 * reduce / 2);
+  for (double bad : {-0.1, 1.5}) {
+    r.comm_overlap = bad;
+    EXPECT_THROW(predict_step(cfg(2), model(), 2, r), Error) << bad;
+  }
+}
+
 // Nodes of 2 ranks at 0.5 GB/s: on 4 ranks flat, each collective's ring leaves each node once
 // with 3 shards; in groups of 2 (one per node) the gathers and reduce-scatters stay within the
 // node (the calibrated rates, over 2 ranks' shards) and the all-reduce across groups sends
@@ -298,6 +319,14 @@ TEST(PlanTime, ReadsACalibrationFile) {
   EXPECT_EQ(b.param_read_gbs, 1.5);
   EXPECT_EQ(b.param_write_gbs, 0.7);
   EXPECT_EQ(b.param_write_with_records_gbs, 3);
+  EXPECT_EQ(b.comm_overlap, 1);  // not in the file: as files from before it was measured
+  EXPECT_EQ(read_calibration(
+                TempFile(replace(kGood, "\"world\": 3", "\"world\": 3, \"overlap\": 0.25")).path,
+                with(DType::bf16))
+                .comm_overlap,
+            0.25);
+  expect_refused(replace(kGood, "\"world\": 3", "\"world\": 3, \"overlap\": 1.5"),
+                 "collectives.overlap");
   EXPECT_EQ(read_calibration(TempFile(replace(kGood, kNvme, "null")).path, with(DType::bf16))
                 .nvme_step_params_per_s,
             0);
