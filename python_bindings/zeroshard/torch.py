@@ -63,8 +63,9 @@ the model's outputs queues it as backward begins, and hooks that fire inside suc
 queue it (the thread's Python stack shows which pass a hook runs in, and on an autograd device
 thread, where it shows none, autograd says whether the pass fills .grad; a pass nested in the
 trainer's is taken only where the model's own forward ran under no_grad, as when the whole
-model runs inside one checkpoint). A .grad cleared (None, zero_()) or replaced between backward and step() is refused by
-step(): those gradients were reduced already, and the step would silently apply them.
+model runs inside one checkpoint). A .grad cleared (None, zero_()) or replaced between backward
+and step() is refused by step(): those gradients were reduced already, and the step would
+silently apply them.
 Ranks may differ in which units get gradients (a branch taken on some ranks only): the engine
 reduces in its own order, the same on every rank.
 
