@@ -105,11 +105,10 @@ struct MachineRates {
   /// The trainer's own forward and backward per step (seconds; 0: none, as in a benchmark of
   /// the engine alone): the window that gradient reductions and gathers can hide behind.
   double compute_s = 0;
-  /// How much of that window the collectives really take: the share of a collective's time
-  /// hidden while the trainer's thread computes beside the communication thread (`zeroshard
-  /// calibrate` measures it as collectives.overlap: 1 where they run side by side unhindered,
-  /// 0 where the two take turns, as on 2 cores shared by 2 ranks). A step hides
-  /// overlap × min(compute_s, the collectives' time).
+  /// How much of that window hides collectives on this machine, in [0, 1]: 1 where they run
+  /// beside the trainer's computing thread unhindered, 0 where the two take turns, as on 2 cores
+  /// shared by 2 ranks and their communication threads (`zeroshard calibrate` measures it as
+  /// collectives.overlap). A step hides overlap × min(compute_s, the collectives' time).
   double comm_overlap = 1;
   /// Nodes: this many consecutive ranks share one (0: every rank on one node). A collective
   /// whose rings stay within nodes takes the calibrated rates above; one whose rings cross takes
