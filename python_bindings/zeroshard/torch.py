@@ -503,9 +503,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             json_dtype = {"f32": 'neither "fp16" nor "bf16" enabled',
                           "bf16": '"bf16": {"enabled": true}',
                           "f16": '"fp16": {"enabled": true}'}
-            json_fix = {"f32": 'no "fp16" or "bf16" section enabled',
-                        "bf16": '"bf16": {"enabled": true}',
-                        "f16": '"fp16": {"enabled": true}'}
+            json_fix = {**json_dtype, "f32": 'no "fp16" or "bf16" section enabled'}
             from_json = not isinstance(config, _core.Config)
             said = json_dtype[cfg.dtype.name] if from_json else f"Config.dtype {cfg.dtype.name}"
             fix = json_fix[model_dtype] if from_json else f"Config.dtype = '{model_dtype}'"
@@ -882,7 +880,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             self._gather(u)
         except _core.InvalidArgumentError as e:
-            if "max_live_units" not in str(e) or not self._in_grad_pass():
+            if "max_live_units" not in str(e) or not self._in_grad_pass(_autograd_calls()):
                 raise
             # A torch.autograd.grad() pass (create_graph=True) leaves a graph the trainer's
             # backward reads the gathered weights through, with no hook to gather them again.
@@ -931,10 +929,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 return False
         return False
 
-    def _in_grad_pass(self):
-        """Whether the pass running now is a torch.autograd.grad(): seen on the stack, or, on a
-        device thread whose stack shows no pass, asked of autograd."""
-        grad, backward = _autograd_calls()
+    def _in_grad_pass(self, calls):
+        """Whether the pass running now is a torch.autograd.grad(): seen on the stack (`calls`,
+        _autograd_calls()), or, on a device thread whose stack shows no pass, asked of
+        autograd."""
+        grad, backward = calls
         return grad > 0 or (backward == 0 and not self._fills_grads())
 
     def _queue_end_of_backward(self):
@@ -942,9 +941,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         torch.autograd.grad() pass, and not on a pass nested in the trainer's when the model's
         output will queue it there (a reentrant checkpoint segment's; where the whole model ran
         inside one checkpoint, that segment's pass is the one there is)."""
-        if self._callback_queued or self._in_grad_pass():
+        if self._callback_queued:
             return
-        if _autograd_calls()[1] > 1 and self._root_armed:
+        calls = _autograd_calls()
+        if self._in_grad_pass(calls) or (calls[1] > 1 and self._root_armed):
             return
         if self._backwards == self._accum:  # this backward would be one micro-step too many
             raise _core.InvalidArgumentError(

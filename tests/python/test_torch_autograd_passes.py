@@ -4,9 +4,9 @@
   own for each segment, inside the trainer's: the end of the trainer's backward must not be
   taken from the first segment's (it handed every other unit over as zeros, then again).
 - torch.autograd.grad() inside the loss (a gradient penalty) runs a pass that fills no .grad:
-  at stage 3 it released units the real backward then read. Whether a pass fills .grad is asked
-  of autograd (torch._C._will_engine_execute_node), which also answers on a GPU's device
-  thread, where the Python stack shows nothing of the pass.
+  at stage 3 it released units the real backward then read. The Python stack shows which pass a
+  hook runs in; on a GPU's device thread, where it shows none, autograd is asked whether the
+  pass fills .grad (torch._C._will_engine_execute_node), checked here from a CPU hook.
 - The whole model inside one reentrant checkpoint: its forward runs under no_grad, and the end
   of backward can only be taken from the checkpoint's own pass.
 - A 0-dim parameter (a logit scale, a ReZero gate).
