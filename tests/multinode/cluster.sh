@@ -15,6 +15,7 @@
 #   cluster_mpirun ARGS...   mpirun on host 0 over the cluster's hostfile (ARGS: -np, program)
 #   cluster_on I CMD...      a command on host I
 #   cluster_link I CMD...    `tc qdisc CMD...` on host I's link (e.g. to slow it down)
+#   cluster_pids I NAME      the pids of host I's processes named NAME, one a line
 #   cluster_down             removes everything made (cluster_up sets a trap for it)
 # CLUSTER_SLOTS (default 2) ranks per host; CLUSTER_MPIRUN (default mpirun) the launcher.
 
@@ -93,6 +94,14 @@ cluster_link() {
   local i=$1
   shift
   ip netns exec "$(_cluster_ns "$i")" tc qdisc "$@"
+}
+
+cluster_pids() {
+  local pid
+  for pid in $(ip netns pids "$(_cluster_ns "$1")" 2>/dev/null); do
+    [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$2" ]] && echo "$pid"
+  done
+  return 0
 }
 
 cluster_mpirun() {
