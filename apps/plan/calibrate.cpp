@@ -8,9 +8,9 @@
 //   moments in f32 and, under "state_formats", in bf16 and 8-bit;
 // - collectives: reduce-scatter, all-gather and all-reduce (of bf16, as hierarchical sharding's
 //   across its groups) over the launched ranks at sizes from 4 KiB up, on buffers in the caches and
-//   (under "cold") on buffers that are not: every measured point, the latency of the smallest and
-//   the bandwidth between the two largest; and how much of the reductions the trainer's own
-//   work hides ("overlap");
+//   (under "cold") on buffers that are not, and the first two many at once ("queued"): every
+//   measured point, the latency of the smallest and the bandwidth between the two largest; and
+//   how much of the reductions the trainer's own work hides ("overlap");
 // - nvme: an engine step with its optimizer state on the nvme tier (io_uring swap files in
 //   --nvme-path), in parameters per second and in record bytes read and written per second;
 //   the same for bf16 and 8-bit moments under "state_formats" (smaller records); and stage 3's
@@ -201,10 +201,12 @@ json fit(const std::vector<std::pair<double, double>>& pts) {
           {"points_bytes_s", p}};
 }
 
-// Each collective at sizes from 4 KiB up, twice: on one buffer used again and again (warm: in
-// the caches up to their size, as the engine's reused staging and gather slots are) and on a
-// fresh buffer each time from a ring of 256 MiB (cold: as the engine's whole gradient and
-// parameter buffers of stages 0-2, which every unit has its own of).
+// Each collective at sizes from 4 KiB up, on one buffer used again and again (warm: in the caches
+// up to their size, as the engine's reused staging and gather slots are) and on a fresh buffer
+// each time from a ring of 256 MiB (cold: as the engine's whole gradient and parameter buffers of
+// stages 0-2, which every unit has its own of); and the reduce-scatter and all-gather queued: up
+// to kQueue calls on the ring's buffers started at once and waited for together, timed per call
+// (as stages 0-1 reduce every unit's gradients and stages 1-2 gather every unit's parameters).
 json collectives(Communicator& comm, const Options& o) {
   const int world = comm.size();
   json out = {{"world", world}};
@@ -213,29 +215,30 @@ json collectives(Communicator& comm, const Options& o) {
     return out;
   }
   constexpr int64_t kRing = int64_t(256) << 20;
-  std::vector<std::pair<double, double>> pts[2][3];  // [warm, cold][rs, ag, ar]
+  constexpr int64_t kQueue = 16;
+  std::vector<std::pair<double, double>> pts[3][3];  // [warm, cold, queued][rs, ag, ar]
   for (int64_t bytes = 4096; bytes <= o.max_bytes; bytes *= 4) {
     const int64_t n = bytes / 2;  // bf16 elements per rank
+    const int64_t k = std::max<int64_t>(1, kRing / (bytes * world));
+    std::vector<uint16_t> send(size_t(n * world * k), 0x3C00), recv(size_t(n * world * k));
+    auto sd = [&](int64_t slot) { return send.data() + size_t(slot) * size_t(n * world); };
+    auto rv = [&](int64_t slot) { return recv.data() + size_t(slot) * size_t(n * world); };
     for (int cold = 0; cold < 2; ++cold) {
-      const int64_t k = cold ? std::max<int64_t>(1, kRing / (bytes * world)) : 1;
-      std::vector<uint16_t> send(size_t(n * world * k), 0x3C00), recv(size_t(n * world * k));
       std::vector<double> t[3];
       for (int r = 0; r < o.reps + 1; ++r) {
-        const size_t at = size_t(cold ? r % k : 0);
-        uint16_t* sd = send.data() + at * size_t(n * world);
-        uint16_t* rv = recv.data() + at * size_t(n * world);
+        const int64_t at = cold ? r % k : 0;
         double x[3];
         comm.barrier("calibrate");
         double t0 = now_s();
-        comm.reduce_scatter(sd, rv, n, DType::bf16, "calibrate")->wait();
+        comm.reduce_scatter(sd(at), rv(at), n, DType::bf16, "calibrate")->wait();
         x[0] = now_s() - t0;
         comm.barrier("calibrate");
         t0 = now_s();
-        comm.all_gather(rv, sd, n, DType::bf16, "calibrate")->wait();
+        comm.all_gather(rv(at), sd(at), n, DType::bf16, "calibrate")->wait();
         x[1] = now_s() - t0;
         comm.barrier("calibrate");
         t0 = now_s();
-        comm.all_reduce_sum(sd, n, DType::bf16, "calibrate")->wait();
+        comm.all_reduce_sum(sd(at), n, DType::bf16, "calibrate")->wait();
         x[2] = now_s() - t0;
         if (r == 0) continue;
         for (int c = 0; c < 3; ++c) t[c].push_back(x[c]);
@@ -245,11 +248,29 @@ json collectives(Communicator& comm, const Options& o) {
       comm.all_reduce(m, 3, ReduceOp::max, "calibrate")->wait();
       for (int c = 0; c < 3; ++c) pts[cold][c].push_back({double(bytes), m[c]});
     }
+    const int64_t q = std::min(kQueue, k);
+    std::vector<double> t[2];
+    for (int r = 0; r < o.reps + 1; ++r) {
+      for (int c = 0; c < 2; ++c) {
+        std::vector<std::shared_ptr<Work>> started;
+        comm.barrier("calibrate");
+        const double t0 = now_s();
+        for (int64_t i = 0; i < q; ++i)
+          started.push_back(c == 0 ? comm.reduce_scatter(sd(i), rv(i), n, DType::bf16, "calibrate")
+                                   : comm.all_gather(rv(i), sd(i), n, DType::bf16, "calibrate"));
+        for (const std::shared_ptr<Work>& w : started) w->wait();
+        if (r > 0) t[c].push_back((now_s() - t0) / double(q));
+      }
+    }
+    double m[2] = {median(t[0]), median(t[1])};
+    comm.all_reduce(m, 2, ReduceOp::max, "calibrate")->wait();
+    for (int c = 0; c < 2; ++c) pts[2][c].push_back({double(bytes), m[c]});
   }
   const char* names[3] = {"reduce_scatter", "all_gather", "all_reduce"};
   for (int c = 0; c < 3; ++c) {
     out[names[c]] = fit(pts[0][c]);
     out[names[c]]["cold"] = fit(pts[1][c]);
+    if (c < 2) out[names[c]]["queued"] = fit(pts[2][c]);
   }
   return out;  // bytes: a reduce-scatter's output block per rank, an all-gather's input block
                // per rank, an all-reduce's buffer

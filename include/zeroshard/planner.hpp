@@ -52,19 +52,26 @@ ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vecto
                                             int world,
                                             const std::vector<OptimizerOptions>& groups = {});
 
+/// The buffers a collective runs on, as `zeroshard calibrate` measures them: `warm`, one buffer
+/// used again and again (in the caches, as the engine's gradient staging and gather slots are);
+/// `cold`, a fresh buffer each call, alone (as the whole gradient and parameter buffers, one per
+/// unit); `queued`, fresh buffers with many calls in flight at once, as the engine issues the
+/// whole buffers' collectives: stages 0–1 reduce every unit's gradients as backward hands it over,
+/// stages 1–2 gather every unit's new parameters at once after the update.
+enum class Buffers { warm, cold, queued };
+
 /// The time of one collective call of `bytes`, as `zeroshard calibrate` counts them: a
 /// reduce-scatter's output block per rank, an all-gather's input block per rank, an
-/// all-reduce's whole buffer. Measured on buffers in the caches (`warm`: a buffer used again
-/// and again, as the engine's gradient staging and gather slots are) and on buffers that are not
-/// (`cold`: as the whole gradient and parameter buffers, one per unit): on a 2-core machine a
-/// 4 MiB reduce-scatter ran at 2.7x the bandwidth of a 64 MiB one. Between two measured sizes
-/// the time is interpolated; past the largest, bytes / bandwidth_gbs more; below the smallest,
-/// its time. With no points, latency_s + bytes / bandwidth_gbs.
+/// all-reduce's whole buffer. Measured on each kind of Buffers: on a 2-core machine a 4 MiB
+/// reduce-scatter ran at 2.7x the bandwidth of a 64 MiB one (warm against cold). Between two
+/// measured sizes the time is interpolated; past the largest, bytes / bandwidth_gbs more; below
+/// the smallest, its time. A kind not measured takes the next (queued: cold; cold: warm); with no
+/// points, latency_s + bytes / bandwidth_gbs.
 struct ZS_API CollectiveRate {
   double latency_s = 0;
   double bandwidth_gbs = 0;  ///< 0: not measured (a prediction that needs it throws)
-  std::vector<std::pair<double, double>> warm, cold;  ///< (bytes, seconds), increasing bytes
-  double seconds(double bytes, bool cold_buffers) const;
+  std::vector<std::pair<double, double>> warm, cold, queued;  ///< (bytes, seconds), increasing
+  double seconds(double bytes, Buffers buffers) const;
 };
 
 /// Each node's link to the other nodes, per collective kind, as measured between one rank on
@@ -80,7 +87,7 @@ struct LinkRates {
   CollectiveRate reduce_scatter, all_gather, all_reduce;
   /// One bandwidth for every kind (a link typed by hand, GB/s each way; no latency).
   static LinkRates uniform(double gbs) {
-    const CollectiveRate c{0, gbs, {}, {}};
+    const CollectiveRate c{0, gbs, {}, {}, {}};
     return {2, c, c, c};
   }
 };

@@ -12,11 +12,13 @@
 
 namespace zeroshard {
 
-double CollectiveRate::seconds(double bytes, bool cold_buffers) const {
+double CollectiveRate::seconds(double bytes, Buffers buffers) const {
   if (!(bandwidth_gbs > 0))
     ZS_THROW(invalid_argument, "predict_step(): a collective's bandwidth is not measured");
+  if (buffers == Buffers::queued && queued.empty()) buffers = Buffers::cold;
+  if (buffers == Buffers::cold && cold.empty()) buffers = Buffers::warm;
   const std::vector<std::pair<double, double>>& points =
-      cold_buffers && !cold.empty() ? cold : warm;
+      buffers == Buffers::queued ? queued : buffers == Buffers::cold ? cold : warm;
   if (points.empty()) return latency_s + bytes / (bandwidth_gbs * 1e9);
   if (bytes <= points.front().first) return points.front().second;
   for (size_t i = 1; i < points.size(); ++i) {
@@ -95,7 +97,9 @@ MachineRates read_calibration(const std::string& path, const Config& cfg) {
         rate->latency_s = c.at(name).at("latency_s").get<double>();
         rate->bandwidth_gbs = c.at(name).at("bandwidth_gbs").get<double>();
         rate->warm = points(c.at(name), path, name);
-        if (c.at(name).contains("cold")) rate->cold = points(c.at(name).at("cold"), path, name);
+        // Absent in files from before they were measured (and "queued" for the all-reduce).
+        for (auto [key, to] : {std::pair{"cold", &rate->cold}, std::pair{"queued", &rate->queued}})
+          if (c.at(name).contains(key)) *to = points(c.at(name).at(key), path, name);
       }
     at = "collectives.overlap";  // absent in files from before it was measured: full overlap
     if (c.contains("overlap")) {
@@ -143,7 +147,10 @@ LinkRates read_link_calibration(const std::string& path) {
       ZS_THROW(invalid_argument,
                "calibration file " << path << ": collectives." << name << " is not measured");
   LinkRates l{n, m.reduce_scatter, m.all_gather, m.all_reduce};
-  for (CollectiveRate* c : {&l.reduce_scatter, &l.all_gather, &l.all_reduce}) c->cold.clear();
+  for (CollectiveRate* c : {&l.reduce_scatter, &l.all_gather, &l.all_reduce}) {
+    c->cold.clear();
+    c->queued.clear();
+  }
   return l;
 }
 
@@ -201,7 +208,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
                                      << per_node
                                      << " ranks per node) but the link between nodes is not "
                                         "given for every collective (MachineRates::link)");
-    return times * link_kind.seconds(out / ring_out, false);
+    return times * link_kind.seconds(out / ring_out, Buffers::warm);
   };
   const double block_out = link.nodes - 1.0, buffer_out = 2.0 * (link.nodes - 1) / link.nodes;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
@@ -216,24 +223,27 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
       param_write += shard;
     }
     if (world == 1) continue;  // a one-rank engine runs no collective
-    // Stages 0-1 reduce each unit's own whole gradient buffer (cold), and stage 0 gathers the
-    // reduced shards back into it; stages 2-3 reduce from reused staging slots (warm).
+    // Stages 0-1 reduce each unit's own whole gradient buffer, all units' in flight at once
+    // (queued), and stage 0 gathers the reduced shards back into it among them; stages 2-3
+    // reduce from reused staging slots (warm). Stages 1-2 gather every unit's new parameters
+    // into its whole buffer at once after the update (queued).
     if (group > 1) {
-      grads += timed(within_hops, ring, rates.reduce_scatter.seconds(shard, cfg.stage <= 1), k,
-                     link.reduce_scatter, block_out);
+      grads += timed(within_hops, ring,
+                     rates.reduce_scatter.seconds(shard, cfg.stage <= 1 ? Buffers::queued : Buffers::warm),
+                     k, link.reduce_scatter, block_out);
       if (cfg.stage == 0)
-        grads += timed(within_hops, ring, rates.all_gather.seconds(shard, true), k, link.all_gather,
-                       block_out);
+        grads += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::queued), k,
+                       link.all_gather, block_out);
       if (cfg.stage == 3)  // forward and backward, into reused gather slots
-        gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, false), 2 * k,
+        gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::warm), 2 * k,
                          link.all_gather, block_out);
-      else if (cfg.stage >= 1)  // the new parameters into each unit's whole buffer
-        after += timed(within_hops, ring, rates.all_gather.seconds(shard, true), 1, link.all_gather,
-                       block_out);
+      else if (cfg.stage >= 1)
+        after += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::queued), 1,
+                       link.all_gather, block_out);
     }
     if (replicas > 1)  // the reduced shard, all-reduced across the groups
       grads += timed(across_hops, 2.0 * (replicas - 1) / replicas * shard,
-                     across_hops > 0 ? 0 : rates.all_reduce.seconds(shard, false), k,
+                     across_hops > 0 ? 0 : rates.all_reduce.seconds(shard, Buffers::warm), k,
                      link.all_reduce, buffer_out);
   }
   if (!(rates.comm_overlap >= 0 && rates.comm_overlap <= 1))

@@ -37,7 +37,8 @@ col = c["collectives"]
 assert col["world"] == np, col
 if np > 1:
     for k, f in [(k, col[k]) for k in ("reduce_scatter", "all_gather", "all_reduce")] + \
-                [(k + ".cold", col[k]["cold"]) for k in ("reduce_scatter", "all_gather", "all_reduce")]:
+                [(k + ".cold", col[k]["cold"]) for k in ("reduce_scatter", "all_gather", "all_reduce")] + \
+                [(k + ".queued", col[k]["queued"]) for k in ("reduce_scatter", "all_gather")]:
         pts = f["points_bytes_s"]
         assert len(pts) >= 4 and all(a[0] < b[0] for a, b in zip(pts, pts[1:])), (k, pts)
         assert all(t > 0 for _, t in pts), (k, pts)

@@ -18,8 +18,8 @@ namespace {
 MachineRates rates() {
   MachineRates r;
   r.update_params_per_s = 1e9;
-  r.reduce_scatter = {10e-6, 1.0, {}, {}};
-  r.all_gather = {10e-6, 1.0, {}, {}};
+  r.reduce_scatter = {10e-6, 1.0, {}, {}, {}};
+  r.all_gather = {10e-6, 1.0, {}, {}, {}};
   r.nvme_step_params_per_s = 1e8;
   return r;
 }
@@ -220,13 +220,38 @@ TEST(PlanTime, ParametersOnTheNvmeTier) {
 }
 
 TEST(PlanTime, MeasuredPointsAreInterpolatedAndExtended) {
-  CollectiveRate c{5e-6, 1.0, {{1000, 1e-3}, {2000, 3e-3}}, {{1000, 2e-3}, {2000, 6e-3}}};
-  EXPECT_DOUBLE_EQ(c.seconds(500, false), 1e-3);
-  EXPECT_DOUBLE_EQ(c.seconds(1500, false), 2e-3);
-  EXPECT_DOUBLE_EQ(c.seconds(1500, true), 4e-3);
-  EXPECT_DOUBLE_EQ(c.seconds(3000, false), 3e-3 + 1000 / 1e9);
-  c.cold.clear();  // no cold measurement: the warm one
-  EXPECT_DOUBLE_EQ(c.seconds(1500, true), 2e-3);
+  CollectiveRate c{5e-6, 1.0, {{1000, 1e-3}, {2000, 3e-3}}, {{1000, 2e-3}, {2000, 6e-3}},
+                   {{1000, 3e-3}, {2000, 9e-3}}};
+  EXPECT_DOUBLE_EQ(c.seconds(500, Buffers::warm), 1e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(1500, Buffers::warm), 2e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(1500, Buffers::cold), 4e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(1500, Buffers::queued), 6e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(3000, Buffers::warm), 3e-3 + 1000 / 1e9);
+  c.queued.clear();  // no queued measurement: the cold one
+  EXPECT_DOUBLE_EQ(c.seconds(1500, Buffers::queued), 4e-3);
+  c.cold.clear();  // no cold measurement either: the warm one
+  EXPECT_DOUBLE_EQ(c.seconds(1500, Buffers::cold), 2e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(1500, Buffers::queued), 2e-3);
+}
+
+// Each collective of the step takes the points of the buffers the engine runs it on: the whole
+// gradient buffers' reductions at stages 0-1, stage 0's gather back into them and the gather of
+// the new parameters at stages 1-2, all in flight at once (queued); the staging slots'
+// reductions at stages 2-3 and stage 3's gathers into its slots, reused (warm).
+TEST(PlanTime, EachCollectiveTakesThePointsOfItsBuffers) {
+  MachineRates r = rates();
+  // Shards of 2048 and 512 bf16 elements: 4096 and 1024 bytes. Warm 1 ms, cold 10 ms, queued
+  // 100 ms per call at either size (at or below the smallest measured size).
+  for (CollectiveRate* c : {&r.reduce_scatter, &r.all_gather}) {
+    c->warm = {{4096, 1e-3}};
+    c->cold = {{4096, 10e-3}};
+    c->queued = {{4096, 100e-3}};
+  }
+  const double warm = 2 * 1e-3, queued = 2 * 100e-3;  // two units
+  EXPECT_DOUBLE_EQ(predict_step(cfg(0, Tier::device), model(), 2, r).comm_s, 2 * queued);
+  EXPECT_DOUBLE_EQ(predict_step(cfg(1), model(), 2, r).comm_s, 2 * queued);
+  EXPECT_DOUBLE_EQ(predict_step(cfg(2), model(), 2, r).comm_s, warm + queued);
+  EXPECT_DOUBLE_EQ(predict_step(cfg(3), model(), 2, r).comm_s, 3 * warm);
 }
 
 TEST(PlanTime, RefusesWhatItDoesNotModel) {
@@ -264,7 +289,8 @@ const char* kGood = R"({"schema": "zeroshard-calibration/1",
   "optimizer": {"adamw": {"f32": {"params_per_s": 2e9}, "bf16": {"params_per_s": 3e9}}},
   "collectives": {
     "reduce_scatter": {"latency_s": 1e-5, "bandwidth_gbs": 2, "points_bytes_s": [[4096, 1e-5], [8192, 3e-5]],
-                       "cold": {"latency_s": 2e-5, "bandwidth_gbs": 1, "points_bytes_s": [[4096, 2e-5], [8192, 5e-5]]}},
+                       "cold": {"latency_s": 2e-5, "bandwidth_gbs": 1, "points_bytes_s": [[4096, 2e-5], [8192, 5e-5]]},
+                       "queued": {"latency_s": 3e-5, "bandwidth_gbs": 1, "points_bytes_s": [[4096, 3e-5], [8192, 7e-5]]}},
     "all_gather": {"latency_s": 1e-5, "bandwidth_gbs": 4, "points_bytes_s": [[4096, 1e-5]]},
     "all_reduce": {"latency_s": 1e-5, "bandwidth_gbs": 3, "points_bytes_s": [[4096, 1e-5]]},
     "world": 3},
@@ -312,8 +338,11 @@ TEST(PlanTime, ReadsACalibrationFile) {
   ASSERT_EQ(b.reduce_scatter.warm.size(), 2u);
   ASSERT_EQ(b.reduce_scatter.cold.size(), 2u);
   EXPECT_EQ(b.reduce_scatter.cold[1].second, 5e-5);
+  ASSERT_EQ(b.reduce_scatter.queued.size(), 2u);
+  EXPECT_EQ(b.reduce_scatter.queued[1].second, 7e-5);
   EXPECT_EQ(b.all_gather.bandwidth_gbs, 4);
   EXPECT_TRUE(b.all_gather.cold.empty());
+  EXPECT_TRUE(b.all_gather.queued.empty());  // not in the file: as files from before it
   EXPECT_EQ(b.all_reduce.bandwidth_gbs, 3);
   EXPECT_EQ(b.nvme_step_params_per_s, 5e7);
   EXPECT_EQ(b.param_read_gbs, 1.5);
@@ -339,6 +368,7 @@ TEST(PlanTime, ReadsTheLinkFromACalibrationOfOneRankPerNode) {
   EXPECT_EQ(l.reduce_scatter.bandwidth_gbs, 2);
   ASSERT_EQ(l.reduce_scatter.warm.size(), 2u);
   EXPECT_TRUE(l.reduce_scatter.cold.empty());  // the link's rate, not the memory's
+  EXPECT_TRUE(l.reduce_scatter.queued.empty());
   EXPECT_EQ(l.all_gather.bandwidth_gbs, 4);
   EXPECT_EQ(l.all_reduce.bandwidth_gbs, 3);
   try {
