@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <limits>
 #include <thread>
 
@@ -153,6 +154,77 @@ TEST(Comm, TimeoutNamesTheCollective) {
     c->all_reduce(&v, 1, ReduceOp::sum, "the slow sum")->wait();
   }
   world()->barrier("after comm timeout");
+}
+
+// Many collectives submitted at once (as stages 0-1 reduce every unit's gradients) all complete,
+// each with its own result, however many the communicator runs at a time.
+TEST(Comm, ManyQueuedCollectivesCompleteEachWithItsResult) {
+  auto c = world();
+  const int n = c->size(), r = c->rank();
+  constexpr int kCalls = 40;
+  constexpr int64_t kCount = 1000;
+  std::vector<std::vector<float>> send(kCalls), recv(kCalls), gathered(kCalls);
+  std::vector<std::shared_ptr<Work>> works;
+  for (int k = 0; k < kCalls; ++k) {
+    send[size_t(k)].assign(size_t(kCount * n), float(k + r));
+    recv[size_t(k)].assign(size_t(kCount), -1.0f);
+    gathered[size_t(k)].assign(size_t(kCount * n), -1.0f);
+    works.push_back(c->reduce_scatter(send[size_t(k)].data(), recv[size_t(k)].data(), kCount,
+                                      DType::f32, "queued " + std::to_string(k)));
+  }
+  // Gathers queued behind the reductions, each of the reduction before it.
+  for (int k = 0; k < kCalls; ++k)
+    works.push_back(c->all_gather(recv[size_t(k)].data(), gathered[size_t(k)].data(), kCount,
+                                  DType::f32, "queued gather " + std::to_string(k)));
+  for (const std::shared_ptr<Work>& w : works) w->wait();
+  for (int k = 0; k < kCalls; ++k) {
+    const float want = float(n * k + n * (n - 1) / 2);
+    for (float x : gathered[size_t(k)]) ASSERT_EQ(x, want) << "call " << k;
+  }
+}
+
+// Collectives queued behind one that times out end too: refused at once, not left waiting for
+// a turn that never comes. Rank 0 submits five while the others are late; every one must end
+// within a few timeouts. The others then call the ones rank 0 started (which time out rather
+// than being refused), so that no request stays unmatched.
+TEST(Comm, CollectivesQueuedBehindATimeoutAreRefused) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs 2 or more ranks (runs under mpirun -np 2..4)";
+  auto c = make_mpi_communicator();
+  c->set_timeout(0.3);
+  constexpr int kCalls = 5;
+  double v[kCalls];
+  std::fill_n(v, kCalls, 1.0);
+  int started = 0;
+  if (c->rank() == 0) {
+    std::vector<std::shared_ptr<Work>> works;
+    for (int k = 0; k < kCalls; ++k)
+      works.push_back(c->all_reduce(v + k, 1, ReduceOp::sum, "late sum " + std::to_string(k)));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (int k = 0; k < kCalls; ++k) {
+      while (!works[size_t(k)]->done() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      ASSERT_TRUE(works[size_t(k)]->done()) << "call " << k << " did not end within 10 s";
+      try {
+        works[size_t(k)]->wait();
+        ADD_FAILURE() << "call " << k << " completed without its peers";
+      } catch (const Error& e) {
+        const std::string m = e.what();
+        if (e.code() == ErrorCode::timeout) {
+          EXPECT_EQ(started, k) << "a timed-out call after a refused one: " << m;
+          ++started;
+        } else {
+          EXPECT_NE(m.find("refused: the communicator is unusable"), std::string::npos) << m;
+        }
+      }
+    }
+    EXPECT_GE(started, 1);
+  }
+  double n_started = started;
+  world()->all_reduce(&n_started, 1, ReduceOp::max, "calls rank 0 started")->wait();
+  if (c->rank() != 0)
+    for (int k = 0; k < int(n_started); ++k)
+      c->all_reduce(v + k, 1, ReduceOp::sum, "late sum " + std::to_string(k))->wait();
+  world()->barrier("after queued timeouts");
 }
 
 // "Never time out" written as a huge number is a deadline far ahead, not one that overflowed

@@ -301,9 +301,11 @@ class MpiCommunicator final : public Communicator {
         stopping = stop_;
       }
       bool progress = false;
-      // Collectives start in submission order. In checking mode a collective starts only after
-      // the previous one passed its check, so every rank issues the same MPI calls in order.
-      while (!waiting_.empty() && !(check_ && checking(inflight))) {
+      // Collectives start in submission order, at most kMaxInFlight at a time. In checking mode
+      // a collective starts only after the previous one passed its check, so every rank issues
+      // the same MPI calls in order.
+      while (!waiting_.empty() && live(inflight) < kMaxInFlight &&
+             !(check_ && checking(inflight))) {
         start_one(waiting_.front(), inflight);
         waiting_.pop_front();
         progress = true;
@@ -399,6 +401,24 @@ class MpiCommunicator final : public Communicator {
       ++i;
     }
     return progress;
+  }
+
+  // At most this many collectives run at once; the others wait their turn, their timeout not yet
+  // running. Open MPI's non-blocking collectives progress together inside each MPI_Test, and
+  // many at once thrash the caches: 16 reduce-scatters of 4 MiB per rank (2 ranks, fresh
+  // buffers, as stages 0-1 reduce every unit's gradients) took 7.0 ms per call started all at
+  // once, 5.0 ms four at a time, 3.7 ms two or one at a time (as one alone on a fresh buffer);
+  // at 256 KiB 0.30, 0.26, 0.14 and 0.20 ms (`zeroshard calibrate`, collectives.*.queued, on
+  // the 2-core Intel machine of benchmarks/RESULTS.md). Two keep the next one's start off the
+  // critical path.
+  static constexpr size_t kMaxInFlight = 2;
+  // Collectives in flight that count against kMaxInFlight: a timed-out one stays in flight (a
+  // late peer may complete it) but no longer holds back those behind it, which are then
+  // refused.
+  static size_t live(const std::vector<InFlight>& inflight) {
+    size_t n = 0;
+    for (const InFlight& f : inflight) n += f.timed_out ? 0 : 1;
+    return n;
   }
 
   static bool checking(const std::vector<InFlight>& inflight) {
