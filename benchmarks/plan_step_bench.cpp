@@ -18,10 +18,10 @@
 // With --alternate R (flat sharding on one node), the run alternates R rounds of --steps steps
 // with a measurement of the step's own collectives (reduce-scatter, all-gather and all-reduce of
 // one shard's bytes, on a reused buffer, on fresh ones, and many at once, as `zeroshard
-// calibrate` measures them) in the same process, and predicts each round from the collectives measured beside it
-// (the CPU update and nvme rates still from --calibration). It prints each round's ratio and
-// their median: the model checked against the rates the step ran at, on a machine whose
-// collectives change speed from one minute to the next.
+// calibrate` measures them) in the same process, and predicts each round from the collectives
+// measured beside it (the CPU update and nvme rates still from --calibration). It prints each
+// round's ratio and their median: the model checked against the rates the step ran at, on a machine
+// whose collectives change speed from one minute to the next.
 //
 //   mpirun -np 2 plan_step_bench --calibration cal.json --params 64M --units 16 --stage 2
 //          --tier host [--param-tier device|host|nvme] [--dtype bf16] [--state f32|bf16|8bit]
@@ -98,14 +98,16 @@ MachineRates measured_beside(Communicator& comm, MachineRates rates, int64_t byt
   }
   const int64_t q = std::min<int64_t>(16, k);
   for (int c = 0; c < 2; ++c) {
-    const double per_call = timed(comm, 5, [&](int) {
+    auto start = [&](int64_t i) {
+      return c == 0 ? comm.reduce_scatter(at(send, i), at(recv, i), n, dt, "plan_step_bench")
+                    : comm.all_gather(at(recv, i), at(send, i), n, dt, "plan_step_bench");
+    };
+    const double all = timed(comm, 5, [&](int) {
       std::vector<std::shared_ptr<Work>> started;
-      for (int64_t i = 0; i < q; ++i)
-        started.push_back(
-            c == 0 ? comm.reduce_scatter(at(send, i), at(recv, i), n, dt, "plan_step_bench")
-                   : comm.all_gather(at(recv, i), at(send, i), n, dt, "plan_step_bench"));
+      for (int64_t i = 0; i < q; ++i) started.push_back(start(i));
       for (const std::shared_ptr<Work>& w : started) w->wait();
-    }) / double(q);
+    });
+    const double per_call = all / double(q);
     (c == 0 ? rates.reduce_scatter.queued : rates.all_gather.queued) = {{b, per_call}};
   }
   rates.all_reduce.queued.clear();

@@ -15,10 +15,13 @@ namespace zeroshard {
 double CollectiveRate::seconds(double bytes, Buffers buffers) const {
   if (!(bandwidth_gbs > 0))
     ZS_THROW(invalid_argument, "predict_step(): a collective's bandwidth is not measured");
-  if (buffers == Buffers::queued && queued.empty()) buffers = Buffers::cold;
-  if (buffers == Buffers::cold && cold.empty()) buffers = Buffers::warm;
-  const std::vector<std::pair<double, double>>& points =
-      buffers == Buffers::queued ? queued : buffers == Buffers::cold ? cold : warm;
+  // A kind not measured takes the next: queued, then cold, then warm.
+  const std::vector<std::pair<double, double>>* pts = &warm;
+  if (buffers == Buffers::queued && !queued.empty())
+    pts = &queued;
+  else if (buffers != Buffers::warm && !cold.empty())
+    pts = &cold;
+  const std::vector<std::pair<double, double>>& points = *pts;
   if (points.empty()) return latency_s + bytes / (bandwidth_gbs * 1e9);
   if (bytes <= points.front().first) return points.front().second;
   for (size_t i = 1; i < points.size(); ++i) {
@@ -228,9 +231,9 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     // reduce from reused staging slots (warm). Stages 1-2 gather every unit's new parameters
     // into its whole buffer at once after the update (queued).
     if (group > 1) {
-      grads += timed(within_hops, ring,
-                     rates.reduce_scatter.seconds(shard, cfg.stage <= 1 ? Buffers::queued : Buffers::warm),
-                     k, link.reduce_scatter, block_out);
+      const Buffers reduced_from = cfg.stage <= 1 ? Buffers::queued : Buffers::warm;
+      grads += timed(within_hops, ring, rates.reduce_scatter.seconds(shard, reduced_from), k,
+                     link.reduce_scatter, block_out);
       if (cfg.stage == 0)
         grads += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::queued), k,
                        link.all_gather, block_out);

@@ -2,10 +2,10 @@
 // for sizes that do not divide evenly, every dtype, in-place gathers, and a timeout.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <algorithm>
 #include <limits>
 #include <thread>
 

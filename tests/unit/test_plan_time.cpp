@@ -220,8 +220,10 @@ TEST(PlanTime, ParametersOnTheNvmeTier) {
 }
 
 TEST(PlanTime, MeasuredPointsAreInterpolatedAndExtended) {
-  CollectiveRate c{5e-6, 1.0, {{1000, 1e-3}, {2000, 3e-3}}, {{1000, 2e-3}, {2000, 6e-3}},
-                   {{1000, 3e-3}, {2000, 9e-3}}};
+  CollectiveRate c{5e-6, 1.0};
+  c.warm = {{1000, 1e-3}, {2000, 3e-3}};
+  c.cold = {{1000, 2e-3}, {2000, 6e-3}};
+  c.queued = {{1000, 3e-3}, {2000, 9e-3}};
   EXPECT_DOUBLE_EQ(c.seconds(500, Buffers::warm), 1e-3);
   EXPECT_DOUBLE_EQ(c.seconds(1500, Buffers::warm), 2e-3);
   EXPECT_DOUBLE_EQ(c.seconds(1500, Buffers::cold), 4e-3);
