@@ -57,7 +57,8 @@ ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vecto
 /// `cold`, a fresh buffer each call, alone (as the whole gradient and parameter buffers, one per
 /// unit); `queued`, fresh buffers with many calls in flight at once, as the engine issues the
 /// whole buffers' collectives: stages 0–1 reduce every unit's gradients as backward hands it over,
-/// stages 1–2 gather every unit's new parameters at once after the update.
+/// stages 1–2 gather every unit's new parameters at once after the update. (Stage 0 gathers each
+/// reduced unit back on its own: cold.)
 enum class Buffers { warm, cold, queued };
 
 /// The time of one collective call of `bytes`, as `zeroshard calibrate` counts them: a

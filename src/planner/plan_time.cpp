@@ -227,15 +227,16 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     }
     if (world == 1) continue;  // a one-rank engine runs no collective
     // Stages 0-1 reduce each unit's own whole gradient buffer, all units' in flight at once
-    // (queued), and stage 0 gathers the reduced shards back into it among them; stages 2-3
-    // reduce from reused staging slots (warm). Stages 1-2 gather every unit's new parameters
-    // into its whole buffer at once after the update (queued).
+    // (queued), and stage 0 gathers the reduced shards back into it, one unit at a time as each
+    // reduction lands (cold); stages 2-3 reduce from reused staging slots (warm). Stages 1-2
+    // gather every unit's new parameters into its whole buffer at once after the update
+    // (queued).
     if (group > 1) {
       const Buffers reduced_from = cfg.stage <= 1 ? Buffers::queued : Buffers::warm;
       grads += timed(within_hops, ring, rates.reduce_scatter.seconds(shard, reduced_from), k,
                      link.reduce_scatter, block_out);
       if (cfg.stage == 0)
-        grads += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::queued), k,
+        grads += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::cold), k,
                        link.all_gather, block_out);
       if (cfg.stage == 3)  // forward and backward, into reused gather slots
         gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::warm), 2 * k,

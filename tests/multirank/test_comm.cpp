@@ -156,8 +156,9 @@ TEST(Comm, TimeoutNamesTheCollective) {
   world()->barrier("after comm timeout");
 }
 
-// Many collectives submitted at once (as stages 0-1 reduce every unit's gradients) all complete,
-// each with its own result, however many the communicator runs at a time.
+// Many collectives submitted at once (as stages 0-1 reduce every unit's gradients, and stages
+// 1-2 gather every unit's parameters) all complete, each with its own result, however many the
+// communicator runs at a time.
 TEST(Comm, ManyQueuedCollectivesCompleteEachWithItsResult) {
   auto c = world();
   const int n = c->size(), r = c->rank();
@@ -172,7 +173,9 @@ TEST(Comm, ManyQueuedCollectivesCompleteEachWithItsResult) {
     works.push_back(c->reduce_scatter(send[size_t(k)].data(), recv[size_t(k)].data(), kCount,
                                       DType::f32, "queued " + std::to_string(k)));
   }
-  // Gathers queued behind the reductions, each of the reduction before it.
+  for (const std::shared_ptr<Work>& w : works) w->wait();
+  works.clear();
+  // Then as many gathers at once, each of one reduction's output.
   for (int k = 0; k < kCalls; ++k)
     works.push_back(c->all_gather(recv[size_t(k)].data(), gathered[size_t(k)].data(), kCount,
                                   DType::f32, "queued gather " + std::to_string(k)));
@@ -203,7 +206,10 @@ TEST(Comm, CollectivesQueuedBehindATimeoutAreRefused) {
     for (int k = 0; k < kCalls; ++k) {
       while (!works[size_t(k)]->done() && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      ASSERT_TRUE(works[size_t(k)]->done()) << "call " << k << " did not end within 10 s";
+      if (!works[size_t(k)]->done()) {  // still meet the others below, rather than hang them
+        ADD_FAILURE() << "call " << k << " did not end within 10 s";
+        continue;
+      }
       try {
         works[size_t(k)]->wait();
         ADD_FAILURE() << "call " << k << " completed without its peers";

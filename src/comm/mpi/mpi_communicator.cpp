@@ -410,7 +410,9 @@ class MpiCommunicator final : public Communicator {
   // once, 5.0 ms four at a time, 3.7 ms two or one at a time (as one alone on a fresh buffer);
   // at 256 KiB 0.30, 0.26, 0.14 and 0.20 ms (`zeroshard calibrate`, collectives.*.queued, on
   // the 2-core Intel machine of benchmarks/RESULTS.md). Two keep the next one's start off the
-  // critical path.
+  // critical path. A call's timeout runs from its start: behind peers that are slow but answer,
+  // the last of N queued calls may end up to N / 2 timeouts after it was submitted; behind a
+  // peer that is gone, the first timeout refuses every call queued after it.
   static constexpr size_t kMaxInFlight = 2;
   // Collectives in flight that count against kMaxInFlight: a timed-out one stays in flight (a
   // late peer may complete it) but no longer holds back those behind it, which are then
@@ -421,9 +423,11 @@ class MpiCommunicator final : public Communicator {
     return n;
   }
 
+  // A check in flight holds back the next collective, unless it timed out: then the next is
+  // refused (the communicator is poisoned) rather than left waiting for it forever.
   static bool checking(const std::vector<InFlight>& inflight) {
     for (const InFlight& f : inflight)
-      if (f.start) return true;
+      if (f.start && !f.timed_out) return true;
     return false;
   }
 
