@@ -53,9 +53,9 @@ ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vecto
                                             const std::vector<OptimizerOptions>& groups = {});
 
 /// The buffers a collective runs on, as `zeroshard calibrate` measures them: `warm`, one buffer
-/// used again and again (in the caches, as the engine's gradient staging and gather slots are);
-/// `cold`, a fresh buffer each call, alone (as the whole gradient and parameter buffers, one per
-/// unit); `queued`, fresh buffers with many calls in flight at once, as the engine issues the
+/// used again and again (in the caches, as the engine's gradient staging slots are); `cold`, a
+/// fresh buffer each call, alone (as the whole gradient and parameter buffers, one per unit, and
+/// stage 3's shards, which its gathers read); `queued`, fresh buffers with many calls in flight at once, as the engine issues the
 /// whole buffers' collectives: stages 0–1 reduce every unit's gradients as backward hands it over,
 /// stages 1–2 gather every unit's new parameters at once after the update. (Stage 0 gathers each
 /// reduced unit back on its own: cold.)

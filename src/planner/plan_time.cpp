@@ -230,7 +230,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     // (queued), and stage 0 gathers the reduced shards back into it, one unit at a time as each
     // reduction lands (cold); stages 2-3 reduce from reused staging slots (warm). Stages 1-2
     // gather every unit's new parameters into its whole buffer at once after the update
-    // (queued).
+    // (queued). Stage 3's gathers read every unit's own shard, which no other unit reuses
+    // (cold), a few units ahead.
     if (group > 1) {
       const Buffers reduced_from = cfg.stage <= 1 ? Buffers::queued : Buffers::warm;
       grads += timed(within_hops, ring, rates.reduce_scatter.seconds(shard, reduced_from), k,
@@ -238,8 +239,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
       if (cfg.stage == 0)
         grads += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::cold), k,
                        link.all_gather, block_out);
-      if (cfg.stage == 3)  // forward and backward, into reused gather slots
-        gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::warm), 2 * k,
+      if (cfg.stage == 3)  // forward and backward, from each unit's own shard (cold)
+        gathers += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::cold), 2 * k,
                          link.all_gather, block_out);
       else if (cfg.stage >= 1)
         after += timed(within_hops, ring, rates.all_gather.seconds(shard, Buffers::queued), 1,
