@@ -55,16 +55,16 @@ ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vecto
 /// The buffers a collective runs on, as `zeroshard calibrate` measures them: `warm`, one buffer
 /// used again and again (in the caches, as the engine's gradient staging slots are); `cold`, a
 /// fresh buffer each call, alone (as the whole gradient and parameter buffers, one per unit, and
-/// stage 3's shards, which its gathers read); `queued`, fresh buffers with many calls in flight at once, as the engine issues the
-/// whole buffers' collectives: stages 0–1 reduce every unit's gradients as backward hands it over,
-/// stages 1–2 gather every unit's new parameters at once after the update. (Stage 0 gathers each
-/// reduced unit back on its own: cold.)
+/// stage 3's shards, which its gathers read); `queued`, fresh buffers with many calls in flight at
+/// once, as the engine issues the whole buffers' collectives: stages 0–1 reduce every unit's
+/// gradients as backward hands it over, stages 1–2 gather every unit's new parameters at once after
+/// the update. (Stage 0 gathers each reduced unit back on its own: cold.)
 enum class Buffers { warm, cold, queued };
 
 /// The time of one collective call of `bytes`, as `zeroshard calibrate` counts them: a
 /// reduce-scatter's output block per rank, an all-gather's input block per rank, an
-/// all-reduce's whole buffer. Measured on each kind of Buffers: on a 2-core machine a 4 MiB
-/// reduce-scatter ran at 2.7x the bandwidth of a 64 MiB one (warm against cold). Between two
+/// all-reduce's whole buffer. Measured on each kind of Buffers (the caches matter: on a 2-core
+/// machine a 4 MiB reduce-scatter ran at 2.7x the bandwidth of a 64 MiB one). Between two
 /// measured sizes the time is interpolated; past the largest, bytes / bandwidth_gbs more; below
 /// the smallest, its time. A kind not measured takes the next (queued: cold; cold: warm); with no
 /// points, latency_s + bytes / bandwidth_gbs.
