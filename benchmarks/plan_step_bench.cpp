@@ -69,48 +69,17 @@ double timed(Communicator& comm, int reps, Op op) {
 }
 
 // The step's collectives of one shard of `bytes` (per rank, elements of `dt`), as `zeroshard
-// calibrate` measures them: warm on one buffer used again and again, cold on a fresh buffer each
-// time from a ring of 256 MiB, and the reduce-scatter and all-gather queued (up to 16 calls on
-// the ring's buffers in flight at once, per call). Returns `rates` with these as its only points.
+// calibrate` measures them (time_collectives()). Returns `rates` with these as its only points.
 MachineRates measured_beside(Communicator& comm, MachineRates rates, int64_t bytes, DType dt) {
-  const int64_t n = bytes / int64_t(dtype_size(dt)), world = comm.size();
-  const int64_t k = std::max<int64_t>(1, (int64_t(256) << 20) / (bytes * world));
-  std::vector<uint8_t> send(size_t(bytes * world * k)), recv(send.size());
-  std::fill(send.begin(), send.end(), uint8_t(0x3C));  // 0x3C3C: a finite bf16 and f32 pattern
-  auto at = [&](std::vector<uint8_t>& v, int64_t slot) {
-    return v.data() + size_t(slot) * size_t(bytes * world);
-  };
+  const CollectiveTimes t = time_collectives(comm, bytes, dt, 5);
   const double b = double(bytes);
-  for (int cold = 0; cold < 2; ++cold) {
-    auto slot = [&](int r) { return cold ? r % k : 0; };
-    const double rs = timed(comm, 5, [&](int r) {
-      comm.reduce_scatter(at(send, slot(r)), at(recv, slot(r)), n, dt, "plan_step_bench")->wait();
-    });
-    const double ag = timed(comm, 5, [&](int r) {
-      comm.all_gather(at(recv, slot(r)), at(send, slot(r)), n, dt, "plan_step_bench")->wait();
-    });
-    const double ar = timed(comm, 5, [&](int r) {
-      comm.all_reduce_sum(at(send, slot(r)), n, dt, "plan_step_bench")->wait();
-    });
-    (cold ? rates.reduce_scatter.cold : rates.reduce_scatter.warm) = {{b, rs}};
-    (cold ? rates.all_gather.cold : rates.all_gather.warm) = {{b, ag}};
-    (cold ? rates.all_reduce.cold : rates.all_reduce.warm) = {{b, ar}};
+  CollectiveRate* kinds[3] = {&rates.reduce_scatter, &rates.all_gather, &rates.all_reduce};
+  for (int c = 0; c < 3; ++c) {
+    kinds[c]->warm = {{b, t.warm[c]}};
+    kinds[c]->cold = {{b, t.cold[c]}};
+    kinds[c]->queued.clear();
+    if (c < 2) kinds[c]->queued = {{b, t.queued[c]}};
   }
-  const int64_t q = std::min<int64_t>(16, k);
-  for (int c = 0; c < 2; ++c) {
-    auto start = [&](int64_t i) {
-      return c == 0 ? comm.reduce_scatter(at(send, i), at(recv, i), n, dt, "plan_step_bench")
-                    : comm.all_gather(at(recv, i), at(send, i), n, dt, "plan_step_bench");
-    };
-    const double all = timed(comm, 5, [&](int) {
-      std::vector<std::shared_ptr<Work>> started;
-      for (int64_t i = 0; i < q; ++i) started.push_back(start(i));
-      for (const std::shared_ptr<Work>& w : started) w->wait();
-    });
-    const double per_call = all / double(q);
-    (c == 0 ? rates.reduce_scatter.queued : rates.all_gather.queued) = {{b, per_call}};
-  }
-  rates.all_reduce.queued.clear();
   return rates;
 }
 

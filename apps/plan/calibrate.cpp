@@ -201,12 +201,7 @@ json fit(const std::vector<std::pair<double, double>>& pts) {
           {"points_bytes_s", p}};
 }
 
-// Each collective at sizes from 4 KiB up, on one buffer used again and again (warm: in the caches
-// up to their size, as the engine's reused staging and gather slots are) and on a fresh buffer
-// each time from a ring of 256 MiB (cold: as the engine's whole gradient and parameter buffers of
-// stages 0-2, which every unit has its own of); and the reduce-scatter and all-gather queued: up
-// to kQueue calls on the ring's buffers started at once and waited for together, timed per call
-// (as stages 0-1 reduce every unit's gradients and stages 1-2 gather every unit's parameters).
+// Each collective at sizes from 4 KiB up, warm, cold and queued (time_collectives()).
 json collectives(Communicator& comm, const Options& o) {
   const int world = comm.size();
   json out = {{"world", world}};
@@ -214,57 +209,14 @@ json collectives(Communicator& comm, const Options& o) {
     out["note"] = "one rank: no collective to measure (launch under mpirun -np N)";
     return out;
   }
-  constexpr int64_t kRing = int64_t(256) << 20;
-  constexpr int64_t kQueue = 16;
   std::vector<std::pair<double, double>> pts[3][3];  // [warm, cold, queued][rs, ag, ar]
   for (int64_t bytes = 4096; bytes <= o.max_bytes; bytes *= 4) {
-    const int64_t n = bytes / 2;  // bf16 elements per rank
-    const int64_t k = std::max<int64_t>(1, kRing / (bytes * world));
-    std::vector<uint16_t> send(size_t(n * world * k), 0x3C00), recv(size_t(n * world * k));
-    auto sd = [&](int64_t slot) { return send.data() + size_t(slot) * size_t(n * world); };
-    auto rv = [&](int64_t slot) { return recv.data() + size_t(slot) * size_t(n * world); };
-    for (int cold = 0; cold < 2; ++cold) {
-      std::vector<double> t[3];
-      for (int r = 0; r < o.reps + 1; ++r) {
-        const int64_t at = cold ? r % k : 0;
-        double x[3];
-        comm.barrier("calibrate");
-        double t0 = now_s();
-        comm.reduce_scatter(sd(at), rv(at), n, DType::bf16, "calibrate")->wait();
-        x[0] = now_s() - t0;
-        comm.barrier("calibrate");
-        t0 = now_s();
-        comm.all_gather(rv(at), sd(at), n, DType::bf16, "calibrate")->wait();
-        x[1] = now_s() - t0;
-        comm.barrier("calibrate");
-        t0 = now_s();
-        comm.all_reduce_sum(sd(at), n, DType::bf16, "calibrate")->wait();
-        x[2] = now_s() - t0;
-        if (r == 0) continue;
-        for (int c = 0; c < 3; ++c) t[c].push_back(x[c]);
-      }
-      // The slowest rank's median: a collective ends when the last rank is done.
-      double m[3] = {median(t[0]), median(t[1]), median(t[2])};
-      comm.all_reduce(m, 3, ReduceOp::max, "calibrate")->wait();
-      for (int c = 0; c < 3; ++c) pts[cold][c].push_back({double(bytes), m[c]});
+    const CollectiveTimes t = time_collectives(comm, bytes, DType::bf16, o.reps);
+    for (int c = 0; c < 3; ++c) {
+      pts[0][c].push_back({double(bytes), t.warm[c]});
+      pts[1][c].push_back({double(bytes), t.cold[c]});
+      if (c < 2) pts[2][c].push_back({double(bytes), t.queued[c]});
     }
-    const int64_t q = std::min(kQueue, k);
-    std::vector<double> t[2];
-    for (int r = 0; r < o.reps + 1; ++r) {
-      for (int c = 0; c < 2; ++c) {
-        std::vector<std::shared_ptr<Work>> started;
-        comm.barrier("calibrate");
-        const double t0 = now_s();
-        for (int64_t i = 0; i < q; ++i)
-          started.push_back(c == 0 ? comm.reduce_scatter(sd(i), rv(i), n, DType::bf16, "calibrate")
-                                   : comm.all_gather(rv(i), sd(i), n, DType::bf16, "calibrate"));
-        for (const std::shared_ptr<Work>& w : started) w->wait();
-        if (r > 0) t[c].push_back((now_s() - t0) / double(q));
-      }
-    }
-    double m[2] = {median(t[0]), median(t[1])};
-    comm.all_reduce(m, 2, ReduceOp::max, "calibrate")->wait();
-    for (int c = 0; c < 2; ++c) pts[2][c].push_back({double(bytes), m[c]});
   }
   const char* names[3] = {"reduce_scatter", "all_gather", "all_reduce"};
   for (int c = 0; c < 3; ++c) {

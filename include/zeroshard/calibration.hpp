@@ -7,7 +7,9 @@
 #include <memory>
 #include <vector>
 
+#include "zeroshard/communicator.hpp"
 #include "zeroshard/export.hpp"
+#include "zeroshard/types.hpp"
 
 namespace zeroshard {
 
@@ -47,5 +49,24 @@ class ZS_API SameBytesPass {
   struct ZS_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// The collectives of one size, as `zeroshard calibrate` measures them (and plan_step_bench beside
+/// its steps): reduce-scatter, all-gather and all-reduce (a sum) of `bytes` per rank of `dtype`
+/// (a reduce-scatter's output block, an all-gather's input block, an all-reduce's buffer), in
+/// seconds per call, each the slowest rank's median of `reps` calls after one untimed, every
+/// call between barriers:
+/// - warm: on one buffer used again and again (in the caches up to their size, as the engine's
+///   reused staging slots are);
+/// - cold: on a fresh buffer each call from a ring of 256 MiB (as the engine's whole gradient
+///   and parameter buffers, one per unit);
+/// - queued (reduce-scatter and all-gather): up to 16 calls on the ring's buffers started at
+///   once and waited for together, per call (as stages 0-1 reduce every unit's gradients and
+///   stages 1-2 gather every unit's parameters).
+/// Collective: every rank of `comm` calls it with the same arguments.
+struct CollectiveTimes {
+  double warm[3], cold[3];  ///< reduce-scatter, all-gather, all-reduce
+  double queued[2];         ///< reduce-scatter, all-gather
+};
+ZS_API CollectiveTimes time_collectives(Communicator& comm, int64_t bytes, DType dtype, int reps);
 
 }  // namespace zeroshard
