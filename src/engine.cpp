@@ -29,10 +29,10 @@ Config checked(Config c, const std::shared_ptr<Communicator>& comm) {
 
 }  // namespace
 
-Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm)
+Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm, std::unique_ptr<Compute> dev)
     : cfg(checked(std::move(c), cm)),
       comm(std::move(cm)),
-      res(cfg),
+      res(cfg, std::move(dev)),
       scaler(cfg.loss_scale, cfg.dtype == DType::f16 && cfg.loss_scale.static_scale <= 0) {
   rank = comm->rank();
   world = comm->size();
@@ -146,6 +146,8 @@ std::vector<TensorView> Engine::Impl::views(int id, void* base) const {
 
 Engine::Engine(Config config, std::shared_ptr<Communicator> comm)
     : impl_(std::make_unique<Impl>(std::move(config), std::move(comm))) {}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Engine::~Engine() {
   if (!impl_) return;

@@ -123,7 +123,8 @@ struct Engine::Impl final : ParamSink {
   double exposed_s = 0;                           // trainer thread blocked on them
   double interval_start = 0;
 
-  Impl(Config c, std::shared_ptr<Communicator> cm);
+  /// `dev`: the device backend (null: the one Config::device names, make_compute()).
+  Impl(Config c, std::shared_ptr<Communicator> cm, std::unique_ptr<Compute> dev = nullptr);
   ~Impl() override;
 
   // ParamSink

@@ -4,8 +4,8 @@
 
 namespace zeroshard {
 
-Resources::Resources(const Config& cfg)
-    : dev(make_compute(cfg, arena)), host(make_cpu_compute(arena)) {}
+Resources::Resources(const Config& cfg, std::unique_ptr<Compute> d)
+    : dev(d ? std::move(d) : make_compute(cfg, arena)), host(make_cpu_compute(arena)) {}
 
 Resources::~Resources() = default;
 

@@ -18,8 +18,9 @@ namespace zeroshard {
 struct Config;
 
 struct Resources {
-  /// The backends Config::device names (see make_compute()).
-  explicit Resources(const Config& cfg);
+  /// The backends Config::device names (see make_compute()), or `dev` for the device where
+  /// given (a plan's stand-in, whose memory is counted and never allocated).
+  explicit Resources(const Config& cfg, std::unique_ptr<Compute> dev = nullptr);
   ~Resources();
 
   cpu::Arena arena;

@@ -268,6 +268,7 @@ class ZS_API Engine {
  private:
   friend struct PlanAccess;  // plan_memory() (zeroshard/planner.hpp) runs finalize() as a plan
   struct ZS_HIDDEN Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);  // PlanAccess: an engine on a plan's device
   std::unique_ptr<Impl> impl_;
 };
 

@@ -26,8 +26,10 @@ struct PlanUnit {
 /// answered locally (every rank is assumed to register the same model); nvme swap files are
 /// laid out in a temporary directory, sparse, and removed, so the configured nvme paths need not
 /// exist here. `groups` are the parameter groups after the first (Engine::add_group()).
-/// CPU engines only (Config::device cpu): planning a GPU engine needs its device's allocator.
-/// Throws Error (invalid_argument) for what the engine itself would refuse.
+/// A GPU engine (Config::device cuda) is planned on a stand-in GPU, so no GPU (nor a CUDA build)
+/// is needed: the same tiers, with the GPU's staging slots and pinned upload buffers, as on the
+/// GPU. Throws Error (invalid_argument or invalid_config) for what the engine itself would
+/// refuse.
 ZS_API MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, int world,
                                 int rank = 0, const std::vector<OptimizerOptions>& groups = {});
 
@@ -46,8 +48,11 @@ struct PlanChoice {
 };
 
 /// plan_memory() for every stage and offload choice (stages 0–3; optimizer state on the device,
-/// host or, from stage 1, nvme tier; at stage 3 parameters on each tier too), with `base`'s other
-/// settings: what `zeroshard plan` and zeroshard.estimate() print.
+/// host or, from stage 1, nvme tier; at stage 3 parameters on each tier too) that an engine with
+/// `base`'s other settings takes (Config::validate(): a GPU engine takes no stage 0 with the
+/// optimizer off the GPU, nor parameters off it with the optimizer on it): what
+/// `zeroshard plan` and zeroshard.estimate() print. Throws the engine's reason when it takes
+/// none.
 ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanUnit>& units,
                                             int world,
                                             const std::vector<OptimizerOptions>& groups = {});

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "src/base/check.hpp"
 #include "src/comm/split_check.hpp"
@@ -64,6 +65,45 @@ class PlanCommunicator final : public Communicator {
   int rank_, size_;
 };
 
+// The GPU a GPU engine's plan stands on, on a machine that need not have one: an engine with it
+// finalizes as on the GPU (the same tiers, staging slots and pinned buffers, by
+// Compute::device()), and its ledger counts the memory that is never allocated. It runs nothing.
+class PlanDevice final : public Compute {
+ public:
+  Device device() const override { return Device::cuda; }
+  int device_index() const override { return 0; }
+  Allocator* device_memory() override { return &none_; }
+  Allocator* pinned_memory() override { return &none_; }
+  void fill(void*, unsigned char, size_t) override { refuse("a fill"); }
+  void convert(const void*, DType, void*, DType, int64_t) override { refuse("a conversion"); }
+  void accumulate(float*, const void*, DType, int64_t) override { refuse("an accumulation"); }
+  void update(const std::vector<cpu::UpdateHyper>&, const std::vector<UnitUpdate>&) override {
+    refuse("an update");
+  }
+  std::pair<double, bool> sum_squares(const std::vector<GradSpan>&) override {
+    refuse("a norm");
+  }
+  void copy(void*, const void*, size_t) override { refuse("a copy"); }
+  void download(void*, const void*, size_t) override { refuse("a copy"); }
+  void synchronize() override {}
+  std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
+  std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override { return comm; }
+  void before_collective() override {}
+  void* stream() const override { return nullptr; }
+  void set_stream(void*) override {}
+
+ private:
+  [[noreturn]] static void refuse(const char* what) {
+    ZS_THROW(internal, "plan_memory(): a plan's GPU runs no " << what);
+  }
+  struct NoMemory final : Allocator {
+    void* allocate(size_t, const std::string& name) override {
+      ZS_THROW(internal, "plan_memory(): a plan allocates nothing (" << name << ")");
+    }
+    void deallocate(void*) noexcept override {}
+  } none_;
+};
+
 // A temporary directory for the plan's sparse swap files, removed with it.
 struct TempDir {
   fs::path path;
@@ -97,6 +137,12 @@ void redirect(std::vector<std::string>& paths, const fs::path& tmp,
 }  // namespace
 
 struct PlanAccess {
+  // An engine on `comm`, on the plan's GPU for a GPU engine.
+  static Engine engine(const Config& cfg, std::shared_ptr<Communicator> comm) {
+    return Engine(std::make_unique<Engine::Impl>(
+        cfg, std::move(comm),
+        cfg.device == Device::cpu ? nullptr : std::make_unique<PlanDevice>()));
+  }
   static MemoryReport plan(Engine& e) {
     Engine::Impl& m = *e.impl_;
     m.res.ledger.count_only();
@@ -109,10 +155,6 @@ MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, 
                          const std::vector<OptimizerOptions>& groups) {
   if (world < 1 || rank < 0 || rank >= world)
     ZS_THROW(invalid_argument, "plan_memory(): rank " << rank << " of " << world << " ranks");
-  if (cfg.device != Device::cpu)
-    ZS_THROW(invalid_argument,
-             "plan_memory(): only CPU engines are planned (Config::device "
-             "cpu); a GPU engine's plan needs its device's allocator");
   Config c = cfg;
   TempDir tmp;
   std::map<std::string, std::string> seen;
@@ -121,7 +163,7 @@ MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, 
   std::vector<PlanUnit> bare = units;
   for (PlanUnit& u : bare)
     for (Param& p : u.params) p.init = TensorView{};
-  Engine e(c, std::make_shared<PlanCommunicator>(rank, world));
+  Engine e = PlanAccess::engine(c, std::make_shared<PlanCommunicator>(rank, world));
   for (const OptimizerOptions& g : groups) e.add_group(g);
   for (PlanUnit& u : bare) e.add_unit(u.name, std::move(u.params));
   return PlanAccess::plan(e);
@@ -130,6 +172,7 @@ MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, 
 std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanUnit>& units,
                                      int world, const std::vector<OptimizerOptions>& groups) {
   std::vector<PlanChoice> out;
+  std::optional<Error> refused;
   for (int stage = 0; stage <= 3; ++stage)
     for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
       for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
@@ -143,6 +186,13 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
         // The plan lays swap files out in a directory of its own: any path stands for a disk.
         for (OffloadOptions* o : {&cfg.offload_optimizer, &cfg.offload_param})
           if (o->nvme_paths.empty()) o->nvme_paths = {"nvme"};
+        // A choice the engine refuses (a GPU engine's: Config::validate()) is not a choice.
+        try {
+          cfg.validate();
+        } catch (const Error& e) {
+          if (!refused) refused = e;
+          continue;
+        }
         PlanChoice c{stage, opt, par, {}, 0, cfg};
         for (int r : {0, world - 1}) {
           const MemoryReport m = plan_memory(cfg, units, world, r, groups);
@@ -156,6 +206,7 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
         }
         out.push_back(c);
       }
+  if (out.empty() && refused) throw *refused;  // `base` itself is refused
   return out;
 }
 

@@ -74,6 +74,28 @@ Config config(const Case& c, Device d) {
   return cfg;
 }
 
+// plan_memory() of a GPU engine runs its setup on a stand-in GPU that allocates nothing: on the
+// machine with the GPU, the plan must be the real engine's ledger, cell by cell and buffer by
+// buffer (tests/unit/test_plan_gpu.cpp checks the plan without a GPU).
+void expect_plan_is_ledger(const Config& cfg, const std::vector<zs_test::UnitSpec>& model,
+                           const Engine& e) {
+  std::vector<PlanUnit> units;
+  for (const auto& u : model) {
+    PlanUnit pu{u.name, {}};
+    for (const auto& [pname, shape] : u.params) pu.params.push_back(Param{pname, shape});
+    units.push_back(pu);
+  }
+  const MemoryReport real = e.memory();
+  const MemoryReport plan = plan_memory(cfg, units, e.world_size(), e.rank());
+  for (int t = 0; t < kNumTiers; ++t)
+    for (int k = 0; k < kNumMemKinds; ++k)
+      EXPECT_EQ(plan.bytes[t][k], real.bytes[t][k])
+          << "plan of " << tier_name(Tier(t)) << " " << mem_kind_name(MemKind(k));
+  ASSERT_EQ(plan.buffers.size(), real.buffers.size());
+  for (size_t i = 0; i < plan.buffers.size(); ++i)
+    EXPECT_EQ(plan.buffers[i].bytes, real.buffers[i].bytes) << "plan of " << real.buffers[i].name;
+}
+
 class GpuEngine : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuEngine, MatchesTheCpuEngine) {
@@ -102,6 +124,7 @@ TEST_P(GpuEngine, MatchesTheCpuEngine) {
       c.nccl ? make_nccl_communicator(0, make_self_communicator()) : world();
   Engine gpu_e(config(c, Device::cuda), comm);
   zs_test::register_model(gpu_e, model);
+  expect_plan_is_ledger(config(c, Device::cuda), model, gpu_e);
   ASSERT_NE(gpu_e.stream(), nullptr);
   // Reads follow the engine's work on its stream (stage 0's update returns without waiting).
   auto stream = static_cast<cudaStream_t>(gpu_e.stream());

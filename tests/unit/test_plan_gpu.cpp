@@ -1,0 +1,102 @@
+// plan_memory() of a GPU engine (Config::device cuda) on a machine without a GPU: the same
+// setup as the CPU engine's plus the GPU's own staging, and nothing else. That the plan equals a
+// real GPU engine's ledger is tests/gpu/test_gpu_engine.cpp's GpuEngine.PlanEqualsLedger.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "zeroshard/zeroshard.hpp"
+
+using namespace zeroshard;
+
+namespace {
+
+// Two units of 4096 and 1000 bf16 parameters: on 2 ranks, shards of 2048 and 512 elements (the
+// second padded from 1000 to 1024).
+std::vector<PlanUnit> model() {
+  return {{"a", {Param{"w", {64, 64}}}}, {"b", {Param{"v", {1000}}}}};
+}
+constexpr int64_t kShards[] = {2048, 512};
+constexpr int64_t kLargest = 2048;
+
+// Bytes per (buffer name, tier): a buffer kept per unit is listed once per unit.
+std::map<std::pair<std::string, Tier>, int64_t> named(const MemoryReport& m) {
+  std::map<std::pair<std::string, Tier>, int64_t> out;
+  for (const NamedBuffer& b : m.buffers) out[{b.name, b.tier}] += b.bytes;
+  return out;
+}
+
+}  // namespace
+
+// Every choice a GPU engine takes, on 2 ranks: the GPU plan is the CPU plan with, where the
+// optimizer is off the GPU, the gradient shards' staging slots on the GPU (Config::grad_buffers
+// of the largest shard) and, where the parameters stay on the GPU, a pinned upload buffer of
+// each unit's shard; and where stage 3's shards are off the GPU, two slots on the GPU they are
+// copied up into before their gathers. Each tier × kind differs by exactly those bytes.
+TEST(PlanGpu, IsTheCpuPlanWithTheGpusStaging) {
+  int planned = 0;
+  for (int stage = 0; stage <= 3; ++stage)
+    for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
+      for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
+        if ((stage < 3 && par != Tier::device) || (stage == 0 && opt != Tier::device)) continue;
+        if (par != Tier::device && opt == Tier::device) continue;  // the engine refuses these
+        Config cfg;
+        cfg.stage = stage;
+        cfg.dtype = DType::bf16;
+        cfg.offload_optimizer.tier = opt;
+        cfg.offload_param.tier = par;
+        cfg.offload_optimizer.nvme_paths = cfg.offload_param.nvme_paths = {"nvme"};
+        SCOPED_TRACE("stage " + std::to_string(stage) + ", optimizer " + tier_name(opt) +
+                     ", parameters " + tier_name(par));
+        const MemoryReport cpu = plan_memory(cfg, model(), 2);
+        cfg.device = Device::cuda;
+        const MemoryReport gpu = plan_memory(cfg, model(), 2);
+
+        std::map<std::pair<std::string, Tier>, int64_t> want = named(cpu);
+        std::array<std::array<int64_t, kNumMemKinds>, kNumTiers> extra{};  // GPU-only bytes
+        auto add = [&](const char* name, Tier t, int64_t bytes) {
+          want[{name, t}] += bytes;
+          extra[int(t)][int(MemKind::buffer)] += bytes;
+        };
+        if (opt != Tier::device) {
+          add("grad_shard_staging", Tier::device, cfg.grad_buffers * kLargest * 2);
+          if (par == Tier::device)
+            for (int64_t s : kShards) add("param_upload", Tier::host, s * 2);
+        }
+        if (stage == 3 && par != Tier::device)
+          add("param_shard_staging", Tier::device, 2 * kLargest * 2);
+        EXPECT_EQ(named(gpu), want);
+        for (int t = 0; t < kNumTiers; ++t)
+          for (int k = 0; k < kNumMemKinds; ++k)
+            EXPECT_EQ(gpu.bytes[t][k], cpu.bytes[t][k] + extra[t][k])
+                << tier_name(Tier(t)) << " " << mem_kind_name(MemKind(k));
+        ++planned;
+      }
+  EXPECT_EQ(planned, 14);
+}
+
+// plan_choices() lists only what a GPU engine takes: no stage 0 with the optimizer off the GPU,
+// no parameters off the GPU with the optimizer on it. A base no choice takes is refused with the
+// engine's own reason.
+TEST(PlanGpu, ChoicesAreTheOnesTheGpuEngineTakes) {
+  Config base;
+  base.dtype = DType::bf16;
+  base.device = Device::cuda;
+  const std::vector<PlanChoice> choices = plan_choices(base, model(), 2);
+  EXPECT_EQ(choices.size(), 14u);  // 15 of a CPU engine, less stage 0 on the host
+  for (const PlanChoice& c : choices) {
+    EXPECT_FALSE(c.stage == 0 && c.optimizer != Tier::device);
+    EXPECT_FALSE(c.params != Tier::device && c.optimizer == Tier::device);
+    EXPECT_EQ(c.config.device, Device::cuda);
+  }
+  base.shard_alignment = 4;  // the GPU update's vector accesses need multiples of 8
+  try {
+    plan_choices(base, model(), 2);
+    FAIL() << "a base no GPU engine takes was planned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shard_alignment"), std::string::npos) << e.what();
+  }
+}
