@@ -129,13 +129,20 @@ struct MachineRates {
   /// kind sends them (LinkRates).
   int ranks_per_node = 0;
   LinkRates link;
+  /// A GPU engine's (Config::device cuda), as `zeroshard calibrate --device cuda` measures them:
+  /// its update with the optimizer state in GPU memory, in parameters per second, for the
+  /// engine's dtype and moments' format (the collectives above are then the GPUs'); and pinned
+  /// host memory copied to and from the GPU (PCIe), in GB/s. 0: not measured.
+  double gpu_update_params_per_s = 0;
+  double h2d_gbs = 0, d2h_gbs = 0;
 };
 
 /// The rates of a calibration file (schema zeroshard-calibration/1) for an engine configured as
 /// `cfg`: its dtype, its moments' format (Config::optimizer_state) and its master's
 /// (Config::bf16_master). Each format moves its own bytes, so the CPU update and the nvme step
 /// have a rate per format. A rate the file does not hold (a file written before formats were
-/// measured, or without --nvme-path) stays 0, and predict_step() then says it is not measured.
+/// measured, or without --nvme-path, or a GPU's without --device cuda) stays 0, and
+/// predict_step() then says it is not measured.
 /// Throws Error(invalid_argument) naming the file on a missing file, another schema, or a
 /// missing or mistyped field.
 ZS_API MachineRates read_calibration(const std::string& path, const Config& cfg);
@@ -150,7 +157,7 @@ ZS_API LinkRates read_link_calibration(const std::string& path);
 /// level of their section, the others under its "state_formats".
 ZS_API std::string calibration_format(const Config& cfg);
 
-/// A step of a CPU engine (optimizer on the device or host tier, or nvme), in seconds, split as
+/// A step of an engine (optimizer on the device or host tier, or nvme), in seconds, split as
 /// it is spent. Communication is what the trainer waits for: the reduction of the gradients
 /// (a reduce-scatter, and at stage 0 an all-gather of the reduced shards) and the stage-3 gathers
 /// (one per unit in forward and one in backward), beyond what compute_s hides of them
@@ -158,12 +165,19 @@ ZS_API std::string calibration_format(const Config& cfg);
 /// which nothing hides.
 struct StepPrediction {
   double compute_s = 0;
-  double comm_s = 0;       ///< exposed communication
-  double optimizer_s = 0;  ///< the CPU update in memory
+  double comm_s = 0;  ///< exposed communication
+  /// The update in memory: on the CPU, or on the GPU where a GPU engine keeps its optimizer
+  /// state there.
+  double optimizer_s = 0;
+  /// A GPU engine's copies between its memory and pinned host memory that the step waits for:
+  /// the reduced gradient shards going down to a CPU optimizer (beside the reductions, hidden
+  /// with them), the new parameters going up (beside the CPU update: the slower sets the pace),
+  /// and stage 3's shards off the GPU going up before each gather (hidden with the gathers).
+  double pcie_s = 0;
   /// The nvme tier's step (its update included), and with parameters on the nvme tier their
   /// reads beyond what the gathers' collectives hide and their writes after the update.
   double nvme_s = 0;
-  double total_s = 0;
+  double total_s = 0;  ///< compute_s + comm_s + optimizer_s + pcie_s + nvme_s
   /// Bytes the busiest node sends to other nodes per step (ring count, as the engine counts).
   double inter_node_bytes = 0;
 };
@@ -172,8 +186,10 @@ struct StepPrediction {
 /// engine allocates with. Stage 3's parameters on the host tier are a CPU engine's memory, as on
 /// the device tier; on the nvme tier every gather reads the rank's shard first (ahead, in the
 /// recorded order, so the reads and the gathers' collectives run side by side and the slower
-/// sets the pace) and the update writes every new shard. Throws Error(invalid_argument) for a
-/// configuration it does not model (GPU engines) or a rate it needs that is 0.
+/// sets the pace) and the update writes every new shard. A GPU engine (Config::device cuda)
+/// adds its host↔GPU copies (StepPrediction::pcie_s) and updates in GPU memory at
+/// MachineRates::gpu_update_params_per_s. Throws Error(invalid_argument) for a rate it needs
+/// that is 0, or a configuration the engine refuses.
 ZS_API StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
                                    const MachineRates& rates);
 

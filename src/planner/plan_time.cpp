@@ -122,6 +122,16 @@ MachineRates read_calibration(const std::string& path, const Config& cfg) {
             j.at("nvme").at("param_tier").at("write_with_records_gbs").get<double>();
       }
     }
+    at = "gpu";  // absent or null: a calibration without --device cuda
+    if (j.contains("gpu") && !j.at("gpu").is_null()) {
+      const json& g = j.at("gpu");
+      at = "gpu.h2d_gbs";
+      r.h2d_gbs = g.at("h2d_gbs").get<double>();
+      at = "gpu.d2h_gbs";
+      r.d2h_gbs = g.at("d2h_gbs").get<double>();
+      at = "gpu.adamw.<dtype>.params_per_s";
+      r.gpu_update_params_per_s = measured(g.at("adamw").at(d), "params_per_s");
+    }
     return r;
   } catch (const json::exception& e) {
     ZS_THROW(invalid_argument, "calibration file " << path << ": " << at << ": " << e.what());
@@ -159,24 +169,44 @@ LinkRates read_link_calibration(const std::string& path) {
 
 StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
                             const MachineRates& rates) {
-  if (cfg.device != Device::cpu)
-    ZS_THROW(invalid_argument, "predict_step(): CPU engines only (no GPU rates are calibrated)");
   if (world < 1) ZS_THROW(invalid_argument, "predict_step(): world " << world);
+  {  // a choice the engine refuses (a GPU engine's) has no step; a prediction needs no disk
+    Config c = cfg;
+    for (OffloadOptions* o : {&c.offload_optimizer, &c.offload_param})
+      if (o->nvme_paths.empty()) o->nvme_paths = {"nvme"};
+    c.validate();
+  }
+  const bool gpu = cfg.device == Device::cuda;
   const bool nvme = cfg.offload_optimizer.tier == Tier::nvme;
-  const bool nvme_params = cfg.stage == 3 && cfg.offload_param.tier == Tier::nvme;
+  const bool params_off = cfg.stage == 3 && cfg.offload_param.tier != Tier::device;
+  const bool nvme_params = params_off && cfg.offload_param.tier == Tier::nvme;
+  // A GPU engine with its optimizer off the GPU downloads the reduced gradients and (parameters
+  // on the GPU) uploads the new parameters; with stage 3's shards off it, uploads each before
+  // its gather.
+  const bool gpu_state_off = gpu && cfg.offload_optimizer.tier != Tier::device;
+  const bool gpu_update = gpu && !gpu_state_off;
   const double write_gbs = nvme ? rates.param_write_with_records_gbs : rates.param_write_gbs;
   if (nvme_params && !(rates.param_read_gbs > 0 && write_gbs > 0))
     ZS_THROW(invalid_argument,
              "predict_step(): the nvme parameter tier's read and write rates "
              "are not measured (zeroshard calibrate --nvme-path DIR measures "
              "them)");
-  if (nvme ? !(rates.nvme_step_params_per_s > 0) : !(rates.update_params_per_s > 0))
+  const double update_rate = nvme         ? rates.nvme_step_params_per_s
+                             : gpu_update ? rates.gpu_update_params_per_s
+                                          : rates.update_params_per_s;
+  if (!(update_rate > 0))
     ZS_THROW(invalid_argument, "predict_step(): the "
-                                   << (nvme ? "nvme step" : "CPU update") << " rate with "
-                                   << state_format_name(cfg.optimizer_state) << " moments"
-                                   << (cfg.bf16_master ? " and a bf16 master" : "")
+                                   << (nvme ? "nvme step" : gpu_update ? "GPU update" : "CPU update")
+                                   << " rate with " << state_format_name(cfg.optimizer_state)
+                                   << " moments" << (cfg.bf16_master ? " and a bf16 master" : "")
                                    << " is not measured (zeroshard calibrate"
-                                   << (nvme ? " --nvme-path DIR" : "") << " measures it)");
+                                   << (nvme ? " --nvme-path DIR" : gpu_update ? " --device cuda" : "")
+                                   << " measures it)");
+  if ((gpu_state_off || (gpu && params_off)) && !(rates.h2d_gbs > 0 && rates.d2h_gbs > 0))
+    ZS_THROW(invalid_argument,
+             "predict_step(): a GPU engine with its optimizer or parameters off the GPU copies "
+             "them over PCIe, whose rates are not measured (zeroshard calibrate --device cuda "
+             "measures them)");
   const double pbytes = double(dtype_size(cfg.dtype));
   const int k = cfg.gradient_accumulation_steps;
   // Groups (Config::shard_group_size) and nodes: the rings of a collective within each group,
@@ -216,6 +246,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   const double block_out = link.nodes - 1.0, buffer_out = 2.0 * (link.nodes - 1) / link.nodes;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
   double param_read = 0, param_write = 0;                 // bytes of nvme parameter shards
+  double down = 0, up = 0, gather_up = 0;                 // bytes between the GPU and host memory
   for (const PlanUnit& u : units) {
     const UnitLayout L = plan_unit(u.name, u.params, group, padding_grain(cfg));
     const double shard = double(L.shard_numel) * pbytes;
@@ -225,6 +256,11 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
       param_read += 2.0 * k * shard;
       param_write += shard;
     }
+    if (gpu_state_off) {  // every micro-step's reduced shard down; the new shard up
+      down += k * shard;
+      if (!params_off) up += shard;
+    }
+    if (gpu && params_off) gather_up += 2.0 * k * shard;  // up before each gather
     if (world == 1) continue;  // a one-rank engine runs no collective
     // Stages 0-1 reduce each unit's own whole gradient buffer, all units' in flight at once
     // (queued), and stage 0 gathers the reduced shards back into it, one unit at a time as each
@@ -259,22 +295,26 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   // Reductions start as backward hands units over and stage-3 gathers are prefetched ahead of
   // the unit that needs them: both can hide behind the trainer's compute, once, as far as the
   // two run side by side on this machine. The all-gather of the new parameters waits for the
-  // update and hides behind nothing.
+  // update and hides behind nothing. What runs beside them (a GPU's copies, the nvme tier's
+  // reads) is charged with what it adds to the exposed time, after the collectives.
   auto exposed_of = [&](double comm) {
     return comm - rates.comm_overlap * std::min(rates.compute_s, comm);
   };
   const double exposed = exposed_of(grads + gathers);
   p.comm_s = exposed + after;
-  if (nvme)
-    p.nvme_s = updated / rates.nvme_step_params_per_s;
-  else
-    p.optimizer_s = updated / rates.update_params_per_s;
+  (nvme ? p.nvme_s : p.optimizer_s) = updated / update_rate;
+  // The GPU's copies: downloads as the reductions land, each shard's upload just before its
+  // gather (on the stream the gather follows), the new parameters' uploads beside the update.
+  const double h2d = rates.h2d_gbs * 1e9, d2h = rates.d2h_gbs * 1e9;
+  const double copied = gpu ? down / d2h : 0, gathered = gpu ? gathers + gather_up / h2d : gathers;
+  const double with_copies = exposed_of(grads + copied + gathered);
+  if (gpu) p.pcie_s = with_copies - exposed + std::max(0.0, up / h2d - p.optimizer_s - p.nvme_s);
   if (nvme_params) {  // reads beside the gathers, the slower sets their pace; then the writes
     const double reads = param_read / (rates.param_read_gbs * 1e9);
-    p.nvme_s +=
-        exposed_of(grads + std::max(gathers, reads)) - exposed + param_write / (write_gbs * 1e9);
+    p.nvme_s += exposed_of(grads + copied + std::max(gathered, reads)) - with_copies +
+                param_write / (write_gbs * 1e9);
   }
-  p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.nvme_s;
+  p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.pcie_s + p.nvme_s;
   p.inter_node_bytes = crossing;
   return p;
 }

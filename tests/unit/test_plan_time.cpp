@@ -259,7 +259,7 @@ TEST(PlanTime, EachCollectiveTakesThePointsOfItsBuffers) {
 
 TEST(PlanTime, RefusesWhatItDoesNotModel) {
   Config gpu = cfg(2);
-  gpu.device = Device::cuda;
+  gpu.device = Device::cuda;  // its optimizer on the host: PCIe rates needed
   EXPECT_THROW(predict_step(gpu, model(), 2, rates()), Error);
   Config params = cfg(3);
   params.offload_param.tier = Tier::nvme;  // without the parameter tier's rates
@@ -271,6 +271,109 @@ TEST(PlanTime, RefusesWhatItDoesNotModel) {
   none.nvme_step_params_per_s = 0;
   EXPECT_THROW(predict_step(cfg(2, Tier::nvme), model(), 2, none), Error);
   EXPECT_NO_THROW(predict_step(cfg(2), model(), 2, none));  // not needed off the nvme tier
+}
+
+namespace {
+
+// A GPU engine's rates: rates() for the collectives and the CPU update, a 4 G params/s GPU
+// update, 1 GB/s up and 2 GB/s down.
+MachineRates gpu_rates() {
+  MachineRates r = rates();
+  r.gpu_update_params_per_s = 4e9;
+  r.h2d_gbs = 1;
+  r.d2h_gbs = 2;
+  return r;
+}
+
+Config on_gpu(Config c, Tier params = Tier::device) {
+  c.device = Device::cuda;
+  c.offload_param.tier = params;
+  return c;
+}
+
+}  // namespace
+
+// A GPU engine: its collectives as a CPU engine's (at the rates given: the GPUs'); the update on
+// the GPU with the state there, else on the CPU with the reduced gradient shards downloaded
+// (hidden with the reductions) and the new shards uploaded beside the update (the slower sets
+// the pace); stage 3's shards off the GPU uploaded before every gather (hidden with them).
+TEST(PlanTime, GpuEnginesCopyOverPcie) {
+  const double shards = 2048 + 512, bytes = shards * 2;  // this rank's, on 2 ranks
+  const MachineRates r = gpu_rates();
+  for (int stage : {0, 1, 2, 3}) {  // the state in GPU memory: no copies
+    const StepPrediction cpu = predict_step(cfg(stage, Tier::device), model(), 2, r);
+    const StepPrediction p = predict_step(on_gpu(cfg(stage, Tier::device)), model(), 2, r);
+    EXPECT_DOUBLE_EQ(p.comm_s, cpu.comm_s) << stage;
+    EXPECT_DOUBLE_EQ(p.optimizer_s, cpu.optimizer_s / 4) << stage;
+    EXPECT_EQ(p.pcie_s, 0) << stage;
+  }
+  // Stage 1, the optimizer on the host: down in bytes / 2 GB/s; up in bytes / 1 GB/s beside
+  // an update of shards / 1 G params/s, which it outlasts by bytes / 2 GB/s.
+  StepPrediction p = predict_step(on_gpu(cfg(1)), model(), 2, r);
+  EXPECT_DOUBLE_EQ(p.optimizer_s, shards / 1e9);
+  EXPECT_DOUBLE_EQ(p.pcie_s, bytes / 2e9 + (bytes / 1e9 - shards / 1e9));
+  EXPECT_DOUBLE_EQ(p.total_s, p.comm_s + p.optimizer_s + p.pcie_s);
+  // A slower update hides the uploads; compute hides the downloads with the reductions.
+  MachineRates slow = r;
+  slow.update_params_per_s = 1e8;
+  EXPECT_DOUBLE_EQ(predict_step(on_gpu(cfg(1)), model(), 2, slow).pcie_s, bytes / 2e9);
+  slow.compute_s = 1;
+  EXPECT_DOUBLE_EQ(predict_step(on_gpu(cfg(1)), model(), 2, slow).pcie_s, 0);
+  // Every micro-step's reduced shard comes down.
+  Config k2 = on_gpu(cfg(2));
+  k2.gradient_accumulation_steps = 2;
+  EXPECT_DOUBLE_EQ(predict_step(k2, model(), 2, slow).pcie_s, 0);  // hidden
+  slow.compute_s = 0;
+  EXPECT_DOUBLE_EQ(predict_step(k2, model(), 2, slow).pcie_s, 2 * bytes / 2e9);
+  // One GPU: no collectives, the same copies.
+  p = predict_step(on_gpu(cfg(2)), model(), 1, r);
+  const double whole = (4096 + 1024) * 2;
+  EXPECT_EQ(p.comm_s, 0);
+  EXPECT_DOUBLE_EQ(p.pcie_s, whole / 2e9 + (whole / 1e9 - whole / 2 / 1e9));
+  // Stage 3 with the shards on the host: each goes up before its gather, twice a step; the
+  // update writes them where they are (nothing goes up after it).
+  const StepPrediction dev = predict_step(on_gpu(cfg(3)), model(), 2, r);
+  p = predict_step(on_gpu(cfg(3), Tier::host), model(), 2, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, dev.comm_s);
+  EXPECT_DOUBLE_EQ(p.pcie_s, bytes / 2e9 + 2 * bytes / 1e9);
+}
+
+// Stage 3's shards on the nvme tier of a GPU engine: read ahead beside the uploads and gathers
+// they feed, the slower setting the pace.
+TEST(PlanTime, GpuShardsReadFromNvme) {
+  const double bytes = (2048 + 512) * 2;
+  const double reduce = coll(2048) + coll(512), gathers = 2 * reduce;
+  const double ups = 2 * bytes / 1e9;  // before each gather
+  MachineRates r = gpu_rates();
+  r.param_write_gbs = 1;
+  r.param_read_gbs = 2 * bytes / (gathers + ups) / 2 / 1e9;  // reads take twice as long
+  const StepPrediction p = predict_step(on_gpu(cfg(3), Tier::nvme), model(), 2, r);
+  EXPECT_DOUBLE_EQ(p.comm_s, reduce + gathers);
+  EXPECT_DOUBLE_EQ(p.pcie_s, bytes / 2e9 + ups);
+  EXPECT_NEAR(p.nvme_s, (gathers + ups) + bytes / 1e9, 1e-15);
+}
+
+// What a GPU engine's step needs and lacks is said, with the command that measures it; a
+// choice the GPU engine refuses is refused.
+TEST(PlanTime, GpuEnginesRefuseWhatIsNotMeasured) {
+  MachineRates r = gpu_rates();
+  r.gpu_update_params_per_s = 0;
+  auto says = [](const Config& c, const MachineRates& m, const std::string& what) {
+    try {
+      predict_step(c, model(), 2, m);
+      ADD_FAILURE() << "predicted without " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  says(on_gpu(cfg(2, Tier::device)), r, "GPU update rate");
+  EXPECT_NO_THROW(predict_step(on_gpu(cfg(2)), model(), 2, r));  // the update on the CPU
+  r = gpu_rates();
+  r.h2d_gbs = 0;
+  says(on_gpu(cfg(2)), r, "zeroshard calibrate --device cuda");
+  says(on_gpu(cfg(3), Tier::host), r, "zeroshard calibrate --device cuda");
+  EXPECT_NO_THROW(predict_step(on_gpu(cfg(2, Tier::device)), model(), 2, r));
+  says(on_gpu(cfg(0)), gpu_rates(), "stage >= 1");  // stage 0 keeps whole gradients on the GPU
 }
 
 namespace {
@@ -362,6 +465,28 @@ TEST(PlanTime, ReadsACalibrationFile) {
   EXPECT_EQ(read_calibration(TempFile(replace(kGood, kNvme, "null")).path, with(DType::bf16))
                 .nvme_step_params_per_s,
             0);
+}
+
+// A calibration made with --device cuda: its PCIe rates and the GPU update's, per dtype and
+// moments' format; without the section, none.
+TEST(PlanTime, ReadsTheGpusRates) {
+  EXPECT_EQ(read_calibration(TempFile(kGood).path, with(DType::bf16)).h2d_gbs, 0);
+  const std::string text = replace(kGood, R"("nvme": {)", R"("gpu": {"h2d_gbs": 25, "d2h_gbs": 20,
+    "adamw": {"bf16": {"params_per_s": 4e10, "state_formats": {"8bit": {"params_per_s": 5e10}}},
+              "f32": {"params_per_s": 3e10}}},
+  "nvme": {)");
+  const TempFile file(text);
+  const MachineRates b = read_calibration(file.path, with(DType::bf16));
+  EXPECT_EQ(b.h2d_gbs, 25);
+  EXPECT_EQ(b.d2h_gbs, 20);
+  EXPECT_EQ(b.gpu_update_params_per_s, 4e10);
+  EXPECT_EQ(b.update_params_per_s, 3e9);  // the CPU's stays
+  EXPECT_EQ(read_calibration(file.path, with(DType::f32)).gpu_update_params_per_s, 3e10);
+  EXPECT_EQ(read_calibration(file.path, with(DType::bf16, StateFormat::q8)).gpu_update_params_per_s,
+            5e10);
+  EXPECT_EQ(
+      read_calibration(file.path, with(DType::bf16, StateFormat::bf16)).gpu_update_params_per_s, 0);
+  expect_refused(replace(text, R"("d2h_gbs": 20,)", ""), "gpu.d2h_gbs");
 }
 
 // A calibration of one rank per node on 3 nodes.
