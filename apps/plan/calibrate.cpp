@@ -14,7 +14,10 @@
 // - nvme: an engine step with its optimizer state on the nvme tier (io_uring swap files in
 //   --nvme-path), in parameters per second and in record bytes read and written per second;
 //   the same for bf16 and 8-bit moments under "state_formats" (smaller records); and stage 3's
-//   parameter shards on the nvme tier, read for gathers and written by the update ("param_tier").
+//   parameter shards on the nvme tier, read for gathers and written by the update ("param_tier");
+// - gpu (--device cuda): pinned host memory to and from this rank's GPU (time_pcie()), and an
+//   engine's update with its state in GPU memory, in parameters per second, per dtype and (under
+//   "state_formats") with bf16 and 8-bit moments.
 // Rank 0 prints a table and writes the JSON file (schema "zeroshard-calibration/1").
 #include "apps/plan/calibrate.hpp"
 
@@ -51,18 +54,22 @@ struct Options {
   int64_t elements = 1 << 25;   // per optimizer and memory pass
   int64_t max_bytes = 1 << 26;  // largest collective
   int reps = 5;
+  bool gpu = false;                // --device cuda
+  int64_t pcie_bytes = 256 << 20;  // per copy
 };
 
 const char* kHelp =
-    "usage: [mpirun -np N] zeroshard calibrate [--out FILE] [--nvme-path DIR] [--quick]\n\n"
+    "usage: [mpirun -np N] zeroshard calibrate [--out FILE] [--nvme-path DIR] [--device cuda]\n"
+    "                                          [--quick]\n\n"
     "Measures this machine for the planner, on every rank at once: memory bandwidth (the\n"
     "same-bytes pass of the optimizer's streams), the CPU optimizer's throughput (an engine's\n"
     "update, f32 and bf16), the collectives over the launched ranks (latency and bandwidth of\n"
     "reduce-scatter, all-gather and all-reduce), and with --nvme-path an engine step with its\n"
     "optimizer state on the nvme tier there. Rank 0 writes FILE (default\n"
     "zeroshard-calibration.json). --quick: smaller sizes (seconds, for tests); the figures are\n"
-    "then noisier. PCIe is not measured by this command (benchmarks/gpu/offload_step_bench\n"
-    "measures pinned bandwidth on a GPU machine).\n";
+    "then noisier. --device cuda also measures each rank's GPU (the launcher's local rank\n"
+    "modulo the GPUs): pinned host memory copied up and down (PCIe), and the engine's update\n"
+    "with its state in GPU memory, for planning GPU engines (zeroshard plan --device cuda).\n";
 
 [[noreturn]] void bad(const std::string& why) {
   throw std::invalid_argument(why);
@@ -75,13 +82,20 @@ Options parse(const std::vector<std::string>& args) {
     if (f == "--quick") {
       o.elements = 1 << 20;
       o.max_bytes = 1 << 22;
+      o.pcie_bytes = 16 << 20;
       o.reps = 3;
       continue;
     }
-    if (f != "--out" && f != "--nvme-path")
+    if (f != "--out" && f != "--nvme-path" && f != "--device")
       bad("unknown flag " + f + " (zeroshard calibrate --help)");
     if (i + 1 >= args.size()) bad(f + " needs a value (zeroshard calibrate --help)");
-    (f == "--out" ? o.out : o.nvme_path) = args[++i];
+    const std::string& v = args[++i];
+    if (f == "--device") {
+      if (v != "cuda" && v != "cpu") bad("--device must be cpu or cuda, got '" + v + "'");
+      o.gpu = v == "cuda";
+    } else {
+      (f == "--out" ? o.out : o.nvme_path) = v;
+    }
   }
   return o;
 }
@@ -184,6 +198,25 @@ double optimizer_seconds(const Config& cfg, int64_t n, int reps, double* step_s 
   }
   if (step_s) *step_s = median(step);
   return median(opt);
+}
+
+// The same on this rank's GPU, with the state in GPU memory: the update is queued on the GPU's
+// stream and step() waits for the last one when it sums the next gradient norm, so the time
+// from one step() to the next is the GPU's update (and norm).
+double gpu_update_seconds(Config cfg, int64_t n, int reps) {
+  cfg.device = Device::cuda;
+  cfg.device_index = -1;  // the local rank's
+  Engine e(cfg, make_self_communicator());
+  e.add_unit("calibrate", {Param{"w", {n}}});
+  e.finalize();
+  std::vector<double> at, took;
+  for (int s = 0; s < reps + 2; ++s) {
+    e.grads_ready(0);  // gradients as allocated (zeros): the update's work is the same
+    (void)e.step();
+    at.push_back(now_s());
+  }
+  for (size_t i = 2; i < at.size(); ++i) took.push_back(at[i] - at[i - 1]);
+  return median(took);
 }
 
 // time = latency + bytes / bandwidth: the latency is the smallest size's time, the bandwidth
@@ -363,6 +396,8 @@ int run_calibrate(const std::vector<std::string>& args) {
     if (talk) std::fprintf(stderr, "calibrate: %s\n", what);
   };
   try {
+    if (std::string why; o.gpu && cuda_device_count(&why) == 0)  // before minutes of the rest
+      throw std::runtime_error("--device cuda: no usable GPU: " + why);
     json j = {{"schema", "zeroshard-calibration/1"}};
     {
       char date[32];
@@ -442,7 +477,31 @@ int run_calibrate(const std::vector<std::string>& args) {
     } else {
       j["nvme"] = nullptr;
     }
-    j["pcie"] = nullptr;
+    if (o.gpu) {
+      say("GPU (pinned copies up and down, and the update in GPU memory)");
+      comm->barrier("calibrate");
+      const PcieRates pcie = time_pcie(-1, o.pcie_bytes, o.reps);
+      json g = {{"copy_bytes", o.pcie_bytes},
+                {"h2d_gbs", mean_over(*comm, pcie.h2d_gbs)},
+                {"d2h_gbs", mean_over(*comm, pcie.d2h_gbs)}};
+      for (DType d : {DType::f32, DType::bf16}) {
+        Config c;
+        c.dtype = d;
+        auto rate = [&](const Config& f) {
+          comm->barrier("calibrate");
+          return mean_over(*comm, double(o.elements) / gpu_update_seconds(f, o.elements, o.reps));
+        };
+        g["adamw"][dtype_name(d)] = {{"params_per_s", rate(c)}};
+        for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {  // a GPU keeps an f32 master
+          c.optimizer_state = f;
+          g["adamw"][dtype_name(d)]["state_formats"][state_format_name(f)] = {
+              {"params_per_s", rate(c)}};
+        }
+      }
+      j["gpu"] = g;
+    } else {
+      j["gpu"] = nullptr;
+    }
 
     if (talk) {
       std::ofstream f(o.out);
@@ -484,6 +543,13 @@ int run_calibrate(const std::vector<std::string>& args) {
             j["nvme"]["param_tier"]["read_gbs"].get<double>(),
             j["nvme"]["param_tier"]["write_gbs"].get<double>(),
             j["nvme"]["param_tier"]["write_with_records_gbs"].get<double>());
+      if (!j["gpu"].is_null())
+        std::printf(
+            "  gpu           pinned copies up %.2f GB/s, down %.2f GB/s; AdamW in GPU memory "
+            "f32 %.2f, bf16 %.2f Gparam/s per rank\n",
+            j["gpu"]["h2d_gbs"].get<double>(), j["gpu"]["d2h_gbs"].get<double>(),
+            j["gpu"]["adamw"]["f32"]["params_per_s"].get<double>() / 1e9,
+            j["gpu"]["adamw"]["bf16"]["params_per_s"].get<double>() / 1e9);
     }
     return 0;
   } catch (const std::exception& e) {

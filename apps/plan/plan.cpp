@@ -34,7 +34,9 @@ struct Options {
   int rates_per_node = 0;                             // ranks per node (0: one node)
   double inter_node_gbs = 0;                          // each node's link, GB/s
   std::string link_calibration;                       // or per collective, from this file
-  MachineRates rates;                                 // read from `calibration`
+  Device device = Device::cpu;
+  double pcie_gbs = 0, gpu_update_gps = 0, gpu_bus_gbs = 0;  // a GPU's, typed
+  MachineRates rates;                                        // read from `calibration`
 };
 
 // The engine's settings the plan is made for (stage and tiers vary per row).
@@ -45,6 +47,7 @@ Config config(const Options& o) {
   cfg.optimizer_state = o.moments;
   cfg.bf16_master = o.bf16_master;
   cfg.shard_group_size = o.shard_group;
+  cfg.device = o.device;
   return cfg;
 }
 
@@ -55,13 +58,17 @@ const char* kHelp =
     "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
     "                      [--calibration FILE [--compute-s X]]\n"
     "                      [--shard-group N] [--ranks-per-node N\n"
-    "                       (--inter-node-gbs X | --link-calibration FILE)]\n\n"
+    "                       (--inter-node-gbs X | --link-calibration FILE)]\n"
+    "                      [--device cpu|cuda [--pcie-gbs X] [--gpu-update-gps X]\n"
+    "                       [--gpu-bus-gbs X]]\n\n"
     "For a GPT (the demo's model: token and position embeddings, --layers blocks of width --dim,\n"
     "an untied head; default GPT-2 small) on --ranks ranks, prints for every ZeRO stage and\n"
     "offload choice the bytes one rank holds on each tier once the engine is finalized, computed\n"
     "by the engine's own setup with nothing allocated (what Engine::memory() will report; rank 0,\n"
     "or the largest rank where shards differ), and whether they fit --device-gib, --host-gib and\n"
-    "--nvme-gib per rank (0 or absent: not checked). CPU engines' layout.\n\n"
+    "--nvme-gib per rank (0 or absent: not checked). --device cuda plans GPU engines (one GPU\n"
+    "per rank; the device tier is its memory), with their staging on the GPU and in pinned host\n"
+    "memory, and only the choices a GPU engine takes.\n\n"
     "With --calibration (a file `zeroshard calibrate` wrote, under the same number of ranks per\n"
     "node), also the engine's step time per choice: the reductions and gathers the trainer\n"
     "waits for beyond --compute-s (its own forward and backward per step, default 0), the\n"
@@ -75,7 +82,13 @@ const char* kHelp =
     "'MiB out' column is that node's bytes per step. --link-calibration instead takes the link's\n"
     "rate per collective from a calibration made with one rank on each node\n"
     "(mpirun --map-by node zeroshard calibrate): reduce-scatter, all-gather and all-reduce\n"
-    "use a link at different rates.\n";
+    "use a link at different rates.\n\n"
+    "A GPU engine's step (--device cuda with --calibration) takes the GPU's rates from a file\n"
+    "`zeroshard calibrate --device cuda` wrote, or typed: --pcie-gbs (pinned copies, GB/s each\n"
+    "way), --gpu-update-gps (its update in GPU memory, G params/s). On more than one rank its\n"
+    "collectives take --gpu-bus-gbs, the GPUs' bus bandwidth as nccl-tests report it (a ring's\n"
+    "reduce-scatter of S bytes takes (n-1)/n S / bus); the compute hides them fully (their own\n"
+    "streams). A 'pcie s' column shows the host-GPU copies the step waits for.\n";
 
 [[noreturn]] void bad(const std::string& why) {
   throw std::invalid_argument(why);
@@ -97,6 +110,21 @@ double to_number(const std::string& flag, const std::string& v, const char* what
 
 double to_gib(const std::string& flag, const std::string& v) {
   return to_number(flag, v, "a size in GiB");
+}
+
+// A GPU engine's rates: the typed ones over the file's, and its collectives at the typed bus
+// bandwidth (a calibration's are the host's).
+void gpu_rates(Options& o) {
+  MachineRates& r = o.rates;
+  if (o.pcie_gbs > 0) r.h2d_gbs = r.d2h_gbs = o.pcie_gbs;
+  if (o.gpu_update_gps > 0) r.gpu_update_params_per_s = o.gpu_update_gps * 1e9;
+  r.comm_overlap = 1;  // the GPU's copies and collectives run beside its kernels
+  if (o.ranks == 1) return;
+  if (!(o.gpu_bus_gbs > 0))
+    bad("--device cuda on " + std::to_string(o.ranks) +
+        " ranks times the GPUs' collectives at --gpu-bus-gbs (their bus bandwidth, as "
+        "nccl-tests report it): the calibration's collectives are the host's");
+  set_bus_bandwidth(r, o.gpu_bus_gbs, o.ranks, o.shard_group);
 }
 
 Options parse(const std::vector<std::string>& args) {
@@ -135,6 +163,16 @@ Options parse(const std::vector<std::string>& args) {
       o.calibration = v;
     else if (f == "--compute-s")
       o.compute_s = to_number(f, v, "seconds");
+    else if (f == "--pcie-gbs")
+      o.pcie_gbs = to_number(f, v, "GB/s");
+    else if (f == "--gpu-update-gps")
+      o.gpu_update_gps = to_number(f, v, "G params/s");
+    else if (f == "--gpu-bus-gbs")
+      o.gpu_bus_gbs = to_number(f, v, "GB/s");
+    else if (f == "--device") {
+      if (v != "cpu" && v != "cuda") bad("--device must be cpu or cuda, got '" + v + "'");
+      o.device = v == "cuda" ? Device::cuda : Device::cpu;
+    }
     else if (f == "--dtype") {
       if (v == "bf16")
         o.dtype = DType::bf16;
@@ -163,6 +201,8 @@ Options parse(const std::vector<std::string>& args) {
     }
   }
   if (o.shape.dim % o.shape.heads != 0) bad("--dim is not a multiple of --heads");
+  if (o.device == Device::cpu && (o.pcie_gbs > 0 || o.gpu_update_gps > 0 || o.gpu_bus_gbs > 0))
+    bad("--pcie-gbs, --gpu-update-gps and --gpu-bus-gbs are a GPU's: they need --device cuda");
   if (!o.calibration.empty()) {
     if (o.inter_node_gbs > 0 && !o.link_calibration.empty())
       bad("--inter-node-gbs and --link-calibration both give the link: one of them");
@@ -175,9 +215,11 @@ Options parse(const std::vector<std::string>& args) {
     }
     o.rates.compute_s = o.compute_s;
     o.rates.ranks_per_node = o.rates_per_node;
-  } else if (o.compute_s > 0 || o.inter_node_gbs > 0 || !o.link_calibration.empty()) {
-    bad("--compute-s, --inter-node-gbs and --link-calibration time the step: they need "
-        "--calibration");
+    if (o.device == Device::cuda) gpu_rates(o);
+  } else if (o.compute_s > 0 || o.inter_node_gbs > 0 || !o.link_calibration.empty() ||
+             o.pcie_gbs > 0 || o.gpu_update_gps > 0 || o.gpu_bus_gbs > 0) {
+    bad("--compute-s, --inter-node-gbs, --link-calibration, --pcie-gbs, --gpu-update-gps and "
+        "--gpu-bus-gbs time the step: they need --calibration");
   }
   return o;
 }
@@ -215,7 +257,8 @@ int run_plan(const std::vector<std::string>& args) {
   std::printf("%-5s %-9s %-9s %12s %12s %12s %14s  %-10s", "stage", "optimizer", "params",
               "device GiB", "host GiB", "nvme GiB", "model states", "fits");
   if (timed)
-    std::printf(" %8s %8s %8s %8s %8s", "step s", "comm s", "update s", "nvme s", "MiB out");
+    std::printf(" %8s %8s %8s %8s %8s%s", "step s", "comm s", "update s", "nvme s", "MiB out",
+                o.device == Device::cuda ? "   pcie s" : "");
   std::printf("\n");
   const double limit[kNumTiers] = {o.device_gib, o.host_gib, o.nvme_gib};
   for (const PlanChoice& c : plan_choices(cfg, units, o.ranks, {no_decay})) {
@@ -231,6 +274,7 @@ int run_plan(const std::vector<std::string>& args) {
         const StepPrediction p = predict_step(c.config, units, o.ranks, o.rates);
         std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s, p.nvme_s,
                     p.inter_node_bytes / double(1 << 20));
+        if (o.device == Device::cuda) std::printf(" %8.3f", p.pcie_s);
       } catch (const Error& e) {  // a rate this row needs is not in the files: say which
         std::string why = e.what();
         const std::string prefix = "predict_step(): ";

@@ -69,4 +69,14 @@ struct CollectiveTimes {
 };
 ZS_API CollectiveTimes time_collectives(Communicator& comm, int64_t bytes, DType dtype, int reps);
 
+/// Pinned host memory copied to and from GPU `device` (−1: the launcher's local rank modulo the
+/// GPUs) as a GPU engine copies it (its device backend's copies, to and from memory its pinned
+/// allocator gave): `bytes` per copy, each direction's median of `reps` copies after one
+/// untimed, in GB/s. What MachineRates::h2d_gbs and d2h_gbs hold. Throws Error(invalid_config)
+/// in a build without CUDA, Error(cuda_error) where no GPU can be used.
+struct PcieRates {
+  double h2d_gbs = 0, d2h_gbs = 0;
+};
+ZS_API PcieRates time_pcie(int device, int64_t bytes, int reps);
+
 }  // namespace zeroshard

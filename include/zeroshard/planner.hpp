@@ -137,6 +137,15 @@ struct MachineRates {
   double h2d_gbs = 0, d2h_gbs = 0;
 };
 
+/// The collectives of an engine on `world` ranks sharded in groups of `group` (0: all of them)
+/// at a bus bandwidth `bus_gbs` as nccl-tests report it: a ring moves a reduce-scatter's or an
+/// all-gather's block of B bytes per rank among n in (n − 1) B / bus, an all-reduce of B bytes
+/// among n in 2 (n − 1) / n · B / bus. What a GPU engine's collectives take where no calibration
+/// measured them (`zeroshard calibrate` measures the host's); with comm_overlap 1, as they run
+/// on streams of their own beside the trainer's kernels. Throws Error(invalid_argument) on a
+/// bandwidth that is not positive or groups that do not divide the world.
+ZS_API void set_bus_bandwidth(MachineRates& rates, double bus_gbs, int world, int group = 0);
+
 /// The rates of a calibration file (schema zeroshard-calibration/1) for an engine configured as
 /// `cfg`: its dtype, its moments' format (Config::optimizer_state) and its master's
 /// (Config::bf16_master). Each format moves its own bytes, so the CPU update and the nvme step

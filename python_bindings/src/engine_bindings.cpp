@@ -681,7 +681,7 @@ void bind_plan(nb::module_& m) {
       "plan_choices",
       [](const Config& cfg, const PyUnits& units, int world,
          const std::vector<OptimizerOptions>& groups, const std::string& calibration,
-         double compute_s) {
+         double compute_s, double pcie_gbs, double gpu_update_gps, double gpu_bus_gbs) {
         const std::vector<PlanUnit> us = plan_units(units);
         std::vector<PlanChoice> cs;
         MachineRates rates;
@@ -691,6 +691,12 @@ void bind_plan(nb::module_& m) {
           if (!calibration.empty()) rates = read_calibration(calibration, cfg);
         }
         rates.compute_s = compute_s;
+        if (cfg.device == Device::cuda) {  // as `zeroshard plan --device cuda` takes them
+          if (pcie_gbs > 0) rates.h2d_gbs = rates.d2h_gbs = pcie_gbs;
+          if (gpu_update_gps > 0) rates.gpu_update_params_per_s = gpu_update_gps * 1e9;
+          rates.comm_overlap = 1;
+          if (gpu_bus_gbs > 0) set_bus_bandwidth(rates, gpu_bus_gbs, world, cfg.shard_group_size);
+        }
         nb::list out;
         for (const PlanChoice& c : cs) {
           nb::dict d;
@@ -716,6 +722,7 @@ void bind_plan(nb::module_& m) {
             st["comm_s"] = p.comm_s;
             st["optimizer_s"] = p.optimizer_s;
             st["nvme_s"] = p.nvme_s;
+            st["pcie_s"] = p.pcie_s;
             d["step"] = st;
           }
           out.append(d);
@@ -724,13 +731,16 @@ void bind_plan(nb::module_& m) {
       },
       nb::arg("config"), nb::arg("units"), nb::arg("world"),
       nb::arg("groups") = std::vector<OptimizerOptions>{}, nb::arg("calibration") = "",
-      nb::arg("compute_s") = 0.0,
+      nb::arg("compute_s") = 0.0, nb::arg("pcie_gbs") = 0.0, nb::arg("gpu_update_gps") = 0.0,
+      nb::arg("gpu_bus_gbs") = 0.0,
       "plan_memory() for every stage and offload choice, with config's other settings: a list "
       "of dicts (stage, optimizer, params, bytes on device/host/nvme and model_states, of the "
       "rank that holds the most). With `calibration` (a file `zeroshard calibrate` wrote), each "
       "dict's `step` is predict_step()'s split of the engine's step in seconds (total_s, "
-      "compute_s as given, comm_s, optimizer_s, nvme_s); where it cannot be predicted (a GPU "
-      "engine, or a rate the file does not hold) `step` is None and `step_note` says why.");
+      "compute_s as given, comm_s, optimizer_s, pcie_s, nvme_s); where it cannot be predicted "
+      "(a rate the file does not hold) `step` is None and `step_note` says why. A GPU engine "
+      "(config.device cuda) takes pcie_gbs and gpu_update_gps over the file's, and its "
+      "collectives at gpu_bus_gbs (set_bus_bandwidth()) where given.");
   m.def(
       "plan_memory",
       [](const Config& cfg, const PyUnits& units, int world, int rank,

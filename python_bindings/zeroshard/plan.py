@@ -8,8 +8,8 @@ Each row comes from zeroshard.plan_memory(): the engine's own setup run with not
 so its bytes are what that engine's memory() will report (rank 0, or the larger of the first and
 last rank). The model is cut into units as ZeroOptimizer cuts it (zeroshard.torch's
 partition_units), or given as a list of (name, [Param, ...]) units. Activations and the
-trainer's own memory come on top. CPU engines' layout (the bytes of a GPU engine's tiers are the
-same but for its staging buffers). Stage 3 plans the default max_live_units gather buffers;
+trainer's own memory come on top. device="cuda" plans GPU engines, with their staging buffers
+on the GPU and in pinned host memory. Stage 3 plans the default max_live_units gather buffers;
 ZeroOptimizer raises that number for modules nested inside other units' modules.
 
 DeepSpeed's estimate_zero2/3_model_states_mem_needs answer per GPU and per node, from the
@@ -92,7 +92,8 @@ def _deepspeed(stage, opt, par, total, largest, world, per_node):
 
 def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adamw",
              optimizer_state="f32", bf16_master=False, unit_numel=1 << 25, device_gib=None,
-             host_gib=None, nvme_gib=None, calibration=None, compute_s=0.0):
+             host_gib=None, nvme_gib=None, calibration=None, compute_s=0.0, device="cpu",
+             pcie_gbs=None, gpu_update_gps=None, gpu_bus_gbs=None):
     """An Estimate of `model` (a torch.nn.Module, or a list of (name, [Param]) units) on `world`
     ranks: for every stage and offload choice, the bytes one rank holds on each tier once the
     engine is finalized, and whether they fit the GiB given per rank. dtype: the parameters'
@@ -101,7 +102,14 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
     calibration: a file `zeroshard calibrate` wrote (with as many ranks per node): each row's
     "step" is then the engine's predicted step in seconds, split (zeroshard::predict_step();
     compute_s, the trainer's own forward and backward, is taken as given and hides what
-    communication it can)."""
+    communication it can).
+    device="cuda" plans GPU engines (one GPU per rank, its memory the device tier): their
+    staging on the GPU and in pinned host memory, and only the choices a GPU engine takes. Their
+    step takes the GPU's rates from a calibration made with `zeroshard calibrate --device cuda`,
+    or typed: pcie_gbs (pinned copies, GB/s each way), gpu_update_gps (the update in GPU memory,
+    G params/s); on more than one rank the collectives need gpu_bus_gbs, the GPUs' bus
+    bandwidth as nccl-tests report it (a calibration's collectives are the host's). Each step
+    then has pcie_s, the host-GPU copies it waits for."""
     units, model_dtype = _units_of(model, unit_numel)
     if not units:
         raise _core.InvalidArgumentError("estimate(): the model has no trainable parameters")
@@ -111,9 +119,20 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
                    ranks_per_node=per_node)
     limits = {"device": device_gib, "host": host_gib, "nvme": nvme_gib}
     cfg = _core.Config(dtype=dtype or model_dtype or "bf16", optimizer={"kind": optimizer},
-                       optimizer_state=optimizer_state, bf16_master=bf16_master)
+                       optimizer_state=optimizer_state, bf16_master=bf16_master, device=device)
+    gpu = {"pcie_gbs": pcie_gbs, "gpu_update_gps": gpu_update_gps, "gpu_bus_gbs": gpu_bus_gbs}
+    if device != "cuda" and any(v is not None for v in gpu.values()):
+        raise _core.InvalidArgumentError(
+            f"estimate(): {', '.join(k for k, v in gpu.items() if v is not None)} are a GPU's: "
+            f"they need device=\"cuda\"")
+    if device == "cuda" and calibration and world > 1 and not gpu_bus_gbs:
+        raise _core.InvalidArgumentError(
+            f"estimate(): device=\"cuda\" on {world} ranks times the GPUs' collectives at "
+            f"gpu_bus_gbs (their bus bandwidth, as nccl-tests report it): the calibration's "
+            f"collectives are the host's")
     for r in _core.plan_choices(cfg, units, world, calibration=str(calibration or ""),
-                                compute_s=float(compute_s)):
+                                compute_s=float(compute_s),
+                                **{k: float(v or 0) for k, v in gpu.items()}):
         over = [t for t in ("device", "host", "nvme") if limits[t] and r[t] / _GIB > limits[t]]
         r["fits"] = None if not any(limits.values()) else (over[0] if over else True)
         r["deepspeed"] = _deepspeed(r["stage"], r["optimizer"], r["params"], est.parameters,

@@ -167,6 +167,17 @@ LinkRates read_link_calibration(const std::string& path) {
   return l;
 }
 
+void set_bus_bandwidth(MachineRates& r, double bus_gbs, int world, int group) {
+  if (group == 0) group = world;
+  if (!(bus_gbs > 0) || world < 1 || group < 1 || world % group != 0)
+    ZS_THROW(invalid_argument, "set_bus_bandwidth(): " << bus_gbs << " GB/s, groups of " << group
+                                                       << " in " << world << " ranks");
+  const int replicas = world / group;
+  r.reduce_scatter = r.all_gather = {0, group > 1 ? bus_gbs / (group - 1) : bus_gbs, {}, {}, {}};
+  r.all_reduce = {0, replicas > 1 ? bus_gbs * replicas / (2.0 * (replicas - 1)) : bus_gbs, {}, {}, {}};
+  r.comm_overlap = 1;
+}
+
 StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
                             const MachineRates& rates) {
   if (world < 1) ZS_THROW(invalid_argument, "predict_step(): world " << world);

@@ -63,4 +63,15 @@ expect 0 "yes" plan "${small[@]}" --device-gib 1 --host-gib 1 --nvme-gib 1
 expect 2 "unknown flag --frob" plan --frob 1
 expect 2 "--dtype must be one of" plan --dtype fp8
 expect 2 "--ranks needs a positive integer" plan --ranks 0
+# GPU engines planned without a GPU: their staging counted, the choices they take; their rates
+# typed or refused where they cannot apply.
+expect 0 "grad_shard_staging\|^3     host      host" plan "${small[@]}" --device cuda
+expect 2 "--device must be cpu or cuda" plan --device gpu
+expect 2 "need --device cuda" plan --calibration /dev/null --pcie-gbs 25
+expect 2 "need --calibration" plan --device cuda --gpu-bus-gbs 100
+expect 2 "--device must be cpu or cuda" calibrate --device gpu
+if [[ $("$bin" plan "${small[@]}" --device cuda | grep -c '^[0-3]     ') != 14 ]]; then
+  echo "FAIL: plan --device cuda: not the 14 choices a GPU engine takes"
+  fail=1
+fi
 exit $fail

@@ -247,6 +247,46 @@ def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
         zs.estimate(units, world=2, calibration=cal)
 
 
+def test_estimate_plans_gpu_engines_without_a_gpu(tmp_path):
+    # device="cuda": the choices a GPU engine takes (no stage 0 with the optimizer off the GPU,
+    # no parameters off it with the optimizer on it), each the CPU engine's bytes plus the GPU's
+    # staging: with the optimizer on the host, the gradient shards' two slots on the GPU and one
+    # pinned upload buffer per unit's shard on the host. With typed rates, the host-GPU copies
+    # show as pcie_s: on one rank with no compute, all of them (down, then up beyond the update).
+    units = [(f"l{i}", [zs.Param("w", shape=[256, 256])]) for i in range(4)]
+    cpu = {(r["stage"], r["optimizer"], r["params"]): r for r in zs.estimate(units, world=2).rows}
+    gpu = {(r["stage"], r["optimizer"], r["params"]): r
+           for r in zs.estimate(units, world=2, device="cuda").rows}
+    assert set(gpu) == {k for k in cpu if not (k[0] == 0 and k[1] != "device")
+                        and not (k[2] != "device" and k[1] == "device")}
+    shard = 256 * 256 // 2 * 2  # bytes of a unit's bf16 shard on 2 ranks
+    r, c = gpu[(2, "host", "device")], cpu[(2, "host", "device")]
+    assert r["device"] - c["device"] == 2 * shard and r["host"] - c["host"] == 4 * shard
+    assert gpu[(1, "device", "device")]["device"] == cpu[(1, "device", "device")]["device"]
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({
+        "schema": "zeroshard-calibration/1",
+        "optimizer": {"adamw": {"f32": {"params_per_s": 1e9}, "bf16": {"params_per_s": 1e9}}},
+        "collectives": {}}))
+    one = {(r["stage"], r["optimizer"], r["params"]): r for r in zs.estimate(
+        units, world=1, device="cuda", calibration=cal, pcie_gbs=0.1, gpu_update_gps=10).rows}
+    whole = 4 * 256 * 256 * 2
+    st = one[(2, "host", "device")]["step"]
+    assert st["pcie_s"] == pytest.approx(whole / 1e8 + (whole / 1e8 - whole / 2 / 1e9))
+    assert st["total_s"] == pytest.approx(st["optimizer_s"] + st["pcie_s"])
+    assert one[(2, "device", "device")]["step"]["optimizer_s"] == pytest.approx(whole / 2 / 1e10)
+    assert one[(2, "device", "device")]["step"]["pcie_s"] == 0
+    with pytest.raises(zs.InvalidArgumentError, match="gpu_bus_gbs"):
+        zs.estimate(units, world=2, device="cuda", calibration=cal)
+    two = zs.estimate(units, world=2, device="cuda", calibration=cal, pcie_gbs=1,
+                      gpu_update_gps=10, gpu_bus_gbs=100)
+    timed = [r for r in two.rows if "nvme" not in (r["optimizer"], r["params"])]
+    assert len(timed) == 8 and all(r["step"]["comm_s"] > 0 for r in timed)
+    with pytest.raises(zs.InvalidArgumentError, match="device=\"cuda\""):
+        zs.estimate(units, world=1, pcie_gbs=1)
+
+
 def test_step_releases_the_gil():
     # One engine with 16 M parameters, so that each step() takes tens of ms (4 M took under
     # 10 ms on a fast 2-core machine). While a worker thread runs step(), the main thread must

@@ -8,6 +8,8 @@
 #include <string>
 #include <utility>
 
+#include "zeroshard/calibration.hpp"
+#include "zeroshard/device.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 using namespace zeroshard;
@@ -99,4 +101,25 @@ TEST(PlanGpu, ChoicesAreTheOnesTheGpuEngineTakes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("shard_alignment"), std::string::npos) << e.what();
   }
+}
+
+// time_pcie() copies through a GPU engine's own backend: without a usable GPU it is refused
+// with the runtime's reason (Error, not a crash or a rate of nothing); with one, both
+// directions are measured.
+TEST(PlanGpu, PcieIsTimedOnAGpuOrRefused) {
+  std::string why;
+  if (cuda_device_count(&why) == 0) {
+    try {
+      time_pcie(-1, 1 << 20, 1);
+      FAIL() << "timed PCIe without a GPU";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.code() == ErrorCode::cuda_error || e.code() == ErrorCode::invalid_config)
+          << e.what();
+      EXPECT_FALSE(std::string(e.what()).empty());
+    }
+    return;
+  }
+  const PcieRates r = time_pcie(-1, 64 << 20, 3);
+  EXPECT_GT(r.h2d_gbs, 1);
+  EXPECT_GT(r.d2h_gbs, 1);
 }

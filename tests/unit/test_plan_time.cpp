@@ -338,6 +338,23 @@ TEST(PlanTime, GpuEnginesCopyOverPcie) {
   EXPECT_DOUBLE_EQ(p.pcie_s, bytes / 2e9 + 2 * bytes / 1e9);
 }
 
+// A bus bandwidth as nccl-tests report it: a ring's reduce-scatter and all-gather of a B-byte
+// block per rank among n take (n - 1) B / bus, an all-reduce of B among r groups
+// 2 (r - 1) / r B / bus.
+TEST(PlanTime, CollectivesAtABusBandwidth) {
+  MachineRates r = gpu_rates();
+  r.comm_overlap = 0.5;
+  set_bus_bandwidth(r, 100, 8);
+  EXPECT_DOUBLE_EQ(r.reduce_scatter.seconds(1e6, Buffers::queued), 7 * 1e6 / 100e9);
+  EXPECT_DOUBLE_EQ(r.all_gather.seconds(1e6, Buffers::cold), 7 * 1e6 / 100e9);
+  EXPECT_EQ(r.comm_overlap, 1);
+  set_bus_bandwidth(r, 100, 8, 2);  // groups of 2, all-reduced across 4
+  EXPECT_DOUBLE_EQ(r.reduce_scatter.seconds(1e6, Buffers::warm), 1e6 / 100e9);
+  EXPECT_DOUBLE_EQ(r.all_reduce.seconds(1e6, Buffers::warm), 2 * 3.0 / 4 * 1e6 / 100e9);
+  EXPECT_THROW(set_bus_bandwidth(r, 0, 8), Error);
+  EXPECT_THROW(set_bus_bandwidth(r, 100, 8, 3), Error);
+}
+
 // Stage 3's shards on the nvme tier of a GPU engine: read ahead beside the uploads and gathers
 // they feed, the slower setting the pace.
 TEST(PlanTime, GpuShardsReadFromNvme) {
