@@ -27,7 +27,12 @@
 //          --tier host [--param-tier device|host|nvme] [--dtype bf16] [--state f32|bf16|8bit]
 //          [--steps 7] [--nvme-path DIR]
 //          [--shard-group N] [--ranks-per-node N (--inter-node-gbs X | --link-calibration F)]
-//          [--alternate R]
+//          [--alternate R] [--device cuda]
+//
+// With --device cuda (one rank, its GPU; the state and stage 3's parameters on the tiers given),
+// the gradients are not written (the engine's own, on the GPU, as it leaves them: the update
+// does the same work on any values) and there is no trainer compute; the prediction takes the
+// calibration's gpu section (`zeroshard calibrate --device cuda`), and shows the host-GPU copies.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -87,7 +92,7 @@ MachineRates measured_beside(Communicator& comm, MachineRates rates, int64_t byt
 
 int main(int argc, char** argv) {
   std::string calibration, tier = "host", dtype = "bf16", nvme_path, state = "f32", link_file,
-                           param_tier = "device";
+                           param_tier = "device", device = "cpu";
   int64_t params = int64_t(64) << 20;
   int units = 16, stage = 2, steps = 7, group = 0, per_node = 0, alternate = 0;
   double link_gbs = 0;
@@ -123,6 +128,8 @@ int main(int argc, char** argv) {
       link_file = v;
     else if (k == "--alternate")
       alternate = std::stoi(v);
+    else if (k == "--device")
+      device = v;
     else {
       std::fprintf(stderr, "plan_step_bench: unknown flag %s\n", k.c_str());
       return 2;
@@ -130,8 +137,16 @@ int main(int argc, char** argv) {
   }
   try {
     std::shared_ptr<Communicator> comm = make_mpi_communicator();
+    const bool gpu = device == "cuda";
+    if (device != "cpu" && !gpu) throw std::invalid_argument("--device: cpu or cuda, not " + device);
+    if (gpu && (comm->size() > 1 || alternate > 0))
+      throw std::invalid_argument("--device cuda: one rank (its GPU), without --alternate");
     Config cfg;
     cfg.stage = stage;
+    if (gpu) {
+      cfg.device = Device::cuda;
+      cfg.device_index = -1;
+    }
     cfg.dtype = dtype == "f32" ? DType::f32 : DType::bf16;
     cfg.shard_group_size = group;
     cfg.offload_optimizer.tier = tier == "nvme"   ? Tier::nvme
@@ -165,6 +180,7 @@ int main(int argc, char** argv) {
           "--ranks-per-node)");
     std::vector<double> t, opt, exposed, busy, inter;
     auto write_grads = [&](int u) {
+      if (gpu) return (void)e.grads(u);  // GPU memory: the engine's values stay
       for (const TensorView& g : e.grads(u)) {
         if (cfg.dtype == DType::f32)
           std::fill_n(static_cast<float*>(g.data), g.numel, 1e-3f);
@@ -180,6 +196,7 @@ int main(int argc, char** argv) {
     for (std::vector<uint32_t>& b : alone)
       b.assign(size_t((params / units * int64_t(dtype_size(cfg.dtype)) + 3) / 4), 0);
     auto compute_s = [&] {
+      if (gpu) return 0.0;  // nothing written
       return timed(*comm, 5, [&](int) {
         for (int u = units - 1; u >= 0; --u) {
           std::vector<uint32_t>& b = alone[size_t(u) % alone.size()];
@@ -281,9 +298,10 @@ int main(int argc, char** argv) {
             link_file.empty() ? LinkRates::uniform(link_gbs) : read_link_calibration(link_file);
         const StepPrediction p = predict_step(cfg, plan, comm->size(), rates);
         std::printf(
-            ", predicted %.4f s (compute %.4f, comm %.4f, optimizer %.4f, nvme %.4f): "
+            ", predicted %.4f s (compute %.4f, comm %.4f, optimizer %.4f, pcie %.4f, nvme %.4f): "
             "predicted / measured %.3f",
-            p.total_s, p.compute_s, p.comm_s, p.optimizer_s, p.nvme_s, p.total_s / measured);
+            p.total_s, p.compute_s, p.comm_s, p.optimizer_s, p.pcie_s, p.nvme_s,
+            p.total_s / measured);
         if (per_node > 0)
           std::printf("; inter-node MiB per step: engine %.2f, predicted %.2f",
                       busiest / double(1 << 20), p.inter_node_bytes / double(1 << 20));

@@ -4,7 +4,9 @@
 # joined with it into fused_adamw_vs_torch.txt; offload_step_bench; demo_throughput.sh;
 # demo_capacity.sh), and writes
 # logs and figures to $OUT when set, else to benchmarks/gpu/results/. A part name (build, test,
-# python, bench, capacity) runs the build and that part only: each then fits a 10-minute command.
+# python, bench, capacity, plan) runs the build and that part only: each then fits a 10-minute
+# command. plan: `zeroshard calibrate --device cuda`, then GPU engines' steps against
+# predict_step() from that file (plan_step_bench --device cuda, one rank), in plan_gpu.txt.
 #
 #   bash benchmarks/gpu/run_all.sh pack   # on a development machine (Debian, after
 #                                         # scripts/setup.sh): gathers into .gpu-deps/ the build
@@ -90,10 +92,10 @@ if [[ "${1:-}" == "pack" ]]; then
 fi
 # What to run after the (incremental) build: every part, or the one named, so that each part
 # fits a time-limited command on a lent GPU machine.
-parts="${1:-test python bench capacity}"
+parts="${1:-test python bench capacity plan}"
 case "$parts" in
-  build | test | python | bench | capacity | "test python bench capacity") ;;
-  *) die "usage: $0 [pack|build|test|python|bench|capacity]" ;;
+  build | test | python | bench | capacity | plan | "test python bench capacity plan") ;;
+  *) die "usage: $0 [pack|build|test|python|bench|capacity|plan]" ;;
 esac
 want() { [[ " $parts " == *" $1 "* ]]; }
 
@@ -353,6 +355,34 @@ bash "$root/benchmarks/gpu/demo_capacity.sh" "$build/apps/zeroshard" --out "$out
   --timeout "${ZEROSHARD_CAPACITY_TIMEOUT:-300}" >"$out/demo_capacity.log" 2>&1 ||
   { status=1; say "demo_capacity failed; see $out/demo_capacity.log"; }
 cat "$out/demo_capacity.txt" 2>/dev/null || true
+fi
+if want plan; then
+# The planner's GPU step model against the engine on this GPU: the machine calibrated (its CPU,
+# the GPU's pinned copies and update, the nvme tier under TMPDIR), then each configuration's
+# measured step beside predict_step()'s from that file.
+nv="${TMPDIR:-/tmp}/zeroshard-plan-nvme"
+mkdir -p "$nv"
+launch=()
+if [[ $mpi == ON ]]; then launch=(mpirun -np 1); fi
+cal="$out/calibration-gpu.json"
+"${launch[@]}" "$build/apps/zeroshard" calibrate --device cuda --nvme-path "$nv" --out "$cal" \
+  >"$out/plan_gpu.log" 2>&1 || { status=1; say "calibrate failed; see $out/plan_gpu.log"; }
+cat "$out/plan_gpu.log"
+bench="$(find "$build/benchmarks" -name plan_step_bench -type f | head -1)"
+if [[ -z "$bench" ]]; then
+  say "plan_step_bench not built (it needs MPI)" | tee "$out/plan_gpu.txt"
+else
+  : >"$out/plan_gpu.txt"
+  for c in "1 device device" "2 device device" "3 device device" "1 host device" "2 host device" \
+           "3 host device" "3 host host" "2 nvme device" "3 nvme nvme"; do
+    read -r st opt par <<<"$c"
+    "${launch[@]}" "$bench" --device cuda --calibration "$cal" --params 128M --units 16 --steps 5 \
+      --stage "$st" --tier "$opt" --param-tier "$par" --nvme-path "$nv" \
+      >>"$out/plan_gpu.txt" 2>>"$out/plan_gpu.log" || { status=1; say "plan_step_bench $c failed"; }
+  done
+  cat "$out/plan_gpu.txt"
+fi
+rm -rf "$nv"
 fi
 say "results in $out: $(cd "$out" && ls | tr '\n' ' ')"
 exit $status
