@@ -29,10 +29,11 @@
 //          [--shard-group N] [--ranks-per-node N (--inter-node-gbs X | --link-calibration F)]
 //          [--alternate R] [--device cuda]
 //
-// With --device cuda (one rank, its GPU; the state and stage 3's parameters on the tiers given),
-// the gradients are not written (the engine's own, on the GPU, as it leaves them: the update
-// does the same work on any values) and there is no trainer compute; the prediction takes the
-// calibration's gpu section (`zeroshard calibrate --device cuda`), and shows the host-GPU copies.
+// With --device cuda (one rank, GPU 0, over one-rank NCCL; the state and stage 3's parameters on
+// the tiers given), the gradients are not written (the engine's own, on the GPU, as it leaves
+// them: the update does the same work on any values) and there is no trainer compute; the
+// prediction takes the calibration's gpu section (`zeroshard calibrate --device cuda`) and
+// shows the host-GPU copies. The one-rank collectives' copies on the GPU are not predicted.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -136,16 +137,18 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    std::shared_ptr<Communicator> comm = make_mpi_communicator();
+    const std::shared_ptr<Communicator> mpi = make_mpi_communicator();  // lives to the end
+    std::shared_ptr<Communicator> comm = mpi;
     const bool gpu = device == "cuda";
     if (device != "cpu" && !gpu) throw std::invalid_argument("--device: cpu or cuda, not " + device);
     if (gpu && (comm->size() > 1 || alternate > 0))
       throw std::invalid_argument("--device cuda: one rank (its GPU), without --alternate");
     Config cfg;
     cfg.stage = stage;
-    if (gpu) {
+    if (gpu) {  // the GPU over one-rank NCCL: its collectives stay on the GPU, as on many GPUs
       cfg.device = Device::cuda;
-      cfg.device_index = -1;
+      cfg.device_index = 0;
+      comm = make_nccl_communicator(0);
     }
     cfg.dtype = dtype == "f32" ? DType::f32 : DType::bf16;
     cfg.shard_group_size = group;

@@ -15,9 +15,9 @@
 //   --nvme-path), in parameters per second and in record bytes read and written per second;
 //   the same for bf16 and 8-bit moments under "state_formats" (smaller records); and stage 3's
 //   parameter shards on the nvme tier, read for gathers and written by the update ("param_tier");
-// - gpu (--device cuda): pinned host memory to and from this rank's GPU (time_pcie()), and an
-//   engine's update with its state in GPU memory, in parameters per second, per dtype and (under
-//   "state_formats") with bf16 and 8-bit moments.
+// - gpu (--device cuda): pinned host memory to and from this rank's GPU (time_pcie()), and the
+//   engine's fused update with its state in GPU memory (time_update()), in parameters per
+//   second, per dtype and (under "state_formats") with bf16 and 8-bit moments.
 // Rank 0 prints a table and writes the JSON file (schema "zeroshard-calibration/1").
 #include "apps/plan/calibrate.hpp"
 
@@ -198,25 +198,6 @@ double optimizer_seconds(const Config& cfg, int64_t n, int reps, double* step_s 
   }
   if (step_s) *step_s = median(step);
   return median(opt);
-}
-
-// The same on this rank's GPU, with the state in GPU memory: the update is queued on the GPU's
-// stream and step() waits for the last one when it sums the next gradient norm, so the time
-// from one step() to the next is the GPU's update (and norm).
-double gpu_update_seconds(Config cfg, int64_t n, int reps) {
-  cfg.device = Device::cuda;
-  cfg.device_index = -1;  // the local rank's
-  Engine e(cfg, make_self_communicator());
-  e.add_unit("calibrate", {Param{"w", {n}}});
-  e.finalize();
-  std::vector<double> at, took;
-  for (int s = 0; s < reps + 2; ++s) {
-    e.grads_ready(0);  // gradients as allocated (zeros): the update's work is the same
-    (void)e.step();
-    at.push_back(now_s());
-  }
-  for (size_t i = 2; i < at.size(); ++i) took.push_back(at[i] - at[i - 1]);
-  return median(took);
 }
 
 // time = latency + bytes / bandwidth: the latency is the smallest size's time, the bandwidth
@@ -487,9 +468,10 @@ int run_calibrate(const std::vector<std::string>& args) {
       for (DType d : {DType::f32, DType::bf16}) {
         Config c;
         c.dtype = d;
+        c.device = Device::cuda;  // the local rank's GPU
         auto rate = [&](const Config& f) {
           comm->barrier("calibrate");
-          return mean_over(*comm, double(o.elements) / gpu_update_seconds(f, o.elements, o.reps));
+          return mean_over(*comm, double(o.elements) / time_update(f, o.elements, o.reps));
         };
         g["adamw"][dtype_name(d)] = {{"params_per_s", rate(c)}};
         for (StateFormat f : {StateFormat::bf16, StateFormat::q8}) {  // a GPU keeps an f32 master

@@ -87,8 +87,9 @@ const char* kHelp =
     "`zeroshard calibrate --device cuda` wrote, or typed: --pcie-gbs (pinned copies, GB/s each\n"
     "way), --gpu-update-gps (its update in GPU memory, G params/s). On more than one rank its\n"
     "collectives take --gpu-bus-gbs, the GPUs' bus bandwidth as nccl-tests report it (a ring's\n"
-    "reduce-scatter of S bytes takes (n-1)/n S / bus); the compute hides them fully (their own\n"
-    "streams). A 'pcie s' column shows the host-GPU copies the step waits for.\n";
+    "reduce-scatter of S bytes takes (n-1)/n S / bus), hidden behind the trainer's compute as far\n"
+    "as it lasts (NCCL's own streams). A 'pcie s' column shows the host-GPU copies the step waits\n"
+    "for.\n";
 
 [[noreturn]] void bad(const std::string& why) {
   throw std::invalid_argument(why);
@@ -124,7 +125,11 @@ void gpu_rates(Options& o) {
     bad("--device cuda on " + std::to_string(o.ranks) +
         " ranks times the GPUs' collectives at --gpu-bus-gbs (their bus bandwidth, as "
         "nccl-tests report it): the calibration's collectives are the host's");
-  set_bus_bandwidth(r, o.gpu_bus_gbs, o.ranks, o.shard_group);
+  try {
+    set_bus_bandwidth(r, o.gpu_bus_gbs, o.ranks, o.shard_group);
+  } catch (const Error& e) {
+    bad(e.what());
+  }
 }
 
 Options parse(const std::vector<std::string>& args) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "zeroshard/communicator.hpp"
+#include "zeroshard/config.hpp"
 #include "zeroshard/export.hpp"
 #include "zeroshard/types.hpp"
 
@@ -78,5 +79,14 @@ struct PcieRates {
   double h2d_gbs = 0, d2h_gbs = 0;
 };
 ZS_API PcieRates time_pcie(int device, int64_t bytes, int reps);
+
+/// The fused optimizer update alone, as an engine configured as `cfg` issues it with its state
+/// in the memory of Config::device (a GPU's, or the CPU's arena): one update of `n` parameters
+/// (rounded up to whole Config::state_block blocks) in cfg's dtype, moments' format and master,
+/// every array in that memory, timed to its end (the device synchronized); the median of `reps`
+/// after one untimed, in seconds. What MachineRates::gpu_update_params_per_s is n / of. Throws
+/// Error(invalid_config) for a configuration the engine refuses or a GPU this build or machine
+/// does not have.
+ZS_API double time_update(const Config& cfg, int64_t n, int reps);
 
 }  // namespace zeroshard

@@ -48,11 +48,11 @@ struct PlanChoice {
 };
 
 /// plan_memory() for every stage and offload choice (stages 0–3; optimizer state on the device,
-/// host or, from stage 1, nvme tier; at stage 3 parameters on each tier too) that an engine with
-/// `base`'s other settings takes (Config::validate(): a GPU engine takes no stage 0 with the
-/// optimizer off the GPU, nor parameters off it with the optimizer on it): what
-/// `zeroshard plan` and zeroshard.estimate() print. Throws the engine's reason when it takes
-/// none.
+/// host or, from stage 1, nvme tier; at stage 3 parameters on each tier too), with `base`'s other
+/// settings: what `zeroshard plan` and zeroshard.estimate() print. For a GPU engine, only the
+/// choices it takes (Config::validate(): no stage 0 with the optimizer off the GPU, no
+/// parameters off it with the optimizer on it), and its reason when it takes none. Throws what
+/// the engine throws for a choice a CPU engine refuses too (the base's settings at fault).
 ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanUnit>& units,
                                             int world,
                                             const std::vector<OptimizerOptions>& groups = {});
@@ -180,8 +180,10 @@ struct StepPrediction {
   double optimizer_s = 0;
   /// A GPU engine's copies between its memory and pinned host memory that the step waits for:
   /// the reduced gradient shards going down to a CPU optimizer (beside the reductions, hidden
-  /// with them), the new parameters going up (beside the CPU update: the slower sets the pace),
-  /// and stage 3's shards off the GPU going up before each gather (hidden with the gathers).
+  /// with them); the new parameters going up, each unit's as the CPU update finishes it (a
+  /// pipeline: what the uploads add to the update, at least the last unit's); and stage 3's
+  /// shards off the GPU going up before each gather, on the compute stream the trainer's kernels
+  /// share (hidden by nothing).
   double pcie_s = 0;
   /// The nvme tier's step (its update included), and with parameters on the nvme tier their
   /// reads beyond what the gathers' collectives hide and their writes after the update.
@@ -198,7 +200,8 @@ struct StepPrediction {
 /// sets the pace) and the update writes every new shard. A GPU engine (Config::device cuda)
 /// adds its host↔GPU copies (StepPrediction::pcie_s) and updates in GPU memory at
 /// MachineRates::gpu_update_params_per_s. Throws Error(invalid_argument) for a rate it needs
-/// that is 0, or a configuration the engine refuses.
+/// that is 0, Error(invalid_config) for a configuration the engine refuses (Config::validate(),
+/// with nvme paths not needed).
 ZS_API StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
                                    const MachineRates& rates);
 

@@ -125,6 +125,10 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
         raise _core.InvalidArgumentError(
             f"estimate(): {', '.join(k for k, v in gpu.items() if v is not None)} are a GPU's: "
             f"they need device=\"cuda\"")
+    if not calibration and any(v is not None for v in gpu.values()):
+        raise _core.InvalidArgumentError(
+            f"estimate(): {', '.join(k for k, v in gpu.items() if v is not None)} time the step: "
+            f"they need calibration=")
     if device == "cuda" and calibration and world > 1 and not gpu_bus_gbs:
         raise _core.InvalidArgumentError(
             f"estimate(): device=\"cuda\" on {world} ranks times the GPUs' collectives at "

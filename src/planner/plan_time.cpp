@@ -257,19 +257,24 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   const double block_out = link.nodes - 1.0, buffer_out = 2.0 * (link.nodes - 1) / link.nodes;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
   double param_read = 0, param_write = 0;                 // bytes of nvme parameter shards
-  double down = 0, up = 0, gather_up = 0;                 // bytes between the GPU and host memory
+  double down = 0, gather_up = 0;  // bytes between the GPU and host memory
+  // Per unit, in the order the update takes them: its update's seconds and its new shard's
+  // upload's (a GPU with the optimizer off it and the parameters on it).
+  std::vector<std::pair<double, double>> update_then_up;
   for (const PlanUnit& u : units) {
     const UnitLayout L = plan_unit(u.name, u.params, group, padding_grain(cfg));
     const double shard = double(L.shard_numel) * pbytes;
     const double ring = double(group - 1) * shard;  // a reduce-scatter or all-gather's hop
-    updated += double(cfg.stage == 0 ? L.padded_numel : L.shard_numel);
+    const double mine = double(cfg.stage == 0 ? L.padded_numel : L.shard_numel);
+    updated += mine;
     if (nvme_params) {  // a read per gather, forward and backward; one write of the new shard
       param_read += 2.0 * k * shard;
       param_write += shard;
     }
     if (gpu_state_off) {  // every micro-step's reduced shard down; the new shard up
       down += k * shard;
-      if (!params_off) up += shard;
+      if (!params_off)
+        update_then_up.emplace_back(mine / update_rate, shard / (rates.h2d_gbs * 1e9));
     }
     if (gpu && params_off) gather_up += 2.0 * k * shard;  // up before each gather
     if (world == 1) continue;  // a one-rank engine runs no collective
@@ -314,16 +319,27 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   const double exposed = exposed_of(grads + gathers);
   p.comm_s = exposed + after;
   (nvme ? p.nvme_s : p.optimizer_s) = updated / update_rate;
-  // The GPU's copies: downloads as the reductions land, each shard's upload just before its
-  // gather (on the stream the gather follows), the new parameters' uploads beside the update.
-  const double h2d = rates.h2d_gbs * 1e9, d2h = rates.d2h_gbs * 1e9;
-  const double copied = gpu ? down / d2h : 0, gathered = gpu ? gathers + gather_up / h2d : gathers;
-  const double with_copies = exposed_of(grads + copied + gathered);
-  if (gpu) p.pcie_s = with_copies - exposed + std::max(0.0, up / h2d - p.optimizer_s - p.nvme_s);
-  if (nvme_params) {  // reads beside the gathers, the slower sets their pace; then the writes
+  // The GPU's copies. Downloads of the reduced shards as the reductions land, beside them (hidden
+  // with them). Stage 3's shards off the GPU go up just before their gathers, on the compute
+  // stream, which the trainer's kernels share (ZeroOptimizer runs the engine on torch's stream):
+  // nothing hides them. The new parameters go up unit by unit as the update finishes each: a
+  // two-stage pipeline whose end is max over k of (updates of units 0..k + uploads of units
+  // k..last); what it adds to the update is the uploads' exposed time.
+  const double copied = down > 0 ? down / (rates.d2h_gbs * 1e9) : 0;
+  const double gather_up_s = gather_up > 0 ? gather_up / (rates.h2d_gbs * 1e9) : 0;
+  const double with_copies = exposed_of(grads + copied + gathers);
+  double pipeline = 0, updates = 0, rest = 0;  // rest: the uploads of units k..last
+  for (const auto& [update, upload] : update_then_up) rest += upload;
+  for (const auto& [update, upload] : update_then_up) {
+    updates += update;
+    pipeline = std::max(pipeline, updates + rest);
+    rest -= upload;
+  }
+  p.pcie_s = with_copies - exposed + gather_up_s + (pipeline - updates);
+  if (nvme_params) {  // reads ahead of the uploads and gathers they feed: the slower sets the pace
     const double reads = param_read / (rates.param_read_gbs * 1e9);
-    p.nvme_s += exposed_of(grads + copied + std::max(gathered, reads)) - with_copies +
-                param_write / (write_gbs * 1e9);
+    p.nvme_s += exposed_of(grads + copied + std::max(gathers + gather_up_s, reads)) -
+                exposed_of(grads + copied + gathers + gather_up_s) + param_write / (write_gbs * 1e9);
   }
   p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.pcie_s + p.nvme_s;
   p.inter_node_bytes = crossing;

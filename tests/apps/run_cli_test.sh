@@ -65,10 +65,16 @@ expect 2 "--dtype must be one of" plan --dtype fp8
 expect 2 "--ranks needs a positive integer" plan --ranks 0
 # GPU engines planned without a GPU: their staging counted, the choices they take; their rates
 # typed or refused where they cannot apply.
-expect 0 "grad_shard_staging\|^3     host      host" plan "${small[@]}" --device cuda
+expect 0 "^3     host      host" plan "${small[@]}" --device cuda
 expect 2 "--device must be cpu or cuda" plan --device gpu
 expect 2 "need --device cuda" plan --calibration /dev/null --pcie-gbs 25
 expect 2 "need --calibration" plan --device cuda --gpu-bus-gbs 100
+cal="$(mktemp)"
+trap 'rm -f "$cal"' EXIT
+echo '{"schema": "zeroshard-calibration/1", "optimizer": {"adamw": {"bf16": {"params_per_s": 1e9}}},
+       "collectives": {}}' >"$cal"
+expect 2 "groups of 3 in 4 ranks" plan --ranks 4 --shard-group 3 --device cuda --calibration "$cal" --gpu-bus-gbs 100
+expect 2 "--gpu-bus-gbs" plan --ranks 4 --device cuda --calibration "$cal"
 expect 2 "--device must be cpu or cuda" calibrate --device gpu
 if [[ $("$bin" plan "${small[@]}" --device cuda | grep -c '^[0-3]     ') != 14 ]]; then
   echo "FAIL: plan --device cuda: not the 14 choices a GPU engine takes"

@@ -252,7 +252,8 @@ def test_estimate_plans_gpu_engines_without_a_gpu(tmp_path):
     # no parameters off it with the optimizer on it), each the CPU engine's bytes plus the GPU's
     # staging: with the optimizer on the host, the gradient shards' two slots on the GPU and one
     # pinned upload buffer per unit's shard on the host. With typed rates, the host-GPU copies
-    # show as pcie_s: on one rank with no compute, all of them (down, then up beyond the update).
+    # show as pcie_s: on one rank with no compute, all the downloads, and the uploads beyond the
+    # update (each unit's as its update ends: all but the first unit's update is hidden).
     units = [(f"l{i}", [zs.Param("w", shape=[256, 256])]) for i in range(4)]
     cpu = {(r["stage"], r["optimizer"], r["params"]): r for r in zs.estimate(units, world=2).rows}
     gpu = {(r["stage"], r["optimizer"], r["params"]): r
@@ -273,7 +274,7 @@ def test_estimate_plans_gpu_engines_without_a_gpu(tmp_path):
         units, world=1, device="cuda", calibration=cal, pcie_gbs=0.1, gpu_update_gps=10).rows}
     whole = 4 * 256 * 256 * 2
     st = one[(2, "host", "device")]["step"]
-    assert st["pcie_s"] == pytest.approx(whole / 1e8 + (whole / 1e8 - whole / 2 / 1e9))
+    assert st["pcie_s"] == pytest.approx(2 * whole / 1e8 - 3 * 256 * 256 / 1e9)
     assert st["total_s"] == pytest.approx(st["optimizer_s"] + st["pcie_s"])
     assert one[(2, "device", "device")]["step"]["optimizer_s"] == pytest.approx(whole / 2 / 1e10)
     assert one[(2, "device", "device")]["step"]["pcie_s"] == 0
@@ -285,6 +286,8 @@ def test_estimate_plans_gpu_engines_without_a_gpu(tmp_path):
     assert len(timed) == 8 and all(r["step"]["comm_s"] > 0 for r in timed)
     with pytest.raises(zs.InvalidArgumentError, match="device=\"cuda\""):
         zs.estimate(units, world=1, pcie_gbs=1)
+    with pytest.raises(zs.InvalidArgumentError, match="calibration="):
+        zs.estimate(units, world=1, device="cuda", pcie_gbs=1)
 
 
 def test_step_releases_the_gil():

@@ -1,6 +1,7 @@
 // plan_memory() of a GPU engine (Config::device cuda) on a machine without a GPU: the same
 // setup as the CPU engine's plus the GPU's own staging, and nothing else. That the plan equals a
-// real GPU engine's ledger is tests/gpu/test_gpu_engine.cpp's GpuEngine.PlanEqualsLedger.
+// real GPU engine's ledger is checked in every case of tests/gpu/test_gpu_engine.cpp's
+// GpuEngine.MatchesTheCpuEngine.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -122,4 +123,35 @@ TEST(PlanGpu, PcieIsTimedOnAGpuOrRefused) {
   const PcieRates r = time_pcie(-1, 64 << 20, 3);
   EXPECT_GT(r.h2d_gbs, 1);
   EXPECT_GT(r.d2h_gbs, 1);
+}
+
+// time_update() issues the fused update through the engine's backend, with every array its
+// format needs in that backend's memory: on the CPU every moment format and a bf16 master run
+// (a q8 state without its absmax arrays, or a bf16 master read as f32, would crash or throw);
+// on a GPU the same, else the runtime's reason. A configuration the engine refuses is refused.
+TEST(PlanGpu, UpdateIsTimedOnTheEnginesBackend) {
+  for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8})
+    for (bool bf16_master : {false, true}) {
+      Config c;
+      c.dtype = DType::bf16;
+      c.optimizer_state = f;
+      c.bf16_master = bf16_master;
+      const double s = time_update(c, 100000, 2);  // rounded up to whole 2048-element blocks
+      EXPECT_TRUE(s > 0 && s < 10) << state_format_name(f) << " " << bf16_master << ": " << s;
+    }
+  Config bad;
+  bad.dtype = DType::f32;
+  bad.bf16_master = true;  // a bf16 master needs bf16 parameters
+  EXPECT_THROW(time_update(bad, 1000, 1), Error);
+  EXPECT_THROW(time_update(Config{}, 0, 1), Error);
+  Config gpu;
+  gpu.device = Device::cuda;
+  if (cuda_device_count() == 0) {
+    EXPECT_THROW(time_update(gpu, 1 << 20, 1), Error);
+  } else {
+    for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
+      gpu.optimizer_state = f;
+      EXPECT_GT(time_update(gpu, 1 << 22, 3), 0) << state_format_name(f);
+    }
+  }
 }

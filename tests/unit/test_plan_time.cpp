@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -295,8 +296,9 @@ Config on_gpu(Config c, Tier params = Tier::device) {
 
 // A GPU engine: its collectives as a CPU engine's (at the rates given: the GPUs'); the update on
 // the GPU with the state there, else on the CPU with the reduced gradient shards downloaded
-// (hidden with the reductions) and the new shards uploaded beside the update (the slower sets
-// the pace); stage 3's shards off the GPU uploaded before every gather (hidden with them).
+// (hidden with the reductions) and each unit's new shard uploaded as soon as the update finished
+// it (a pipeline: the uploads show where they outlast the update, and the last unit's always);
+// stage 3's shards off the GPU uploaded before every gather, on the compute stream (not hidden).
 TEST(PlanTime, GpuEnginesCopyOverPcie) {
   const double shards = 2048 + 512, bytes = shards * 2;  // this rank's, on 2 ranks
   const MachineRates r = gpu_rates();
@@ -307,35 +309,47 @@ TEST(PlanTime, GpuEnginesCopyOverPcie) {
     EXPECT_DOUBLE_EQ(p.optimizer_s, cpu.optimizer_s / 4) << stage;
     EXPECT_EQ(p.pcie_s, 0) << stage;
   }
-  // Stage 1, the optimizer on the host: down in bytes / 2 GB/s; up in bytes / 1 GB/s beside
-  // an update of shards / 1 G params/s, which it outlasts by bytes / 2 GB/s.
+  // Stage 1, the optimizer on the host: down in bytes / 2 GB/s. Up at 1 GB/s, unit a's 4096 B
+  // after its update (2048 params at 1 G/s), then unit b's 1024 B: the pipeline ends after a's
+  // update and both uploads.
   StepPrediction p = predict_step(on_gpu(cfg(1)), model(), 2, r);
   EXPECT_DOUBLE_EQ(p.optimizer_s, shards / 1e9);
-  EXPECT_DOUBLE_EQ(p.pcie_s, bytes / 2e9 + (bytes / 1e9 - shards / 1e9));
+  EXPECT_DOUBLE_EQ(p.pcie_s, bytes / 2e9 + (2048 / 1e9 + bytes / 1e9 - shards / 1e9));
   EXPECT_DOUBLE_EQ(p.total_s, p.comm_s + p.optimizer_s + p.pcie_s);
-  // A slower update hides the uploads; compute hides the downloads with the reductions.
+  // A slower update hides all uploads but the last unit's; compute hides the downloads with the
+  // reductions.
   MachineRates slow = r;
   slow.update_params_per_s = 1e8;
-  EXPECT_DOUBLE_EQ(predict_step(on_gpu(cfg(1)), model(), 2, slow).pcie_s, bytes / 2e9);
+  const double last = 512 * 2 / 1e9;
+  EXPECT_DOUBLE_EQ(predict_step(on_gpu(cfg(1)), model(), 2, slow).pcie_s, bytes / 2e9 + last);
   slow.compute_s = 1;
-  EXPECT_DOUBLE_EQ(predict_step(on_gpu(cfg(1)), model(), 2, slow).pcie_s, 0);
+  EXPECT_NEAR(predict_step(on_gpu(cfg(1)), model(), 2, slow).pcie_s, last, 1e-15);
   // Every micro-step's reduced shard comes down.
   Config k2 = on_gpu(cfg(2));
   k2.gradient_accumulation_steps = 2;
-  EXPECT_DOUBLE_EQ(predict_step(k2, model(), 2, slow).pcie_s, 0);  // hidden
+  EXPECT_NEAR(predict_step(k2, model(), 2, slow).pcie_s, last, 1e-15);  // downloads hidden
   slow.compute_s = 0;
-  EXPECT_DOUBLE_EQ(predict_step(k2, model(), 2, slow).pcie_s, 2 * bytes / 2e9);
-  // One GPU: no collectives, the same copies.
+  EXPECT_DOUBLE_EQ(predict_step(k2, model(), 2, slow).pcie_s, 2 * bytes / 2e9 + last);
+  // One GPU: no collectives, the same copies of whole units (4096 and 1024 elements).
   p = predict_step(on_gpu(cfg(2)), model(), 1, r);
   const double whole = (4096 + 1024) * 2;
   EXPECT_EQ(p.comm_s, 0);
-  EXPECT_DOUBLE_EQ(p.pcie_s, whole / 2e9 + (whole / 1e9 - whole / 2 / 1e9));
-  // Stage 3 with the shards on the host: each goes up before its gather, twice a step; the
-  // update writes them where they are (nothing goes up after it).
+  EXPECT_DOUBLE_EQ(p.pcie_s, whole / 2e9 + (4096 / 1e9 + whole / 1e9 - whole / 2 / 1e9));
+  // Stage 3 with the shards on the host: each goes up before its gather, twice a step, and the
+  // trainer's compute hides none of it; the update writes them where they are (no pipeline).
   const StepPrediction dev = predict_step(on_gpu(cfg(3)), model(), 2, r);
   p = predict_step(on_gpu(cfg(3), Tier::host), model(), 2, r);
   EXPECT_DOUBLE_EQ(p.comm_s, dev.comm_s);
   EXPECT_DOUBLE_EQ(p.pcie_s, bytes / 2e9 + 2 * bytes / 1e9);
+  MachineRates busy = r;
+  busy.compute_s = 1;
+  EXPECT_DOUBLE_EQ(predict_step(on_gpu(cfg(3), Tier::host), model(), 2, busy).pcie_s,
+                   2 * bytes / 1e9);
+  // The state on the GPU needs no PCIe rate (none given: no copies, and no 0 / 0).
+  busy.h2d_gbs = busy.d2h_gbs = 0;
+  p = predict_step(on_gpu(cfg(3, Tier::device)), model(), 2, busy);
+  EXPECT_EQ(p.pcie_s, 0);
+  EXPECT_TRUE(std::isfinite(p.total_s));
 }
 
 // A bus bandwidth as nccl-tests report it: a ring's reduce-scatter and all-gather of a B-byte
