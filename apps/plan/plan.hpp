@@ -1,5 +1,5 @@
 #pragma once
-// `zeroshard plan`: the memory every stage and offload choice would take per rank for a GPT, from
+// `zeroshard plan`: the memory every stage and offload choice would take per rank for a model, from
 // the engine's own setup (zeroshard::plan_memory), against the memory a machine has.
 
 #include <string>

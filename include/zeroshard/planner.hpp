@@ -141,10 +141,28 @@ struct MachineRates {
 /// at a bus bandwidth `bus_gbs` as nccl-tests report it: a ring moves a reduce-scatter's or an
 /// all-gather's block of B bytes per rank among n in (n − 1) B / bus, an all-reduce of B bytes
 /// among n in 2 (n − 1) / n · B / bus. What a GPU engine's collectives take where no calibration
-/// measured them (`zeroshard calibrate` measures the host's); with comm_overlap 1, as they run
-/// on streams of their own beside the trainer's kernels. Throws Error(invalid_argument) on a
-/// bandwidth that is not positive or groups that do not divide the world.
+/// measured them (`zeroshard calibrate` measures the host's), or a CPU engine's typed. Throws
+/// Error(invalid_argument) on a bandwidth that is not positive or groups that do not divide
+/// the world.
 ZS_API void set_bus_bandwidth(MachineRates& rates, double bus_gbs, int world, int group = 0);
+
+/// The bytes one parameter's optimizer update moves in memory for an engine configured as
+/// `cfg`: its master read and written, each moment read and written in its format (8-bit: one
+/// byte, its block's absmax left out), the gradient read, and the low-precision copy written
+/// (an f32 model's master is its parameter). 28 for AdamW with f32 moments, f32 or bf16; what
+/// the same-bytes pass of `zeroshard calibrate` moves.
+ZS_API double update_bytes_per_param(const Config& cfg);
+/// The bytes one parameter's optimizer record holds on the nvme tier (master and moments; 12
+/// for AdamW with f32 moments): a step reads and writes each once.
+ZS_API double record_bytes_per_param(const Config& cfg);
+
+/// Rates from typed bandwidths, where no calibration measured them: the CPU update at
+/// `memory_gbs` (a rank's memory bandwidth, as the same-bytes pass measures it) over
+/// update_bytes_per_param(); the nvme tier's step at `disk_gbs` (a rank's share of its disks,
+/// reads and writes together) over twice record_bytes_per_param(), and stage 3's shards on it
+/// read and written at `disk_gbs`. A bandwidth of 0 leaves its rates as they are.
+ZS_API void set_typed_bandwidths(MachineRates& rates, const Config& cfg, double memory_gbs,
+                                 double disk_gbs);
 
 /// The rates of a calibration file (schema zeroshard-calibration/1) for an engine configured as
 /// `cfg`: its dtype, its moments' format (Config::optimizer_state) and its master's

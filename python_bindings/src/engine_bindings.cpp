@@ -681,7 +681,8 @@ void bind_plan(nb::module_& m) {
       "plan_choices",
       [](const Config& cfg, const PyUnits& units, int world,
          const std::vector<OptimizerOptions>& groups, const std::string& calibration,
-         double compute_s, double pcie_gbs, double gpu_update_gps, double gpu_bus_gbs) {
+         double compute_s, double memory_gbs, double disk_gbs, double bus_gbs, double pcie_gbs,
+         double gpu_update_gps) {
         const std::vector<PlanUnit> us = plan_units(units);
         std::vector<PlanChoice> cs;
         MachineRates rates;
@@ -690,12 +691,16 @@ void bind_plan(nb::module_& m) {
           cs = plan_choices(cfg, us, world, groups);
           if (!calibration.empty()) rates = read_calibration(calibration, cfg);
         }
+        // As `zeroshard plan` takes them: typed rates over the file's.
+        const bool timed = !calibration.empty() || memory_gbs > 0 || disk_gbs > 0 ||
+                           bus_gbs > 0 || pcie_gbs > 0 || gpu_update_gps > 0;
         rates.compute_s = compute_s;
-        if (cfg.device == Device::cuda) {  // as `zeroshard plan --device cuda` takes them
+        set_typed_bandwidths(rates, cfg, memory_gbs, disk_gbs);
+        if (bus_gbs > 0) set_bus_bandwidth(rates, bus_gbs, world, cfg.shard_group_size);
+        if (cfg.device == Device::cuda) {
           if (pcie_gbs > 0) rates.h2d_gbs = rates.d2h_gbs = pcie_gbs;
           if (gpu_update_gps > 0) rates.gpu_update_params_per_s = gpu_update_gps * 1e9;
-          rates.comm_overlap = 1;
-          if (gpu_bus_gbs > 0) set_bus_bandwidth(rates, gpu_bus_gbs, world, cfg.shard_group_size);
+          rates.comm_overlap = 1;  // NCCL's streams beside the trainer's kernels
         }
         nb::list out;
         for (const PlanChoice& c : cs) {
@@ -707,7 +712,7 @@ void bind_plan(nb::module_& m) {
           d["model_states"] = c.model_states;
           d["step"] = nb::none();
           d["step_note"] = nb::none();
-          if (!calibration.empty()) {
+          if (timed) {
             StepPrediction p;
             try {
               p = predict_step(c.config, us, world, rates);
@@ -731,16 +736,16 @@ void bind_plan(nb::module_& m) {
       },
       nb::arg("config"), nb::arg("units"), nb::arg("world"),
       nb::arg("groups") = std::vector<OptimizerOptions>{}, nb::arg("calibration") = "",
-      nb::arg("compute_s") = 0.0, nb::arg("pcie_gbs") = 0.0, nb::arg("gpu_update_gps") = 0.0,
-      nb::arg("gpu_bus_gbs") = 0.0,
+      nb::arg("compute_s") = 0.0, nb::arg("memory_gbs") = 0.0, nb::arg("disk_gbs") = 0.0,
+      nb::arg("bus_gbs") = 0.0, nb::arg("pcie_gbs") = 0.0, nb::arg("gpu_update_gps") = 0.0,
       "plan_memory() for every stage and offload choice, with config's other settings: a list "
       "of dicts (stage, optimizer, params, bytes on device/host/nvme and model_states, of the "
       "rank that holds the most). With `calibration` (a file `zeroshard calibrate` wrote), each "
       "dict's `step` is predict_step()'s split of the engine's step in seconds (total_s, "
       "compute_s as given, comm_s, optimizer_s, pcie_s, nvme_s); where it cannot be predicted "
-      "(a rate the file does not hold) `step` is None and `step_note` says why. A GPU engine "
-      "(config.device cuda) takes pcie_gbs and gpu_update_gps over the file's, and its "
-      "collectives at gpu_bus_gbs (set_bus_bandwidth()) where given.");
+      "(a rate not given) `step` is None and `step_note` says why. Typed rates stand in for "
+      "the file's or override them: memory_gbs and disk_gbs (set_typed_bandwidths()), bus_gbs "
+      "(set_bus_bandwidth()), and a GPU engine's pcie_gbs and gpu_update_gps.");
   m.def(
       "plan_memory",
       [](const Config& cfg, const PyUnits& units, int world, int rank,

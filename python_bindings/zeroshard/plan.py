@@ -93,23 +93,25 @@ def _deepspeed(stage, opt, par, total, largest, world, per_node):
 def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adamw",
              optimizer_state="f32", bf16_master=False, unit_numel=1 << 25, device_gib=None,
              host_gib=None, nvme_gib=None, calibration=None, compute_s=0.0, device="cpu",
-             pcie_gbs=None, gpu_update_gps=None, gpu_bus_gbs=None):
+             memory_gbs=None, disk_gbs=None, bus_gbs=None, pcie_gbs=None, gpu_update_gps=None):
     """An Estimate of `model` (a torch.nn.Module, or a list of (name, [Param]) units) on `world`
     ranks: for every stage and offload choice, the bytes one rank holds on each tier once the
     engine is finalized, and whether they fit the GiB given per rank. dtype: the parameters'
     (a module's own by default, else "bf16"); optimizer: "adamw", "adam", "lion" or "sgd";
     optimizer_state ("f32", "bf16", "8bit") and bf16_master as Config takes them.
-    calibration: a file `zeroshard calibrate` wrote (with as many ranks per node): each row's
-    "step" is then the engine's predicted step in seconds, split (zeroshard::predict_step();
-    compute_s, the trainer's own forward and backward, is taken as given and hides what
-    communication it can).
+    With rates, each row's "step" is the engine's predicted step in seconds, split
+    (zeroshard::predict_step(); compute_s, the trainer's own forward and backward, is taken as
+    given and hides what communication it can). The rates: calibration, a file
+    `zeroshard calibrate` wrote (with as many ranks per node), and typed ones standing in for
+    what it did not measure or overriding it: memory_gbs (a rank's memory bandwidth: the CPU
+    update), disk_gbs (a rank's share of its disks, reads and writes together: the nvme tier),
+    bus_gbs (the collectives' bus bandwidth, as nccl-tests report it).
     device="cuda" plans GPU engines (one GPU per rank, its memory the device tier): their
     staging on the GPU and in pinned host memory, and only the choices a GPU engine takes. Their
     step takes the GPU's rates from a calibration made with `zeroshard calibrate --device cuda`,
     or typed: pcie_gbs (pinned copies, GB/s each way), gpu_update_gps (the update in GPU memory,
-    G params/s); on more than one rank the collectives need gpu_bus_gbs, the GPUs' bus
-    bandwidth as nccl-tests report it (a calibration's collectives are the host's). Each step
-    then has pcie_s, the host-GPU copies it waits for."""
+    G params/s); on more than one rank the collectives need bus_gbs (a calibration's
+    collectives are the host's). Each step then has pcie_s, the host-GPU copies it waits for."""
     units, model_dtype = _units_of(model, unit_numel)
     if not units:
         raise _core.InvalidArgumentError("estimate(): the model has no trainable parameters")
@@ -120,23 +122,21 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
     limits = {"device": device_gib, "host": host_gib, "nvme": nvme_gib}
     cfg = _core.Config(dtype=dtype or model_dtype or "bf16", optimizer={"kind": optimizer},
                        optimizer_state=optimizer_state, bf16_master=bf16_master, device=device)
-    gpu = {"pcie_gbs": pcie_gbs, "gpu_update_gps": gpu_update_gps, "gpu_bus_gbs": gpu_bus_gbs}
+    gpu = {"pcie_gbs": pcie_gbs, "gpu_update_gps": gpu_update_gps}
     if device != "cuda" and any(v is not None for v in gpu.values()):
         raise _core.InvalidArgumentError(
             f"estimate(): {', '.join(k for k, v in gpu.items() if v is not None)} are a GPU's: "
             f"they need device=\"cuda\"")
-    if not calibration and any(v is not None for v in gpu.values()):
-        raise _core.InvalidArgumentError(
-            f"estimate(): {', '.join(k for k, v in gpu.items() if v is not None)} time the step: "
-            f"they need calibration=")
-    if device == "cuda" and calibration and world > 1 and not gpu_bus_gbs:
+    typed = dict(gpu, memory_gbs=memory_gbs, disk_gbs=disk_gbs, bus_gbs=bus_gbs)
+    timed = bool(calibration) or any(v is not None for v in typed.values())
+    if device == "cuda" and timed and world > 1 and not bus_gbs:
         raise _core.InvalidArgumentError(
             f"estimate(): device=\"cuda\" on {world} ranks times the GPUs' collectives at "
-            f"gpu_bus_gbs (their bus bandwidth, as nccl-tests report it): the calibration's "
+            f"bus_gbs (their bus bandwidth, as nccl-tests report it): a calibration's "
             f"collectives are the host's")
     for r in _core.plan_choices(cfg, units, world, calibration=str(calibration or ""),
                                 compute_s=float(compute_s),
-                                **{k: float(v or 0) for k, v in gpu.items()}):
+                                **{k: float(v or 0) for k, v in typed.items()}):
         over = [t for t in ("device", "host", "nvme") if limits[t] and r[t] / _GIB > limits[t]]
         r["fits"] = None if not any(limits.values()) else (over[0] if over else True)
         r["deepspeed"] = _deepspeed(r["stage"], r["optimizer"], r["params"], est.parameters,

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "kernels/cpu/cpu_kernels.hpp"
 #include "src/base/check.hpp"
 #include "src/base/layout.hpp"
 #include "zeroshard/planner.hpp"
@@ -14,7 +15,9 @@ namespace zeroshard {
 
 double CollectiveRate::seconds(double bytes, Buffers buffers) const {
   if (!(bandwidth_gbs > 0))
-    ZS_THROW(invalid_argument, "predict_step(): a collective's bandwidth is not measured");
+    ZS_THROW(invalid_argument,
+             "predict_step(): a collective's bandwidth is not measured (zeroshard calibrate "
+             "measures it over its ranks; zeroshard plan takes it typed as --bus-gbs)");
   // A kind not measured takes the next: queued, then cold, then warm.
   const std::vector<std::pair<double, double>>* pts = &warm;
   if (buffers == Buffers::queued && !queued.empty())
@@ -167,6 +170,46 @@ LinkRates read_link_calibration(const std::string& path) {
   return l;
 }
 
+namespace {
+
+int num_states(const Config& cfg) {
+  switch (cfg.optimizer.kind) {
+    case OptimizerKind::adam:
+    case OptimizerKind::adamw:
+      return 2;
+    case OptimizerKind::lion:
+      return 1;
+    case OptimizerKind::sgd:
+      return cfg.optimizer.momentum != 0 ? 1 : 0;
+  }
+  return 0;
+}
+
+}  // namespace
+
+double record_bytes_per_param(const Config& cfg) {
+  const double master = cfg.bf16_master ? 2 : 4;
+  return master + num_states(cfg) * double(cpu::state_bytes(cfg.optimizer_state));
+}
+
+double update_bytes_per_param(const Config& cfg) {
+  const double p = double(dtype_size(cfg.dtype));
+  const bool copy = cfg.dtype != DType::f32;  // an f32 model's master is its parameter
+  return 2 * record_bytes_per_param(cfg) + p + (copy ? p : 0);
+}
+
+void set_typed_bandwidths(MachineRates& r, const Config& cfg, double memory_gbs,
+                          double disk_gbs) {
+  if (!(memory_gbs >= 0 && disk_gbs >= 0))
+    ZS_THROW(invalid_argument, "set_typed_bandwidths(): " << memory_gbs << " and " << disk_gbs
+                                                          << " GB/s");
+  if (memory_gbs > 0) r.update_params_per_s = memory_gbs * 1e9 / update_bytes_per_param(cfg);
+  if (disk_gbs > 0) {
+    r.nvme_step_params_per_s = disk_gbs * 1e9 / (2 * record_bytes_per_param(cfg));
+    r.param_read_gbs = r.param_write_gbs = r.param_write_with_records_gbs = disk_gbs;
+  }
+}
+
 void set_bus_bandwidth(MachineRates& r, double bus_gbs, int world, int group) {
   if (group == 0) group = world;
   if (!(bus_gbs > 0) || world < 1 || group < 1 || world % group != 0)
@@ -175,7 +218,6 @@ void set_bus_bandwidth(MachineRates& r, double bus_gbs, int world, int group) {
   const int replicas = world / group;
   r.reduce_scatter = r.all_gather = {0, group > 1 ? bus_gbs / (group - 1) : bus_gbs, {}, {}, {}};
   r.all_reduce = {0, replicas > 1 ? bus_gbs * replicas / (2.0 * (replicas - 1)) : bus_gbs, {}, {}, {}};
-  r.comm_overlap = 1;
 }
 
 StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
@@ -201,7 +243,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     ZS_THROW(invalid_argument,
              "predict_step(): the nvme parameter tier's read and write rates "
              "are not measured (zeroshard calibrate --nvme-path DIR measures "
-             "them)");
+             "them; zeroshard plan takes them typed as --disk-gbs)");
   const double update_rate = nvme         ? rates.nvme_step_params_per_s
                              : gpu_update ? rates.gpu_update_params_per_s
                                           : rates.update_params_per_s;
@@ -212,12 +254,16 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
                                    << " moments" << (cfg.bf16_master ? " and a bf16 master" : "")
                                    << " is not measured (zeroshard calibrate"
                                    << (nvme ? " --nvme-path DIR" : gpu_update ? " --device cuda" : "")
-                                   << " measures it)");
+                                   << " measures it; zeroshard plan takes it typed as "
+                                   << (nvme         ? "--disk-gbs"
+                                       : gpu_update ? "--gpu-update-gps"
+                                                    : "--memory-gbs")
+                                   << ")");
   if ((gpu_state_off || (gpu && params_off)) && !(rates.h2d_gbs > 0 && rates.d2h_gbs > 0))
     ZS_THROW(invalid_argument,
              "predict_step(): a GPU engine with its optimizer or parameters off the GPU copies "
              "them over PCIe, whose rates are not measured (zeroshard calibrate --device cuda "
-             "measures them)");
+             "measures them; zeroshard plan takes them typed as --pcie-gbs)");
   const double pbytes = double(dtype_size(cfg.dtype));
   const int k = cfg.gradient_accumulation_steps;
   // Groups (Config::shard_group_size) and nodes: the rings of a collective within each group,

@@ -66,15 +66,34 @@ expect 2 "--ranks needs a positive integer" plan --ranks 0
 # GPU engines planned without a GPU: their staging counted, the choices they take; their rates
 # typed or refused where they cannot apply.
 expect 0 "^3     host      host" plan "${small[@]}" --device cuda
-expect 2 "--device must be cpu or cuda" plan --device gpu
+expect 2 "--device must be one of cpu, cuda" plan --device gpu
 expect 2 "need --device cuda" plan --calibration /dev/null --pcie-gbs 25
-expect 2 "need --calibration" plan --device cuda --gpu-bus-gbs 100
+expect 2 "need --calibration or a typed rate" plan --compute-s 1
+expect 2 "need --device cuda" plan --gpu-update-gps 10
+# Models given as a parameter count in units, or as a JSON file of units.
+expect 0 "7.500 G parameters in 75 units (largest 100.000 M)" plan --params 7.5G --largest-unit 100M --ranks 64
+expect 2 "go together" plan --params 1G
+expect 2 "one model" plan --params 1G --largest-unit 1M --layers 2
+units="$(mktemp)"
+echo '[{"name": "a", "params": [{"name": "w", "shape": [1000, 1000]}, {"name": "b", "shape": [1000], "decay": false}]},
+       {"name": "b", "params": [{"name": "w", "shape": [3000]}]}]' >"$units"
+expect 0 "0.001 G parameters in 2 units (largest 1.001 M)" plan --units "$units"
+echo '[{"name": "a"}]' >"$units"
+expect 2 "unit 0" plan --units "$units"
+rm -f "$units"
+expect 2 "cannot be read" plan --units /nonexistent.json
+# Typed rates alone time the step; a row whose rate is missing names the flag that gives it.
+expect 0 "--disk-gbs" plan "${small[@]}" --memory-gbs 20 --bus-gbs 10
+if "$bin" plan "${small[@]}" --memory-gbs 20 --bus-gbs 10 --disk-gbs 2 | grep -q "not measured"; then
+  echo "FAIL: plan with every rate typed left a row untimed"
+  fail=1
+fi
 cal="$(mktemp)"
 trap 'rm -f "$cal"' EXIT
 echo '{"schema": "zeroshard-calibration/1", "optimizer": {"adamw": {"bf16": {"params_per_s": 1e9}}},
        "collectives": {}}' >"$cal"
-expect 2 "groups of 3 in 4 ranks" plan --ranks 4 --shard-group 3 --device cuda --calibration "$cal" --gpu-bus-gbs 100
-expect 2 "--gpu-bus-gbs" plan --ranks 4 --device cuda --calibration "$cal"
+expect 2 "groups of 3 in 4 ranks" plan --ranks 4 --shard-group 3 --device cuda --calibration "$cal" --bus-gbs 100
+expect 2 "--bus-gbs" plan --ranks 4 --device cuda --calibration "$cal"
 expect 2 "--device must be cpu or cuda" calibrate --device gpu
 if [[ $("$bin" plan "${small[@]}" --device cuda | grep -c '^[0-3]     ') != 14 ]]; then
   echo "FAIL: plan --device cuda: not the 14 choices a GPU engine takes"

@@ -361,12 +361,42 @@ TEST(PlanTime, CollectivesAtABusBandwidth) {
   set_bus_bandwidth(r, 100, 8);
   EXPECT_DOUBLE_EQ(r.reduce_scatter.seconds(1e6, Buffers::queued), 7 * 1e6 / 100e9);
   EXPECT_DOUBLE_EQ(r.all_gather.seconds(1e6, Buffers::cold), 7 * 1e6 / 100e9);
-  EXPECT_EQ(r.comm_overlap, 1);
+  EXPECT_EQ(r.comm_overlap, 0.5);  // the machine's, as it was
   set_bus_bandwidth(r, 100, 8, 2);  // groups of 2, all-reduced across 4
   EXPECT_DOUBLE_EQ(r.reduce_scatter.seconds(1e6, Buffers::warm), 1e6 / 100e9);
   EXPECT_DOUBLE_EQ(r.all_reduce.seconds(1e6, Buffers::warm), 2 * 3.0 / 4 * 1e6 / 100e9);
   EXPECT_THROW(set_bus_bandwidth(r, 0, 8), Error);
   EXPECT_THROW(set_bus_bandwidth(r, 100, 8, 3), Error);
+}
+
+// Typed bandwidths: the CPU update moves its format's bytes per parameter (master, moments
+// read and written; the gradient read; a low-precision copy written), the nvme step reads and
+// writes its records; 0 leaves a rate as it was.
+TEST(PlanTime, TypedBandwidthsOverTheBytesOfEachFormat) {
+  Config c;
+  c.dtype = DType::bf16;
+  EXPECT_EQ(update_bytes_per_param(c), 28);  // 2·(4 + 4 + 4) + 2 + 2
+  EXPECT_EQ(record_bytes_per_param(c), 12);
+  c.dtype = DType::f32;
+  EXPECT_EQ(update_bytes_per_param(c), 28);  // 2·(4 + 4 + 4) + 4, the master is the parameter
+  c.dtype = DType::bf16;
+  c.optimizer_state = StateFormat::q8;
+  c.bf16_master = true;
+  EXPECT_EQ(record_bytes_per_param(c), 4);  // 2 + 1 + 1
+  EXPECT_EQ(update_bytes_per_param(c), 12);
+  c.optimizer.kind = OptimizerKind::sgd;  // no momentum: no state
+  EXPECT_EQ(record_bytes_per_param(c), 2);
+  MachineRates r = rates();
+  c = Config{};
+  c.dtype = DType::bf16;
+  set_typed_bandwidths(r, c, 28, 0);
+  EXPECT_DOUBLE_EQ(r.update_params_per_s, 1e9);
+  EXPECT_EQ(r.nvme_step_params_per_s, 1e8);  // as it was
+  set_typed_bandwidths(r, c, 0, 2.4);
+  EXPECT_DOUBLE_EQ(r.nvme_step_params_per_s, 1e8);
+  EXPECT_EQ(r.param_read_gbs, 2.4);
+  EXPECT_EQ(r.param_write_with_records_gbs, 2.4);
+  EXPECT_THROW(set_typed_bandwidths(r, c, -1, 0), Error);
 }
 
 // Stage 3's shards on the nvme tier of a GPU engine: read ahead beside the uploads and gathers
