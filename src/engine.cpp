@@ -120,18 +120,9 @@ std::string Engine::Impl::where(int id) const {
 }
 
 int Engine::Impl::num_states() const {
-  switch (cfg.optimizer.kind) {
-    case OptimizerKind::adam:
-    case OptimizerKind::adamw:
-      return 2;
-    case OptimizerKind::lion:
-      return 1;
-    case OptimizerKind::sgd:
-      for (const OptimizerOptions& g : groups)
-        if (g.momentum != 0) return 1;
-      return 0;
-  }
-  return 0;
+  const bool momentum = std::any_of(groups.begin(), groups.end(),
+                                    [](const OptimizerOptions& g) { return g.momentum != 0; });
+  return cpu::num_states(cfg.optimizer.kind, momentum);
 }
 
 std::vector<TensorView> Engine::Impl::views(int id, void* base) const {

@@ -23,6 +23,21 @@ Isa best_isa();
 bool isa_supported(Isa isa);
 
 /// Hyperparameters of one update, folded on the host (in double, then cast to float).
+/// The state arrays an optimizer keeps per element: Adam and AdamW m and v, Lion m, SGD its
+/// momentum buffer when a group has momentum.
+inline int num_states(OptimizerKind kind, bool momentum) {
+  switch (kind) {
+    case OptimizerKind::adam:
+    case OptimizerKind::adamw:
+      return 2;
+    case OptimizerKind::lion:
+      return 1;
+    case OptimizerKind::sgd:
+      return momentum ? 1 : 0;
+  }
+  return 0;
+}
+
 struct UpdateHyper {
   OptimizerKind kind = OptimizerKind::adamw;
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, momentum = 0;

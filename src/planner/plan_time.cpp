@@ -170,26 +170,10 @@ LinkRates read_link_calibration(const std::string& path) {
   return l;
 }
 
-namespace {
-
-int num_states(const Config& cfg) {
-  switch (cfg.optimizer.kind) {
-    case OptimizerKind::adam:
-    case OptimizerKind::adamw:
-      return 2;
-    case OptimizerKind::lion:
-      return 1;
-    case OptimizerKind::sgd:
-      return cfg.optimizer.momentum != 0 ? 1 : 0;
-  }
-  return 0;
-}
-
-}  // namespace
-
 double record_bytes_per_param(const Config& cfg) {
   const double master = cfg.bf16_master ? 2 : 4;
-  return master + num_states(cfg) * double(cpu::state_bytes(cfg.optimizer_state));
+  return master + cpu::num_states(cfg.optimizer.kind, cfg.optimizer.momentum != 0) *
+                      double(cpu::state_bytes(cfg.optimizer_state));
 }
 
 double update_bytes_per_param(const Config& cfg) {
