@@ -140,7 +140,8 @@ int main(int argc, char** argv) {
     const std::shared_ptr<Communicator> mpi = make_mpi_communicator();  // lives to the end
     std::shared_ptr<Communicator> comm = mpi;
     const bool gpu = device == "cuda";
-    if (device != "cpu" && !gpu) throw std::invalid_argument("--device: cpu or cuda, not " + device);
+    if (device != "cpu" && !gpu)
+      throw std::invalid_argument("--device: cpu or cuda, not " + device);
     if (gpu && (comm->size() > 1 || alternate > 0))
       throw std::invalid_argument("--device cuda: one rank (its GPU), without --alternate");
     Config cfg;

@@ -692,8 +692,8 @@ void bind_plan(nb::module_& m) {
           if (!calibration.empty()) rates = read_calibration(calibration, cfg);
         }
         // As `zeroshard plan` takes them: typed rates over the file's.
-        const bool timed = !calibration.empty() || memory_gbs > 0 || disk_gbs > 0 ||
-                           bus_gbs > 0 || pcie_gbs > 0 || gpu_update_gps > 0;
+        const bool timed = !calibration.empty() || memory_gbs > 0 || disk_gbs > 0 || bus_gbs > 0 ||
+                           pcie_gbs > 0 || gpu_update_gps > 0;
         rates.compute_s = compute_s;
         set_typed_bandwidths(rates, cfg, memory_gbs, disk_gbs);
         if (bus_gbs > 0) set_bus_bandwidth(rates, bus_gbs, world, cfg.shard_group_size);

@@ -80,9 +80,7 @@ class PlanDevice final : public Compute {
   void update(const std::vector<cpu::UpdateHyper>&, const std::vector<UnitUpdate>&) override {
     refuse("an update");
   }
-  std::pair<double, bool> sum_squares(const std::vector<GradSpan>&) override {
-    refuse("a norm");
-  }
+  std::pair<double, bool> sum_squares(const std::vector<GradSpan>&) override { refuse("a norm"); }
   void copy(void*, const void*, size_t) override { refuse("a copy"); }
   void download(void*, const void*, size_t) override { refuse("a copy"); }
   void synchronize() override {}

@@ -182,11 +182,10 @@ double update_bytes_per_param(const Config& cfg) {
   return 2 * record_bytes_per_param(cfg) + p + (copy ? p : 0);
 }
 
-void set_typed_bandwidths(MachineRates& r, const Config& cfg, double memory_gbs,
-                          double disk_gbs) {
+void set_typed_bandwidths(MachineRates& r, const Config& cfg, double memory_gbs, double disk_gbs) {
   if (!(memory_gbs >= 0 && disk_gbs >= 0))
-    ZS_THROW(invalid_argument, "set_typed_bandwidths(): " << memory_gbs << " and " << disk_gbs
-                                                          << " GB/s");
+    ZS_THROW(invalid_argument,
+             "set_typed_bandwidths(): " << memory_gbs << " and " << disk_gbs << " GB/s");
   if (memory_gbs > 0) r.update_params_per_s = memory_gbs * 1e9 / update_bytes_per_param(cfg);
   if (disk_gbs > 0) {
     r.nvme_step_params_per_s = disk_gbs * 1e9 / (2 * record_bytes_per_param(cfg));
@@ -201,7 +200,8 @@ void set_bus_bandwidth(MachineRates& r, double bus_gbs, int world, int group) {
                                                        << " in " << world << " ranks");
   const int replicas = world / group;
   r.reduce_scatter = r.all_gather = {0, group > 1 ? bus_gbs / (group - 1) : bus_gbs, {}, {}, {}};
-  r.all_reduce = {0, replicas > 1 ? bus_gbs * replicas / (2.0 * (replicas - 1)) : bus_gbs, {}, {}, {}};
+  r.all_reduce = {
+      0, replicas > 1 ? bus_gbs * replicas / (2.0 * (replicas - 1)) : bus_gbs, {}, {}, {}};
 }
 
 StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
@@ -233,11 +233,15 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
                                           : rates.update_params_per_s;
   if (!(update_rate > 0))
     ZS_THROW(invalid_argument, "predict_step(): the "
-                                   << (nvme ? "nvme step" : gpu_update ? "GPU update" : "CPU update")
+                                   << (nvme         ? "nvme step"
+                                       : gpu_update ? "GPU update"
+                                                    : "CPU update")
                                    << " rate with " << state_format_name(cfg.optimizer_state)
                                    << " moments" << (cfg.bf16_master ? " and a bf16 master" : "")
                                    << " is not measured (zeroshard calibrate"
-                                   << (nvme ? " --nvme-path DIR" : gpu_update ? " --device cuda" : "")
+                                   << (nvme         ? " --nvme-path DIR"
+                                       : gpu_update ? " --device cuda"
+                                                    : "")
                                    << " measures it; zeroshard plan takes it typed as "
                                    << (nvme         ? "--disk-gbs"
                                        : gpu_update ? "--gpu-update-gps"
@@ -287,7 +291,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   const double block_out = link.nodes - 1.0, buffer_out = 2.0 * (link.nodes - 1) / link.nodes;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
   double param_read = 0, param_write = 0;                 // bytes of nvme parameter shards
-  double down = 0, gather_up = 0;  // bytes between the GPU and host memory
+  double down = 0, gather_up = 0;                         // bytes between the GPU and host memory
   // Per unit, in the order the update takes them: its update's seconds and its new shard's
   // upload's (a GPU with the optimizer off it and the parameters on it).
   std::vector<std::pair<double, double>> update_then_up;
@@ -307,7 +311,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
         update_then_up.emplace_back(mine / update_rate, shard / (rates.h2d_gbs * 1e9));
     }
     if (gpu && params_off) gather_up += 2.0 * k * shard;  // up before each gather
-    if (world == 1) continue;  // a one-rank engine runs no collective
+    if (world == 1) continue;                             // a one-rank engine runs no collective
     // Stages 0-1 reduce each unit's own whole gradient buffer, all units' in flight at once
     // (queued), and stage 0 gathers the reduced shards back into it, one unit at a time as each
     // reduction lands (cold); stages 2-3 reduce from reused staging slots (warm). Stages 1-2
@@ -369,7 +373,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   if (nvme_params) {  // reads ahead of the uploads and gathers they feed: the slower sets the pace
     const double reads = param_read / (rates.param_read_gbs * 1e9);
     p.nvme_s += exposed_of(grads + copied + std::max(gathers + gather_up_s, reads)) -
-                exposed_of(grads + copied + gathers + gather_up_s) + param_write / (write_gbs * 1e9);
+                exposed_of(grads + copied + gathers + gather_up_s) +
+                param_write / (write_gbs * 1e9);
   }
   p.total_s = p.compute_s + p.comm_s + p.optimizer_s + p.pcie_s + p.nvme_s;
   p.inter_node_bytes = crossing;

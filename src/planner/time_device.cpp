@@ -18,8 +18,7 @@ namespace zeroshard {
 namespace {
 
 double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 double median(std::vector<double> v) {
@@ -61,8 +60,7 @@ PcieRates time_pcie(int device, int64_t bytes, int reps) {
 double time_update(const Config& cfg, int64_t n, int reps) {
   cfg.validate();
   if (n <= 0 || reps < 1)
-    ZS_THROW(invalid_argument, "time_update(): " << n << " parameters, " << reps
-                                                 << " repetitions");
+    ZS_THROW(invalid_argument, "time_update(): " << n << " parameters, " << reps << " repetitions");
   // Whole q8 blocks (a multiple of the GPU's 8-element accesses too, as shards are).
   n = (n + cfg.state_block - 1) / cfg.state_block * cfg.state_block;
   cpu::Arena arena;  // the engine's default threads

@@ -361,7 +361,7 @@ TEST(PlanTime, CollectivesAtABusBandwidth) {
   set_bus_bandwidth(r, 100, 8);
   EXPECT_DOUBLE_EQ(r.reduce_scatter.seconds(1e6, Buffers::queued), 7 * 1e6 / 100e9);
   EXPECT_DOUBLE_EQ(r.all_gather.seconds(1e6, Buffers::cold), 7 * 1e6 / 100e9);
-  EXPECT_EQ(r.comm_overlap, 0.5);  // the machine's, as it was
+  EXPECT_EQ(r.comm_overlap, 0.5);   // the machine's, as it was
   set_bus_bandwidth(r, 100, 8, 2);  // groups of 2, all-reduced across 4
   EXPECT_DOUBLE_EQ(r.reduce_scatter.seconds(1e6, Buffers::warm), 1e6 / 100e9);
   EXPECT_DOUBLE_EQ(r.all_reduce.seconds(1e6, Buffers::warm), 2 * 3.0 / 4 * 1e6 / 100e9);
