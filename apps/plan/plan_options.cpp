@@ -187,18 +187,14 @@ void set_rates(PlanOptions& o) {
     if (!o.calibration.empty()) r = read_calibration(o.calibration, plan_config(o));
     r.link = o.link_calibration.empty() ? LinkRates::uniform(o.inter_node_gbs)
                                         : read_link_calibration(o.link_calibration);
-    set_typed_bandwidths(r, plan_config(o), o.memory_gbs, o.disk_gbs);
-    if (o.bus_gbs > 0) set_bus_bandwidth(r, o.bus_gbs, o.ranks, o.shard_group);
+    set_typed_rates(r, plan_config(o), o.ranks,
+                    {o.memory_gbs, o.disk_gbs, o.bus_gbs, o.pcie_gbs, o.gpu_update_gps});
   } catch (const Error& e) {
     bad(e.what());
   }
   r.compute_s = o.compute_s;
   r.ranks_per_node = o.ranks_per_node;
-  if (o.device == Device::cpu) return;
-  if (o.pcie_gbs > 0) r.h2d_gbs = r.d2h_gbs = o.pcie_gbs;
-  if (o.gpu_update_gps > 0) r.gpu_update_params_per_s = o.gpu_update_gps * 1e9;
-  r.comm_overlap = 1;  // the GPU's collectives run on their own streams beside its kernels
-  if (o.ranks > 1 && !(o.bus_gbs > 0))
+  if (o.device == Device::cuda && o.ranks > 1 && !(o.bus_gbs > 0))
     bad("--device cuda on " + std::to_string(o.ranks) +
         " ranks times the GPUs' collectives at --bus-gbs (their bus bandwidth, as nccl-tests "
         "report it): a calibration's collectives are the host's");

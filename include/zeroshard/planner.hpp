@@ -156,13 +156,25 @@ ZS_API double update_bytes_per_param(const Config& cfg);
 /// for AdamW with f32 moments): a step reads and writes each once.
 ZS_API double record_bytes_per_param(const Config& cfg);
 
-/// Rates from typed bandwidths, where no calibration measured them: the CPU update at
-/// `memory_gbs` (a rank's memory bandwidth, as the same-bytes pass measures it) over
-/// update_bytes_per_param(); the nvme tier's step at `disk_gbs` (a rank's share of its disks,
-/// reads and writes together) over twice record_bytes_per_param(), and stage 3's shards on it
-/// read and written at `disk_gbs`. A bandwidth of 0 leaves its rates as they are.
-ZS_API void set_typed_bandwidths(MachineRates& rates, const Config& cfg, double memory_gbs,
-                                 double disk_gbs);
+/// Rates typed by hand, where no calibration measured them or over what it measured (what
+/// `zeroshard plan` and zeroshard.estimate() take); 0: not typed.
+struct TypedRates {
+  double memory_gbs = 0;      ///< a rank's memory bandwidth, as the same-bytes pass measures it
+  double disk_gbs = 0;        ///< a rank's share of its disks, reads and writes together
+  double bus_gbs = 0;         ///< the collectives' bus bandwidth (set_bus_bandwidth())
+  double pcie_gbs = 0;        ///< a GPU's pinned copies, each way
+  double gpu_update_gps = 0;  ///< a GPU's update in its memory, G params/s
+};
+/// `rates` with what `typed` gives over them, for an engine configured as `cfg` on `world`
+/// ranks: the CPU update at memory_gbs over update_bytes_per_param(); the nvme tier's step at
+/// disk_gbs over twice record_bytes_per_param(), and stage 3's shards on it read and written at
+/// disk_gbs; the collectives at bus_gbs (set_bus_bandwidth(), in cfg's shard groups). A GPU
+/// engine also takes pcie_gbs and gpu_update_gps, and hides its collectives behind the
+/// trainer's compute as far as it lasts (comm_overlap 1: NCCL's own streams); a CPU engine
+/// ignores those two. Throws Error(invalid_argument) on a negative rate, or on shard groups
+/// that do not divide `world` with bus_gbs.
+ZS_API void set_typed_rates(MachineRates& rates, const Config& cfg, int world,
+                            const TypedRates& typed);
 
 /// The rates of a calibration file (schema zeroshard-calibration/1) for an engine configured as
 /// `cfg`: its dtype, its moments' format (Config::optimizer_state) and its master's

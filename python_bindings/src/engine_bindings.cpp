@@ -695,13 +695,8 @@ void bind_plan(nb::module_& m) {
         const bool timed = !calibration.empty() || memory_gbs > 0 || disk_gbs > 0 || bus_gbs > 0 ||
                            pcie_gbs > 0 || gpu_update_gps > 0;
         rates.compute_s = compute_s;
-        set_typed_bandwidths(rates, cfg, memory_gbs, disk_gbs);
-        if (bus_gbs > 0) set_bus_bandwidth(rates, bus_gbs, world, cfg.shard_group_size);
-        if (cfg.device == Device::cuda) {
-          if (pcie_gbs > 0) rates.h2d_gbs = rates.d2h_gbs = pcie_gbs;
-          if (gpu_update_gps > 0) rates.gpu_update_params_per_s = gpu_update_gps * 1e9;
-          rates.comm_overlap = 1;  // NCCL's streams beside the trainer's kernels
-        }
+        set_typed_rates(rates, cfg, world,
+                        {memory_gbs, disk_gbs, bus_gbs, pcie_gbs, gpu_update_gps});
         nb::list out;
         for (const PlanChoice& c : cs) {
           nb::dict d;
@@ -744,8 +739,8 @@ void bind_plan(nb::module_& m) {
       "dict's `step` is predict_step()'s split of the engine's step in seconds (total_s, "
       "compute_s as given, comm_s, optimizer_s, pcie_s, nvme_s); where it cannot be predicted "
       "(a rate not given) `step` is None and `step_note` says why. Typed rates stand in for "
-      "the file's or override them: memory_gbs and disk_gbs (set_typed_bandwidths()), bus_gbs "
-      "(set_bus_bandwidth()), and a GPU engine's pcie_gbs and gpu_update_gps.");
+      "the file's or override them (set_typed_rates()): memory_gbs, disk_gbs, bus_gbs, and a GPU "
+      "engine's pcie_gbs and gpu_update_gps.");
   m.def(
       "plan_memory",
       [](const Config& cfg, const PyUnits& units, int world, int rank,

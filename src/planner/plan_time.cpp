@@ -182,15 +182,19 @@ double update_bytes_per_param(const Config& cfg) {
   return 2 * record_bytes_per_param(cfg) + p + (copy ? p : 0);
 }
 
-void set_typed_bandwidths(MachineRates& r, const Config& cfg, double memory_gbs, double disk_gbs) {
-  if (!(memory_gbs >= 0 && disk_gbs >= 0))
-    ZS_THROW(invalid_argument,
-             "set_typed_bandwidths(): " << memory_gbs << " and " << disk_gbs << " GB/s");
-  if (memory_gbs > 0) r.update_params_per_s = memory_gbs * 1e9 / update_bytes_per_param(cfg);
-  if (disk_gbs > 0) {
-    r.nvme_step_params_per_s = disk_gbs * 1e9 / (2 * record_bytes_per_param(cfg));
-    r.param_read_gbs = r.param_write_gbs = r.param_write_with_records_gbs = disk_gbs;
+void set_typed_rates(MachineRates& r, const Config& cfg, int world, const TypedRates& t) {
+  for (double x : {t.memory_gbs, t.disk_gbs, t.bus_gbs, t.pcie_gbs, t.gpu_update_gps})
+    if (!(x >= 0)) ZS_THROW(invalid_argument, "set_typed_rates(): a rate of " << x);
+  if (t.memory_gbs > 0) r.update_params_per_s = t.memory_gbs * 1e9 / update_bytes_per_param(cfg);
+  if (t.disk_gbs > 0) {
+    r.nvme_step_params_per_s = t.disk_gbs * 1e9 / (2 * record_bytes_per_param(cfg));
+    r.param_read_gbs = r.param_write_gbs = r.param_write_with_records_gbs = t.disk_gbs;
   }
+  if (t.bus_gbs > 0) set_bus_bandwidth(r, t.bus_gbs, world, cfg.shard_group_size);
+  if (cfg.device == Device::cpu) return;
+  if (t.pcie_gbs > 0) r.h2d_gbs = r.d2h_gbs = t.pcie_gbs;
+  if (t.gpu_update_gps > 0) r.gpu_update_params_per_s = t.gpu_update_gps * 1e9;
+  r.comm_overlap = 1;
 }
 
 void set_bus_bandwidth(MachineRates& r, double bus_gbs, int world, int group) {

@@ -1,24 +1,14 @@
 // time_collectives() (zeroshard/calibration.hpp): the collectives' points of a calibration.
 #include <algorithm>
-#include <chrono>
 #include <vector>
 
+#include "src/planner/timing.hpp"
 #include "zeroshard/calibration.hpp"
 
 namespace zeroshard {
 
-namespace {
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-}  // namespace
+using timing::median;
+using timing::now_s;
 
 CollectiveTimes time_collectives(Communicator& comm, int64_t bytes, DType dtype, int reps) {
   constexpr int64_t kRing = int64_t(256) << 20, kQueue = 16;

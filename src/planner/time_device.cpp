@@ -2,14 +2,13 @@
 // engine's own backend (src/compute): pinned host memory to and from a GPU as its staged tiers
 // copy it (Compute::copy up, Compute::download down), and the fused update alone as its state
 // tier issues it (Compute::update).
-#include <algorithm>
-#include <chrono>
 #include <vector>
 
 #include "kernels/cpu/quant_code.hpp"
 #include "src/base/check.hpp"
 #include "src/base/ledger.hpp"
 #include "src/compute/compute.hpp"
+#include "src/planner/timing.hpp"
 #include "zeroshard/calibration.hpp"
 #include "zeroshard/config.hpp"
 
@@ -17,14 +16,8 @@ namespace zeroshard {
 
 namespace {
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using timing::median;
+using timing::now_s;
 
 // Zero-filled memory of the device tier (the GPU's, or the heap on the CPU backend).
 Buffer device_buffer(Compute& dev, const char* name, size_t bytes) {
@@ -46,13 +39,13 @@ PcieRates time_pcie(int device, int64_t bytes, int reps) {
   const Buffer gpu = device_buffer(*dev, "pcie_device", size_t(bytes));
   std::vector<double> up, down;
   for (int r = 0; r <= reps; ++r) {  // the first of each untimed
-    double t = now();
+    double t = now_s();
     dev->copy(gpu.data(), host.data(), size_t(bytes));
     dev->synchronize();
-    if (r > 0) up.push_back(now() - t);
-    t = now();
+    if (r > 0) up.push_back(now_s() - t);
+    t = now_s();
     dev->download(host.data(), gpu.data(), size_t(bytes));
-    if (r > 0) down.push_back(now() - t);
+    if (r > 0) down.push_back(now_s() - t);
   }
   return {double(bytes) / median(up) / 1e9, double(bytes) / median(down) / 1e9};
 }
@@ -111,10 +104,10 @@ double time_update(const Config& cfg, int64_t n, int reps) {
   std::vector<double> t;
   dev->synchronize();
   for (int r = 0; r <= reps; ++r) {  // the first untimed: first touch of every page
-    const double t0 = now();
+    const double t0 = now_s();
     dev->update({h}, {w});
     dev->synchronize();
-    if (r > 0) t.push_back(now() - t0);
+    if (r > 0) t.push_back(now_s() - t0);
   }
   return median(t);
 }

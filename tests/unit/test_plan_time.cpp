@@ -389,14 +389,14 @@ TEST(PlanTime, TypedBandwidthsOverTheBytesOfEachFormat) {
   MachineRates r = rates();
   c = Config{};
   c.dtype = DType::bf16;
-  set_typed_bandwidths(r, c, 28, 0);
+  set_typed_rates(r, c, 1, {28, 0});
   EXPECT_DOUBLE_EQ(r.update_params_per_s, 1e9);
   EXPECT_EQ(r.nvme_step_params_per_s, 1e8);  // as it was
-  set_typed_bandwidths(r, c, 0, 2.4);
+  set_typed_rates(r, c, 1, {0, 2.4});
   EXPECT_DOUBLE_EQ(r.nvme_step_params_per_s, 1e8);
   EXPECT_EQ(r.param_read_gbs, 2.4);
   EXPECT_EQ(r.param_write_with_records_gbs, 2.4);
-  EXPECT_THROW(set_typed_bandwidths(r, c, -1, 0), Error);
+  EXPECT_THROW(set_typed_rates(r, c, 1, {-1, 0}), Error);
 }
 
 // Stage 3's shards on the nvme tier of a GPU engine: read ahead beside the uploads and gathers
