@@ -1,4 +1,4 @@
-// Engine communicator vs raw MPI on the same bytes (DESIGN.md rule 9).
+// Engine communicator vs raw MPI on the same bytes (docs/DESIGN.md rule 9).
 //
 // One round = one reduce-scatter followed by one all-gather of a flat buffer of S bytes (each
 // rank's shard is S / ranks), the pair a ZeRO step runs per unit. The engine side goes through

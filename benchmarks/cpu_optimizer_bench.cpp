@@ -1,4 +1,4 @@
-// CPU optimizer step throughput against its memory-bandwidth ceiling (DESIGN.md rule 9).
+// CPU optimizer step throughput against its memory-bandwidth ceiling (docs/DESIGN.md rule 9).
 //
 // For each optimizer and precision config, every round times one full update pass and one
 // same-bytes pass (the same streams read and written, in place where the update is in place,

@@ -1,5 +1,5 @@
 // Engine::step() on the host tier against the memory ceiling of its own bytes, and the CPU time
-// of the whole training step around it (DESIGN.md rule 9: ratios measured in one process).
+// of the whole training step around it (docs/DESIGN.md rule 9: ratios measured in one process).
 //
 // A world-1 engine (self communicator, CPU device, stage 2, AdamW state on the host tier, no
 // clipping) holds N parameters in units of U. Every round runs these, in an order that rotates

@@ -1,4 +1,4 @@
-// The planner's step time against the engine's, for one configuration (DESIGN.md rule 9: the
+// The planner's step time against the engine's, for one configuration (docs/DESIGN.md rule 9: the
 // prediction and the measurement in one run). Under mpirun -np W, an engine of --params
 // parameters in --units equal units (stage, optimizer tier, stage 3's parameter tier and dtype
 // as given; nvme state and parameters under --nvme-path) trains on synthetic gradients: per step,

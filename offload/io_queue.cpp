@@ -6,8 +6,8 @@
 #include <cstring>
 #include <sstream>
 
-#include "offload/checksum.hpp"
-#include "src/base/check.hpp"
+#include "base/checksum.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::offload {
 namespace {

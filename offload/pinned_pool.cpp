@@ -1,6 +1,6 @@
 #include "offload/pinned_pool.hpp"
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::offload {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "src/base/ledger.hpp"
+#include "base/ledger.hpp"
 
 namespace zeroshard::offload {
 

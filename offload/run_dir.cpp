@@ -12,7 +12,7 @@
 #include <cstring>
 #include <ctime>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::offload {
 namespace fs = std::filesystem;

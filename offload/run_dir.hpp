@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <string>
 
-#include "src/base/unique_fd.hpp"
+#include "base/unique_fd.hpp"
 
 namespace zeroshard::offload {
 

@@ -9,8 +9,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "offload/checksum.hpp"
-#include "src/base/check.hpp"
+#include "base/checksum.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::offload {
 

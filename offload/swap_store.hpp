@@ -14,7 +14,7 @@
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
-#include "src/base/unique_fd.hpp"
+#include "base/unique_fd.hpp"
 
 namespace zeroshard::offload {
 

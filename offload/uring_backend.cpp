@@ -5,7 +5,7 @@
 #include <thread>
 
 #include "offload/io_backend.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 #ifdef ZEROSHARD_HAVE_URING
 #include <liburing.h>

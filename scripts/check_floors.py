@@ -3,20 +3,22 @@
 
 Every `#include "..."` of a C++/CUDA source is spelled from the repository root (or, for public
 headers, as "zeroshard/..."), so the path names the room it comes from. The floors, lowest first
-(DESIGN.md, "Layout of the repository"):
+(docs/DESIGN.md, "Layout of the repository"):
 
   public    include/zeroshard/   may include only itself
-  base      src/base/            may include public
+  base      base/                may include public
   kernels   kernels/             may include base, public
   offload   offload/             may include kernels, base, public (not the engine)
-  engine    src/ (but src/base)  may include offload, kernels, base, public
+  engine    src/                 may include offload, kernels, base, public
   clients   apps/, python_bindings/
                                  may include only "zeroshard/..." and files of their own folder
                                  tree (apps/... from apps/, python_bindings/... from there)
   tests/, benchmarks/            may include anything
 
-Besides the floors, the graph whose nodes are folders (src/comm, src/comm/nccl, src/cuda, ...)
-and whose edges are includes between them must have no cycle, within a floor as well.
+Besides the floors, the graph whose nodes are rooms and whose edges are includes between them
+must have no cycle, within a floor as well. A room is a folder two levels deep with everything
+below it (src/comm holds src/comm/mpi and src/comm/nccl), or a shallower file's own folder (src,
+base, offload): so src/comm/nccl -> src/cuda -> src/comm is a cycle of src/comm and src/cuda.
 
 Usage: check_floors.py [REPO_ROOT]. Prints one line per violation, "file:line: ...", and exits 1
 if there is any; exits 0 with a one-line summary otherwise.
@@ -42,7 +44,7 @@ def floor_of(path):
     """The floor of a repository-relative path, or None for files the check does not cover."""
     if path.startswith("include/zeroshard/"):
         return "public"
-    if path.startswith("src/base/"):
+    if path.startswith("base/"):
         return "base"
     if path.startswith("kernels/"):
         return "kernels"
@@ -55,6 +57,12 @@ def floor_of(path):
     if path.startswith("tests/") or path.startswith("benchmarks/"):
         return "free"
     return None
+
+
+def room_of(path):
+    """The room of a repository-relative file: its first two folders, or its folder if shallower."""
+    parts = path.split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else os.path.dirname(path)
 
 
 def resolve(inc):
@@ -100,7 +108,7 @@ def rule_violation(src, target):
 
 
 def find_cycle(edges):
-    """One cycle of the folder graph as a list of nodes, or None."""
+    """One cycle of the room graph as a list of nodes, or None."""
     color, stack = {}, []
 
     def visit(n):
@@ -146,14 +154,14 @@ def main():
                 why = rule_violation(src, target)
                 if why and (src, target) not in ALLOWED:
                     errors.append(f"{src}:{lineno}: {why}")
-                a, b = os.path.dirname(src), os.path.dirname(target)
+                a, b = room_of(src), room_of(target)
                 if a != b and floor_of(src) not in (None, "free"):
                     edges.setdefault(a, set()).add(b)
                     where.setdefault((a, b), f"{src}:{lineno}")
     cycle = find_cycle(edges)
     if cycle:
         steps = ", ".join(f"{a} -> {b} ({where[(a, b)]})" for a, b in zip(cycle, cycle[1:]))
-        errors.append(f"folder include cycle: {' -> '.join(cycle)}: {steps}")
+        errors.append(f"include cycle between rooms: {' -> '.join(cycle)}: {steps}")
     for (src, target), reason in sorted(ALLOWED.items()):
         print(f"check_floors: tolerated for now: {src} includes {target}: {reason}")
     for e in errors:
@@ -161,8 +169,8 @@ def main():
     if errors:
         print(f"check_floors: {len(errors)} violation(s) in {count} includes", file=sys.stderr)
         return 1
-    print(f"check_floors: {count} includes, {len(edges)} folders with outgoing includes, "
-          f"no upward include, no folder cycle")
+    print(f"check_floors: {count} includes, {len(edges)} rooms with outgoing includes, "
+          f"no upward include, no cycle between rooms")
     return 0
 
 

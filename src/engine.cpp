@@ -5,7 +5,7 @@
 #include <cmath>
 #include <set>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/comm/timeout.hpp"
 #include "src/engine_impl.hpp"
 #include "zeroshard/config.hpp"

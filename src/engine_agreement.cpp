@@ -4,8 +4,8 @@
 // silent mix.
 #include <sstream>
 
-#include "offload/checksum.hpp"
-#include "src/base/check.hpp"
+#include "base/checksum.hpp"
+#include "base/check.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {

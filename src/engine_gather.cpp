@@ -2,7 +2,7 @@
 // a prefetch of the next unit in the order recorded during the first step.
 #include <algorithm>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {

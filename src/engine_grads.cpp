@@ -8,7 +8,7 @@
 // handed over too. So ranks whose control flow differs (a branch or a head used on some ranks
 // only, hooks that fire in another order) still reduce the same unit in the same collective;
 // with their order the trainer chooses only how much of the reduction overlaps its backward.
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {

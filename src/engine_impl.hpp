@@ -1,6 +1,6 @@
 #pragma once
 // The engine's private state: the stage logic's per-unit progress and the tiers it talks to.
-// The files that implement it, each one part of the flow of DESIGN.md:
+// The files that implement it, each one part of the flow of docs/DESIGN.md:
 //   engine.cpp              construction, registration, accessors
 //   engine_setup.cpp        finalize(): the tiers, initial values
 //   engine_agreement.cpp    what every rank must agree on: the model, the collectives
@@ -8,7 +8,7 @@
 //   engine_grads.cpp        gradients: buffers, reduce-scatter, hand-over to the state tier
 //   engine_step.cpp         step(): norm and flags, update, gather of the new parameters
 //   engine_state.cpp        state access for checkpoints (read/write/commit shards)
-// The stage logic never asks which tier holds a unit's state: offload/tier.hpp.
+// The stage logic never asks which tier holds a unit's state: src/tiers/tier.hpp.
 
 #include <deque>
 #include <memory>
@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "offload/tier.hpp"
-#include "src/base/layout.hpp"
-#include "src/base/ledger.hpp"
+#include "src/tiers/tier.hpp"
+#include "base/layout.hpp"
+#include "base/ledger.hpp"
 #include "src/precision/loss_scaler.hpp"
 #include "src/resources.hpp"
 #include "zeroshard/engine.hpp"

@@ -5,10 +5,10 @@
 #include <chrono>
 #include <new>
 
-#include "offload/nvme_param_tier.hpp"
-#include "offload/nvme_state_tier.hpp"
-#include "src/base/agree.hpp"
-#include "src/base/check.hpp"
+#include "src/tiers/nvme_param_tier.hpp"
+#include "src/tiers/nvme_state_tier.hpp"
+#include "base/agree.hpp"
+#include "base/check.hpp"
 #include "src/engine_impl.hpp"
 #include "src/tiers/memory_param_tier.hpp"
 #include "src/tiers/memory_state_tier.hpp"

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {

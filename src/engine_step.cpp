@@ -8,8 +8,8 @@
 #include <limits>
 #include <utility>
 
-#include "src/base/agree.hpp"
-#include "src/base/check.hpp"
+#include "base/agree.hpp"
+#include "base/check.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {

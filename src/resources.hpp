@@ -1,5 +1,5 @@
 #pragma once
-// Resources one engine owns (DESIGN.md rule 4), in the order they must outlive each other: the
+// Resources one engine owns (docs/DESIGN.md rule 4), in the order they must outlive each other: the
 // CPU arena, the device's and the CPU's compute backends (a GPU backend owns its streams), the
 // ledger every buffer reports to, the nvme tier's run directories and ring, and the pools of
 // staging buffers the stage logic cycles. No globals: each engine has its own.
@@ -9,8 +9,8 @@
 
 #include "kernels/cpu/arena.hpp"
 #include "offload/swap_space.hpp"
-#include "src/base/buffer_pool.hpp"
-#include "src/base/ledger.hpp"
+#include "base/buffer_pool.hpp"
+#include "base/ledger.hpp"
 #include "src/compute/compute.hpp"
 
 namespace zeroshard {

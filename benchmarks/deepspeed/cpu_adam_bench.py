@@ -55,7 +55,7 @@ What each implementation does per training step, and the bytes per parameter it 
                       writes the bf16 copy in the same pass: 28 B.
                       "update alone" is StepResult.optimizer_s, the update inside the step.
 Each round runs the three once each, in an order that rotates per round, so the machine's
-bandwidth drift (+-30 % between runs, DESIGN.md rule 9) hits all alike; ratios are medians of
+bandwidth drift (+-30 % between runs, docs/DESIGN.md rule 9) hits all alike; ratios are medians of
 per-round ratios. Before timing, a small run checks that DeepSpeed and zeroshard compute the
 same update (3 steps on the same data; fails beyond the stated bounds).
 

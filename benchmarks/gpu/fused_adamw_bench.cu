@@ -1,4 +1,4 @@
-// GPU benchmark (DESIGN.md rule 9: ratios measured in one run, alternating round by round,
+// GPU benchmark (docs/DESIGN.md rule 9: ratios measured in one run, alternating round by round,
 // median of per-round ratios):
 //   1. fused AdamW (zeroshard::cuda::optimizer_update) against a device-to-device copy of the
 //      same bytes: the update reads master, m, v, grad and writes master, m, v and the copy-out;
@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "src/base/cuda_check.hpp"
+#include "base/cuda_check.hpp"
 #include "src/cuda/cuda_resources.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 

@@ -1,5 +1,5 @@
 // GPU benchmark: a host-offloaded optimizer step of a 1B-parameter model against its floors,
-// measured in one run (DESIGN.md rule 9).
+// measured in one run (docs/DESIGN.md rule 9).
 //
 // The engine: stage 2, bf16 parameters and gradients on GPU 0, AdamW with its f32 master weights
 // and moments on the host tier (pinned memory; the CPU runs the update), one rank over NCCL.

@@ -5,7 +5,7 @@ Times torch.optim.AdamW(fused=True) steps on one flat parameter of --elements el
 same count fused_adamw_bench uses) with CUDA events: warm-up, then --rounds rounds; each round
 times one optimizer step and one device-to-device copy of the same bytes (torch's copy_ of
 contiguous bytes is a cudaMemcpyAsync, the reference fused_adamw_bench uses), in an order that
-flips every round, and the medians are reported (DESIGN.md rule 9).
+flips every round, and the medians are reported (docs/DESIGN.md rule 9).
 
 Cases (the key names the zeroshard case of fused_adamw_bench it is compared with):
 

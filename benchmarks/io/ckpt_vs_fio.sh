@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Checkpoint save and load bandwidth against fio on the same disk, back to back in one run
-# (DESIGN.md rule 9). Per round: fio writes a file of SIZE sequentially (4 MiB blocks, io_uring,
+# (docs/DESIGN.md rule 9). Per round: fio writes a file of SIZE sequentially (4 MiB blocks, io_uring,
 # O_DIRECT, queue depth 8) and reads it back after the page cache is dropped; then ckpt_bench
 # saves a checkpoint of the same bytes and loads it (cache dropped in between). Prints each
 # round and the median of the per-round ratios checkpoint / fio. Needs root to drop the cache.

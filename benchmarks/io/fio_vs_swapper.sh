@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The swapper's sequential bandwidth against fio on the same settings, back to back in one run
-# (DESIGN.md rule 9): per round, fio writes then reads its file, then swap_bench writes then
+# (docs/DESIGN.md rule 9): per round, fio writes then reads its file, then swap_bench writes then
 # reads its own (O_DIRECT, io_uring, registered buffers and files, same block size, queue depth
 # and file size; both files written once beforehand, untimed). Prints each round and the median
 # of the per-round ratios swapper / fio.

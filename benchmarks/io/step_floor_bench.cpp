@@ -3,7 +3,7 @@
 //   bytes the step writes / the swapper's write bandwidth,
 //   the compute time of the same update in memory (the host tier, same model and gradients).
 // A step at the floor overlaps reading, updating and writing completely. Each round measures
-// all four in turn in one process (DESIGN.md rule 9); the median of the per-round ratios
+// all four in turn in one process (docs/DESIGN.md rule 9); the median of the per-round ratios
 // step / floor is the figure. A second ratio divides by the "shared-drive floor": the time the
 // swapper takes to read the step's bytes while writing its written bytes concurrently, which is
 // the bound on a drive whose reads and writes share one bandwidth (then r/R + w/W, not max).

@@ -88,8 +88,18 @@ struct LossScaleOptions {
   bool consecutive_hysteresis = false;
 };
 
+/// The dynamic loss scaler's whole state (f16 training), for checkpoints: a run resumed from it
+/// continues the scale's schedule exactly (when it doubles, how many overflows it still
+/// tolerates), not only the scale.
+struct LossScalerState {
+  float scale = 1.0f;
+  int hysteresis_left = 0;     ///< overflows still tolerated before the scale halves
+  int64_t iteration = 0;       ///< steps recorded, skipped ones included
+  int64_t last_overflow = -1;  ///< iteration of the last overflow; -1: none
+};
+
 struct ZS_API Config {
-  /// ZeRO stage 0 (plain data parallel), 1, 2 or 3; see DESIGN.md for what each shards.
+  /// ZeRO stage 0 (plain data parallel), 1, 2 or 3; see docs/DESIGN.md for what each shards.
   int stage = 0;
   /// The compute device ("zeroshard.device": "cpu" or "cuda"). Parameters, gradients and the
   /// device tier live in its memory, and the optimizer runs there when its state is on the

@@ -21,16 +21,6 @@ namespace zeroshard {
 
 using UnitId = int32_t;
 
-/// The dynamic loss scaler's whole state (f16 training), for checkpoints: a run resumed from it
-/// continues the scale's schedule exactly (when it doubles, how many overflows it still
-/// tolerates), not only the scale.
-struct LossScalerState {
-  float scale = 1.0f;
-  int hysteresis_left = 0;     ///< overflows still tolerated before the scale halves
-  int64_t iteration = 0;       ///< steps recorded, skipped ones included
-  int64_t last_overflow = -1;  ///< iteration of the last overflow; -1: none
-};
-
 /// What step() did.
 struct StepResult {
   bool skipped = false;    ///< an overflow (inf/NaN gradient on any rank) skipped the update

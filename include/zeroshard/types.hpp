@@ -23,7 +23,7 @@ ZS_API const char* dtype_name(DType t);
 /// Where a buffer's memory lives. On a build without CUDA only `cpu` exists.
 enum class Device : uint8_t { cpu, cuda };
 
-/// Where a shard lives (DESIGN.md "tiers"): `device` is the compute device's memory (ordinary
+/// Where a shard lives (docs/DESIGN.md "tiers"): `device` is the compute device's memory (ordinary
 /// host memory on a CPU-only build), `host` is pinned host memory, `nvme` is swap files.
 enum class Tier : uint8_t { device, host, nvme };
 ZS_API const char* tier_name(Tier t);

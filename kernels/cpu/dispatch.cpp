@@ -10,7 +10,7 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/kernel_table.hpp"
 #include "kernels/cpu/scalar_convert.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::cpu {
 namespace {

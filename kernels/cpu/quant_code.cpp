@@ -9,7 +9,7 @@
 #include <limits>
 #include <vector>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::cpu {
 namespace {

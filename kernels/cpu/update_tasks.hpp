@@ -5,7 +5,7 @@
 
 #include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/layout.hpp"
+#include "base/layout.hpp"
 
 namespace zeroshard::cpu {
 

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "src/base/cuda_check.hpp"
+#include "base/cuda_check.hpp"
 #include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"

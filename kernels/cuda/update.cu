@@ -13,7 +13,7 @@
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
 #include "kernels/cuda/update_one.cuh"
-#include "src/base/cuda_check.hpp"
+#include "base/cuda_check.hpp"
 
 namespace zeroshard::cuda {
 namespace {

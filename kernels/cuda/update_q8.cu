@@ -17,7 +17,7 @@
 #include "kernels/cpu/quant_code.hpp"
 #include "kernels/cuda/device_io.cuh"
 #include "kernels/cuda/update_one.cuh"
-#include "src/base/cuda_check.hpp"
+#include "base/cuda_check.hpp"
 
 namespace zeroshard::cuda::detail {
 namespace {

@@ -1,5 +1,5 @@
 // The same-bytes memory kernel (zeroshard::cpu::same_bytes) for Python: the memory ceiling that
-// benchmarks put an optimizer step against (DESIGN.md rule 9), and a calibration point for a
+// benchmarks put an optimizer step against (docs/DESIGN.md rule 9), and a calibration point for a
 // capacity planner. It moves exactly the streams it is given, with no arithmetic, split and
 // scheduled as the engine splits its CPU update: Arena::kChunk (64 Ki) elements per task on a
 // oneTBB arena, with the ISA cpu::best_isa() picks (ZEROSHARD_CPU_ISA caps it).

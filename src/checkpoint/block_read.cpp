@@ -7,8 +7,8 @@
 #include <memory>
 #include <tuple>
 
-#include "src/base/check.hpp"
-#include "src/base/in_threads.hpp"
+#include "base/check.hpp"
+#include "base/in_threads.hpp"
 #include "src/checkpoint/data_file.hpp"
 #include "src/checkpoint/encoding.hpp"
 

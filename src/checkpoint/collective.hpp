@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "src/base/agree.hpp"
+#include "base/agree.hpp"
 
 namespace zeroshard::ckpt {
 

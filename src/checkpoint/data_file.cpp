@@ -11,8 +11,8 @@
 #include <cstring>
 #include <new>
 
-#include "offload/checksum.hpp"
-#include "src/base/check.hpp"
+#include "base/checksum.hpp"
+#include "base/check.hpp"
 #include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/file_io.hpp"
 

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "src/base/unique_fd.hpp"
+#include "base/unique_fd.hpp"
 #include "src/checkpoint/format.hpp"
 
 namespace zeroshard::ckpt {

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/checkpoint/format.hpp"
 
 namespace zeroshard::ckpt {

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/checkpoint/data_file.hpp"
 #include "src/checkpoint/file_io.hpp"
 #include "src/checkpoint/format.hpp"

@@ -8,8 +8,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "src/base/check.hpp"
-#include "src/base/unique_fd.hpp"
+#include "base/check.hpp"
+#include "base/unique_fd.hpp"
 
 namespace zeroshard::ckpt {
 

@@ -15,9 +15,9 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "offload/checksum.hpp"
-#include "src/base/check.hpp"
-#include "src/base/unique_fd.hpp"
+#include "base/checksum.hpp"
+#include "base/check.hpp"
+#include "base/unique_fd.hpp"
 #include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/file_io.hpp"
 

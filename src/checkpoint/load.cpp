@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <string>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/checkpoint/block_read.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"

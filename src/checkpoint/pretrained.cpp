@@ -2,7 +2,7 @@
 // range of each unit its shard holds (converted to f32) and makes it the master weights; the
 // optimizer's moments and step are left as they are. Every name, shape and dtype is checked,
 // and every shard read, before any state changes.
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/safetensors.hpp"
 #include "src/engine_impl.hpp"

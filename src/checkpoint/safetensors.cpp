@@ -11,7 +11,7 @@
 #include <set>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/checkpoint/file_io.hpp"
 
 namespace zeroshard::ckpt {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "src/base/unique_fd.hpp"
+#include "base/unique_fd.hpp"
 #include "src/checkpoint/format.hpp"
 
 namespace zeroshard::ckpt {

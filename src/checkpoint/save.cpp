@@ -23,8 +23,8 @@
 #include <thread>
 #include <tuple>
 
-#include "src/base/check.hpp"
-#include "src/base/unique_fd.hpp"
+#include "base/check.hpp"
+#include "base/unique_fd.hpp"
 #include "src/checkpoint/collective.hpp"
 #include "src/checkpoint/data_file.hpp"
 #include "src/checkpoint/encoding.hpp"

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard {
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/comm/seconds_text.hpp"
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"

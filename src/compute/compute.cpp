@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "kernels/cpu/grad_passes.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/launch.hpp"

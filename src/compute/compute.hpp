@@ -1,6 +1,6 @@
 #pragma once
 // Where the engine's element-wise work runs and where its device tier lives: the CPU (the worker
-// arena of kernels/cpu/arena.hpp; ordinary host memory plays the device, DESIGN.md "tiers") or
+// arena of kernels/cpu/arena.hpp; ordinary host memory plays the device, docs/DESIGN.md "tiers") or
 // one CUDA GPU (kernels of kernels/cuda on a compute stream, device memory). The memory tiers are
 // written once against this interface; the CPU implementation is the first-class CPU backend,
 // not a mock.
@@ -18,8 +18,8 @@
 #include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/update_tasks.hpp"
-#include "src/base/layout.hpp"
-#include "src/base/ledger.hpp"
+#include "base/layout.hpp"
+#include "base/ledger.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "src/base/edit_distance.hpp"
+#include "base/edit_distance.hpp"
 #include "src/config/internal.hpp"
 
 namespace zeroshard {

@@ -306,7 +306,7 @@ Node zero_optimization_layout() {
           {"offload_optimizer",
            {
                Node::fields(),  // device, nvme_path, buffer_count, pin_memory
-               // The nvme tier always overlaps read, update and write (DESIGN.md), and lays
+               // The nvme tier always overlaps read, update and write (docs/DESIGN.md), and lays
                // out its own swap files, so these three only need to be well-typed.
                {"pipeline_read", accept_bool},
                {"pipeline_write", accept_bool},

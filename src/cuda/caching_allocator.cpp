@@ -5,7 +5,7 @@
 #include <sstream>
 #include <utility>
 
-#include "src/base/cuda_check.hpp"
+#include "base/cuda_check.hpp"
 #include "src/cuda/cuda_resources.hpp"
 
 namespace zeroshard::cuda {

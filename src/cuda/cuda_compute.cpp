@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_kernels.hpp"
-#include "src/base/cuda_check.hpp"
-#include "src/comm/device_communicator.hpp"
+#include "base/cuda_check.hpp"
+#include "src/cuda/device_communicator.hpp"
 #include "src/compute/compute.hpp"
 #include "src/cuda/cuda_resources.hpp"
 

@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "src/base/cuda_check.hpp"
+#include "base/cuda_check.hpp"
 
 namespace zeroshard::cuda {
 

@@ -1,5 +1,5 @@
 #pragma once
-// Move-only owners of CUDA runtime resources (DESIGN.md rule 3): device guard, stream, event,
+// Move-only owners of CUDA runtime resources (docs/DESIGN.md rule 3): device guard, stream, event,
 // device buffer and pinned host buffer. Constructors throw Error(cuda_error) (or no_space for
 // an allocation that does not fit); destructors never throw and ignore errors, which at process
 // exit are typically cudaErrorCudartUnloading. Internal header: it exposes CUDA types.
@@ -33,7 +33,7 @@ class DeviceGuard {
 };
 
 /// A CUDA stream on one device. Non-blocking by default: it does not synchronise implicitly with
-/// the legacy default stream, so ordering is always explicit (events), as DESIGN.md rule 5 asks.
+/// the legacy default stream, so ordering is always explicit (events), as docs/DESIGN.md rule 5 asks.
 class Stream {
  public:
   Stream() = default;

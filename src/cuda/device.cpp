@@ -7,13 +7,13 @@
 #include <utility>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 #if defined(ZEROSHARD_HAVE_CUDA)
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/cuda_kernels.hpp"
-#include "src/base/cuda_check.hpp"
+#include "base/cuda_check.hpp"
 #include "src/cuda/cuda_resources.hpp"
 #endif
 

@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "src/base/check.hpp"
-#include "src/base/quarantine.hpp"
+#include "base/check.hpp"
+#include "base/quarantine.hpp"
 #include "src/cuda/caching_allocator.hpp"
 #include "src/cuda/cuda_resources.hpp"
 

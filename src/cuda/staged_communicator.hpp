@@ -51,7 +51,7 @@
 //
 // Lifetime. The decorator holds `host_comm`. A Work keeps its staging blocks until the host
 // collective has settled; a Work dropped while its collective is still unsettled (after a
-// timeout) parks its blocks in the decorator's Quarantine (src/base/quarantine.hpp), since a
+// timeout) parks its blocks in the decorator's Quarantine (base/quarantine.hpp), since a
 // late peer may still write into them: they return to the cache once the host collective
 // settles, and only those still unsettled when the decorator and its Works are all gone are
 // kept until the process ends.

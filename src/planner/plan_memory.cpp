@@ -10,7 +10,7 @@
 #include <memory>
 #include <optional>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "src/engine_impl.hpp"

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/check.hpp"
-#include "src/base/layout.hpp"
+#include "base/check.hpp"
+#include "base/layout.hpp"
 #include "zeroshard/planner.hpp"
 
 namespace zeroshard {

@@ -6,7 +6,7 @@
 
 #include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "zeroshard/calibration.hpp"
 
 namespace zeroshard {

@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "kernels/cpu/quant_code.hpp"
-#include "src/base/check.hpp"
-#include "src/base/ledger.hpp"
+#include "base/check.hpp"
+#include "base/ledger.hpp"
 #include "src/compute/compute.hpp"
 #include "src/planner/timing.hpp"
 #include "zeroshard/calibration.hpp"

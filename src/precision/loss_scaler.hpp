@@ -3,8 +3,9 @@
 // skips the step and, once `hysteresis` overflows have been seen, halves the scale (never below
 // min_scale); after `window` steps without overflow the scale doubles and hysteresis refills.
 
+#include <cstdint>
+
 #include "zeroshard/config.hpp"
-#include "zeroshard/engine.hpp"
 
 namespace zeroshard {
 

@@ -4,8 +4,8 @@
 
 #include <vector>
 
-#include "offload/tier.hpp"
-#include "src/base/ledger.hpp"
+#include "src/tiers/tier.hpp"
+#include "base/ledger.hpp"
 #include "src/compute/compute.hpp"
 
 namespace zeroshard {

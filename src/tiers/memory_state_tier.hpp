@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "kernels/cpu/arena.hpp"
-#include "offload/tier.hpp"
-#include "src/base/ledger.hpp"
+#include "src/tiers/tier.hpp"
+#include "base/ledger.hpp"
 #include "src/compute/compute.hpp"
 
 namespace zeroshard {

@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard {
 

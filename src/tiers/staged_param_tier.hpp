@@ -9,8 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "offload/tier.hpp"
-#include "src/base/buffer_pool.hpp"
+#include "src/tiers/tier.hpp"
+#include "base/buffer_pool.hpp"
 #include "src/compute/compute.hpp"
 
 namespace zeroshard {

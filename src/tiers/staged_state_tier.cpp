@@ -1,7 +1,7 @@
 // GPU parameters with a CPU optimizer (see staged_state_tier.hpp).
 #include "src/tiers/staged_state_tier.hpp"
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard {
 

@@ -15,7 +15,7 @@
 
 #include "tests/fault/fault_backend.hpp"
 #include "tests/multirank/harness.hpp"
-#include "offload/checksum.hpp"
+#include "base/checksum.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "src/base/cuda_check.hpp"
+#include "base/cuda_check.hpp"
 #include "zeroshard/device.hpp"
 #include "zeroshard/types.hpp"
 

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "src/base/ledger.hpp"
+#include "base/ledger.hpp"
 
 using namespace zeroshard;
 

@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "offload/checksum.hpp"
+#include "base/checksum.hpp"
 #include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/format.hpp"
 #include "zeroshard/quantize.hpp"

@@ -1,7 +1,7 @@
 // Layout: padding for any world size, shard extents, and group runs cut at shard boundaries.
 #include <gtest/gtest.h>
 
-#include "src/base/layout.hpp"
+#include "base/layout.hpp"
 
 using namespace zeroshard;
 

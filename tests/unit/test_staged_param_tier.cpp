@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kernels/cpu/arena.hpp"
-#include "src/base/ledger.hpp"
+#include "base/ledger.hpp"
 #include "src/compute/compute.hpp"
 #include "src/tiers/memory_param_tier.hpp"
 #include "src/tiers/staged_param_tier.hpp"

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/check.hpp"
-#include "src/base/mpi_check.hpp"
+#include "base/check.hpp"
+#include "base/mpi_check.hpp"
 #include "src/comm/mpi/peer_probe.hpp"
 #include "src/comm/seconds_text.hpp"
 #include "src/comm/split_check.hpp"

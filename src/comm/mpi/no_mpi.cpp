@@ -1,5 +1,5 @@
 // Built when ZEROSHARD_WITH_MPI is OFF: asking for MPI is an error that says how to get it.
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "zeroshard/communicator.hpp"
 
 namespace zeroshard {

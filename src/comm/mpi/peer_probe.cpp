@@ -6,8 +6,8 @@
 
 #include <cstring>
 
-#include "src/base/check.hpp"
-#include "src/base/mpi_check.hpp"
+#include "base/check.hpp"
+#include "base/mpi_check.hpp"
 
 namespace zeroshard {
 namespace {

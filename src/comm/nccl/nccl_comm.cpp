@@ -4,7 +4,7 @@
 #include <thread>
 #include <utility>
 
-#include "src/base/nccl_check.hpp"
+#include "base/nccl_check.hpp"
 #include "src/comm/timeout.hpp"
 
 namespace zeroshard {

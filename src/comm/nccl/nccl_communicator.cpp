@@ -7,9 +7,9 @@
 #include <cstdio>
 #include <string>
 
-#include "src/base/check.hpp"
-#include "src/base/cuda_check.hpp"
-#include "src/base/nccl_check.hpp"
+#include "base/check.hpp"
+#include "base/cuda_check.hpp"
+#include "base/nccl_check.hpp"
 #include "src/comm/nccl/nccl_impl.hpp"
 #include "src/comm/split_check.hpp"
 

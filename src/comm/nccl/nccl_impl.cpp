@@ -7,9 +7,9 @@
 #include <cstring>
 #include <optional>
 
-#include "src/base/check.hpp"
-#include "src/base/cuda_check.hpp"
-#include "src/base/nccl_check.hpp"
+#include "base/check.hpp"
+#include "base/cuda_check.hpp"
+#include "base/nccl_check.hpp"
 #include "src/comm/seconds_text.hpp"
 #include "src/comm/timeout.hpp"
 

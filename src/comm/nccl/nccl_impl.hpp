@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "src/base/quarantine.hpp"
+#include "base/quarantine.hpp"
 #include "src/comm/nccl/nccl_comm.hpp"
 #include "src/comm/nccl/nccl_communicator.hpp"
 #include "src/comm/work_state.hpp"
@@ -93,7 +93,7 @@ struct NcclCommunicator::Impl {
 
   // Failed collectives that never settled (their stream waits behind a trainer's stream that
   // may never run again), with the staging and the stream they may still use: freeing those
-  // could make cudaFree wait forever. Freed once they settle; see src/base/quarantine.hpp.
+  // could make cudaFree wait forever. Freed once they settle; see base/quarantine.hpp.
   Quarantine quarantine;
 
   std::thread watcher;

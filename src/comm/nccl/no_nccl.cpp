@@ -1,6 +1,6 @@
 // Built when ZEROSHARD_WITH_CUDA is OFF: asking for NCCL, or for device buffers, is an error
 // that says how to get it.
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 #include "zeroshard/communicator.hpp"
 
 namespace zeroshard {

@@ -1,4 +1,4 @@
-#include "src/base/layout.hpp"
+#include "base/layout.hpp"
 
 #include <algorithm>
 #include <cstring>

@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "kernels/cpu/arena.hpp"
-#include "offload/initial_writes.hpp"
+#include "src/tiers/initial_writes.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/swap_space.hpp"
 #include "offload/swap_store.hpp"
-#include "offload/tier.hpp"
-#include "src/base/ledger.hpp"
+#include "src/tiers/tier.hpp"
+#include "base/ledger.hpp"
 
 namespace zeroshard::offload {
 

@@ -1,6 +1,6 @@
 // The optimizer state on nvme (see nvme_state_tier.hpp): set-up, initial values, the gradient
 // cache, the swap-pipelined update with its all-or-nothing commit, and state access from disk.
-#include "offload/nvme_state_tier.hpp"
+#include "src/tiers/nvme_state_tier.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -10,8 +10,8 @@
 #include "kernels/cpu/update_tasks.hpp"
 #include "offload/io_backend.hpp"
 #include "offload/swap_pipeline.hpp"
-#include "src/base/agree.hpp"
-#include "src/base/check.hpp"
+#include "base/agree.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::offload {
 namespace {

@@ -1,4 +1,4 @@
-#include "offload/checksum.hpp"
+#include "base/checksum.hpp"
 
 #include <cstring>
 

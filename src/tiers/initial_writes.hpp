@@ -11,7 +11,7 @@
 
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::offload {
 

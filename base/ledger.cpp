@@ -1,4 +1,4 @@
-#include "src/base/ledger.hpp"
+#include "base/ledger.hpp"
 
 #include <sys/mman.h>
 
@@ -7,7 +7,7 @@
 #include <iomanip>
 #include <sstream>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard {
 

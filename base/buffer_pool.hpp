@@ -5,7 +5,7 @@
 #include <functional>
 #include <vector>
 
-#include "src/base/ledger.hpp"
+#include "base/ledger.hpp"
 
 namespace zeroshard {
 

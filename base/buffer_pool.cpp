@@ -1,4 +1,4 @@
-#include "src/base/buffer_pool.hpp"
+#include "base/buffer_pool.hpp"
 
 namespace zeroshard {
 

@@ -1,15 +1,15 @@
 #pragma once
-// What a tier is (DESIGN.md "tiers"): the interfaces the engine's stage logic talks to, so that
+// What a tier is (docs/DESIGN.md "tiers"): the interfaces the engine's stage logic talks to, so that
 // it never asks where a unit's state lives.
 //
 // - StateTier holds the optimizer side of every unit: the f32 master weights, the optimizer
 //   moments, and the reduced gradient shard on its way to them. Implementations: memory reached
 //   through a Compute backend (device or host, src/tiers/memory_state_tier.cpp), the same fed
 //   from a GPU through pinned staging (src/tiers/staged_state_tier.cpp), and swap files
-//   (offload/nvme_state_tier.cpp).
+//   (src/tiers/nvme_state_tier.cpp).
 // - ParamTier holds the low-precision parameters the trainer computes with: whole in stages
 //   0–2, this rank's shard in stage 3 (src/tiers/memory_param_tier.cpp,
-//   offload/nvme_param_tier.cpp).
+//   src/tiers/nvme_param_tier.cpp).
 // - ParamSink is how a StateTier's update hands each unit's new low-precision shard to where the
 //   parameters live; the engine implements it over its ParamTier.
 //
@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "src/base/layout.hpp"
+#include "base/layout.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/memory.hpp"
@@ -51,7 +51,7 @@ struct TierContext {
   /// A plan (src/planner/plan_memory.cpp): the ledger counts buffers without memory behind
   /// them, and swap files are created sparse (no space reserved) and never written.
   bool plan_only = false;
-  /// The engine's communicator (for failures all ranks must share, see src/base/agree.hpp).
+  /// The engine's communicator (for failures all ranks must share, see base/agree.hpp).
   Communicator* comm = nullptr;
   /// A ledger-counted buffer of `bytes` on `tier`: device memory of the engine's device, or
   /// host memory (page-locked when `pin`, through the GPU's allocator when there is one).

@@ -1,12 +1,12 @@
 // Stage 3's parameter shards on nvme (see nvme_param_tier.hpp).
-#include "offload/nvme_param_tier.hpp"
+#include "src/tiers/nvme_param_tier.hpp"
 
 #include <algorithm>
 #include <cstring>
 
 #include "offload/swap_pipeline.hpp"
-#include "src/base/agree.hpp"
-#include "src/base/check.hpp"
+#include "base/agree.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::offload {
 

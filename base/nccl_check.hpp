@@ -8,7 +8,7 @@
 
 #include <string>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 namespace zeroshard::nccl {
 

@@ -1,4 +1,4 @@
-#include "src/base/agree.hpp"
+#include "base/agree.hpp"
 
 namespace zeroshard {
 

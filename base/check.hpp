@@ -1,6 +1,6 @@
 #pragma once
 // Checking macros: every failed check throws zeroshard::Error with the expression that failed.
-// They stay on in release builds (DESIGN.md rule 2).
+// They stay on in release builds (docs/DESIGN.md rule 2).
 
 #include <cerrno>
 #include <cstring>

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "src/base/check.hpp"
+#include "base/check.hpp"
 
 /// Throws Error(cuda_error): "<expr> failed at file:line: cudaErrorX: <description>".
 #define ZS_CUDA_CHECK(expr)                                                           \
