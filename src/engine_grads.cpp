@@ -196,7 +196,9 @@ int Engine::Impl::take_grad_staging(int id) {
 std::vector<TensorView> Engine::grads(UnitId id) {
   Impl& m = *impl_;
   m.unit(id, "grads");
-  return m.take_grads(id, 0);
+  std::vector<TensorView> out = m.take_grads(id, 0);
+  m.res.dev->hand_over();  // the trainer writes into it next
+  return out;
 }
 
 // The unit's gradient buffer for the trainer, zeroed from element `zero_from` on (the copying
@@ -335,6 +337,7 @@ void Engine::zero_grad() {
   m.clip_now = 0;
   m.lost_grad.reset();
   m.state->forget_grads();
+  m.res.dev->hand_over();
 }
 
 }  // namespace zeroshard

@@ -83,8 +83,9 @@ void Engine::Impl::make_tiers() {
   } else {
     params = std::make_unique<MemoryParamTier>(c, tpar, *res.dev, *res.host);
   }
-  // A GPU with stage 3's shards off it: each gather copies its shard up first.
-  const bool on_gpu = res.dev->device() != Device::cpu;
+  // A GPU (or the asynchronous CPU device playing one) with stage 3's shards off it: each
+  // gather copies its shard up first.
+  const bool on_gpu = res.dev->streams();
   if (on_gpu && tpar != Tier::device)
     params = std::make_unique<StagedParamTier>(c, std::move(params), *res.dev);
   // An f32 model's master weights are its parameters when both live in the same memory.
@@ -197,6 +198,7 @@ void Engine::finalize() {
     m.make_tiers();
     m.load_initial_values();
   }
+  m.res.dev->hand_over();
   m.finalized = true;
   m.interval_start =
       std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

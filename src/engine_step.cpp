@@ -48,7 +48,9 @@ static double busy_union(std::vector<std::shared_ptr<Work>>& works) {
 }
 
 StepResult Engine::step() {
-  return impl_->step();
+  StepResult r = impl_->step();
+  impl_->res.dev->hand_over();  // the trainer reads the new parameters next
+  return r;
 }
 
 // A unit prefetched during backward holds the parameters from before this step, and its

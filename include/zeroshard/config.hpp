@@ -109,6 +109,12 @@ struct ZS_API Config {
   Device device = Device::cpu;
   /// The GPU for device cuda; −1 picks the launcher's local rank modulo the number of GPUs.
   int device_index = -1;
+  /// A testing device ("zeroshard.async_device"; the environment's ZEROSHARD_ASYNC_DEVICE=1 or 0
+  /// overrides it): device cpu run as a GPU would run it, its work on stream threads after a
+  /// seeded random delay, with the GPU's staged tiers, copies and waits, so that a missing wait
+  /// shows without a GPU. Results are bitwise device cpu's; it is slower. Only with device cpu,
+  /// and it takes what device cuda takes (the GPU's rules of validate() apply).
+  bool async_device = false;
   /// Element type of parameters and gradients the trainer sees ("fp16"/"bf16" enabled → f16/bf16).
   /// Master weights are f32 unless bf16_master; the optimizer moments as optimizer_state says.
   DType dtype = DType::f32;

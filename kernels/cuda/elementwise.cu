@@ -14,16 +14,18 @@
 #include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
+#include "kernels/cuda/launch_math.hpp"
 
 namespace zeroshard::cuda {
 namespace {
 
 using dev::kVec;
 
-constexpr int kThreads = 256;
-// Element-wise grids stop growing here (grid-stride loops do the rest): enough blocks to fill
-// any current GPU several times over.
-constexpr int64_t kMaxGrid = 8192;
+using launch::grid_for;
+using launch::kMaxGrid;
+using launch::kThreads;
+using launch::vectors;
+static_assert(launch::kVec == kVec);
 // sum_squares' partials: one double and one flag per block, at most this many blocks.
 constexpr int kSumBlocks = 1024;
 static_assert(kSumBlocks * (sizeof(double) + sizeof(unsigned)) <= kSumSquaresWorkspaceBytes);
@@ -34,15 +36,6 @@ using cpu::with_dtype;
 // The vector path needs every pointer 16-byte aligned; otherwise the same kernel loads scalars.
 bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-__host__ __device__ __forceinline__ int64_t vectors(int64_t n) {
-  return (n + kVec - 1) / kVec;
-}
-
-// Blocks for `vecs` vectors of 8 at 256 threads each, at least one, at most `cap`.
-unsigned grid_for(int64_t vecs, int64_t cap) {
-  return unsigned(std::clamp<int64_t>((vecs + kThreads - 1) / kThreads, 1, cap));
 }
 
 // Elements [8v, 8v + 8) of x, with zeros past n: one vector access when allowed, else scalars.
@@ -88,8 +81,8 @@ __global__ void __launch_bounds__(kThreads)
   double acc = 0.0;
   unsigned nonfinite = 0;
   const int64_t vecs = vectors(n);
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < vecs; v += stride) {
+  const int64_t stride = launch::grid_stride(gridDim.x);
+  for (int64_t v = launch::first_vector(blockIdx.x, threadIdx.x); v < vecs; v += stride) {
     float xs[kVec];
     load_vector<D, kAligned>(x, n, v, xs);
 #pragma unroll
@@ -150,8 +143,8 @@ __global__ void __launch_bounds__(kThreads)
 template <DType S, DType D, bool kAligned>
 __global__ void __launch_bounds__(kThreads) convert_kernel(const void* src, void* dst, int64_t n) {
   const int64_t vecs = vectors(n);
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < vecs; v += stride) {
+  const int64_t stride = launch::grid_stride(gridDim.x);
+  for (int64_t v = launch::first_vector(blockIdx.x, threadIdx.x); v < vecs; v += stride) {
     float x[kVec];
     load_vector<S, kAligned>(src, n, v, x);
     store_vector<D, kAligned>(dst, n, v, x);
@@ -162,8 +155,8 @@ template <DType G, bool kAligned>
 __global__ void __launch_bounds__(kThreads)
     accumulate_kernel(float* acc, const void* g, int64_t n) {
   const int64_t vecs = vectors(n);
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < vecs; v += stride) {
+  const int64_t stride = launch::grid_stride(gridDim.x);
+  for (int64_t v = launch::first_vector(blockIdx.x, threadIdx.x); v < vecs; v += stride) {
     float a[kVec], x[kVec];
     load_vector<DType::f32, kAligned>(acc, n, v, a);
     load_vector<G, kAligned>(g, n, v, x);

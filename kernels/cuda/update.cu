@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
+#include "kernels/cuda/launch_math.hpp"
 #include "kernels/cuda/update_one.cuh"
 #include "base/cuda_check.hpp"
 
@@ -20,6 +21,7 @@ namespace {
 
 using namespace detail;
 using dev::kVec;
+static_assert(kThreads == launch::kThreads && kVec == launch::kVec);
 
 // One run, split into an 8-aligned body [body_begin, body_end) done with vector accesses and a
 // head [begin, body_begin) and tail [body_end, end) of at most 7 elements each, done per element
@@ -67,8 +69,8 @@ __global__ void __launch_bounds__(kThreads) update_kernel(const __grid_constant_
   const RunDesc& run = P.runs[r];
   const Consts k = run.c;
 
-  const int64_t i =
-      run.body_begin + (int64_t(blockIdx.x - run.first_block) * kThreads + threadIdx.x) * kVec;
+  const launch::RunSplit split{run.body_begin, run.body_end};
+  const int64_t i = launch::body_element(split, blockIdx.x - run.first_block, threadIdx.x);
   if (i < run.body_end) {
     float p[kVec], g[kVec], s0[kVec] = {}, s1[kVec] = {};
     dev::load8f(P.master, i, p);
@@ -85,8 +87,8 @@ __global__ void __launch_bounds__(kThreads) update_kernel(const __grid_constant_
   // Head (threads 0-7) and tail (threads 8-15) of the run, by its first block.
   if (blockIdx.x == run.first_block && threadIdx.x < 2 * kVec) {
     const int t = int(threadIdx.x);
-    const int64_t e = t < kVec ? run.begin + t : run.body_end + (t - kVec);
-    const int64_t stop = t < kVec ? run.body_begin : run.end;
+    const int64_t e = launch::head_tail_element(run.begin, split, t);
+    const int64_t stop = launch::head_tail_stop(run.end, split, t);
     if (e < stop) update_element<R, G, O, S>(P, k, e);
   }
 }
@@ -199,15 +201,15 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
         RunDesc& d = P.runs[r];
         d.begin = u.begin;
         d.end = u.end;
-        d.body_begin = std::min(u.end, (u.begin + kVec - 1) / kVec * kVec);
-        d.body_end = std::max(d.body_begin, u.end / kVec * kVec);
+        const launch::RunSplit split = launch::split_run(u.begin, u.end);
+        d.body_begin = split.body_begin;
+        d.body_end = split.body_end;
         d.first_block = unsigned(blocks);
         d.c = fold_consts(hypers[u.hyper]);
-        const int64_t vecs = (d.body_end - d.body_begin) / kVec;
         // At least one block per run: its first block also does the head and the tail.
-        blocks += uint64_t(std::max<int64_t>(1, (vecs + kThreads - 1) / kThreads));
+        blocks += uint64_t(launch::run_blocks(split));
       }
-      if (blocks > 0x7FFFFFFFull)
+      if (blocks > uint64_t(launch::kMaxBlocks))
         ZS_THROW(invalid_argument,
                  "cuda::optimizer_update: " << a.n << " elements need more than 2^31 blocks");
       with_rule(rule, [&](auto R) {

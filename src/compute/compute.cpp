@@ -1,4 +1,5 @@
-// The CPU backend of Compute, and the choice of backend.
+// The CPU backend of Compute, the CPU backends' element-wise work (cpu_work.hpp), and the
+// choice of backend.
 #include "src/compute/compute.hpp"
 
 #include <algorithm>
@@ -7,12 +8,44 @@
 #include <cstring>
 
 #include "kernels/cpu/grad_passes.hpp"
+#include "src/compute/cpu_work.hpp"
 #include "base/check.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/launch.hpp"
 
 namespace zeroshard {
+
+namespace cpu_work {
+
+void convert(cpu::Arena& arena, const void* src, DType sd, void* dst, DType dd, int64_t n) {
+  if (src == dst && sd == dd) return;  // f32 master weights that are the parameters
+  const size_t ss = dtype_size(sd), ds = dtype_size(dd);
+  arena.parallel_chunks(n, [&](int64_t b, int64_t e) {
+    cpu::convert(arena.isa(), static_cast<const char*>(src) + size_t(b) * ss, sd,
+                 static_cast<char*>(dst) + size_t(b) * ds, dd, e - b);
+  });
+}
+
+void accumulate(cpu::Arena& arena, float* acc, const void* g, DType gd, int64_t n) {
+  const size_t gs = dtype_size(gd);
+  arena.parallel_chunks(n, [&](int64_t b, int64_t e) {
+    cpu::accumulate(arena.isa(), acc + b, static_cast<const char*>(g) + size_t(b) * gs, gd, e - b);
+  });
+}
+
+void update(cpu::Arena& arena, const std::vector<cpu::UpdateHyper>& hyper,
+            const std::vector<cpu::UnitUpdate>& units) {
+  std::vector<cpu::UpdateTask> tasks;
+  for (const cpu::UnitUpdate& u : units) cpu::append_update_tasks(hyper, u, tasks);
+  cpu::run_update_tasks(arena, tasks);
+}
+
+double sum_squares(cpu::Arena& arena, const GradSpan& x) {
+  return cpu::parallel_sum_squares(arena, x.data, x.dtype, x.n);
+}
+
+}  // namespace cpu_work
 
 namespace {
 
@@ -22,6 +55,7 @@ class CpuCompute final : public Compute {
 
   Device device() const override { return Device::cpu; }
   int device_index() const override { return 0; }
+  bool streams() const override { return false; }
   Allocator* device_memory() override { return nullptr; }
   Allocator* pinned_memory() override { return nullptr; }
 
@@ -29,29 +63,18 @@ class CpuCompute final : public Compute {
     if (bytes) std::memset(p, value, bytes);
   }
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
-    if (src == dst && sd == dd) return;  // f32 master weights that are the parameters
-    const size_t ss = dtype_size(sd), ds = dtype_size(dd);
-    arena_.parallel_chunks(n, [&](int64_t b, int64_t e) {
-      cpu::convert(arena_.isa(), static_cast<const char*>(src) + size_t(b) * ss, sd,
-                   static_cast<char*>(dst) + size_t(b) * ds, dd, e - b);
-    });
+    cpu_work::convert(arena_, src, sd, dst, dd, n);
   }
   void accumulate(float* acc, const void* g, DType gd, int64_t n) override {
-    const size_t gs = dtype_size(gd);
-    arena_.parallel_chunks(n, [&](int64_t b, int64_t e) {
-      cpu::accumulate(arena_.isa(), acc + b, static_cast<const char*>(g) + size_t(b) * gs, gd,
-                      e - b);
-    });
+    cpu_work::accumulate(arena_, acc, g, gd, n);
   }
   void update(const std::vector<cpu::UpdateHyper>& hyper,
               const std::vector<UnitUpdate>& units) override {
-    std::vector<cpu::UpdateTask> tasks;
-    for (const UnitUpdate& u : units) cpu::append_update_tasks(hyper, u, tasks);
-    cpu::run_update_tasks(arena_, tasks);
+    cpu_work::update(arena_, hyper, units);
   }
   std::pair<double, bool> sum_squares(const std::vector<GradSpan>& spans) override {
     double s = 0.0;
-    for (const GradSpan& g : spans) s += cpu::parallel_sum_squares(arena_, g.data, g.dtype, g.n);
+    for (const GradSpan& g : spans) s += cpu_work::sum_squares(arena_, g);
     // A square of an inf or NaN makes the sum inf or NaN: no separate flag pass on the CPU.
     return {s, !std::isfinite(s)};
   }
@@ -60,6 +83,7 @@ class CpuCompute final : public Compute {
   }
   void download(void* host, const void* dev, size_t bytes) override { copy(host, dev, bytes); }
   void synchronize() override {}
+  void hand_over() override {}
   std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
   std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override { return comm; }
   void before_collective() override {}
@@ -81,7 +105,48 @@ std::unique_ptr<Compute> make_cpu_compute(cpu::Arena& arena) {
   return std::make_unique<CpuCompute>(arena);
 }
 
+namespace {
+
+// ZEROSHARD_<name> as a non-negative integer, or `fallback` when unset; a malformed value is an
+// error naming the variable (a test suite that asked for a seed must get that seed).
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  if (*end != '\0' || x < 0)
+    ZS_THROW(invalid_config, name << "=" << v << ": expected a non-negative integer");
+  return x;
+}
+
+}  // namespace
+
+bool async_device_selected(const Config& cfg) {
+  if (cfg.device != Device::cpu) return false;
+  const char* v = std::getenv("ZEROSHARD_ASYNC_DEVICE");
+  if (!v || !*v) return cfg.async_device;
+  const std::string s(v);
+  if (s == "0") return false;
+  if (s != "1") ZS_THROW(invalid_config, "ZEROSHARD_ASYNC_DEVICE=" << s << ": expected 0 or 1");
+  // The test suite's switch runs every engine a GPU would take as on a GPU; the others (stage 0
+  // with the optimizer on the host, say) stay on the synchronous CPU device, which takes them.
+  Config as_gpu = cfg;
+  as_gpu.async_device = true;
+  try {
+    as_gpu.validate();
+  } catch (const Error&) {
+    return false;
+  }
+  return true;
+}
+
 std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena) {
+  if (async_device_selected(cfg)) {
+    // Each rank draws its own delays, reproducibly for a given seed.
+    const uint64_t seed = uint64_t(env_int("ZEROSHARD_ASYNC_SEED", 1)) * 1000003u +
+                          uint64_t(launch_info().rank);
+    return make_async_cpu_compute(arena, seed, int(env_int("ZEROSHARD_ASYNC_JITTER_US", 50)));
+  }
   if (cfg.device == Device::cpu) return make_cpu_compute(arena);
 #ifdef ZEROSHARD_HAVE_CUDA
   if (cfg.device_index >= 0) return make_cuda_compute(cfg.device_index, -1);

@@ -8,6 +8,9 @@
 // Ordering: work is issued in program order. On the CPU it is done when the call returns; on
 // a GPU it is enqueued on the compute stream and done in that order, so a caller that reads
 // device memory on the host (or reuses host memory a copy reads) calls synchronize() first.
+// The asynchronous CPU device (Config::cpu_device async, a testing device) runs the GPU's
+// ordering on threads (stream_compute.cpp over async_cpu_device.cpp), with a seeded random delay
+// before each piece of work, so a missing wait shows on machines without a GPU.
 
 #include <cstdint>
 #include <memory>
@@ -20,6 +23,7 @@
 #include "kernels/cpu/update_tasks.hpp"
 #include "base/layout.hpp"
 #include "base/ledger.hpp"
+#include "src/compute/stream_device.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard {
@@ -29,19 +33,16 @@ using cpu::UnitUpdate;
 class Communicator;
 struct Config;
 
-/// A stretch of gradient whose squares the step's norm sums.
-struct GradSpan {
-  const void* data = nullptr;
-  DType dtype = DType::f32;
-  int64_t n = 0;
-};
-
 class Compute {
  public:
   virtual ~Compute() = default;
 
   virtual Device device() const = 0;
   virtual int device_index() const = 0;  ///< 0 on the CPU
+  /// Whether work runs later on streams and device memory is off the host's hands (a GPU, or
+  /// the asynchronous CPU device playing one): the engine then takes the GPU's paths (staged
+  /// tiers, copies up and down, waits); false for the synchronous CPU backend.
+  virtual bool streams() const = 0;
   /// Memory of Tier::device buffers; null: the host heap.
   virtual Allocator* device_memory() = 0;
   /// Page-locked host memory the device reaches by DMA, for pinned Tier::host buffers; null:
@@ -70,6 +71,11 @@ class Compute {
   virtual void download(void* host, const void* dev, size_t bytes) = 0;
   /// Blocks until every issued piece of work is done.
   virtual void synchronize() = 0;
+  /// Called where the engine hands memory to the trainer (end of finalize, gather, grads,
+  /// zero_grad, step, load): the trainer's next work must follow what was issued. A GPU
+  /// trainer's kernels follow on stream() (nothing to do); the asynchronous CPU device's
+  /// trainer is the host thread, which waits here.
+  virtual void hand_over() = 0;
   /// Makes host memory the device copies to and from by DMA (page-locked for the device) for as
   /// long as the returned handle lives; the memory must outlive the handle. Null on the CPU.
   virtual std::shared_ptr<void> register_host(void* p, size_t bytes) = 0;
@@ -91,10 +97,22 @@ class Compute {
 
 /// The CPU backend, on `arena`.
 std::unique_ptr<Compute> make_cpu_compute(cpu::Arena& arena);
-/// The backend Config::device names. For cuda, device_index −1 picks the local rank (from the
+/// The GPU's ordering (stream_compute.cpp) over `device`.
+std::unique_ptr<Compute> make_stream_compute(std::unique_ptr<StreamDevice> device);
+/// The asynchronous CPU device (async_cpu_device.cpp): kernels on `arena`, run by stream
+/// threads; before each piece of work a stream sleeps a random 0..jitter_us microseconds drawn
+/// from `seed`.
+std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us);
+/// The backend Config::device (and for cpu, Config::cpu_device) names. For cuda, device_index −1 picks the local rank (from the
 /// launcher's environment) modulo the number of GPUs. Throws Error(invalid_config) for cuda in a
 /// build without CUDA, Error(cuda_error) when no GPU can be used, with the runtime's reason.
 std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena);
+/// Whether make_compute() makes the asynchronous CPU device: Config::async_device, overridden
+/// by ZEROSHARD_ASYNC_DEVICE=1 or 0 (the test suite's switch: 1 takes every configuration a GPU
+/// takes, the others stay on the synchronous CPU device); false for device cuda. Its
+/// delays: ZEROSHARD_ASYNC_JITTER_US (most microseconds before each piece of work, default 50)
+/// and ZEROSHARD_ASYNC_SEED (default 1; each rank adds its own).
+bool async_device_selected(const Config& cfg);
 #ifdef ZEROSHARD_HAVE_CUDA
 /// GPU `device`, or (device < 0) GPU local_rank modulo the number of GPUs.
 std::unique_ptr<Compute> make_cuda_compute(int device, int local_rank);

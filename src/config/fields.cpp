@@ -186,6 +186,11 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
        .fingerprint = false,
        .rules = {{[](double v) { return v >= -1; },
                   "must be >= 0, or -1 for the local rank's GPU"}}},
+      // How the CPU device runs its work changes no collective: ranks may differ.
+      {.name = "async_device",
+       .member = &C::async_device,
+       .json = "zeroshard.async_device",
+       .fingerprint = false},
       // Set from DeepSpeed's fp16.enabled / bf16.enabled, read together (json.cpp).
       {.name = "dtype", .member = &C::dtype, .json_by_hand = true},
       {.name = "optimizer_state",

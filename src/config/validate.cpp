@@ -120,6 +120,15 @@ void check_prefetch(const Config& c) {
          "raise it to 2 or set zeroshard.prefetch = false");
 }
 
+// Engines that run as on a GPU: the GPU itself, and the asynchronous CPU device that plays one
+// (it takes the GPU's tiers and paths, so it takes the GPU's configurations only).
+bool gpu_shaped(const Config& c) {
+  return c.device == Device::cuda || c.async_device;
+}
+std::string gpu_setting(const Config& c) {
+  return c.device == Device::cuda ? "zeroshard.device = cuda" : "zeroshard.async_device = true";
+}
+
 // A bf16 master is the parameters' own precision, updated by the CPU kernels only.
 void check_master(const Config& c) {
   if (!c.bf16_master) return;
@@ -127,29 +136,34 @@ void check_master(const Config& c) {
     fail(std::string("zeroshard.bf16_master = true requires bf16 parameters (bf16.enabled; dtype "
                      "is ") +
          dtype_name(c.dtype) + "): the low-precision copy is the master's own bits");
-  if (c.device == Device::cuda && c.offload_optimizer.tier == Tier::device)
-    fail(
-        "zeroshard.bf16_master = true with zeroshard.device = cuda requires "
-        "zero_optimization.offload_optimizer.device cpu or nvme: the GPU update keeps an f32 "
-        "master");
+  if (gpu_shaped(c) && c.offload_optimizer.tier == Tier::device)
+    fail("zeroshard.bf16_master = true with " + gpu_setting(c) +
+         " requires zero_optimization.offload_optimizer.device cpu or nvme: the GPU update keeps "
+         "an f32 master");
 }
 
 // What the GPU engine does not do: parameters off the GPU are updated where they live, by the
 // CPU, so the optimizer must be there too (a GPU update would write host memory).
 void check_cuda(const Config& c) {
-  if (c.device != Device::cuda) return;
+  if (c.device == Device::cuda && c.async_device)
+    fail(
+        "zeroshard.async_device = true with zeroshard.device = cuda: the asynchronous device is "
+        "the CPU device run as a GPU would run it (a testing device); use one or the other");
+  if (!gpu_shaped(c)) return;
+  const std::string gpu = gpu_setting(c);
   if (c.offload_param.tier != Tier::device && c.offload_optimizer.tier == Tier::device)
     fail(std::string("zero_optimization.offload_param.device = ") +
-         config_detail::deepspeed_tier_name(c.offload_param.tier) +
-         " with zeroshard.device = cuda requires zero_optimization.offload_optimizer.device cpu "
-         "or nvme: the parameters off the GPU are updated by the CPU optimizer");
+         config_detail::deepspeed_tier_name(c.offload_param.tier) + " with " + gpu +
+         " requires zero_optimization.offload_optimizer.device cpu or nvme: the parameters off "
+         "the GPU are updated by the CPU optimizer");
   if (c.offload_optimizer.tier == Tier::host && c.stage == 0)
-    fail(
-        "zero_optimization.offload_optimizer.device = cpu with zeroshard.device = cuda "
-        "requires zero_optimization.stage >= 1 (stage 0 keeps whole gradients on the GPU)");
-  // The GPU update moves 8 elements per 16-byte access: every shard must start aligned.
-  require(c.shard_alignment % 8 == 0, "zeroshard.shard_alignment", c.shard_alignment,
-          "must be a multiple of 8 with zeroshard.device = cuda (vector accesses)");
+    fail("zero_optimization.offload_optimizer.device = cpu with " + gpu +
+         " requires zero_optimization.stage >= 1 (stage 0 keeps whole gradients on the GPU)");
+  // The GPU update moves 8 elements per 16-byte access: every shard must start aligned. (The
+  // asynchronous CPU device's kernels are the CPU's, which take any alignment.)
+  if (c.device == Device::cuda)
+    require(c.shard_alignment % 8 == 0, "zeroshard.shard_alignment", c.shard_alignment,
+            "must be a multiple of 8 with zeroshard.device = cuda (vector accesses)");
 }
 
 }  // namespace

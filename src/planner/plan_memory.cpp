@@ -72,6 +72,7 @@ class PlanDevice final : public Compute {
  public:
   Device device() const override { return Device::cuda; }
   int device_index() const override { return 0; }
+  bool streams() const override { return true; }
   Allocator* device_memory() override { return &none_; }
   Allocator* pinned_memory() override { return &none_; }
   void fill(void*, unsigned char, size_t) override { refuse("a fill"); }
@@ -84,6 +85,7 @@ class PlanDevice final : public Compute {
   void copy(void*, const void*, size_t) override { refuse("a copy"); }
   void download(void*, const void*, size_t) override { refuse("a copy"); }
   void synchronize() override {}
+  void hand_over() override {}
   std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
   std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override { return comm; }
   void before_collective() override {}

@@ -25,7 +25,7 @@ void* MemoryParamTier::own(int u) {
 }
 
 void MemoryParamTier::write(void* dst, const float* values, int64_t n) {
-  if (dev_.device() == Device::cpu) {
+  if (!dev_.streams()) {
     host_.convert(values, DType::f32, dst, ctx_.pdt, n);
     return;
   }

@@ -22,7 +22,7 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
     : ctx_(ctx),
       compute_(compute),
       arena_(arena),
-      on_cpu_(compute.device() == Device::cpu),
+      on_cpu_(!compute.streams()),
       format_(ctx.cfg->optimizer_state),
       master_dtype_(ctx.master_dtype()),
       units_(ctx.units->size()) {
@@ -289,7 +289,7 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
 }
 
 StoredShard MemoryStateTier::stored(int u, StateKind kind) {
-  if (compute_.device() != Device::cpu) return {};
+  if (compute_.streams()) return {};
   // A bf16 master is saved and loaded as f32 (read() and write() convert it).
   if (char* m = master_at(u, kind))
     return master_dtype_ == DType::f32 ? StoredShard{StateFormat::f32, m, nullptr} : StoredShard{};

@@ -8,7 +8,7 @@
 
 #include <memory>
 
-#include "src/cuda/device_communicator.hpp"
+#include "src/compute/device_communicator.hpp"
 
 namespace zeroshard {
 

@@ -1,9 +1,9 @@
 #pragma once
 // A communicator that moves device memory on the device itself, ordered by streams instead of
-// host synchronisation (the NCCL communicator). The GPU engine (src/cuda) asks a communicator for
-// this face instead of naming a backend: src/comm/nccl builds on src/cuda, never the reverse, so
-// the include graph between rooms stays a DAG. Streams are opaque (a cudaStream_t passed as
-// void*), so this header stays free of CUDA headers.
+// host synchronisation (the NCCL communicator). The stream-ordered backends (stream_compute.cpp)
+// ask a communicator for this face instead of naming a backend: src/comm/nccl builds on
+// src/compute and src/cuda, never the reverse, so the include graph between rooms stays a DAG.
+// Streams are opaque (a cudaStream_t passed as void*), so this header stays free of CUDA headers.
 
 #include "zeroshard/communicator.hpp"
 

@@ -1,0 +1,223 @@
+// The asynchronous CPU device: a StreamDevice whose streams are threads, a testing device that
+// runs the GPU backend's ordering (stream_compute.cpp, the very code CUDA runs) on machines
+// without a GPU. Each stream does its work in issue order on its own thread; copies read and
+// write memory when the stream reaches them, not when they are issued; an event marks a count
+// of issued work, and a stream that waits for it blocks its own thread until the other stream
+// has done that much. Before each piece of work the stream sleeps a random 0..jitter_us
+// microseconds (seeded), so work that is waited for too late shows as a wrong result or a
+// crash instead of passing by luck.
+//
+// Its device memory is host memory (Buffer's own) and its TensorViews say Device::cpu; but the
+// engine treats it as a GPU (Compute::streams()): staged tiers, copies up and down, waits. Its
+// kernels are the CPU backend's (cpu_work.hpp), run on the engine's arena from the stream
+// thread, so its results are bitwise the synchronous CPU backend's.
+
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "base/check.hpp"
+#include "src/compute/compute.hpp"
+#include "src/compute/cpu_work.hpp"
+#include "src/compute/stream_device.hpp"
+
+namespace zeroshard {
+namespace {
+
+// One stream: a thread that runs its queue in order. Work is numbered from 1 as it is issued;
+// done() is the number finished.
+class CpuStream {
+ public:
+  CpuStream(uint64_t seed, int jitter_us) : rng_(seed), jitter_us_(jitter_us) {
+    thread_ = std::thread([this] { run(); });
+  }
+  // Finishes what was issued (other streams may wait for it), then stops.
+  ~CpuStream() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_one();
+    thread_.join();
+  }
+  CpuStream(const CpuStream&) = delete;
+  CpuStream& operator=(const CpuStream&) = delete;
+
+  void issue(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(fn));
+      ++issued_;
+    }
+    work_cv_.notify_one();
+  }
+  uint64_t issued() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return issued_;
+  }
+  // Blocks until the first `count` pieces of work are done.
+  void wait_for(uint64_t count) {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return done_ >= count; });
+  }
+  // Blocks until everything issued so far is done; throws the first failure of this stream's
+  // work (as a CUDA stream reports an asynchronous error at its synchronisation), once.
+  void synchronize() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t target = issued_;
+    done_cv_.wait(lock, [&] { return done_ >= target; });
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void run() {
+    std::uniform_int_distribution<int> delay(0, jitter_us_);
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopped, and nothing left
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (jitter_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay(rng_)));
+      std::exception_ptr failed;
+      try {
+        fn();
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (failed && !error_) error_ = failed;
+        ++done_;
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<std::function<void()>> queue_;  // guarded by mu_, as are the four below
+  uint64_t issued_ = 0, done_ = 0;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::mt19937_64 rng_;  // the stream thread's own
+  const int jitter_us_;
+  std::thread thread_;
+};
+
+// An event: the work of one stream up to a count.
+struct CpuEvent {
+  CpuStream* stream = nullptr;  // null: never recorded (waiting on it waits for nothing)
+  uint64_t count = 0;
+};
+
+class AsyncCpuDevice final : public StreamDevice {
+ public:
+  AsyncCpuDevice(cpu::Arena& arena, uint64_t seed, int jitter_us)
+      : arena_(arena), seed_(seed), jitter_us_(jitter_us) {
+    ZS_CHECK(jitter_us >= 0);
+  }
+  ~AsyncCpuDevice() override {
+    // Every stream drains before any is destroyed: one may be waiting for another.
+    for (auto& s : streams_) s->wait_for(s->issued());
+  }
+
+  Device device() const override { return Device::cpu; }
+  int device_index() const override { return 0; }
+  Allocator* device_memory() override { return nullptr; }
+  Allocator* pinned_memory() override { return nullptr; }
+  std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
+  // Its device memory is host memory, which a host communicator reads as it is: the host waits
+  // for the compute stream before each collective (StreamCompute::before_collective).
+  std::shared_ptr<Communicator> stage(std::shared_ptr<Communicator> comm) override { return comm; }
+
+  Stream create_stream() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.push_back(std::make_unique<CpuStream>(seed_ + streams_.size(), jitter_us_));
+    return streams_.back().get();
+  }
+  Event create_event() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(std::make_unique<CpuEvent>());
+    return events_.back().get();
+  }
+  void record(Event e, Stream s) override {
+    CpuStream* st = cs(s);
+    *static_cast<CpuEvent*>(e) = CpuEvent{st, st->issued()};
+  }
+  void wait_event(Stream s, Event e) override {
+    const CpuEvent mark = *static_cast<CpuEvent*>(e);  // as recorded now, like CUDA
+    if (!mark.stream || mark.stream == cs(s)) return;  // nothing, or its own order
+    cs(s)->issue([mark] { mark.stream->wait_for(mark.count); });
+  }
+  void sync_stream(Stream s) override { cs(s)->synchronize(); }
+  Stream adopt_stream(void* trainer_stream) override {
+    (void)trainer_stream;
+    ZS_THROW(invalid_argument,
+             "set_stream(): the engine runs on the asynchronous CPU device "
+             "(zeroshard.async_device); streams belong to the cuda device");
+  }
+  void* public_handle(Stream) const override { return nullptr; }
+
+  void fill(void* p, unsigned char value, size_t bytes, Stream s) override {
+    cs(s)->issue([=] { std::memset(p, value, bytes); });
+  }
+  void copy(void* dst, const void* src, size_t bytes, Stream s) override {
+    cs(s)->issue([=] { std::memcpy(dst, src, bytes); });
+  }
+  void convert(const void* src, DType sd, void* dst, DType dd, int64_t n, Stream s) override {
+    cs(s)->issue([=, this] { cpu_work::convert(arena_, src, sd, dst, dd, n); });
+  }
+  void accumulate(float* acc, const void* g, DType gd, int64_t n, Stream s) override {
+    cs(s)->issue([=, this] { cpu_work::accumulate(arena_, acc, g, gd, n); });
+  }
+  void update(const std::vector<cpu::UpdateHyper>& hyper, const cpu::UnitUpdate& unit,
+              Stream s) override {
+    // The hyperparameters as they are now (a GPU launch copies them into its arguments); the
+    // unit's runs live as long as the engine.
+    cs(s)->issue([this, hyper, unit] { cpu_work::update(arena_, hyper, {unit}); });
+  }
+  void sum_squares(const GradSpan& x, double* out, bool accumulate, Stream s) override {
+    cs(s)->issue([=, this] {
+      const double v = cpu_work::sum_squares(arena_, x);
+      // Summed in the synchronous backend's order: span after span from 0.
+      out[0] = accumulate ? out[0] + v : v;
+      out[1] = (accumulate && out[1] != 0.0) || !std::isfinite(out[0]) ? 1.0 : 0.0;
+    });
+  }
+  double* device_sums() override { return device_sums_; }
+  double* host_sums() override { return host_sums_; }
+
+ private:
+  static CpuStream* cs(Stream s) { return static_cast<CpuStream*>(s); }
+
+  cpu::Arena& arena_;
+  const uint64_t seed_;
+  const int jitter_us_;
+  std::mutex mu_;  // guards the two lists
+  std::vector<std::unique_ptr<CpuStream>> streams_;
+  std::vector<std::unique_ptr<CpuEvent>> events_;
+  double device_sums_[2] = {0, 0};
+  double host_sums_[2] = {0, 0};
+};
+
+}  // namespace
+
+std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us) {
+  return make_stream_compute(std::make_unique<AsyncCpuDevice>(arena, seed, jitter_us));
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,207 @@
+// The asynchronous CPU device (src/compute/async_cpu_device.cpp): its kernels are bitwise the
+// synchronous CPU backend's; an engine on it takes the GPU's paths (staging slots in its ledger)
+// and trains to bitwise the same parameters; it is selected by config or environment, and takes
+// what a GPU takes. That it catches missing waits is shown by scripts/mutate_waits.py.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/arena.hpp"
+#include "src/compute/compute.hpp"
+#include "zeroshard/zeroshard.hpp"
+
+namespace zeroshard {
+namespace {
+
+std::vector<float> random_floats(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+bool same_bits(const void* a, const void* b, size_t bytes) {
+  return std::memcmp(a, b, bytes) == 0;
+}
+
+// Sets an environment variable for one test and restores it after.
+class EnvVar {
+ public:
+  EnvVar(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    ::setenv(name, value, 1);
+  }
+  ~EnvVar() {
+    if (had_)
+      ::setenv(name_, old_.c_str(), 1);
+    else
+      ::unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST(AsyncDevice, KernelsMatchTheCpuBackendBitwise) {
+  cpu::Arena arena(2);
+  auto sync = make_cpu_compute(arena);
+  auto async = make_async_cpu_compute(arena, 7, 200);
+  EXPECT_TRUE(async->streams());
+  EXPECT_FALSE(sync->streams());
+  EXPECT_EQ(async->device(), Device::cpu);
+  EXPECT_EQ(async->stream(), nullptr);
+
+  const size_t n = 300001;  // several arena chunks and a tail
+  const std::vector<float> x = random_floats(n, 1), g = random_floats(n, 2);
+  std::vector<uint16_t> low_s(n), low_a(n);
+  sync->convert(x.data(), DType::f32, low_s.data(), DType::bf16, int64_t(n));
+  async->convert(x.data(), DType::f32, low_a.data(), DType::bf16, int64_t(n));
+  std::vector<float> acc_s = x, acc_a = x;
+  sync->accumulate(acc_s.data(), g.data(), DType::f32, int64_t(n));
+  async->accumulate(acc_a.data(), g.data(), DType::f32, int64_t(n));
+  const std::vector<GradSpan> spans = {{g.data(), DType::f32, int64_t(n)},
+                                       {low_s.data(), DType::bf16, int64_t(n / 3)}};
+  const auto ss = sync->sum_squares(spans);
+  const auto sa = async->sum_squares(spans);  // waits: the accumulate and convert are done
+  EXPECT_TRUE(same_bits(low_s.data(), low_a.data(), n * 2));
+  EXPECT_TRUE(same_bits(acc_s.data(), acc_a.data(), n * 4));
+  EXPECT_EQ(ss.first, sa.first);
+  EXPECT_GT(sa.first, 0.0);
+  EXPECT_FALSE(sa.second);
+
+  // A non-finite gradient raises the flag, as on the CPU.
+  std::vector<float> bad = g;
+  bad[n / 2] = INFINITY;
+  EXPECT_TRUE(async->sum_squares({{bad.data(), DType::f32, int64_t(n)}}).second);
+}
+
+TEST(AsyncDevice, CopiesAndDownloadsLandBeforeTheHostReads) {
+  cpu::Arena arena(2);
+  auto dev = make_async_cpu_compute(arena, 3, 300);
+  const size_t n = 1 << 16;
+  std::vector<float> src = random_floats(n, 3), mid(n, 0.0f), dst(n, 0.0f);
+  dev->fill(mid.data(), 0xFF, n * 4);
+  dev->copy(mid.data(), src.data(), n * 4);  // after the fill, in issue order
+  dev->convert(mid.data(), DType::f32, mid.data(), DType::f32, int64_t(n));  // a no-op
+  dev->synchronize();
+  dev->download(dst.data(), mid.data(), n * 4);
+  EXPECT_TRUE(same_bits(dst.data(), src.data(), n * 4));
+  EXPECT_THROW(dev->set_stream(reinterpret_cast<void*>(1)), Error);
+}
+
+// One unit of three parameters trained for a few steps on a one-rank engine.
+struct Trained {
+  std::vector<float> params;
+  MemoryReport memory;
+};
+
+Trained train(Config cfg) {
+  Engine e(cfg, make_self_communicator());
+  const std::vector<float> w0 = random_floats(1000, 11), w1 = random_floats(37, 12);
+  const std::vector<float> w2 = random_floats(4099, 13);
+  std::vector<Param> ps = {{"w0", {1000}, 0, {const_cast<float*>(w0.data()), 1000, DType::f32}},
+                           {"w1", {37}, 0, {const_cast<float*>(w1.data()), 37, DType::f32}},
+                           {"w2", {4099}, 0, {const_cast<float*>(w2.data()), 4099, DType::f32}}};
+  const UnitId u = e.add_unit("layer", ps);
+  e.finalize();
+  for (int step = 0; step < 3; ++step) {
+    std::vector<TensorView> g = e.grads(u);
+    for (size_t i = 0; i < g.size(); ++i) {
+      const std::vector<float> v = random_floats(size_t(g[i].numel), uint32_t(100 + step * 3 + i));
+      std::memcpy(g[i].data, v.data(), v.size() * 4);
+    }
+    e.grads_ready(u);
+    e.step();
+    e.zero_grad();
+  }
+  Trained t;
+  for (const TensorView& p : e.params(u)) {
+    const float* f = static_cast<const float*>(p.data);
+    t.params.insert(t.params.end(), f, f + p.numel);
+  }
+  t.memory = e.memory();
+  return t;
+}
+
+bool has_buffer(const MemoryReport& m, const std::string& name) {
+  for (const NamedBuffer& b : m.buffers)
+    if (b.name == name && b.peak > 0) return true;
+  return false;
+}
+
+TEST(AsyncDevice, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
+  EnvVar config_decides("ZEROSHARD_ASYNC_DEVICE", "");
+  for (Tier tier : {Tier::device, Tier::host}) {
+    Config cfg;
+    cfg.stage = 2;
+    cfg.optimizer.lr = 1e-2f;
+    cfg.gradient_clipping = 1.0;
+    cfg.offload_optimizer.tier = tier;
+    const Trained ref = train(cfg);
+    cfg.async_device = true;
+    const Trained got = train(cfg);
+    ASSERT_EQ(ref.params.size(), got.params.size());
+    EXPECT_TRUE(same_bits(ref.params.data(), got.params.data(), ref.params.size() * 4))
+        << tier_name(tier);
+    // The host tier on a GPU stages gradient shards on the device: the async device does too.
+    if (tier == Tier::host) {
+      EXPECT_TRUE(has_buffer(got.memory, "grad_shard_staging")) << got.memory.to_string();
+      EXPECT_FALSE(has_buffer(ref.memory, "grad_shard_staging")) << ref.memory.to_string();
+    }
+  }
+}
+
+TEST(AsyncDevice, SelectedByConfigOrEnvironmentAndTakesWhatAGpuTakes) {
+  cpu::Arena arena(1);
+  Config cfg;
+  cfg.stage = 1;
+  {
+    EnvVar off("ZEROSHARD_ASYNC_DEVICE", "0");
+    cfg.async_device = true;
+    EXPECT_FALSE(async_device_selected(cfg));  // the environment overrides the config
+    EXPECT_FALSE(make_compute(cfg, arena)->streams());
+  }
+  {
+    EnvVar on("ZEROSHARD_ASYNC_DEVICE", "1");
+    cfg.async_device = false;
+    EXPECT_TRUE(async_device_selected(cfg));
+    EXPECT_TRUE(make_compute(cfg, arena)->streams());
+    // Stage 0 with the optimizer on the host is what a GPU refuses: it stays synchronous.
+    Config s0 = cfg;
+    s0.stage = 0;
+    s0.offload_optimizer.tier = Tier::host;
+    EXPECT_FALSE(async_device_selected(s0));
+  }
+  {
+    EnvVar bad("ZEROSHARD_ASYNC_DEVICE", "yes");
+    EXPECT_THROW(async_device_selected(cfg), Error);
+  }
+  // Asked for in the config, a configuration a GPU refuses is refused by name.
+  Config s0;
+  s0.stage = 0;
+  s0.async_device = true;
+  s0.offload_optimizer.tier = Tier::host;
+  try {
+    s0.validate();
+    FAIL() << "stage 0 with the host tier validated on the async device";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("zeroshard.async_device = true"), std::string::npos)
+        << e.what();
+  }
+  Config both;
+  both.device = Device::cuda;
+  both.async_device = true;
+  EXPECT_THROW(both.validate(), Error);
+}
+
+}  // namespace
+}  // namespace zeroshard
