@@ -1,6 +1,6 @@
 #pragma once
-// UniqueFd: the one move-only owner of a POSIX file descriptor (docs/DESIGN.md rule 3). It closes the
-// descriptor when destroyed or reset; close() errors are ignored there, since a destructor must
+// UniqueFd: the one move-only owner of a POSIX file descriptor (docs/DESIGN.md rule 3). It closes
+// the descriptor when destroyed or reset; close() errors are ignored there, since a destructor must
 // not throw and by then nothing can be done about them (data that must be durable is fsync'ed,
 // and checked, before).
 

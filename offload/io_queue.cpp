@@ -6,8 +6,8 @@
 #include <cstring>
 #include <sstream>
 
-#include "base/checksum.hpp"
 #include "base/check.hpp"
+#include "base/checksum.hpp"
 
 namespace zeroshard::offload {
 namespace {

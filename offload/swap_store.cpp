@@ -9,8 +9,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "base/checksum.hpp"
 #include "base/check.hpp"
+#include "base/checksum.hpp"
 
 namespace zeroshard::offload {
 

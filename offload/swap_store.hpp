@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "base/unique_fd.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
-#include "base/unique_fd.hpp"
 
 namespace zeroshard::offload {
 

@@ -4,8 +4,8 @@
 #include <mutex>
 #include <thread>
 
-#include "offload/io_backend.hpp"
 #include "base/check.hpp"
+#include "offload/io_backend.hpp"
 
 #ifdef ZEROSHARD_HAVE_URING
 #include <liburing.h>

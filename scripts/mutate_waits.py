@@ -107,8 +107,7 @@ def main():
             shutil.copy2(os.path.join(ROOT, f), os.path.join(tree, f))
         build = a.build_dir or os.path.join(tree, "build-mutate")
         cfg = ["cmake", "-S", tree, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-               "-DZEROSHARD_WITH_CUDA=OFF", "-DZEROSHARD_BUILD_BENCHMARKS=OFF",
-               "-DZEROSHARD_BUILD_APPS=OFF"]
+               "-DZEROSHARD_WITH_CUDA=OFF", "-DZEROSHARD_BUILD_BENCHMARKS=OFF"]
         subprocess.run(cfg, check=True, stdout=subprocess.DEVNULL)
 
         def build_ok():

@@ -29,6 +29,8 @@ packages=(
   python3-torch
   python3-pytest
   python3-matplotlib
+  python3-pyflakes
+  clang-format
 )
 
 if ! command -v dpkg-query >/dev/null; then

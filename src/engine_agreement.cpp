@@ -4,8 +4,8 @@
 // silent mix.
 #include <sstream>
 
-#include "base/checksum.hpp"
 #include "base/check.hpp"
+#include "base/checksum.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {

@@ -17,11 +17,11 @@
 #include <utility>
 #include <vector>
 
-#include "src/tiers/tier.hpp"
 #include "base/layout.hpp"
 #include "base/ledger.hpp"
 #include "src/precision/loss_scaler.hpp"
 #include "src/resources.hpp"
+#include "src/tiers/tier.hpp"
 #include "zeroshard/engine.hpp"
 #include "zeroshard/error.hpp"
 

@@ -5,13 +5,13 @@
 #include <chrono>
 #include <new>
 
-#include "src/tiers/nvme_param_tier.hpp"
-#include "src/tiers/nvme_state_tier.hpp"
 #include "base/agree.hpp"
 #include "base/check.hpp"
 #include "src/engine_impl.hpp"
 #include "src/tiers/memory_param_tier.hpp"
 #include "src/tiers/memory_state_tier.hpp"
+#include "src/tiers/nvme_param_tier.hpp"
+#include "src/tiers/nvme_state_tier.hpp"
 #include "src/tiers/staged_param_tier.hpp"
 #include "src/tiers/staged_state_tier.hpp"
 

@@ -7,10 +7,10 @@
 #include <memory>
 #include <vector>
 
-#include "kernels/cpu/arena.hpp"
-#include "offload/swap_space.hpp"
 #include "base/buffer_pool.hpp"
 #include "base/ledger.hpp"
+#include "kernels/cpu/arena.hpp"
+#include "offload/swap_space.hpp"
 #include "src/compute/compute.hpp"
 
 namespace zeroshard {

@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "base/cuda_check.hpp"
-#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "src/cuda/cuda_resources.hpp"
 
 namespace zs = zeroshard;
 namespace zc = zeroshard::cuda;

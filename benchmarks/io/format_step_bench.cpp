@@ -1,10 +1,10 @@
 // The NVMe-offloaded optimizer step with each optimizer-state format: f32, bf16 and 8-bit
 // moments in the swap records, each optionally with a bf16 master ("8bit/bf16"). One engine per
 // format (same model, same gradients, each with its own swap file in DIR), stepped in turn in every
-// round, the order rotating round by round so drift hits all alike (docs/DESIGN.md rule 9). Per round
-// and format: the seconds Engine::step() takes and the bytes it reads and writes (swap_stats());
-// the figure is the median over rounds of f32's step time / the format's, measured in the same
-// round.
+// round, the order rotating round by round so drift hits all alike (docs/DESIGN.md rule 9). Per
+// round and format: the seconds Engine::step() takes and the bytes it reads and writes
+// (swap_stats()); the figure is the median over rounds of f32's step time / the format's, measured
+// in the same round.
 //
 //   format_step_bench --dir DIR [--params 256M] [--units 16] [--rounds 5] [--bs 1M] [--qd 8]
 //                     [--buffers 4] [--stage 1] [--block 2048] [--formats f32,bf16,8bit,8bit/bf16]

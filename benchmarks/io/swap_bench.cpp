@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/io/parse_size.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
 #include "offload/swap_store.hpp"
-#include "benchmarks/io/parse_size.hpp"
 #include "zeroshard/error.hpp"
 
 using namespace zeroshard;

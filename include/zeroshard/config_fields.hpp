@@ -31,8 +31,8 @@ namespace zeroshard {
 template <class S>
 using FieldMember = std::variant<bool S::*, int S::*, int64_t S::*, float S::*, double S::*,
                                  std::vector<std::string> S::*, DType S::*, Device S::*, Tier S::*,
-                                 OptimizerKind S::*, StateFormat S::*, OptimizerOptions S::*, OffloadOptions S::*,
-                                 LossScaleOptions S::*, AioOptions S::*>;
+                                 OptimizerKind S::*, StateFormat S::*, OptimizerOptions S::*,
+                                 OffloadOptions S::*, LossScaleOptions S::*, AioOptions S::*>;
 
 /// One check validate() applies to a numeric field on its own: `ok(value)` must hold (written so
 /// that NaN fails it), else Error(invalid_config) "config: <json path> = <value> <text>".

@@ -16,7 +16,9 @@ namespace zeroshard {
 enum class DType : uint8_t { f32, bf16, f16 };
 
 /// Bytes per element of `t` (4 or 2). Inline: the kernels use it without the library.
-inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+inline size_t dtype_size(DType t) {
+  return t == DType::f32 ? 4 : 2;
+}
 /// "f32", "bf16" or "f16".
 ZS_API const char* dtype_name(DType t);
 

@@ -7,10 +7,10 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "base/check.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/kernel_table.hpp"
 #include "kernels/cpu/scalar_convert.hpp"
-#include "base/check.hpp"
 
 namespace zeroshard::cpu {
 namespace {

@@ -3,9 +3,9 @@
 
 #include <vector>
 
+#include "base/layout.hpp"
 #include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "base/layout.hpp"
 
 namespace zeroshard::cpu {
 

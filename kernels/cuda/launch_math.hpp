@@ -28,7 +28,9 @@ inline constexpr int64_t kMaxGrid = 8192;
 inline constexpr int64_t kMaxBlocks = 0x7FFFFFFF;
 
 /// Vectors of kVec elements covering n elements (the last one partial).
-ZS_LAUNCH_FN int64_t vectors(int64_t n) { return (n + kVec - 1) / kVec; }
+ZS_LAUNCH_FN int64_t vectors(int64_t n) {
+  return (n + kVec - 1) / kVec;
+}
 
 /// Blocks for `vecs` vectors at kThreads each, at least one, at most `cap`.
 ZS_LAUNCH_FN unsigned grid_for(int64_t vecs, int64_t cap) {
@@ -40,7 +42,9 @@ ZS_LAUNCH_FN unsigned grid_for(int64_t vecs, int64_t cap) {
 ZS_LAUNCH_FN int64_t first_vector(unsigned block, unsigned thread) {
   return int64_t(block) * kThreads + int64_t(thread);
 }
-ZS_LAUNCH_FN int64_t grid_stride(unsigned grid) { return int64_t(grid) * kThreads; }
+ZS_LAUNCH_FN int64_t grid_stride(unsigned grid) {
+  return int64_t(grid) * kThreads;
+}
 
 /// An update run [begin, end) split for vector accesses: elements [begin, body_begin) and
 /// [body_end, end) (at most kVec − 1 each) are updated one by one by the run's first block;

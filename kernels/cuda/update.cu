@@ -10,11 +10,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "base/cuda_check.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
 #include "kernels/cuda/launch_math.hpp"
 #include "kernels/cuda/update_one.cuh"
-#include "base/cuda_check.hpp"
 
 namespace zeroshard::cuda {
 namespace {

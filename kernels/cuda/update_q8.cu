@@ -14,10 +14,10 @@
 #include <mutex>
 #include <vector>
 
+#include "base/cuda_check.hpp"
 #include "kernels/cpu/quant_code.hpp"
 #include "kernels/cuda/device_io.cuh"
 #include "kernels/cuda/update_one.cuh"
-#include "base/cuda_check.hpp"
 
 namespace zeroshard::cuda::detail {
 namespace {

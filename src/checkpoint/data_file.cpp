@@ -11,8 +11,8 @@
 #include <cstring>
 #include <new>
 
-#include "base/checksum.hpp"
 #include "base/check.hpp"
+#include "base/checksum.hpp"
 #include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/file_io.hpp"
 

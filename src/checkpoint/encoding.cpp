@@ -5,8 +5,8 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/cpu/cpu_kernels.hpp"
 #include "base/check.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
 #include "src/checkpoint/format.hpp"
 
 namespace zeroshard::ckpt {

@@ -33,7 +33,8 @@ void export_checkpoint(const fs::path& path, const fs::path& out_dir,
   const auto [t, o] = std::mismatch(tag.begin(), tag.end(), out.begin(), out.end());
   if (t == tag.end())
     ZS_THROW(invalid_argument, "export: " << out_dir << " is inside the checkpoint's tag directory "
-                                          << dir << ", which a saved checkpoint never changes; "
+                                          << dir
+                                          << ", which a saved checkpoint never changes; "
                                              "export to a directory of its own");
   const Manifest m = read_manifest(dir);
   UnitReader src(dir, m);

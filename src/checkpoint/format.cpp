@@ -15,8 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "base/checksum.hpp"
 #include "base/check.hpp"
+#include "base/checksum.hpp"
 #include "base/unique_fd.hpp"
 #include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/file_io.hpp"

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "kernels/cpu/cpu_kernels.hpp"
 #include "base/check.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
 #include "src/checkpoint/file_io.hpp"
 
 namespace zeroshard::ckpt {

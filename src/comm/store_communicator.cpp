@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/cpu/cpu_kernels.hpp"
 #include "base/check.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
 #include "src/comm/seconds_text.hpp"
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"

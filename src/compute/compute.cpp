@@ -7,9 +7,9 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "base/check.hpp"
 #include "kernels/cpu/grad_passes.hpp"
 #include "src/compute/cpu_work.hpp"
-#include "base/check.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/launch.hpp"
@@ -143,8 +143,8 @@ bool async_device_selected(const Config& cfg) {
 std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena) {
   if (async_device_selected(cfg)) {
     // Each rank draws its own delays, reproducibly for a given seed.
-    const uint64_t seed = uint64_t(env_int("ZEROSHARD_ASYNC_SEED", 1)) * 1000003u +
-                          uint64_t(launch_info().rank);
+    const uint64_t seed =
+        uint64_t(env_int("ZEROSHARD_ASYNC_SEED", 1)) * 1000003u + uint64_t(launch_info().rank);
     return make_async_cpu_compute(arena, seed, int(env_int("ZEROSHARD_ASYNC_JITTER_US", 50)));
   }
   if (cfg.device == Device::cpu) return make_cpu_compute(arena);

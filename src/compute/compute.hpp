@@ -18,11 +18,11 @@
 #include <utility>
 #include <vector>
 
+#include "base/layout.hpp"
+#include "base/ledger.hpp"
 #include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/update_tasks.hpp"
-#include "base/layout.hpp"
-#include "base/ledger.hpp"
 #include "src/compute/stream_device.hpp"
 #include "zeroshard/types.hpp"
 
@@ -103,9 +103,10 @@ std::unique_ptr<Compute> make_stream_compute(std::unique_ptr<StreamDevice> devic
 /// threads; before each piece of work a stream sleeps a random 0..jitter_us microseconds drawn
 /// from `seed`.
 std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us);
-/// The backend Config::device (and for cpu, Config::cpu_device) names. For cuda, device_index −1 picks the local rank (from the
-/// launcher's environment) modulo the number of GPUs. Throws Error(invalid_config) for cuda in a
-/// build without CUDA, Error(cuda_error) when no GPU can be used, with the runtime's reason.
+/// The backend Config::device (and for cpu, Config::cpu_device) names. For cuda, device_index −1
+/// picks the local rank (from the launcher's environment) modulo the number of GPUs. Throws
+/// Error(invalid_config) for cuda in a build without CUDA, Error(cuda_error) when no GPU can be
+/// used, with the runtime's reason.
 std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena);
 /// Whether make_compute() makes the asynchronous CPU device: Config::async_device, overridden
 /// by ZEROSHARD_ASYNC_DEVICE=1 or 0 (the test suite's switch: 1 takes every configuration a GPU

@@ -86,12 +86,12 @@ class StreamCompute final : public Compute {
     DeviceCommunicator* dc = as_device_communicator(comm.get());
     if (!dc) return d_->stage(std::move(comm));
     if (d_->device() != Device::cuda || dc->device() != d_->device_index())
-      ZS_THROW(invalid_argument, "Engine: the NCCL communicator is on GPU "
-                                     << dc->device() << " but the engine on "
-                                     << (d_->device() == Device::cuda
-                                             ? "GPU " + std::to_string(d_->device_index())
-                                             : std::string("the CPU"))
-                                     << " (zeroshard.device_index)");
+      ZS_THROW(invalid_argument,
+               "Engine: the NCCL communicator is on GPU "
+                   << dc->device() << " but the engine on "
+                   << (d_->device() == Device::cuda ? "GPU " + std::to_string(d_->device_index())
+                                                    : std::string("the CPU"))
+                   << " (zeroshard.device_index)");
     device_comms_.push_back(dc);
     return comm;
   }

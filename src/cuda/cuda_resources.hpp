@@ -33,7 +33,8 @@ class DeviceGuard {
 };
 
 /// A CUDA stream on one device. Non-blocking by default: it does not synchronise implicitly with
-/// the legacy default stream, so ordering is always explicit (events), as docs/DESIGN.md rule 5 asks.
+/// the legacy default stream, so ordering is always explicit (events), as docs/DESIGN.md rule 5
+/// asks.
 class Stream {
  public:
   Stream() = default;

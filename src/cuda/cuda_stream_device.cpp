@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/cuda_kernels.hpp"
 #include "base/cuda_check.hpp"
+#include "kernels/cuda/cuda_kernels.hpp"
 #include "src/compute/compute.hpp"
 #include "src/compute/stream_device.hpp"
 #include "src/cuda/cuda_resources.hpp"
@@ -146,8 +146,8 @@ class CudaStreamDevice final : public StreamDevice {
     cuda::DeviceGuard g(device_);
     runs_.clear();
     for (const GroupRun& r : *u.runs) runs_.push_back({r.begin, r.end, r.group});
-    cuda::optimizer_update(hyper.data(), int(hyper.size()), runs_.data(), int(runs_.size()),
-                           u.args, s);
+    cuda::optimizer_update(hyper.data(), int(hyper.size()), runs_.data(), int(runs_.size()), u.args,
+                           s);
   }
   void sum_squares(const GradSpan& x, double* out, bool accumulate, Stream s) override {
     cuda::DeviceGuard g(device_);
@@ -162,11 +162,11 @@ class CudaStreamDevice final : public StreamDevice {
   int device_;
   DeviceMemory dev_mem_;
   PinnedMemory pinned_;
-  std::deque<cuda::Stream> streams_;     // stable addresses; destroyed with the device
+  std::deque<cuda::Stream> streams_;  // stable addresses; destroyed with the device
   std::deque<cuda::Event> events_;
   cuda::DeviceBuffer workspace_, sums_;  // sum_squares_nonfinite's partials and result
   cuda::PinnedBuffer host_sums_;
-  std::vector<cuda::UpdateRun> runs_;    // scratch of update(): one unit's runs
+  std::vector<cuda::UpdateRun> runs_;  // scratch of update(): one unit's runs
 };
 
 }  // namespace

@@ -6,14 +6,14 @@
 
 #include <utility>
 
-#include "kernels/cpu/cpu_kernels.hpp"
 #include "base/check.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
 
 #if defined(ZEROSHARD_HAVE_CUDA)
 #include <cuda_runtime_api.h>
 
-#include "kernels/cuda/cuda_kernels.hpp"
 #include "base/cuda_check.hpp"
+#include "kernels/cuda/cuda_kernels.hpp"
 #include "src/cuda/cuda_resources.hpp"
 #endif
 

@@ -6,9 +6,9 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "kernels/cpu/cpu_kernels.hpp"
 #include "base/check.hpp"
 #include "base/layout.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
 #include "zeroshard/planner.hpp"
 
 namespace zeroshard {

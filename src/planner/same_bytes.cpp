@@ -4,9 +4,9 @@
 #include <map>
 #include <string>
 
+#include "base/check.hpp"
 #include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "base/check.hpp"
 #include "zeroshard/calibration.hpp"
 
 namespace zeroshard {

@@ -4,9 +4,9 @@
 // tier issues it (Compute::update).
 #include <vector>
 
-#include "kernels/cpu/quant_code.hpp"
 #include "base/check.hpp"
 #include "base/ledger.hpp"
+#include "kernels/cpu/quant_code.hpp"
 #include "src/compute/compute.hpp"
 #include "src/planner/timing.hpp"
 #include "zeroshard/calibration.hpp"

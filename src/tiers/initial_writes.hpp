@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
+#include "base/check.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
-#include "base/check.hpp"
 
 namespace zeroshard::offload {
 

@@ -4,9 +4,9 @@
 
 #include <vector>
 
-#include "src/tiers/tier.hpp"
 #include "base/ledger.hpp"
 #include "src/compute/compute.hpp"
+#include "src/tiers/tier.hpp"
 
 namespace zeroshard {
 

@@ -7,10 +7,10 @@
 #include <limits>
 #include <tuple>
 
+#include "base/check.hpp"
 #include "kernels/cpu/grad_passes.hpp"
 #include "kernels/cpu/quant_code.hpp"
 #include "kernels/cpu/update_tasks.hpp"
-#include "base/check.hpp"
 #include "zeroshard/communicator.hpp"
 
 namespace zeroshard {

@@ -7,10 +7,10 @@
 #include <optional>
 #include <vector>
 
-#include "kernels/cpu/arena.hpp"
-#include "src/tiers/tier.hpp"
 #include "base/ledger.hpp"
+#include "kernels/cpu/arena.hpp"
 #include "src/compute/compute.hpp"
+#include "src/tiers/tier.hpp"
 
 namespace zeroshard {
 

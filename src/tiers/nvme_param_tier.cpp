@@ -4,9 +4,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "offload/swap_pipeline.hpp"
 #include "base/agree.hpp"
 #include "base/check.hpp"
+#include "offload/swap_pipeline.hpp"
 
 namespace zeroshard::offload {
 

@@ -12,13 +12,13 @@
 #include <string>
 #include <vector>
 
+#include "base/ledger.hpp"
 #include "kernels/cpu/arena.hpp"
-#include "src/tiers/initial_writes.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/swap_space.hpp"
 #include "offload/swap_store.hpp"
+#include "src/tiers/initial_writes.hpp"
 #include "src/tiers/tier.hpp"
-#include "base/ledger.hpp"
 
 namespace zeroshard::offload {
 

@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <cstring>
 
+#include "base/agree.hpp"
+#include "base/check.hpp"
 #include "kernels/cpu/grad_passes.hpp"
 #include "kernels/cpu/quant_code.hpp"
 #include "kernels/cpu/update_tasks.hpp"
 #include "offload/io_backend.hpp"
 #include "offload/swap_pipeline.hpp"
-#include "base/agree.hpp"
-#include "base/check.hpp"
 
 namespace zeroshard::offload {
 namespace {

@@ -9,9 +9,9 @@
 #include <memory>
 #include <vector>
 
-#include "src/tiers/tier.hpp"
 #include "base/buffer_pool.hpp"
 #include "src/compute/compute.hpp"
+#include "src/tiers/tier.hpp"
 
 namespace zeroshard {
 

@@ -8,10 +8,10 @@
 #include <memory>
 #include <vector>
 
-#include "src/tiers/tier.hpp"
 #include "base/buffer_pool.hpp"
 #include "base/ledger.hpp"
 #include "src/compute/compute.hpp"
+#include "src/tiers/tier.hpp"
 
 namespace zeroshard {
 

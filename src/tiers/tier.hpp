@@ -1,6 +1,6 @@
 #pragma once
-// What a tier is (docs/DESIGN.md "tiers"): the interfaces the engine's stage logic talks to, so that
-// it never asks where a unit's state lives.
+// What a tier is (docs/DESIGN.md "tiers"): the interfaces the engine's stage logic talks to, so
+// that it never asks where a unit's state lives.
 //
 // - StateTier holds the optimizer side of every unit: the f32 master weights, the optimizer
 //   moments, and the reduced gradient shard on its way to them. Implementations: memory reached
@@ -26,8 +26,8 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/cpu/cpu_kernels.hpp"
 #include "base/layout.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
 #include "zeroshard/config.hpp"
 #include "zeroshard/error.hpp"
 #include "zeroshard/memory.hpp"

@@ -13,13 +13,13 @@
 #include <fstream>
 #include <memory>
 
-#include "tests/fault/fault_backend.hpp"
-#include "tests/multirank/harness.hpp"
 #include "base/checksum.hpp"
 #include "offload/io_queue.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/run_dir.hpp"
 #include "offload/swap_store.hpp"
+#include "tests/fault/fault_backend.hpp"
+#include "tests/multirank/harness.hpp"
 #include "zeroshard/error.hpp"
 
 using namespace zeroshard;

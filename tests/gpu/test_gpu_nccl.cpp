@@ -10,16 +10,16 @@
 #include <chrono>
 #include <cstring>
 #include <map>
-#include <optional>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "src/comm/nccl/nccl_communicator.hpp"
-#include "tests/gpu/gpu_test_util.hpp"
-#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "src/comm/nccl/nccl_communicator.hpp"
+#include "src/cuda/cuda_resources.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/error.hpp"
 

@@ -13,9 +13,9 @@
 #include <thread>
 #include <vector>
 
-#include "tests/gpu/gpu_test_util.hpp"
-#include "src/cuda/cuda_resources.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "src/cuda/cuda_resources.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "tests/multirank/run_ranks.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/error.hpp"

@@ -3,12 +3,12 @@
 // loops and by an update run's head, body and tail; body vectors are aligned; indices past 2^31
 // and 2^32 come out exact.
 
-#include "kernels/cuda/launch_math.hpp"
-
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
+
+#include "kernels/cuda/launch_math.hpp"
 
 namespace zeroshard::cuda::launch {
 namespace {
@@ -18,8 +18,9 @@ constexpr int64_t k2p32 = int64_t(1) << 32;
 
 // Sizes around the 32-bit limits, and small ones of every tail length.
 std::vector<int64_t> big_sizes() {
-  return {k2p31 - 1, k2p31, k2p31 + 1, k2p31 + 7, k2p32 - 1, k2p32, k2p32 + 9,
-          (int64_t(1) << 40) + 3, 17 * k2p32 + 5};
+  return {k2p31 - 1,     k2p31, k2p31 + 1, k2p31 + 7,
+          k2p32 - 1,     k2p32, k2p32 + 9, (int64_t(1) << 40) + 3,
+          17 * k2p32 + 5};
 }
 
 TEST(LaunchMath, VectorsAreExactPast32Bits) {
@@ -105,8 +106,8 @@ void expect_run_covered(int64_t base, int64_t begin, int64_t end) {
     if (e < head_tail_stop(base + end, s, t)) hit(e);
   }
   for (size_t i = 0; i < seen.size(); ++i)
-    ASSERT_EQ(seen[i], 1) << "run [" << begin << ", " << end << ") at base " << base
-                          << ": element " << i;
+    ASSERT_EQ(seen[i], 1) << "run [" << begin << ", " << end << ") at base " << base << ": element "
+                          << i;
 }
 
 TEST(LaunchMath, UpdateRunsCoverEveryElementOnce) {

@@ -9,8 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "kernels/cpu/arena.hpp"
 #include "base/ledger.hpp"
+#include "kernels/cpu/arena.hpp"
 #include "src/compute/compute.hpp"
 #include "src/tiers/memory_param_tier.hpp"
 #include "src/tiers/staged_param_tier.hpp"

@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/cpu/cpu_kernels.hpp"
 #include "base/check.hpp"
 #include "base/mpi_check.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
 #include "src/comm/mpi/peer_probe.hpp"
 #include "src/comm/seconds_text.hpp"
 #include "src/comm/split_check.hpp"

@@ -1,8 +1,8 @@
 #pragma once
-// NcclComm: the move-only owner of a raw ncclComm_t (docs/DESIGN.md rule 3). Destroying it aborts the
-// communicator (ncclCommAbort never waits for peers, so a destructor cannot hang on a dead one);
-// the graceful end, which flushes outstanding work first, is finalize(). Not thread-safe: NCCL
-// communicators are not, and their owner serialises every call on them.
+// NcclComm: the move-only owner of a raw ncclComm_t (docs/DESIGN.md rule 3). Destroying it aborts
+// the communicator (ncclCommAbort never waits for peers, so a destructor cannot hang on a dead
+// one); the graceful end, which flushes outstanding work first, is finalize(). Not thread-safe:
+// NCCL communicators are not, and their owner serialises every call on them.
 
 #include <nccl.h>
 
