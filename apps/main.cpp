@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "apps/ckpt/ckpt.hpp"
+#include "apps/cli/capacity.hpp"
+#include "apps/cli/config_cmd.hpp"
 #include "apps/demo.hpp"
 #include "apps/plan/calibrate.hpp"
 #include "apps/plan/plan.hpp"
@@ -53,26 +55,6 @@ void pick_openblas_core(char** argv) {
 #endif
 }
 
-// `zeroshard capacity` is written in Python, as it draws its plots with matplotlib: it runs as
-// `$ZEROSHARD_PYTHON -m zeroshard.capacity ARGS` (default python3), an interpreter that imports
-// the zeroshard package.
-int run_capacity(const std::vector<std::string>& args) {
-  const char* env = std::getenv("ZEROSHARD_PYTHON");
-  std::string py = env && *env ? env : "python3";
-  std::vector<std::string> all = {py, "-m", "zeroshard.capacity"};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& a : all) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::fflush(stdout);
-  execvp(argv[0], argv.data());
-  std::fprintf(stderr,
-               "zeroshard capacity: cannot run %s (%s); set ZEROSHARD_PYTHON to a python that "
-               "imports zeroshard (pip install .)\n",
-               py.c_str(), std::strerror(errno));
-  return 127;
-}
-
 struct Command {
   const char* name;
   const char* summary;
@@ -89,7 +71,9 @@ constexpr Command kCommands[] = {
     {"calibrate", "measure memory, CPU optimizer, collective and disk rates for the planner",
      &zsplan::run_calibrate},
     {"capacity", "the largest model that trains under given budgets, with plots (python)",
-     &run_capacity},
+     &zscli::run_capacity},
+    {"config", "read and check a JSON configuration (zeroshard's or DeepSpeed's keys)",
+     &zscli::run_config},
 };
 
 void usage(std::FILE* out) {

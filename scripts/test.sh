@@ -17,3 +17,6 @@ ctest --test-dir "${ZEROSHARD_BUILD_DIR:-build}" --output-on-failure --no-tests=
 
 # The Python package and its tests (single-process, then 2 ranks under mpirun).
 bash scripts/python_test.sh
+
+# Every command the README shows, as a new user types it after the two set-up commands.
+bash tests/readme/run_readme_commands.sh

@@ -133,7 +133,7 @@ std::vector<TensorView> Engine::gather(UnitId id) {
     throw;
   }
   if (ahead) m.params->read_ahead(m.gather_order, m.gather_pos);
-  m.res.dev->hand_over();
+  m.res.dev->hand_to_trainer();
   return m.views(id, m.res.gather.data(u.gather_slot));
 }
 

@@ -197,7 +197,7 @@ std::vector<TensorView> Engine::grads(UnitId id) {
   Impl& m = *impl_;
   m.unit(id, "grads");
   std::vector<TensorView> out = m.take_grads(id, 0);
-  m.res.dev->hand_over();  // the trainer writes into it next
+  m.res.dev->hand_to_trainer();  // the trainer writes into it next
   return out;
 }
 
@@ -337,7 +337,7 @@ void Engine::zero_grad() {
   m.clip_now = 0;
   m.lost_grad.reset();
   m.state->forget_grads();
-  m.res.dev->hand_over();
+  m.res.dev->hand_to_trainer();
 }
 
 }  // namespace zeroshard

@@ -198,7 +198,7 @@ void Engine::finalize() {
     m.make_tiers();
     m.load_initial_values();
   }
-  m.res.dev->hand_over();
+  m.res.dev->hand_to_trainer();
   m.finalized = true;
   m.interval_start =
       std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

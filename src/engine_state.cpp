@@ -64,7 +64,7 @@ void Engine::commit_shards() {
           "unit '" + m.layout(int(i)).name + "' (restored parameters)"));
     for (auto& w : works) w->wait();
   }
-  m.res.dev->hand_over();  // the trainer reads the restored parameters next
+  m.res.dev->hand_to_trainer();  // the trainer reads the restored parameters next
 }
 
 void Engine::set_step_count(int64_t steps) {

@@ -49,7 +49,7 @@ static double busy_union(std::vector<std::shared_ptr<Work>>& works) {
 
 StepResult Engine::step() {
   StepResult r = impl_->step();
-  impl_->res.dev->hand_over();  // the trainer reads the new parameters next
+  impl_->res.dev->hand_to_trainer();  // the trainer reads the new parameters next
   return r;
 }
 

@@ -55,7 +55,7 @@ struct OptimizerOptions {
 /// is destroyed; a directory left by a run that crashed is reported on stderr and removed at the
 /// next finalize(). Stripes of AioOptions::block_size bytes rotate over the paths. Records are
 /// double-buffered so that a step is committed all at once or not at all: the files take twice
-/// the state they hold (see README "Offload tiers"). Their space is reserved at finalize(), so a
+/// the state they hold (see docs/tiers.md). Their space is reserved at finalize(), so a
 /// full disk fails there (ErrorCode::no_space) rather than during a step. Gradient shards follow
 /// offload_optimizer to nvme through a cache of grad_buffers + 1 pinned slots: the oldest are
 /// written out during the backward pass and read back by step(); the last few stay in memory.

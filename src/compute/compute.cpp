@@ -83,7 +83,7 @@ class CpuCompute final : public Compute {
   }
   void download(void* host, const void* dev, size_t bytes) override { copy(host, dev, bytes); }
   void synchronize() override {}
-  void hand_over() override {}
+  void hand_to_trainer() override {}
   std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
   std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override { return comm; }
   void before_collective() override {}

@@ -75,7 +75,7 @@ class Compute {
   /// zero_grad, step, load): the trainer's next work must follow what was issued. A GPU
   /// trainer's kernels follow on stream() (nothing to do); the asynchronous CPU device's
   /// trainer is the host thread, which waits here.
-  virtual void hand_over() = 0;
+  virtual void hand_to_trainer() = 0;
   /// Makes host memory the device copies to and from by DMA (page-locked for the device) for as
   /// long as the returned handle lives; the memory must outlive the handle. Null on the CPU.
   virtual std::shared_ptr<void> register_host(void* p, size_t bytes) = 0;

@@ -70,7 +70,7 @@ class StreamCompute final : public Compute {
     d_->sync_stream(d2h_);
   }
   void synchronize() override { d_->sync_stream(stream_); }
-  void hand_over() override {
+  void hand_to_trainer() override {
     // A trainer on the device queues its work on stream() after ours; one on the host has no
     // stream to queue on, so it waits.
     if (!d_->public_handle(stream_)) synchronize();

@@ -85,7 +85,7 @@ class PlanDevice final : public Compute {
   void copy(void*, const void*, size_t) override { refuse("a copy"); }
   void download(void*, const void*, size_t) override { refuse("a copy"); }
   void synchronize() override {}
-  void hand_over() override {}
+  void hand_to_trainer() override {}
   std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
   std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override { return comm; }
   void before_collective() override {}

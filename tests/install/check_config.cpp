@@ -1,5 +1,5 @@
-// Parses a JSON configuration file (the README's example) with the installed zeroshard and
-// prints what it understood. Exits non-zero if the file does not parse or validate.
+// Parses a JSON configuration file (the example of docs/configuration.md) with the installed
+// zeroshard and prints what it understood. Exits non-zero if the file does not parse or validate.
 #include <cstdio>
 #include <zeroshard/zeroshard.hpp>
 

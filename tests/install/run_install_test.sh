@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs a built zeroshard into a temporary prefix, then, as an outside project would
-# (find_package against the installed tree only), builds the README's C++ example and runs it on
-# one rank and under `mpirun -np 2`, and parses the README's JSON configuration example.
+# (find_package against the installed tree only), builds the C++ example of docs/cpp-api.md and
+# runs it on one rank and under `mpirun -np 2`, and parses the JSON example of
+# docs/configuration.md.
 # Usage: run_install_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 
@@ -16,14 +17,14 @@ trap 'rm -rf "$work"' EXIT
 
 say() { echo "install-test: $*"; }
 
-# Prints the lines of README.md between "<!-- NAME:begin -->" and "<!-- NAME:end -->", without
-# the ``` fence lines; fails if there are none.
+# Prints the lines of the page $2 (docs/...) between "<!-- NAME:begin -->" and "<!-- NAME:end -->",
+# without the ``` fence lines; fails if there are none.
 extract() {
   local out
   out="$(awk -v b="<!-- $1:begin -->" -v e="<!-- $1:end -->" \
-    '$0 == e { exit } on && !/^```/ { print } $0 == b { on = 1 }' "$src_dir/README.md")"
+    '$0 == e { exit } on && !/^```/ { print } $0 == b { on = 1 }' "$src_dir/$2")"
   if [[ -z "$out" ]]; then
-    echo "install-test: no '$1' block in $src_dir/README.md" >&2
+    echo "install-test: no '$1' block in $src_dir/$2" >&2
     return 1
   fi
   printf '%s\n' "$out"
@@ -40,8 +41,8 @@ say "cmake --install $build_dir --prefix $prefix"
 cmake --install "$build_dir" --prefix "$prefix"
 
 mkdir -p "$work/src"
-extract example >"$work/src/example.cpp"
-extract config-example >"$work/src/config.json"
+extract example docs/cpp-api.md >"$work/src/example.cpp"
+extract config-example docs/configuration.md >"$work/src/config.json"
 
 args=(-S "$src_dir/tests/install" -B "$work/consumer" -DCMAKE_BUILD_TYPE=Release
       "-DCMAKE_PREFIX_PATH=$prefix" "-DZEROSHARD_EXAMPLE_SOURCE=$work/src/example.cpp")
@@ -76,7 +77,7 @@ fi
 # caller set.
 export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_copy_mechanism:-none}"
 
-say "check_config README config example"
+say "check_config docs/configuration.md example"
 "$work/consumer/check_config" "$work/src/config.json"
 say "example, one rank"
 timeout 300 "$work/consumer/example"

@@ -1,4 +1,4 @@
-"""The README's Python example, extracted and run on 2 ranks, so it cannot go stale."""
+"""The Python example of docs/python.md, extracted and run on 2 ranks, so it cannot go stale."""
 
 import os
 import pathlib
@@ -7,17 +7,17 @@ import shutil
 import subprocess
 import sys
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "python.md"
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_rmaps_base_oversubscribe": "1",
            "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
 
 
 def example():
-    text = README.read_text()
+    text = PAGE.read_text()
     m = re.search(r"<!-- python-example:begin -->\s*```python\n(.*?)```\s*<!-- python-example:end -->",
                   text, re.S)
-    assert m, "README.md has no python-example block"
+    assert m, "docs/python.md has no python-example block"
     return m.group(1)
 
 
