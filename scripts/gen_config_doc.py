@@ -62,6 +62,8 @@ def reference(tool):
     for line in out.splitlines():
         owner, name, json, typ, default, agree, rules, alias = line.split("\t")
         text = docs.get((owner, name.rsplit(".", 1)[-1]), "")
+        if text and not text.endswith((".", ")")):
+            text += "."
         if rules:
             text += f" Rule: {rules}."
         if alias:

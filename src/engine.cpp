@@ -63,36 +63,38 @@ Engine::Impl::Impl(Config c, std::shared_ptr<Communicator> cm, std::unique_ptr<C
                                        << world << ") = " << per_micro
                                        << ": no whole micro-batch per rank gives it");
   }
-  shard_world = cfg.shard_group_size == 0 ? world : cfg.shard_group_size;
-  if (world % shard_world != 0)
-    ZS_THROW(invalid_config, "rank " << rank << ": zeroshard.shard_group_size = " << shard_world
+  topo.shard_world = cfg.shard_group_size == 0 ? world : cfg.shard_group_size;
+  if (world % topo.shard_world != 0)
+    ZS_THROW(invalid_config, "rank " << rank
+                                     << ": zeroshard.shard_group_size = " << topo.shard_world
                                      << " does not divide the world size " << world);
-  shard_rank = rank % shard_world;
-  replica = rank / shard_world;
-  replicas = world / shard_world;
-  if (replicas > 1 && cfg.stage == 0)
-    ZS_THROW(invalid_config, "rank " << rank << ": zeroshard.shard_group_size = " << shard_world
-                                     << " of " << world
+  topo.shard_rank = rank % topo.shard_world;
+  topo.replica = rank / topo.shard_world;
+  topo.replicas = world / topo.shard_world;
+  if (topo.replicas > 1 && cfg.stage == 0)
+    ZS_THROW(invalid_config, "rank " << rank << ": zeroshard.shard_group_size = "
+                                     << topo.shard_world << " of " << world
                                      << " ranks needs zero_optimization.stage >= 1 (stage 0 "
                                         "shards nothing)");
-  if (replicas > 1) {
+  if (topo.replicas > 1) {
     // Ranks that disagree would split into groups that do not match: they find out first (the
     // fingerprint of finalize() comes too late for that). A rank with flat sharding joins no
     // collective here, and the others' check times out.
-    double sizes[2] = {double(shard_world), -double(shard_world)};
+    double sizes[2] = {double(topo.shard_world), -double(topo.shard_world)};
     comm->all_reduce(sizes, 2, ReduceOp::min, "the shard group size check")->wait();
     if (sizes[0] != -sizes[1])
       ZS_THROW(invalid_config, "rank " << rank << ": zeroshard.shard_group_size differs between "
                                        << "ranks (groups of " << sizes[0] << " to " << -sizes[1]
                                        << " ranks); every rank needs the same");
     std::vector<int> group, across;
-    for (int r = 0; r < shard_world; ++r) group.push_back(replica * shard_world + r);
-    for (int g = 0; g < replicas; ++g) across.push_back(g * shard_world + shard_rank);
-    shard_comm = res.dev->adapt(comm->split(group, "the shard groups"));
-    replica_comm = res.dev->adapt(comm->split(across, "the replicas across groups"));
+    for (int r = 0; r < topo.shard_world; ++r) group.push_back(topo.replica * topo.shard_world + r);
+    for (int g = 0; g < topo.replicas; ++g)
+      across.push_back(g * topo.shard_world + topo.shard_rank);
+    topo.shard_comm = res.dev->adapt(comm->split(group, "the shard groups"));
+    topo.replica_comm = res.dev->adapt(comm->split(across, "the replicas across groups"));
   }
   comm = res.dev->adapt(std::move(comm));
-  if (!shard_comm) shard_comm = comm;
+  if (!topo.shard_comm) topo.shard_comm = comm;
   groups.push_back(cfg.optimizer);
   pdt = cfg.dtype;
   pbytes = dtype_size(pdt);
@@ -222,10 +224,10 @@ UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
                                        "for zeros)");
   }
   UnitShape s;
-  s.layout = plan_unit(name, params, m.shard_world, padding_grain(m.cfg));
+  s.layout = plan_unit(name, params, m.topo.shard_world, padding_grain(m.cfg));
   s.whole_runs = s.layout.runs(0, s.layout.padded_numel);
   const int64_t n = s.layout.shard_numel;
-  s.shard_runs = s.layout.runs(m.shard_rank * n, (m.shard_rank + 1) * n);
+  s.shard_runs = s.layout.runs(m.topo.shard_rank * n, (m.topo.shard_rank + 1) * n);
   m.shapes.push_back(std::move(s));
   m.units.emplace_back().init_params = std::move(params);
   return UnitId(m.units.size() - 1);
@@ -340,12 +342,12 @@ ShardInfo Engine::shard_info(UnitId id) const {
   if (id < 0 || size_t(id) >= m.units.size())
     ZS_THROW(invalid_argument, "shard_info(): no unit " << id);
   const UnitLayout& L = m.layout(id);
-  return {L.numel, L.padded_numel, m.shard_rank * L.shard_numel, L.shard_numel};
+  return {L.numel, L.padded_numel, m.topo.shard_rank * L.shard_numel, L.shard_numel};
 }
 
 ShardGroup Engine::shard_group() const {
   const Impl& m = *impl_;
-  return {m.shard_rank, m.shard_world, m.replica, m.replicas};
+  return {m.topo.shard_rank, m.topo.shard_world, m.topo.replica, m.topo.replicas};
 }
 SwapStats Engine::swap_stats() const {
   SwapStats s;

@@ -95,10 +95,10 @@ const char* kind_name(int kind) {
 
 void Engine::Impl::record(char kind, int unit) {
   const int32_t code = int32_t(kind) << 24 | unit;
-  issued.push_back(code);
+  collectives.issued.push_back(code);
   // FNV-1a over the codes: order and content both count.
   for (int b = 0; b < 4; ++b)
-    issued_hash = (issued_hash ^ ((uint32_t(code) >> (8 * b)) & 0xff)) * 0x100000001b3ull;
+    collectives.hash = (collectives.hash ^ ((uint32_t(code) >> (8 * b)) & 0xff)) * 0x100000001b3ull;
 }
 
 // `sums` holds Σh and Σh² over the ranks of the hash of each rank's collectives since the last
@@ -107,10 +107,10 @@ void Engine::Impl::record(char kind, int unit) {
 // message naming the first collective that differs.
 void Engine::Impl::check_same_collectives(const double* sums) {
   if (double(world) * sums[1] == sums[0] * sums[0]) return;
-  double len = double(issued.size());
+  double len = double(collectives.issued.size());
   comm->all_reduce(&len, 1, ReduceOp::max, "collective check (length)")->wait();
   std::vector<std::vector<int32_t>> seq(size_t(world), std::vector<int32_t>(size_t(len), -1));
-  std::copy(issued.begin(), issued.end(), seq[size_t(rank)].begin());
+  std::copy(collectives.issued.begin(), collectives.issued.end(), seq[size_t(rank)].begin());
   for (int r = 0; r < world; ++r)
     comm->broadcast(seq[size_t(r)].data(), int64_t(len) * 4, r, "collective check (sequence)")
         ->wait();
@@ -133,11 +133,11 @@ void Engine::Impl::check_same_collectives(const double* sums) {
         break;
       }
   state->forget_grads();
-  issued.clear();
-  issued_hash = 0;
+  collectives.issued.clear();
+  collectives.hash = 0;
   // The gather order recorded for prefetching differs between ranks too: record it anew.
-  gather_order.clear();
-  order_recorded = false;
+  schedule.order.clear();
+  schedule.recorded = false;
   ZS_THROW(model_mismatch, msg.str());
 }
 

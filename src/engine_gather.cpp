@@ -80,8 +80,8 @@ void Engine::Impl::start_gather(int id) {
   try {
     res.dev->before_collective();
     u.gather_work =
-        track(shard_comm->all_gather(shard, res.gather.data(slot), layout(id).shard_numel, pdt,
-                                     "unit '" + layout(id).name + "'"));
+        track(topo.shard_comm->all_gather(shard, res.gather.data(slot), layout(id).shard_numel, pdt,
+                                          "unit '" + layout(id).name + "'"));
   } catch (...) {
     free_gather(id);  // no collective holds the buffer or the tier's source
     throw;
@@ -91,8 +91,8 @@ void Engine::Impl::start_gather(int id) {
 }
 
 void Engine::Impl::prefetch_after(int) {
-  if (!cfg.prefetch || !order_recorded || gather_pos >= gather_order.size()) return;
-  const int next = gather_order[gather_pos];
+  if (!cfg.prefetch || !schedule.recorded || schedule.pos >= schedule.order.size()) return;
+  const int next = schedule.order[schedule.pos];
   if (units[size_t(next)].gather_slot >= 0) return;
   int slot = res.gather.acquire(next);
   if (slot < 0) return;  // no free buffer: prefetching must never evict
@@ -108,13 +108,13 @@ std::vector<TensorView> Engine::gather(UnitId id) {
     ZS_THROW(invalid_argument,
              "gather(): " << m.where(id) << " is already gathered; release() it first");
   // Follow the recorded order; after a divergence, resynchronise at the next occurrence.
-  if (!m.order_recorded) {
-    m.gather_order.push_back(id);
+  if (!m.schedule.recorded) {
+    m.schedule.order.push_back(id);
   } else {
-    auto it =
-        std::find(m.gather_order.begin() + long(std::min(m.gather_pos, m.gather_order.size())),
-                  m.gather_order.end(), id);
-    if (it != m.gather_order.end()) m.gather_pos = size_t(it - m.gather_order.begin()) + 1;
+    auto it = std::find(
+        m.schedule.order.begin() + long(std::min(m.schedule.pos, m.schedule.order.size())),
+        m.schedule.order.end(), id);
+    if (it != m.schedule.order.end()) m.schedule.pos = size_t(it - m.schedule.order.begin()) + 1;
   }
   if (u.gather_slot < 0) m.start_gather(id);
   m.wait_for(*u.gather_work);
@@ -123,8 +123,8 @@ std::vector<TensorView> Engine::gather(UnitId id) {
   // Reads ahead first, so a drive is busy while the prefetch waits for the next shard. The
   // prefetch can fail (on every rank together): then this unit is given back too, so the
   // trainer can simply gather it again.
-  const bool ahead = m.cfg.prefetch && m.order_recorded;
-  if (ahead) m.params->read_ahead(m.gather_order, m.gather_pos);
+  const bool ahead = m.cfg.prefetch && m.schedule.recorded;
+  if (ahead) m.params->read_ahead(m.schedule.order, m.schedule.pos);
   try {
     m.prefetch_after(id);
   } catch (...) {
@@ -132,7 +132,7 @@ std::vector<TensorView> Engine::gather(UnitId id) {
     m.free_gather(id);
     throw;
   }
-  if (ahead) m.params->read_ahead(m.gather_order, m.gather_pos);
+  if (ahead) m.params->read_ahead(m.schedule.order, m.schedule.pos);
   m.res.dev->hand_to_trainer();
   return m.views(id, m.res.gather.data(u.gather_slot));
 }

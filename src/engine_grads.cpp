@@ -35,15 +35,15 @@ void Engine::Impl::finish_reduction(int id) {
              where(id) << ": its gradients of this micro-step are still being reduced; stage 0 "
                           "completes the reductions once every unit of the micro-step is handed "
                           "over (unit '"
-                       << layout(reduce_next).name << "' is next)");
+                       << layout(reductions.next).name << "' is next)");
   finish_in_order(id);
 }
 
 void Engine::Impl::finish_in_order(int id) {
   while (units[size_t(id)].reduction) {
-    ZS_CHECK(!in_flight.empty());
-    complete_reduction(in_flight.front());  // on failure it stays first, its handle kept
-    in_flight.pop_front();
+    ZS_CHECK(!reductions.in_flight.empty());
+    complete_reduction(reductions.in_flight.front());  // on failure it stays first, its handle kept
+    reductions.in_flight.pop_front();
   }
 }
 
@@ -54,12 +54,13 @@ void Engine::Impl::finish_in_order(int id) {
 // independently). Returns whether it started one.
 bool Engine::Impl::cross_groups(int id) {
   Unit& u = units[size_t(id)];
-  if (!replica_comm || u.crossed) return false;
+  if (!topo.replica_comm || u.crossed) return false;
   res.dev->before_collective();
-  u.reduction = track(replica_comm->all_reduce_sum(
+  u.reduction = track(topo.replica_comm->all_reduce_sum(
       u.reduced, layout(id).shard_numel, pdt, "unit '" + layout(id).name + "' (across groups)"));
   u.crossed = true;  // not recorded: every reduce-scatter has one, in the same order
-  count_sent(true, 2 * int64_t(replicas - 1) * layout(id).shard_numel * int64_t(pbytes) / replicas);
+  count_sent(true, 2 * int64_t(topo.replicas - 1) * layout(id).shard_numel * int64_t(pbytes) /
+                       topo.replicas);
   return true;
 }
 
@@ -67,8 +68,8 @@ bool Engine::Impl::cross_groups(int id) {
 // landed, in the order they were issued, up to the first still running (or failed: its wait
 // reports it): so that several are on the link at once, not one after the other.
 void Engine::Impl::cross_landed() {
-  if (!replica_comm) return;
-  for (int v : in_flight) {
+  if (!topo.replica_comm) return;
+  for (int v : reductions.in_flight) {
     Unit& w = units[size_t(v)];
     if (!w.reduction || w.crossed) continue;
     if (!w.reduction->done()) return;
@@ -106,8 +107,8 @@ void Engine::Impl::complete_reduction(int id) {
   const UnitLayout& L = layout(id);
   if (cfg.stage == 0) {
     res.dev->before_collective();
-    wait_for(*track(shard_comm->all_gather(u.reduced, u.grad_buf.data(), L.shard_numel, pdt,
-                                           "unit '" + L.name + "' (gradients)")));
+    wait_for(*track(topo.shard_comm->all_gather(u.reduced, u.grad_buf.data(), L.shard_numel, pdt,
+                                                "unit '" + L.name + "' (gradients)")));
     count_sent(false, group_ring_bytes(id));
     record('g', id);
   }
@@ -121,7 +122,7 @@ void Engine::Impl::complete_reduction(int id) {
   try {
     state->grad_reduced(id, u.micro_done, cfg.stage == 0 ? u.grad_buf.data() : nullptr);
   } catch (const Error& e) {
-    if (!lost_grad) lost_grad = e;
+    if (!reductions.lost_grad) reductions.lost_grad = e;
   }
   ++u.micro_done;
 }
@@ -133,19 +134,19 @@ void Engine::Impl::complete_reduction(int id) {
 // next need of the unit) to report, as every failed reduction is.
 void Engine::Impl::complete_finished() {
   if (cfg.stage == 0) return;
-  while (!in_flight.empty()) {
-    if (Work* w = units[size_t(in_flight.front())].reduction.get()) {
+  while (!reductions.in_flight.empty()) {
+    if (Work* w = units[size_t(reductions.in_flight.front())].reduction.get()) {
       try {
         cross_landed();  // the front's too, once its reduce-scatter landed
-        w = units[size_t(in_flight.front())].reduction.get();
+        w = units[size_t(reductions.in_flight.front())].reduction.get();
         if (!w->done()) return;
         w->wait();  // done: returns at once, or throws its failure
       } catch (const Error&) {
         return;  // the unit's own wait reports it
       }
     }
-    complete_reduction(in_flight.front());
-    in_flight.pop_front();
+    complete_reduction(reductions.in_flight.front());
+    reductions.in_flight.pop_front();
   }
 }
 
@@ -206,14 +207,14 @@ std::vector<TensorView> Engine::grads(UnitId id) {
 std::vector<TensorView> Engine::Impl::take_grads(int id, int64_t zero_from) {
   Unit& u = units[size_t(id)];
   if (u.grads_out) return views(id, grad_buffer(id));
-  if (closed)
+  if (reductions.closed)
     ZS_THROW(invalid_argument, "grads(): " << where(id)
                                            << ": clip_grad_norm() closed this step's gradients; "
                                               "call step() (or zero_grad()) first");
   if (u.queued)
     ZS_THROW(invalid_argument,
              "grads(): " << where(id) << ": its gradients of the last micro-step wait for unit '"
-                         << layout(reduce_next).name
+                         << layout(reductions.next).name
                          << "' (reductions run from the last registered unit to the first, the "
                             "same on every rank); hand every unit over once per micro-step");
   finish_reduction(id);
@@ -285,12 +286,13 @@ void Engine::grads_ready(UnitId id) {
 
 // Starts every waiting reduction whose turn has come.
 void Engine::Impl::issue_reductions() {
-  while (units[size_t(reduce_next)].queued) {
-    start_reduction(reduce_next);
-    if (reduce_next-- > 0) continue;
+  while (units[size_t(reductions.next)].queued) {
+    start_reduction(reductions.next);
+    if (reductions.next-- > 0) continue;
     // The micro-step's last reduction: stage 0 completes them all here (see finish_reduction()).
-    reduce_next = int(units.size()) - 1;
-    if (cfg.stage == 0 && !in_flight.empty()) finish_in_order(in_flight.back());
+    reductions.next = int(units.size()) - 1;
+    if (cfg.stage == 0 && !reductions.in_flight.empty())
+      finish_in_order(reductions.in_flight.back());
   }
 }
 
@@ -299,7 +301,7 @@ void Engine::Impl::start_reduction(int id) {
   u.reduced = state->grad_target(id);
   res.dev->before_collective();
   try {
-    u.reduction = track(shard_comm->reduce_scatter(
+    u.reduction = track(topo.shard_comm->reduce_scatter(
         grad_buffer(id), u.reduced, layout(id).shard_numel, pdt, "unit '" + layout(id).name + "'"));
   } catch (...) {
     // The collective never started: its target is free again, and the trainer may retry.
@@ -310,7 +312,7 @@ void Engine::Impl::start_reduction(int id) {
   }
   record('r', id);
   count_sent(false, group_ring_bytes(id));
-  in_flight.push_back(id);
+  reductions.in_flight.push_back(id);
   u.queued = false;
   if (!cfg.overlap_comm) finish_in_order(id);
 }
@@ -321,9 +323,9 @@ void Engine::zero_grad() {
   // Reductions in flight land, and are dropped with the rest (no stage-0 all-gather: their
   // results are forgotten anyway). With groups each still gets its all-reduce across them, so
   // that every rank has issued the same collectives.
-  for (int f : m.in_flight)
+  for (int f : m.reductions.in_flight)
     if (m.units[size_t(f)].reduction) m.land_reduction(f);
-  m.in_flight.clear();
+  m.reductions.in_flight.clear();
   for (size_t i = 0; i < m.units.size(); ++i) {
     Unit& u = m.units[i];
     if (u.grad_slot >= 0) m.res.grad_staging.release(u.grad_slot);
@@ -332,10 +334,10 @@ void Engine::zero_grad() {
     u.queued = false;
     u.micro_done = 0;
   }
-  m.reduce_next = int(m.units.size()) - 1;
-  m.closed.reset();
-  m.clip_now = 0;
-  m.lost_grad.reset();
+  m.reductions.next = int(m.units.size()) - 1;
+  m.reductions.closed.reset();
+  m.reductions.clip_now = 0;
+  m.reductions.lost_grad.reset();
   m.state->forget_grads();
   m.res.dev->hand_to_trainer();
 }

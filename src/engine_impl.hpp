@@ -45,31 +45,90 @@ struct Unit {
   bool gathered = false;  // handed to the trainer (else, with a slot, it is a prefetch)
 };
 
+// The parts of the engine's state that one file writes and the others only read, each named by
+// what it is. Fields a newcomer will not find here (the tiers, the units, the configuration) are
+// set once by finalize() (engine_setup.cpp) and read by all.
+
+/// Where this rank sits (Config::shard_group_size): it holds shard `shard_rank` of `shard_world`
+/// within group `replica` of `replicas`. shard_comm joins the ranks of the group (the engine's
+/// communicator itself when flat): reduce-scatters and all-gathers. replica_comm joins the ranks
+/// holding the same shard in every group (null when flat): the all-reduce of the reduced
+/// gradient shards. Written by the constructor (engine.cpp) and find_hosts() (engine_setup.cpp).
+struct ShardTopology {
+  std::shared_ptr<Communicator> shard_comm, replica_comm;
+  int shard_rank = 0, shard_world = 1, replica = 0, replicas = 1;
+  // Whether the next rank in each communicator's ring is on another host.
+  bool shard_next_remote = false, replica_next_remote = false;
+};
+
+/// The reductions, in the one order every rank issues them whatever the trainer hands over
+/// first, and how the micro-steps' gradients were closed for the step. Written by
+/// engine_grads.cpp; step() and clip_grad_norm() (engine_step.cpp) close and reset it.
+struct ReductionQueue {
+  int next = 0;               // the unit whose turn it is, counting down in each micro-step
+  std::deque<int> in_flight;  // units whose reduction was issued and not yet completed, in order
+  // clip_grad_norm() ran: this step's {sum of squares, overflow}, and its clipping bound.
+  std::optional<std::pair<double, bool>> closed;
+  double clip_now = 0;
+  std::optional<Error> lost_grad;  // a reduced gradient the state tier failed to take
+};
+
+/// The collectives issued since the last step: on every rank the same sequence whatever the
+/// trainer's control flow, or step() finds out. (kind, unit) as kind * 2^24 + unit, their hash
+/// (compared across ranks in step()'s one all-reduce), and the bytes this rank sent
+/// (StepResult::comm_bytes). Written by record() (engine_agreement.cpp) and count_sent() as each
+/// collective is issued; step() (engine_step.cpp) compares and resets it.
+struct CollectiveLog {
+  std::vector<int32_t> issued;
+  uint64_t hash = 0;
+  int64_t sent_bytes = 0, sent_inter = 0;  // all sent, and sent to another host
+};
+
+/// Stage 3's gathers: the order recorded during the first step and where the trainer is in it.
+/// Written by gather() (engine_gather.cpp); step() (engine_step.cpp) ends the recording and
+/// rewinds; ranks that disagree on the order (engine_agreement.cpp) drop it.
+struct GatherSchedule {
+  std::vector<int> order;
+  bool recorded = false;
+  size_t pos = 0;
+};
+
+/// The time of the current step interval (StepResult's breakdown): the collectives since the
+/// last step, how long the trainer's thread was blocked on them, and when the interval began.
+/// finalize() starts it, track() and wait_for() add to it on the step path, and step()
+/// (engine_step.cpp) reads and restarts it.
+struct StepClock {
+  std::vector<std::shared_ptr<Work>> works;
+  double exposed_s = 0;
+  double interval_start = 0;
+};
+
+/// save_async(): the snapshot, kept from one save to the next (a new buffer's page faults cost
+/// more than the copy), and the save under way (src/checkpoint/save.cpp's PendingSave, which
+/// finish_save() ends; declared after the snapshot its thread reads, so destroyed first).
+/// Written by src/checkpoint/save.cpp only.
+struct AsyncSave {
+  Buffer snapshot;
+  std::shared_ptr<void> pending;
+};
+
 // The engine is also the ParamSink its state tier updates through: the new low-precision
 // shards go to where its parameter tier keeps them.
 struct Engine::Impl final : ParamSink {
   Config cfg;
   std::shared_ptr<Communicator> comm;  // every rank: agreements, the step's flags
   int rank = 0, world = 1;
-  // Sharding (Config::shard_group_size): this rank holds shard `shard_rank` of `shard_world`
-  // within group `replica` of `replicas`. shard_comm joins the ranks of the group (comm itself
-  // when flat): reduce-scatters and all-gathers. replica_comm joins the ranks holding the same
-  // shard in every group (null when flat): the all-reduce of the reduced gradient shards.
-  std::shared_ptr<Communicator> shard_comm, replica_comm;
-  int shard_rank = 0, shard_world = 1, replica = 0, replicas = 1;
-  // Whether the next rank in each communicator's ring is on another host (finalize()), and the
-  // bytes sent since the last step (StepResult::comm_bytes).
-  bool shard_next_remote = false, replica_next_remote = false;
-  int64_t sent_bytes = 0, sent_inter = 0;
+  ShardTopology topo;
   void find_hosts();
   /// Counts a collective this rank sends `bytes` of, over the group's or the replicas' ring.
   void count_sent(bool across_groups, int64_t bytes) {
-    sent_bytes += bytes;
-    if (across_groups ? replica_next_remote : shard_next_remote) sent_inter += bytes;
+    collectives.sent_bytes += bytes;
+    if (across_groups ? topo.replica_next_remote : topo.shard_next_remote)
+      collectives.sent_inter += bytes;
   }
   /// What a reduce-scatter or all-gather of unit `id`'s shards within the group sends.
   int64_t group_ring_bytes(int id) const {
-    return int64_t(shard_world - 1) * layout(id).shard_numel * int64_t(pbytes);
+    return int64_t(topo.shard_world - 1) * layout(id).shard_numel * int64_t(pbytes);
   }
   std::vector<OptimizerOptions> groups;
   Resources res;
@@ -90,38 +149,14 @@ struct Engine::Impl final : ParamSink {
   LossScaler scaler;
   int64_t steps = 0;
 
-  // Stage 3 prefetch: the gather order recorded during the first step, and where we are in it.
-  std::vector<int> gather_order;
-  bool order_recorded = false;
-  size_t gather_pos = 0;
+  int64_t largest = 0;  // elements of the largest padded unit (stage-3 gather buffers)
 
-  // Reductions run in one order on every rank (engine_grads.cpp): the next unit whose turn it
-  // is, counting down from the last registered unit in each micro-step.
-  int reduce_next = 0;
-  std::deque<int> in_flight;  // units whose reduction was issued and not yet completed, in order
-  int64_t largest = 0;        // elements of the largest padded unit (stage-3 gather buffers)
-  // The collectives issued since the last step, on every rank the same sequence whatever the
-  // trainer's control flow, or step() finds out: (kind, unit) as kind * 2^24 + unit, and their
-  // hash, compared across ranks in step()'s one all-reduce.
-  std::vector<int32_t> issued;
-  uint64_t issued_hash = 0;
+  GatherSchedule schedule;
+  ReductionQueue reductions;
+  CollectiveLog collectives;
   void record(char kind, int unit);
-
-  // save_async(): the snapshot, kept from one save to the next (a new buffer's page faults
-  // cost more than the copy), and the save under way (src/checkpoint/save.cpp's PendingSave,
-  // which finish_save() ends; declared after the snapshot its thread reads, so destroyed first).
-  Buffer save_snapshot;
-  std::shared_ptr<void> pending_save;
-
-  // clip_grad_norm() ran: this step's {sum of squares, overflow}, and its clipping bound.
-  std::optional<std::pair<double, bool>> closed;
-  std::optional<Error> lost_grad;  // a reduced gradient the state tier failed to take
-  double clip_now = 0;
-
-  // Timing of the current step interval (StepResult's breakdown).
-  std::vector<std::shared_ptr<Work>> step_works;  // collectives since the last step
-  double exposed_s = 0;                           // trainer thread blocked on them
-  double interval_start = 0;
+  AsyncSave save;
+  StepClock clock;
 
   /// `dev`: the device backend (null: the one Config::device names, make_compute()).
   Impl(Config c, std::shared_ptr<Communicator> cm, std::unique_ptr<Compute> dev = nullptr);
@@ -134,7 +169,7 @@ struct Engine::Impl final : ParamSink {
 
   /// Records a collective of the step path for the busy-time union.
   std::shared_ptr<Work> track(std::shared_ptr<Work> w) {
-    step_works.push_back(w);
+    clock.works.push_back(w);
     return w;
   }
   /// Waits for a collective, counting the wait as exposed communication.

@@ -27,7 +27,7 @@ void Engine::Impl::make_tiers() {
   c.cfg = &cfg;
   c.units = &shapes;
   c.rank = rank;
-  c.shard_rank = shard_rank;
+  c.shard_rank = topo.shard_rank;
   c.pdt = pdt;
   c.pbytes = pbytes;
   c.num_states = num_states();
@@ -45,7 +45,7 @@ void Engine::Impl::make_tiers() {
   };
   c.finish_reduction = [this](int u) { finish_reduction(u); };
 
-  reduce_next = int(units.size()) - 1;
+  reductions.next = int(units.size()) - 1;
   largest = 0;
   for (size_t i = 0; i < units.size(); ++i) {
     const UnitLayout& L = layout(int(i));
@@ -161,9 +161,10 @@ void Engine::Impl::find_hosts() {
   host[size_t(rank)] = double(h & ((uint64_t(1) << 52) - 1));
   comm->all_reduce(host.data(), world, ReduceOp::sum, "host names")->wait();
   const double mine = host[size_t(rank)];
-  const int base = replica * shard_world;
-  shard_next_remote = host[size_t(base + (shard_rank + 1) % shard_world)] != mine;
-  replica_next_remote = host[size_t((replica + 1) % replicas * shard_world + shard_rank)] != mine;
+  const int base = topo.replica * topo.shard_world;
+  topo.shard_next_remote = host[size_t(base + (topo.shard_rank + 1) % topo.shard_world)] != mine;
+  topo.replica_next_remote =
+      host[size_t((topo.replica + 1) % topo.replicas * topo.shard_world + topo.shard_rank)] != mine;
 }
 
 void Engine::finalize() {
@@ -200,7 +201,7 @@ void Engine::finalize() {
   }
   m.res.dev->hand_to_trainer();
   m.finalized = true;
-  m.interval_start =
+  m.clock.interval_start =
       std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 

@@ -26,7 +26,7 @@ void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v)
     ZS_THROW(invalid_argument, "write_shard(): " << m.where(id) << ": no such writable state");
   // What no update could have produced: the state would train on as NaN, or differ per rank
   // where stage 0 keeps the padding of every shard.
-  const int64_t real = std::clamp<int64_t>(m.layout(id).numel - m.shard_rank * n, 0, n);
+  const int64_t real = std::clamp<int64_t>(m.layout(id).numel - m.topo.shard_rank * n, 0, n);
   const bool second_moment =
       kind == StateKind::state1 &&
       (m.cfg.optimizer.kind == OptimizerKind::adam || m.cfg.optimizer.kind == OptimizerKind::adamw);
@@ -53,13 +53,13 @@ void Engine::commit_shards() {
     ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
   // A stage-3 prefetch holds the parameters from before: it must not survive.
   m.drop_prefetches();
-  m.state->commit(*m.shard_comm, m);
+  m.state->commit(*m.topo.shard_comm, m);
   if (m.cfg.stage == 1 || m.cfg.stage == 2) {
     // Stages 1–2 keep whole parameters: each rank contributes its restored shard.
     std::vector<std::shared_ptr<Work>> works;
     m.res.dev->before_collective();
     for (size_t i = 0; i < m.units.size(); ++i)
-      works.push_back(m.shard_comm->all_gather(
+      works.push_back(m.topo.shard_comm->all_gather(
           m.params->own(int(i)), m.params->whole(int(i)), m.layout(int(i)).shard_numel, m.pdt,
           "unit '" + m.layout(int(i)).name + "' (restored parameters)"));
     for (auto& w : works) w->wait();

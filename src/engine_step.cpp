@@ -23,7 +23,7 @@ void Engine::Impl::wait_for(Work& w) {
     double t0 = now_s();
     double& total;
     ~Count() { total += now_s() - t0; }
-  } count{now_s(), exposed_s};
+  } count{now_s(), clock.exposed_s};
   w.wait();
 }
 
@@ -84,8 +84,8 @@ void Engine::Impl::finish_micro_steps() {
   for (const Unit& u : units) waiting |= u.queued;
   if (waiting)  // handed over, but waiting for a unit that never was
     ZS_THROW(invalid_argument,
-             "step(): " << where(reduce_next) << " has the gradients of "
-                        << units[size_t(reduce_next)].micro_done << " of " << k
+             "step(): " << where(reductions.next) << " has the gradients of "
+                        << units[size_t(reductions.next)].micro_done << " of " << k
                         << " micro-steps (gradient_accumulation_steps); the units handed over "
                            "after it wait for it (reductions run from the last registered unit "
                            "to the first, the same on every rank)");
@@ -110,17 +110,17 @@ void Engine::Impl::finish_micro_steps() {
 // gradient is found here, on every rank, before anything is applied. Returns {Σg², overflow}.
 std::pair<double, bool> Engine::Impl::reduce_norm_and_flags() {
   std::optional<Error> grad_error = state->settle_grads();
-  if (!grad_error) grad_error = lost_grad;
-  lost_grad.reset();
+  if (!grad_error) grad_error = reductions.lost_grad;
+  reductions.lost_grad.reset();
   const double local = state->sum_squares();
-  const double h = double(issued_hash & 0xfffff);
+  const double h = double(collectives.hash & 0xfffff);
   // Every group holds the whole gradient: the first one's shards make the norm.
-  double agg[5] = {replica == 0 ? local : 0.0, std::isfinite(local) ? 0.0 : 1.0,
+  double agg[5] = {topo.replica == 0 ? local : 0.0, std::isfinite(local) ? 0.0 : 1.0,
                    grad_error ? 1.0 : 0.0, h, h * h};
   wait_for(*track(comm->all_reduce(agg, 5, ReduceOp::sum, "gradient norm and overflow flag")));
   check_same_collectives(agg + 3);
-  issued.clear();
-  issued_hash = 0;
+  collectives.issued.clear();
+  collectives.hash = 0;
   if (agg[2] > 0) {
     // Some rank lost a gradient shard: no rank may update. The state stays at the last step.
     state->forget_grads();
@@ -135,15 +135,15 @@ std::pair<double, bool> Engine::Impl::reduce_norm_and_flags() {
 // This step's gradients, reduced and agreed on: the part of step() that clip_grad_norm() runs
 // ahead of it.
 std::pair<double, bool> Engine::Impl::close_grads() {
-  if (closed) return *closed;
+  if (reductions.closed) return *reductions.closed;
   finish_micro_steps();
   for (Unit& u : units) u.micro_done = 0;
   // Stage 3 prefetch follows the gather order of the first step from now on.
-  if (!gather_order.empty()) order_recorded = true;
-  gather_pos = 0;
+  if (!schedule.order.empty()) schedule.recorded = true;
+  schedule.pos = 0;
   drop_prefetches();
-  closed = reduce_norm_and_flags();
-  return *closed;
+  reductions.closed = reduce_norm_and_flags();
+  return *reductions.closed;
 }
 
 double Engine::clip_grad_norm(double max_norm) {
@@ -153,7 +153,9 @@ double Engine::clip_grad_norm(double max_norm) {
              "clip_grad_norm(): max_norm must be a finite number >= 0, got " << max_norm);
   const auto [sumsq, overflow] = m.close_grads();
   // Clipping twice clips at the smaller threshold, as two clip_grad_norm_ calls in torch do.
-  if (max_norm > 0) m.clip_now = m.clip_now > 0 ? std::min(m.clip_now, max_norm) : max_norm;
+  if (max_norm > 0)
+    m.reductions.clip_now =
+        m.reductions.clip_now > 0 ? std::min(m.reductions.clip_now, max_norm) : max_norm;
   return overflow ? std::numeric_limits<double>::infinity() : std::sqrt(sumsq) * m.grad_scale();
 }
 
@@ -165,18 +167,18 @@ double Engine::Impl::grad_scale() const {
 
 StepResult Engine::Impl::step() {
   const auto [sumsq, overflow] = close_grads();
-  closed.reset();
-  const double clip_next = std::exchange(clip_now, 0.0);
+  reductions.closed.reset();
+  const double clip_next = std::exchange(reductions.clip_now, 0.0);
   StepResult r;
   auto close_interval = [&] {
     double now = now_s();
-    r.comm_busy_s = busy_union(step_works);
-    r.comm_exposed_s = exposed_s;
-    r.interval_s = now - interval_start;
-    r.comm_bytes = std::exchange(sent_bytes, 0);
-    r.inter_node_bytes = std::exchange(sent_inter, 0);
-    exposed_s = 0;
-    interval_start = now;
+    r.comm_busy_s = busy_union(clock.works);
+    r.comm_exposed_s = clock.exposed_s;
+    r.interval_s = now - clock.interval_start;
+    r.comm_bytes = std::exchange(collectives.sent_bytes, 0);
+    r.inter_node_bytes = std::exchange(collectives.sent_inter, 0);
+    clock.exposed_s = 0;
+    clock.interval_start = now;
   };
   const double inv = grad_scale();
   r.grad_norm = std::sqrt(sumsq) * inv;
@@ -220,7 +222,7 @@ StepResult Engine::Impl::step() {
     std::vector<std::shared_ptr<Work>> works;
     res.dev->before_collective();
     for (size_t i = 0; i < units.size(); ++i) {
-      works.push_back(track(shard_comm->all_gather(
+      works.push_back(track(topo.shard_comm->all_gather(
           params->own(int(i)), params->whole(int(i)), layout(int(i)).shard_numel, pdt,
           "unit '" + layout(int(i)).name + "' (parameters)")));
       count_sent(false, group_ring_bytes(int(i)));

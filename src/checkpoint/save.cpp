@@ -322,12 +322,12 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
         starts.push_back(total);
         total += size_t(expected_header(p->m, r, s).data_bytes);
       }
-      if (impl_->save_snapshot.bytes() != total) {
-        impl_->save_snapshot = Buffer();
-        impl_->save_snapshot =
+      if (impl_->save.snapshot.bytes() != total) {
+        impl_->save.snapshot = Buffer();
+        impl_->save.snapshot =
             Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
       }
-      copied = impl_->save_snapshot.as<char>();
+      copied = impl_->save.snapshot.as<char>();
       RangeSource source(*p, impl_->state.get(), nullptr);
       for (size_t i = 0; i < p->states.size(); ++i) {
         size_t at = starts[i];
@@ -346,7 +346,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   }
   PendingSave* raw = p.get();
   if (!writes) {
-    impl_->pending_save = std::move(p);
+    impl_->save.pending = std::move(p);
     return;
   }
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
@@ -369,13 +369,13 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   } catch (const std::system_error& e) {
     p->error = Error(ErrorCode::internal, p->at + ": cannot start its writer thread: " + e.what());
   }
-  impl_->pending_save = std::move(p);
+  impl_->save.pending = std::move(p);
 }
 
 std::filesystem::path Engine::finish_save() {
-  if (!impl_->pending_save) return {};
-  std::shared_ptr<PendingSave> p = std::static_pointer_cast<PendingSave>(impl_->pending_save);
-  impl_->pending_save.reset();
+  if (!impl_->save.pending) return {};
+  std::shared_ptr<PendingSave> p = std::static_pointer_cast<PendingSave>(impl_->save.pending);
+  impl_->save.pending.reset();
   if (p->writer.joinable()) p->writer.join();
   return finish(*this, *p, p->error);
 }
