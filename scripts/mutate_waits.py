@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Removes each wait of the engine in turn and reports whether the suite on the asynchronous CPU
-device catches it (docs/ARCHITECTURE.md, "What the GPU run must still prove").
+device catches it (docs/ARCHITECTURE.md, "What runs only on a GPU").
 
 A wait is a statement in src/ that calls synchronize(), download(...), before_collective(),
-hand_to_trainer(), sync_stream(...) or wait_event(...) on a Compute or StreamDevice. One at a time, the
-statement is removed (a download becomes a copy on the compute stream, which does not wait), the
-library and test_multirank are rebuilt, and the multi-rank groups run on the asynchronous device
+hand_to_trainer(), sync_stream(...) or wait_event(...) on a Compute or StreamDevice (src/cuda and
+NCCL's code aside: the asynchronous device does not run them). One at a time, the statement is
+removed (a download becomes a copy on the compute stream, which does not wait), the library and
+test_multirank are rebuilt, and the multi-rank groups run on the asynchronous device
 (ZEROSHARD_ASYNC_DEVICE=1). A removal is caught when a test fails (or the run crashes or hangs
 past its limit). Definitions and comments are not mutated; a wait whose removal no test notices
 is listed as missed: either a test is missing or the wait is not needed.
@@ -132,7 +133,7 @@ def main():
             for np_ in a.np.split(","):
                 try:
                     r = run(["mpirun", "-x", "ZEROSHARD_ASYNC_DEVICE", "-np", np_, binary,
-                             f"--gtest_filter={filt}"], tree, env, a.timeout)
+                             f"--gtest_filter={filt}", "--gtest_color=no"], tree, env, a.timeout)
                 except subprocess.TimeoutExpired:
                     return f"np{np_}: hung past {a.timeout} s"
                 if r.returncode != 0:

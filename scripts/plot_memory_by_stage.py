@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draws docs/images/memory_by_stage.png, the README's picture: the bytes one rank holds for a
-7B-parameter GPT (32 blocks of width 4096, a 32000-token vocabulary, an untied head; bf16,
-AdamW) on 8 ranks, for every ZeRO stage and optimizer tier, split by where they live.
+6.7 B-parameter GPT (32 blocks of width 4096, a 32000-token vocabulary, an untied head; bf16,
+AdamW) on 8 GPU ranks, for every ZeRO stage and optimizer tier, split by where they live.
 
 The figures are zeroshard.estimate()'s, that is the engine's own ledger with nothing allocated
 (the same numbers `zeroshard plan` prints). Activations and the trainer's own memory come on top.
@@ -44,7 +44,7 @@ def gpt_units(layers=32, dim=4096, vocab=32000, seq=4096):
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "docs", "images",
                                                              "memory_by_stage.png")
-    est = zeroshard.estimate(gpt_units(), world=8, ranks_per_node=8, dtype="bf16")
+    est = zeroshard.estimate(gpt_units(), world=8, ranks_per_node=8, dtype="bf16", device="cuda")
     # One bar per (stage, optimizer tier) with the parameters on the device.
     rows = [r for r in est.rows if r["params"] == "device"]
     labels = [f"stage {r['stage']}\n{ {'device': 'on device', 'host': 'host', 'nvme': 'nvme'}[r['optimizer']] }"

@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -64,6 +66,11 @@ class CpuStream {
   uint64_t issued() {
     std::lock_guard<std::mutex> lock(mu_);
     return issued_;
+  }
+  // Work issued and not yet done.
+  uint64_t pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return issued_ - done_;
   }
   // Blocks until the first `count` pieces of work are done.
   void wait_for(uint64_t count) {
@@ -131,8 +138,19 @@ class AsyncCpuDevice final : public StreamDevice {
     ZS_CHECK(jitter_us >= 0);
   }
   ~AsyncCpuDevice() override {
-    // Every stream drains before any is destroyed: one may be waiting for another.
-    for (auto& s : streams_) s->wait_for(s->issued());
+    // The device goes after every buffer it worked on (Resources): work still queued now would
+    // touch freed memory, which on a GPU is a silent corruption or a fault much later. Its owner
+    // must have waited (Engine::~Engine synchronizes); a testing device says so loudly.
+    for (auto& s : streams_) {
+      if (s->pending() > 0) {
+        std::fprintf(stderr,
+                     "zeroshard: the asynchronous CPU device was destroyed with %llu piece(s) of "
+                     "work in flight on a stream: its owner freed memory the stream still uses "
+                     "(a missing synchronize() before teardown)\n",
+                     static_cast<unsigned long long>(s->pending()));
+        std::abort();
+      }
+    }
   }
 
   Device device() const override { return Device::cpu; }
@@ -167,8 +185,8 @@ class AsyncCpuDevice final : public StreamDevice {
   Stream adopt_stream(void* trainer_stream) override {
     (void)trainer_stream;
     ZS_THROW(invalid_argument,
-             "set_stream(): the engine runs on the asynchronous CPU device "
-             "(zeroshard.async_device); streams belong to the cuda device");
+             "set_stream(): the engine runs on the CPU (the asynchronous CPU device, "
+             "zeroshard.async_device); streams belong to the cuda device");
   }
   void* public_handle(Stream) const override { return nullptr; }
 

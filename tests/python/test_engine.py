@@ -247,13 +247,15 @@ def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
         zs.estimate(units, world=2, calibration=cal)
 
 
-def test_estimate_plans_gpu_engines_without_a_gpu(tmp_path):
+def test_estimate_plans_gpu_engines_without_a_gpu(tmp_path, monkeypatch):
     # device="cuda": the choices a GPU engine takes (no stage 0 with the optimizer off the GPU,
     # no parameters off it with the optimizer on it), each the CPU engine's bytes plus the GPU's
     # staging: with the optimizer on the host, the gradient shards' two slots on the GPU and one
     # pinned upload buffer per unit's shard on the host. With typed rates, the host-GPU copies
     # show as pcie_s: on one rank with no compute, all the downloads, and the uploads beyond the
     # update (each unit's as its update ends: all but the first unit's update is hidden).
+    # The synchronous CPU engine's plan (the asynchronous device takes the GPU's staging too).
+    monkeypatch.delenv("ZEROSHARD_ASYNC_DEVICE", raising=False)
     units = [(f"l{i}", [zs.Param("w", shape=[256, 256])]) for i in range(4)]
     cpu = {(r["stage"], r["optimizer"], r["params"]): r for r in zs.estimate(units, world=2).rows}
     gpu = {(r["stage"], r["optimizer"], r["params"]): r

@@ -98,6 +98,19 @@ TEST(AsyncDevice, CopiesAndDownloadsLandBeforeTheHostReads) {
   EXPECT_THROW(dev->set_stream(reinterpret_cast<void*>(1)), Error);
 }
 
+// Work still queued when the device goes would touch freed memory: the device aborts, naming it.
+TEST(AsyncDeviceDeathTest, DestroyedWithWorkInFlightAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        cpu::Arena arena(1);
+        std::vector<char> buf(1 << 20);
+        auto dev = make_async_cpu_compute(arena, 1, 200000);  // up to 0.2 s before each piece
+        for (int i = 0; i < 8; ++i) dev->fill(buf.data(), 1, buf.size());
+      },
+      "destroyed with [0-9]+ piece\\(s\\) of work in flight");
+}
+
 // One unit of three parameters trained for a few steps on a one-rank engine.
 struct Trained {
   std::vector<float> params;
