@@ -6,8 +6,8 @@ A wait is a statement in src/ that calls synchronize(), download(...), before_co
 hand_to_trainer(), sync_stream(...) or wait_event(...) on a Compute or StreamDevice (src/cuda and
 NCCL's code aside: the asynchronous device does not run them). One at a time, the statement is
 removed (a download becomes a copy on the compute stream, which does not wait), the library and
-test_multirank are rebuilt, and the multi-rank groups run on the asynchronous device
-(ZEROSHARD_ASYNC_DEVICE=1). A removal is caught when a test fails (or the run crashes or hangs
+the tests are rebuilt, and the asynchronous device's unit tests (test_async_device) and the
+multi-rank groups on the asynchronous device (ZEROSHARD_ASYNC_DEVICE=1) run. A removal is caught when a test fails (or the run crashes or hangs
 past its limit). Definitions and comments are not mutated; a wait whose removal no test notices
 is listed as missed: either a test is missing or the wait is not needed.
 
@@ -114,8 +114,8 @@ def main():
         subprocess.run(cfg, check=True, stdout=subprocess.DEVNULL)
 
         def build_ok():
-            r = run(["cmake", "--build", build, "--target", "test_multirank", "-j",
-                     str(os.cpu_count() or 2)], tree)
+            r = run(["cmake", "--build", build, "--target", "test_multirank", "test_async_device",
+                     "-j", str(os.cpu_count() or 2)], tree)
             return r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
         ok, log = build_ok()
@@ -130,6 +130,14 @@ def main():
 
         def suite():
             """None if every run passed, else what failed first."""
+            try:
+                r = run([os.path.join(build, "tests", "test_async_device"), "--gtest_color=no"],
+                        tree, env, a.timeout)
+            except subprocess.TimeoutExpired:
+                return f"test_async_device: hung past {a.timeout} s"
+            if r.returncode != 0:
+                failed = re.findall(r"\[  FAILED  \] (\S+)", r.stdout)
+                return "test_async_device: " + (failed[0] if failed else f"exit {r.returncode}")
             for np_ in a.np.split(","):
                 try:
                     r = run(["mpirun", "-x", "ZEROSHARD_ASYNC_DEVICE", "-np", np_, binary,

@@ -55,7 +55,8 @@ void Engine::Impl::finish_in_order(int id) {
 bool Engine::Impl::cross_groups(int id) {
   Unit& u = units[size_t(id)];
   if (!topo.replica_comm || u.crossed) return false;
-  res.dev->before_collective();
+  // No before_collective(): the input is the landed reduce-scatter's output, which no work on
+  // the device writes (scripts/mutate_waits.py found the wait here unneeded).
   u.reduction = track(topo.replica_comm->all_reduce_sum(
       u.reduced, layout(id).shard_numel, pdt, "unit '" + layout(id).name + "' (across groups)"));
   u.crossed = true;  // not recorded: every reduce-scatter has one, in the same order
@@ -106,7 +107,8 @@ void Engine::Impl::complete_reduction(int id) {
   land_reduction(id);
   const UnitLayout& L = layout(id);
   if (cfg.stage == 0) {
-    res.dev->before_collective();
+    // No before_collective(): the input is the landed reduce-scatter's output, and the work that
+    // read the output buffer last was waited for when this micro-step's reduce-scatter started.
     wait_for(*track(topo.shard_comm->all_gather(u.reduced, u.grad_buf.data(), L.shard_numel, pdt,
                                                 "unit '" + L.name + "' (gradients)")));
     count_sent(false, group_ring_bytes(id));
@@ -338,8 +340,7 @@ void Engine::zero_grad() {
   m.reductions.closed.reset();
   m.reductions.clip_now = 0;
   m.reductions.lost_grad.reset();
-  m.state->forget_grads();
-  m.res.dev->hand_to_trainer();
+  m.state->forget_grads();  // issues no device work: nothing to hand over (scripts/mutate_waits.py)
 }
 
 }  // namespace zeroshard

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -117,30 +118,54 @@ struct Trained {
   MemoryReport memory;
 };
 
-Trained train(Config cfg) {
+// Two units, trained for a few steps on a one-rank engine. hand_in: the trainer passes its own
+// gradient arrays of the first unit to grads_ready(u, grads) before the second unit's (so its
+// reduction waits for its turn) and overwrites them with NaN as soon as the call returns: it may
+// reuse its memory then.
+Trained train(Config cfg, bool hand_in = false) {
   Engine e(cfg, make_self_communicator());
   const std::vector<float> w0 = random_floats(1000, 11), w1 = random_floats(37, 12);
-  const std::vector<float> w2 = random_floats(4099, 13);
+  const std::vector<float> w2 = random_floats(4099, 13), w3 = random_floats(515, 14);
   std::vector<Param> ps = {{"w0", {1000}, 0, {const_cast<float*>(w0.data()), 1000, DType::f32}},
                            {"w1", {37}, 0, {const_cast<float*>(w1.data()), 37, DType::f32}},
                            {"w2", {4099}, 0, {const_cast<float*>(w2.data()), 4099, DType::f32}}};
-  const UnitId u = e.add_unit("layer", ps);
+  const UnitId layer = e.add_unit("layer", ps);
+  const UnitId head =
+      e.add_unit("head", {{"w3", {515}, 0, {const_cast<float*>(w3.data()), 515, DType::f32}}});
   e.finalize();
+  // The gradient of parameter i of a unit at a step: the same numbers whichever way they go in.
+  const auto grad_of = [](int step, size_t i, int64_t n) {
+    return random_floats(size_t(n), uint32_t(100 + step * 7 + i));
+  };
   for (int step = 0; step < 3; ++step) {
-    std::vector<TensorView> g = e.grads(u);
-    for (size_t i = 0; i < g.size(); ++i) {
-      const std::vector<float> v = random_floats(size_t(g[i].numel), uint32_t(100 + step * 3 + i));
-      std::memcpy(g[i].data, v.data(), v.size() * 4);
+    if (hand_in) {  // the first unit first: its reduction waits for the head's
+      std::vector<std::vector<float>> mine;
+      std::vector<TensorView> views;
+      for (size_t i = 0; i < ps.size(); ++i) {
+        mine.push_back(grad_of(step, i, shape_numel(ps[i].shape)));
+        views.push_back({mine.back().data(), int64_t(mine.back().size()), DType::f32});
+      }
+      e.grads_ready(layer, views);
+      for (auto& v : mine) std::fill(v.begin(), v.end(), NAN);
     }
-    e.grads_ready(u);
+    for (UnitId u : {head, layer}) {
+      if (hand_in && u == layer) continue;
+      std::vector<TensorView> g = e.grads(u);
+      for (size_t i = 0; i < g.size(); ++i) {
+        const std::vector<float> v = grad_of(step, u == head ? 3 : i, g[i].numel);
+        std::memcpy(g[i].data, v.data(), v.size() * 4);
+      }
+      e.grads_ready(u);
+    }
     e.step();
     e.zero_grad();
   }
   Trained t;
-  for (const TensorView& p : e.params(u)) {
-    const float* f = static_cast<const float*>(p.data);
-    t.params.insert(t.params.end(), f, f + p.numel);
-  }
+  for (UnitId u : {layer, head})
+    for (const TensorView& p : e.params(u)) {
+      const float* f = static_cast<const float*>(p.data);
+      t.params.insert(t.params.end(), f, f + p.numel);
+    }
   t.memory = e.memory();
   return t;
 }
@@ -164,6 +189,10 @@ TEST(AsyncDevice, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
     const Trained got = train(cfg);
     ASSERT_EQ(ref.params.size(), got.params.size());
     EXPECT_TRUE(same_bits(ref.params.data(), got.params.data(), ref.params.size() * 4))
+        << tier_name(tier);
+    // The trainer's own gradient arrays, reused at once: grads_ready() must have copied them.
+    const Trained handed = train(cfg, true);
+    EXPECT_TRUE(same_bits(ref.params.data(), handed.params.data(), ref.params.size() * 4))
         << tier_name(tier);
     // The host tier on a GPU stages gradient shards on the device: the async device does too.
     if (tier == Tier::host) {
