@@ -122,7 +122,7 @@ struct PendingSave {
   std::string at;
   Manifest m;
   std::vector<int> states;
-  std::thread writer;  // save_async(): writes from Engine::Impl::save_snapshot
+  std::thread writer;  // save_async(): writes from Engine::Impl::save.snapshot
   std::optional<Error> error;
   ~PendingSave() {
     if (writer.joinable()) writer.join();

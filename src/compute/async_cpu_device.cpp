@@ -1,16 +1,17 @@
 // The asynchronous CPU device: a StreamDevice whose streams are threads, a testing device that
 // runs the GPU backend's ordering (stream_compute.cpp, the very code CUDA runs) on machines
 // without a GPU. Each stream does its work in issue order on its own thread; copies read and
-// write memory when the stream reaches them, not when they are issued; an event marks a count
-// of issued work, and a stream that waits for it blocks its own thread until the other stream
-// has done that much. Before each piece of work the stream sleeps a random 0..jitter_us
-// microseconds (seeded), so work that is waited for too late shows as a wrong result or a
-// crash instead of passing by luck.
+// write memory when the stream reaches them, not when they are issued. Before each piece of
+// work the stream sleeps a random 0..jitter_us microseconds (seeded), so work that is waited
+// for too late shows as a wrong result or a crash instead of passing by luck.
 //
-// Its device memory is host memory (Buffer's own) and its TensorViews say Device::cpu; but the
-// engine treats it as a GPU (Compute::streams()): staged tiers, copies up and down, waits. Its
-// kernels are the CPU backend's (cpu_work.hpp), run on the engine's arena from the stream
-// thread, so its results are bitwise the synchronous CPU backend's.
+// Its device and pinned memory is host memory whose freeing waits for every stream, as
+// cudaFree does, and its TensorViews say Device::cpu; but the engine treats it as a GPU
+// (Compute::streams()): staged tiers, copies up and down, waits. Its kernels are the CPU
+// backend's (cpu_work.hpp), run on the engine's arena from the stream thread, so its results
+// are bitwise the synchronous CPU backend's.
+
+#include <sys/mman.h>
 
 #include <chrono>
 #include <cmath>
@@ -24,7 +25,9 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -99,11 +102,19 @@ class CpuStream {
         queue_.pop_front();
       }
       if (jitter_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay(rng_)));
+      // A failure is an Error, as CUDA's are, so that those who catch Error (a destructor's
+      // last wait) catch it.
       std::exception_ptr failed;
       try {
         fn();
-      } catch (...) {
+      } catch (const Error&) {
         failed = std::current_exception();
+      } catch (const std::exception& e) {
+        failed = std::make_exception_ptr(
+            Error(ErrorCode::internal, std::string("asynchronous CPU device: ") + e.what()));
+      } catch (...) {
+        failed = std::make_exception_ptr(
+            Error(ErrorCode::internal, "asynchronous CPU device: an unknown exception"));
       }
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -125,16 +136,55 @@ class CpuStream {
   std::thread thread_;
 };
 
-// An event: the work of one stream up to a count.
-struct CpuEvent {
-  CpuStream* stream = nullptr;  // null: never recorded (waiting on it waits for nothing)
-  uint64_t count = 0;
+// Host memory whose freeing first waits for the work queued on every stream, as cudaFree
+// does: Buffers the engine drops while a stream still reads them are not freed under it.
+// Zero-filled, 256-byte aligned; large blocks are anonymous mappings, as Buffer's own are.
+class WaitingHeap final : public Allocator {
+ public:
+  explicit WaitingHeap(std::function<void()> wait_all) : wait_all_(std::move(wait_all)) {}
+  void* allocate(size_t bytes, const std::string& name) override {
+    void* p = nullptr;
+    if (bytes >= kMapped) {
+      p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) p = nullptr;
+    } else {
+      p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+      if (p) std::memset(p, 0, bytes);
+    }
+    if (!p)
+      ZS_THROW(no_space,
+               "asynchronous CPU device: cannot allocate " << bytes << " bytes for " << name);
+    std::lock_guard<std::mutex> lock(mu_);
+    sizes_[p] = bytes;
+    return p;
+  }
+  void deallocate(void* p) noexcept override {
+    wait_all_();
+    size_t bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = sizes_.find(p);
+      if (it == sizes_.end()) return;
+      bytes = it->second;
+      sizes_.erase(it);
+    }
+    if (bytes >= kMapped)
+      ::munmap(p, bytes);
+    else
+      std::free(p);
+  }
+
+ private:
+  static constexpr size_t kMapped = size_t(1) << 20;
+  std::function<void()> wait_all_;
+  std::mutex mu_;
+  std::unordered_map<void*, size_t> sizes_;
 };
 
 class AsyncCpuDevice final : public StreamDevice {
  public:
   AsyncCpuDevice(cpu::Arena& arena, uint64_t seed, int jitter_us)
-      : arena_(arena), seed_(seed), jitter_us_(jitter_us) {
+      : arena_(arena), seed_(seed), jitter_us_(jitter_us), heap_([this] { wait_all(); }) {
     ZS_CHECK(jitter_us >= 0);
   }
   ~AsyncCpuDevice() override {
@@ -155,8 +205,8 @@ class AsyncCpuDevice final : public StreamDevice {
 
   Device device() const override { return Device::cpu; }
   int device_index() const override { return 0; }
-  Allocator* device_memory() override { return nullptr; }
-  Allocator* pinned_memory() override { return nullptr; }
+  Allocator* device_memory() override { return &heap_; }
+  Allocator* pinned_memory() override { return &heap_; }
   std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
   // Its device memory is host memory, which a host communicator reads as it is: the host waits
   // for the compute stream before each collective (StreamCompute::before_collective).
@@ -166,20 +216,6 @@ class AsyncCpuDevice final : public StreamDevice {
     std::lock_guard<std::mutex> lock(mu_);
     streams_.push_back(std::make_unique<CpuStream>(seed_ + streams_.size(), jitter_us_));
     return streams_.back().get();
-  }
-  Event create_event() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    events_.push_back(std::make_unique<CpuEvent>());
-    return events_.back().get();
-  }
-  void record(Event e, Stream s) override {
-    CpuStream* st = cs(s);
-    *static_cast<CpuEvent*>(e) = CpuEvent{st, st->issued()};
-  }
-  void wait_event(Stream s, Event e) override {
-    const CpuEvent mark = *static_cast<CpuEvent*>(e);  // as recorded now, like CUDA
-    if (!mark.stream || mark.stream == cs(s)) return;  // nothing, or its own order
-    cs(s)->issue([mark] { mark.stream->wait_for(mark.count); });
   }
   void sync_stream(Stream s) override { cs(s)->synchronize(); }
   Stream adopt_stream(void* trainer_stream) override {
@@ -221,13 +257,18 @@ class AsyncCpuDevice final : public StreamDevice {
 
  private:
   static CpuStream* cs(Stream s) { return static_cast<CpuStream*>(s); }
+  // Every stream's queued work done (failures stay for its next sync_stream()).
+  void wait_all() noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& s : streams_) s->wait_for(s->issued());
+  }
 
   cpu::Arena& arena_;
   const uint64_t seed_;
   const int jitter_us_;
-  std::mutex mu_;  // guards the two lists
+  std::mutex mu_;  // guards the list
   std::vector<std::unique_ptr<CpuStream>> streams_;
-  std::vector<std::unique_ptr<CpuEvent>> events_;
+  WaitingHeap heap_;
   double device_sums_[2] = {0, 0};
   double host_sums_[2] = {0, 0};
 };

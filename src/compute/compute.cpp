@@ -3,7 +3,10 @@
 #include "src/compute/compute.hpp"
 
 #include <algorithm>
+#include <cerrno>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -107,15 +110,16 @@ std::unique_ptr<Compute> make_cpu_compute(cpu::Arena& arena) {
 
 namespace {
 
-// ZEROSHARD_<name> as a non-negative integer, or `fallback` when unset; a malformed value is an
+// ZEROSHARD_<name> as an integer in [0, most], or `fallback` when unset; a malformed value is an
 // error naming the variable (a test suite that asked for a seed must get that seed).
-int64_t env_int(const char* name, int64_t fallback) {
+int64_t env_int(const char* name, int64_t fallback, int64_t most) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;
   char* end = nullptr;
+  errno = 0;
   const long long x = std::strtoll(v, &end, 10);
-  if (*end != '\0' || x < 0)
-    ZS_THROW(invalid_config, name << "=" << v << ": expected a non-negative integer");
+  if (*end != '\0' || errno != 0 || x < 0 || x > most)
+    ZS_THROW(invalid_config, name << "=" << v << ": expected an integer from 0 to " << most);
   return x;
 }
 
@@ -143,9 +147,11 @@ bool async_device_selected(const Config& cfg) {
 std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena) {
   if (async_device_selected(cfg)) {
     // Each rank draws its own delays, reproducibly for a given seed.
-    const uint64_t seed =
-        uint64_t(env_int("ZEROSHARD_ASYNC_SEED", 1)) * 1000003u + uint64_t(launch_info().rank);
-    return make_async_cpu_compute(arena, seed, int(env_int("ZEROSHARD_ASYNC_JITTER_US", 50)));
+    const uint64_t seed = uint64_t(env_int("ZEROSHARD_ASYNC_SEED", 1, INT64_MAX)) * 1000003u +
+                          uint64_t(launch_info().rank);
+    // At most 10 s before each piece of work: longer would only make a test time out.
+    return make_async_cpu_compute(arena, seed,
+                                  int(env_int("ZEROSHARD_ASYNC_JITTER_US", 50, 10'000'000)));
   }
   if (cfg.device == Device::cpu) return make_cpu_compute(arena);
 #ifdef ZEROSHARD_HAVE_CUDA

@@ -8,7 +8,7 @@
 // Ordering: work is issued in program order. On the CPU it is done when the call returns; on
 // a GPU it is enqueued on the compute stream and done in that order, so a caller that reads
 // device memory on the host (or reuses host memory a copy reads) calls synchronize() first.
-// The asynchronous CPU device (Config::cpu_device async, a testing device) runs the GPU's
+// The asynchronous CPU device (Config::async_device, a testing device) runs the GPU's
 // ordering on threads (stream_compute.cpp over async_cpu_device.cpp), with a seeded random delay
 // before each piece of work, so a missing wait shows on machines without a GPU.
 
@@ -103,7 +103,7 @@ std::unique_ptr<Compute> make_stream_compute(std::unique_ptr<StreamDevice> devic
 /// threads; before each piece of work a stream sleeps a random 0..jitter_us microseconds drawn
 /// from `seed`.
 std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us);
-/// The backend Config::device (and for cpu, Config::cpu_device) names. For cuda, device_index −1
+/// The backend Config::device (and for cpu, Config::async_device) names. For cuda, device_index −1
 /// picks the local rank (from the launcher's environment) modulo the number of GPUs. Throws
 /// Error(invalid_config) for cuda in a build without CUDA, Error(cuda_error) when no GPU can be
 /// used, with the runtime's reason.

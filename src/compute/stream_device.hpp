@@ -9,8 +9,11 @@
 //
 // Every call that takes a Stream only enqueues: it returns before the work is done, and the
 // memory it names must stay valid (host memory untouched) until the stream has reached it. A
-// failure of enqueued work surfaces at the next sync_stream() of that stream. Streams and events
-// are created by the device and live as long as it does.
+// failure of enqueued work surfaces at the next sync_stream() of that stream. Streams are
+// created by the device and live as long as it does. Freeing device or pinned memory waits for
+// the work queued on every stream (as cudaFree and cudaFreeHost do). There are no events: the
+// engine's two streams (compute, and downloads of finished collectives' outputs) share no
+// buffer a stream writes, and the host waits where it needs a result.
 
 #include <cstddef>
 #include <cstdint>
@@ -36,7 +39,6 @@ struct GradSpan {
 class StreamDevice {
  public:
   using Stream = void*;  ///< opaque: a cudaStream_t, or one of the asynchronous CPU device's
-  using Event = void*;   ///< opaque: a cudaEvent_t, or a mark on an asynchronous CPU stream
 
   virtual ~StreamDevice() = default;
 
@@ -54,12 +56,6 @@ class StreamDevice {
   virtual std::shared_ptr<Communicator> stage(std::shared_ptr<Communicator> comm) = 0;
 
   virtual Stream create_stream() = 0;
-  virtual Event create_event() = 0;
-  /// Marks the work issued on `s` so far.
-  virtual void record(Event e, Stream s) = 0;
-  /// Work issued on `s` from now on starts after the work `e` marked (on the device: the host
-  /// does not wait).
-  virtual void wait_event(Stream s, Event e) = 0;
   /// Blocks the host until the work issued on `s` is done; throws the first failure of it.
   virtual void sync_stream(Stream s) = 0;
 

@@ -105,19 +105,6 @@ class CudaStreamDevice final : public StreamDevice {
     streams_.emplace_back(device_);
     return streams_.back().handle();
   }
-  Event create_event() override {
-    cuda::DeviceGuard g(device_);
-    events_.emplace_back(false);
-    return static_cast<void*>(events_.back().get());
-  }
-  void record(Event e, Stream s) override {
-    cuda::DeviceGuard g(device_);
-    ZS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e), cs(s)));
-  }
-  void wait_event(Stream s, Event e) override {
-    cuda::DeviceGuard g(device_);
-    ZS_CUDA_CHECK(cudaStreamWaitEvent(cs(s), static_cast<cudaEvent_t>(e), 0));
-  }
   void sync_stream(Stream s) override {
     cuda::DeviceGuard g(device_);
     ZS_CUDA_CHECK(cudaStreamSynchronize(cs(s)));
@@ -162,8 +149,7 @@ class CudaStreamDevice final : public StreamDevice {
   int device_;
   DeviceMemory dev_mem_;
   PinnedMemory pinned_;
-  std::deque<cuda::Stream> streams_;  // stable addresses; destroyed with the device
-  std::deque<cuda::Event> events_;
+  std::deque<cuda::Stream> streams_;     // stable addresses; destroyed with the device
   cuda::DeviceBuffer workspace_, sums_;  // sum_squares_nonfinite's partials and result
   cuda::PinnedBuffer host_sums_;
   std::vector<cuda::UpdateRun> runs_;  // scratch of update(): one unit's runs

@@ -67,7 +67,7 @@ class PlanCommunicator final : public Communicator {
 
 // The GPU a GPU engine's plan stands on, on a machine that need not have one: an engine with it
 // finalizes as on the GPU (the same tiers, staging slots and pinned buffers, by
-// Compute::device()), and its ledger counts the memory that is never allocated. It runs nothing.
+// Compute::streams()), and its ledger counts the memory that is never allocated. It runs nothing.
 class PlanDevice final : public Compute {
  public:
   Device device() const override { return Device::cuda; }
