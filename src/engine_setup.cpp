@@ -199,7 +199,7 @@ void Engine::finalize() {
     m.make_tiers();
     m.load_initial_values();
   }
-  m.res.dev->hand_to_trainer();
+  // No hand_to_trainer(): loading the initial values waited for their copies (mutate_waits.py).
   m.finalized = true;
   m.clock.interval_start =
       std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

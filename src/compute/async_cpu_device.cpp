@@ -39,14 +39,13 @@
 namespace zeroshard {
 namespace {
 
-// One stream: a thread that runs its queue in order. Work is numbered from 1 as it is issued;
-// done() is the number finished.
+// One stream: a thread that runs its queue in order, counting the work issued and done.
 class CpuStream {
  public:
   CpuStream(uint64_t seed, int jitter_us) : rng_(seed), jitter_us_(jitter_us) {
     thread_ = std::thread([this] { run(); });
   }
-  // Finishes what was issued (other streams may wait for it), then stops.
+  // Finishes what was issued, then stops.
   ~CpuStream() {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -1,9 +1,8 @@
+// The CUDA backend of the caching allocator: one CUDA call per primitive (the bookkeeping is
+// src/compute/caching_allocator.cpp).
 #include "src/cuda/caching_allocator.hpp"
 
-#include <algorithm>
-#include <bit>
-#include <sstream>
-#include <utility>
+#include <cuda_runtime_api.h>
 
 #include "base/cuda_check.hpp"
 #include "src/cuda/cuda_resources.hpp"
@@ -11,217 +10,68 @@
 namespace zeroshard::cuda {
 namespace {
 
-constexpr size_t kMinClass = 512;
-constexpr size_t kSmallLimit = size_t{1} << 20;
-constexpr size_t kLargeGrain = size_t{2} << 20;
+class CudaBlocks final : public CachingAllocator::Backend {
+ public:
+  CudaBlocks(CachingAllocator::Kind kind, int device) : kind_(kind), device_(device) {}
 
-std::string mib(size_t bytes) {
-  std::ostringstream os;
-  os.precision(1);
-  os << std::fixed << double(bytes) / double(1 << 20) << " MiB";
-  return os.str();
-}
+  void* alloc(size_t bytes) override {
+    DeviceGuard guard(device_);
+    void* p = nullptr;
+    const cudaError_t e = kind_ == CachingAllocator::Kind::device
+                              ? cudaMalloc(&p, bytes)
+                              : cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // not sticky: clear it, the caller retries or says no_space
+      return nullptr;
+    }
+    ZS_CUDA_CHECK_CTX(e, (kind_ == CachingAllocator::Kind::device ? "device" : "pinned host")
+                             << " allocator (device " << device_ << ")");
+    return p;
+  }
+  // Both frees wait for the device; they run only when the cache is trimmed or destroyed.
+  void free(void* p) noexcept override {
+    if (kind_ == CachingAllocator::Kind::device)
+      (void)cudaFree(p);
+    else
+      (void)cudaFreeHost(p);
+  }
+  void* new_event() noexcept override {
+    try {
+      DeviceGuard guard(device_);  // an event records only on a stream of its own device
+      cudaEvent_t e = nullptr;
+      if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return nullptr;
+      }
+      return static_cast<void*>(e);
+    } catch (...) {
+      return nullptr;  // the runtime is failing or shutting down; the caller copes
+    }
+  }
+  void delete_event(void* e) noexcept override { (void)cudaEventDestroy(ev(e)); }
+  bool record(void* e, void* stream) noexcept override {
+    if (cudaEventRecord(ev(e), static_cast<cudaStream_t>(stream)) == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return false;
+  }
+  bool done(void* e) override {
+    const cudaError_t q = cudaEventQuery(ev(e));
+    if (q == cudaErrorNotReady) return false;
+    ZS_CUDA_CHECK_CTX(q, "device allocator: a freed block's last use");
+    return true;
+  }
+  void wait(void* e) noexcept override { (void)cudaEventSynchronize(ev(e)); }
+
+ private:
+  static cudaEvent_t ev(void* e) { return static_cast<cudaEvent_t>(e); }
+  const CachingAllocator::Kind kind_;
+  const int device_;
+};
 
 }  // namespace
 
-// ---- Block ----------------------------------------------------------------------------------
-
-CachingAllocator::Block::~Block() {
-  reset();
-}
-
-CachingAllocator::Block::Block(Block&& o) noexcept
-    : owner_(std::move(o.owner_)),
-      ptr_(std::exchange(o.ptr_, nullptr)),
-      bytes_(std::exchange(o.bytes_, 0)),
-      stream_(std::exchange(o.stream_, nullptr)) {}
-
-CachingAllocator::Block& CachingAllocator::Block::operator=(Block&& o) noexcept {
-  if (this != &o) {
-    reset();
-    owner_ = std::move(o.owner_);
-    ptr_ = std::exchange(o.ptr_, nullptr);
-    bytes_ = std::exchange(o.bytes_, 0);
-    stream_ = std::exchange(o.stream_, nullptr);
-  }
-  return *this;
-}
-
-void CachingAllocator::Block::reset() noexcept {
-  if (ptr_ && owner_) owner_->give_back(ptr_, bytes_, stream_);
-  ptr_ = nullptr;
-  bytes_ = 0;
-  owner_.reset();
-}
-
-// ---- CachingAllocator -----------------------------------------------------------------------
-
-std::shared_ptr<CachingAllocator> CachingAllocator::create(Kind kind, int device) {
-  return std::shared_ptr<CachingAllocator>(new CachingAllocator(kind, device));
-}
-
-CachingAllocator::~CachingAllocator() {
-  // No block is outstanding (each holds a reference), so everything cached can go.
-  std::lock_guard<std::mutex> lock(mu_);
-  release_cached_locked();
-}  // events_ destroys its events
-
-// Few classes make reuse likely across steps whose requests vary slightly in size.
-size_t CachingAllocator::class_size(size_t bytes) {
-  if (bytes <= kMinClass) return kMinClass;
-  if (bytes <= kSmallLimit) return std::bit_ceil(bytes);
-  return (bytes + kLargeGrain - 1) / kLargeGrain * kLargeGrain;
-}
-
-void* CachingAllocator::backend_alloc(size_t bytes) {
-  DeviceGuard guard(device_);
-  void* p = nullptr;
-  cudaError_t e = kind_ == Kind::device ? cudaMalloc(&p, bytes)
-                                        : cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
-  if (e == cudaErrorMemoryAllocation) {
-    // Out of memory: give the cache back to CUDA and try once more before failing.
-    (void)cudaGetLastError();
-    release_cached_locked();
-    e = kind_ == Kind::device ? cudaMalloc(&p, bytes)
-                              : cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
-    if (e == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      ZS_THROW(no_space, (kind_ == Kind::device ? "device" : "pinned host")
-                             << " allocator (device " << device_ << "): cannot allocate " << bytes
-                             << " bytes; " << stats_.in_use_bytes << " bytes in use, "
-                             << stats_.reserved_bytes << " reserved");
-    }
-  }
-  ZS_CUDA_CHECK_CTX(e, (kind_ == Kind::device ? "device" : "pinned host")
-                           << " allocator (device " << device_ << ")");
-  ++stats_.backend_allocations;
-  stats_.reserved_bytes += bytes;
-  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
-  return p;
-}
-
-// Both frees wait for the device; they run only when the cache is trimmed or destroyed.
-void CachingAllocator::backend_free(void* p) noexcept {
-  if (kind_ == Kind::device) {
-    (void)cudaFree(p);
-  } else {
-    (void)cudaFreeHost(p);
-  }
-}
-
-CachingAllocator::Block CachingAllocator::allocate(size_t bytes, cudaStream_t stream) {
-  const size_t size = class_size(bytes);
-  std::lock_guard<std::mutex> lock(mu_);
-  Block b;
-  auto it = free_.find(size);
-  if (it != free_.end()) {
-    // A cached block is usable if its last use is on the same stream (stream order protects it)
-    // or has completed.
-    auto& list = it->second;
-    for (size_t i = 0; i < list.size(); ++i) {
-      Cached& c = list[i];
-      bool ready = c.ready.get() == nullptr || (stream != nullptr && c.stream == stream);
-      if (!ready) {
-        const cudaError_t q = cudaEventQuery(c.ready.get());
-        if (q != cudaSuccess && q != cudaErrorNotReady)
-          ZS_CUDA_CHECK_CTX(q, "device allocator: a freed block's last use");
-        ready = q == cudaSuccess;
-      }
-      if (!ready) continue;
-      b.ptr_ = c.ptr;
-      events_.give(std::move(c.ready));
-      list[i] = std::move(list.back());
-      list.pop_back();
-      ++stats_.cache_hits;
-      break;
-    }
-  }
-  if (!b.ptr_) b.ptr_ = backend_alloc(size);
-  b.bytes_ = size;
-  b.stream_ = stream;
-  b.owner_ = shared_from_this();
-  stats_.in_use_bytes += size;
-  stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
-  return b;
-}
-
-void CachingAllocator::give_back(void* ptr, size_t bytes, cudaStream_t stream) noexcept {
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.in_use_bytes -= bytes;
-  Cached c{ptr, stream, Event()};
-  if (stream != nullptr) {
-    // Capture the work queued on the block's stream so far; until it completes the block goes
-    // only to the same stream.
-    Event e = events_.take();
-    if (e.get() == nullptr || cudaEventRecord(e.get(), stream) != cudaSuccess) {
-      // Cannot track the last use (the runtime is failing or shutting down): free the block;
-      // cudaFree waits for the device, so nothing still using it can be hurt.
-      events_.give(std::move(e));
-      (void)cudaGetLastError();
-      backend_free(ptr);
-      stats_.reserved_bytes -= bytes;
-      return;
-    }
-    c.ready = std::move(e);
-  }
-  try {
-    free_[bytes].push_back(std::move(c));
-  } catch (...) {
-    // Out of host memory for the free list: return the block to CUDA instead (cudaFree waits
-    // for the device, and the event is destroyed with `c`).
-    backend_free(ptr);
-    stats_.reserved_bytes -= bytes;
-  }
-}
-
-void CachingAllocator::reserve(size_t bytes, int count) {
-  std::vector<Block> blocks;
-  for (int i = 0; i < count; ++i) {
-    // Fresh blocks only: a reservation should add capacity, not recycle what is cached.
-    std::lock_guard<std::mutex> lock(mu_);
-    Block b;
-    b.bytes_ = class_size(bytes);
-    b.ptr_ = backend_alloc(b.bytes_);
-    b.owner_ = shared_from_this();
-    stats_.in_use_bytes += b.bytes_;
-    blocks.push_back(std::move(b));
-  }
-  // Destroying them puts them in the cache.
-}
-
-void CachingAllocator::release_cached_locked() noexcept {
-  for (auto& [size, list] : free_) {
-    for (Cached& c : list) {
-      // Wait for the last use before handing the memory back to CUDA.
-      if (c.ready.get() != nullptr) {
-        (void)cudaEventSynchronize(c.ready.get());
-        events_.give(std::move(c.ready));
-      }
-      backend_free(c.ptr);
-      stats_.reserved_bytes -= size;
-    }
-  }
-  free_.clear();
-}
-
-void CachingAllocator::release_cached() noexcept {
-  std::lock_guard<std::mutex> lock(mu_);
-  release_cached_locked();
-}
-
-CachingAllocator::Stats CachingAllocator::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
-}
-
-std::string CachingAllocator::report() const {
-  const Stats s = stats();
-  std::ostringstream os;
-  os << (kind_ == Kind::device ? "device" : "pinned host") << " allocator (device " << device_
-     << "): " << mib(s.reserved_bytes) << " reserved, " << mib(s.in_use_bytes) << " in use, peaks "
-     << mib(s.peak_reserved_bytes) << " / " << mib(s.peak_in_use_bytes) << ", "
-     << s.backend_allocations << " CUDA allocations, " << s.cache_hits << " cache hits";
-  return os.str();
+std::shared_ptr<CachingAllocator> make_caching_allocator(CachingAllocator::Kind kind, int device) {
+  return CachingAllocator::create(kind, device, std::make_unique<CudaBlocks>(kind, device));
 }
 
 }  // namespace zeroshard::cuda

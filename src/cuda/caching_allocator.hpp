@@ -1,113 +1,18 @@
 #pragma once
-// A caching allocator for device memory (or pinned host memory): blocks freed by their owner go
-// to a per-size-class free list and are handed out again, so after the first step the step
-// path never calls cudaMalloc (which synchronises the device and can take milliseconds).
-//
-// Stream-ordered reuse: a block allocated for stream S may be freed while S still has work that
-// uses it queued. The allocator then records an event on S at free time and hands the block to
-// another stream only once that event has completed; the same stream S may reuse it at once,
-// because S's own order puts the new work after the old.
-//
-// Every byte is reported (stats()): what is held from CUDA, what is in use, and the peaks of
-// both, so the engine's ledger can count this tier exactly.
+// The caching allocator (src/compute/caching_allocator.hpp: the bookkeeping, tested on the CPU)
+// over CUDA: cudaMalloc or cudaHostAlloc (portable) for the memory, timing-free CUDA events for a
+// freed block's last use on its stream. Internal header, built only with ZEROSHARD_WITH_CUDA.
 
-#include <cuda_runtime_api.h>
-
-#include <cstddef>
-#include <cstdint>
 #include <memory>
-#include <mutex>
-#include <string>
-#include <unordered_map>
-#include <vector>
 
-#include "src/cuda/cuda_resources.hpp"
+#include "src/compute/caching_allocator.hpp"
 
 namespace zeroshard::cuda {
 
-class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
- public:
-  enum class Kind { device, pinned_host };
+using CachingAllocator = ::zeroshard::CachingAllocator;
 
-  struct Stats {
-    size_t reserved_bytes = 0;  ///< held from CUDA (in use + cached)
-    size_t in_use_bytes = 0;    ///< in blocks handed out (class sizes, not the requests)
-    size_t peak_reserved_bytes = 0;
-    size_t peak_in_use_bytes = 0;
-    uint64_t backend_allocations = 0;  ///< cudaMalloc / cudaHostAlloc calls so far
-    uint64_t cache_hits = 0;           ///< allocations served from the cache
-  };
-
-  /// An allocated block; returns itself to the allocator when destroyed (never throws). The
-  /// allocator stays alive while any block does.
-  class Block {
-   public:
-    Block() = default;
-    ~Block();
-    Block(Block&& o) noexcept;
-    Block& operator=(Block&& o) noexcept;
-    Block(const Block&) = delete;
-    Block& operator=(const Block&) = delete;
-
-    void* data() const { return ptr_; }
-    template <class T>
-    T* as() const {
-      return static_cast<T*>(ptr_);
-    }
-    size_t bytes() const { return bytes_; }  ///< the class size, ≥ the requested size
-    /// Returns the block now (as destruction would).
-    void reset() noexcept;
-
-   private:
-    friend class CachingAllocator;
-    std::shared_ptr<CachingAllocator> owner_;
-    void* ptr_ = nullptr;
-    size_t bytes_ = 0;
-    cudaStream_t stream_ = nullptr;
-  };
-
-  /// An allocator for `device` (ignored for pinned_host except as the device made current while
-  /// allocating). Always held by shared_ptr: blocks keep it alive.
-  static std::shared_ptr<CachingAllocator> create(Kind kind, int device);
-  ~CachingAllocator();
-  CachingAllocator(const CachingAllocator&) = delete;
-  CachingAllocator& operator=(const CachingAllocator&) = delete;
-
-  /// A block of at least `bytes` bytes (256-byte aligned) to be used on `stream` (nullptr: the
-  /// caller orders every use itself). Throws Error(no_space) if CUDA cannot provide the memory
-  /// even after the cache is emptied, Error(cuda_error) on other runtime failures.
-  Block allocate(size_t bytes, cudaStream_t stream = nullptr);
-  /// Allocates `count` blocks of `bytes` and caches them: a warm-up that moves the cudaMalloc
-  /// calls out of the first step.
-  void reserve(size_t bytes, int count = 1);
-  /// Frees every cached block, waiting for each one's last use first. Never throws.
-  void release_cached() noexcept;
-  Stats stats() const;
-  /// One line: "device allocator (device 0): 12.0 MiB reserved, 8.0 MiB in use, ...".
-  std::string report() const;
-
-  /// The size a request of `bytes` is rounded to: powers of two from 512 B up to 1 MiB, then
-  /// multiples of 2 MiB (at most 2 MiB or 2× waste per block, few classes to reuse across).
-  static size_t class_size(size_t bytes);
-
- private:
-  CachingAllocator(Kind kind, int device) : kind_(kind), device_(device) {}
-  struct Cached {
-    void* ptr;
-    cudaStream_t stream;  // the stream of its last use
-    Event ready;          // recorded at free on that stream; empty when no stream was given
-  };
-  void give_back(void* ptr, size_t bytes, cudaStream_t stream) noexcept;
-  void* backend_alloc(size_t bytes);
-  void backend_free(void* p) noexcept;
-  void release_cached_locked() noexcept;
-
-  const Kind kind_;
-  const int device_;
-  mutable std::mutex mu_;
-  std::unordered_map<size_t, std::vector<Cached>> free_;
-  EventPool events_;
-  Stats stats_;
-};
+/// A caching allocator of device memory of `device`, or of page-locked host memory (usable with
+/// every device; `device` is made current while it allocates and for its events).
+std::shared_ptr<CachingAllocator> make_caching_allocator(CachingAllocator::Kind kind, int device);
 
 }  // namespace zeroshard::cuda

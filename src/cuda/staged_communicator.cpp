@@ -323,7 +323,7 @@ class StagedCommunicator final : public Communicator {
   std::shared_ptr<cuda::CachingAllocator> staging_allocator(int device) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!pinned_)
-      pinned_ = cuda::CachingAllocator::create(cuda::CachingAllocator::Kind::pinned_host, device);
+      pinned_ = cuda::make_caching_allocator(CachingAllocator::Kind::pinned_host, device);
     return pinned_;
   }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "src/cuda/caching_allocator.hpp"
+#include "src/cuda/cuda_resources.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
 #include "zeroshard/error.hpp"
 
@@ -74,7 +75,7 @@ TEST_F(GpuRuntime, DeviceGuardRestoresTheCallersDevice) {
 }
 
 TEST_F(GpuRuntime, AllocatorReusesBlocksAndReportsBytes) {
-  auto alloc = CachingAllocator::create(CachingAllocator::Kind::device, 0);
+  auto alloc = make_caching_allocator(CachingAllocator::Kind::device, 0);
   Stream s(0);
   void* first = nullptr;
   {
@@ -112,7 +113,7 @@ TEST_F(GpuRuntime, AllocatorReusesBlocksAndReportsBytes) {
 
 // A block freed while its stream is still busy goes to another stream only after that work.
 TEST_F(GpuRuntime, AllocatorOrdersReuseAcrossStreams) {
-  auto alloc = CachingAllocator::create(CachingAllocator::Kind::device, 0);
+  auto alloc = make_caching_allocator(CachingAllocator::Kind::device, 0);
   Stream busy(0), other(0);
   std::atomic<bool> release{false};
   // Hold `busy` with a host function until the test lets it go.
@@ -142,7 +143,7 @@ TEST_F(GpuRuntime, AllocatorOrdersReuseAcrossStreams) {
 }
 
 TEST_F(GpuRuntime, PinnedAllocator) {
-  auto alloc = CachingAllocator::create(CachingAllocator::Kind::pinned_host, 0);
+  auto alloc = make_caching_allocator(CachingAllocator::Kind::pinned_host, 0);
   auto b = alloc->allocate(100);
   EXPECT_FALSE(is_device_pointer(b.data()));
   static_cast<char*>(b.data())[99] = 7;  // host-writable

@@ -106,8 +106,8 @@ void NcclCommunicator::Impl::open() {
   stream = cuda::Stream(device, true, greatest);
   input_event = cuda::Event(false);
   order_event = cuda::Event(false);
-  dev_stage = cuda::CachingAllocator::create(cuda::CachingAllocator::Kind::device, device);
-  host_stage = cuda::CachingAllocator::create(cuda::CachingAllocator::Kind::pinned_host, device);
+  dev_stage = cuda::make_caching_allocator(CachingAllocator::Kind::device, device);
+  host_stage = cuda::make_caching_allocator(CachingAllocator::Kind::pinned_host, device);
 }
 
 NcclCommunicator::NcclCommunicator(int device, int rank, int size, double timeout_s)
