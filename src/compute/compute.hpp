@@ -71,7 +71,7 @@ class Compute {
   virtual void download(void* host, const void* dev, size_t bytes) = 0;
   /// Blocks until every issued piece of work is done.
   virtual void synchronize() = 0;
-  /// Called where the engine hands memory to the trainer (end of grads, step, load): the
+  /// Called where the engine hands memory to the trainer (end of grads() and step()): the
   /// trainer's next work must follow what was issued. A GPU
   /// trainer's kernels follow on stream() (nothing to do); the asynchronous CPU device's
   /// trainer is the host thread, which waits here.

@@ -341,7 +341,7 @@ void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& sha
 void MemoryStateTier::commit(Communicator& comm, ParamSink& sink) {
   std::vector<std::shared_ptr<Work>> works;
   if (ctx_.cfg->stage == 0) {  // whole f32 state on every rank: gather the restored shards
-    compute_.before_collective();
+    // No before_collective(): write() waited for the restored shards' copies (mutate_waits.py).
     for (size_t i = 0; i < units_.size(); ++i) {
       const int64_t n = ctx_.shard(int(i)), off = ctx_.shard_rank * n;
       const std::string what = "unit '" + ctx_.unit(int(i)).layout.name + "' (restored state)";

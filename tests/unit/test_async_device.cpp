@@ -178,9 +178,13 @@ bool has_buffer(const MemoryReport& m, const std::string& name) {
 
 TEST(AsyncDevice, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
   EnvVar config_decides("ZEROSHARD_ASYNC_DEVICE", "");
-  for (Tier tier : {Tier::device, Tier::host}) {
+  EnvVar late("ZEROSHARD_ASYNC_JITTER_US", "2000");  // work late enough to lose any race
+  // Stage 0 updates the whole parameters in device memory, which the trainer reads right after
+  // step(); stage 2 all-gathers them; the host tier updates on the CPU and copies them up.
+  for (auto [stage, tier] :
+       {std::pair{0, Tier::device}, std::pair{2, Tier::device}, std::pair{2, Tier::host}}) {
     Config cfg;
-    cfg.stage = 2;
+    cfg.stage = stage;
     cfg.optimizer.lr = 1e-2f;
     cfg.gradient_clipping = 1.0;
     cfg.offload_optimizer.tier = tier;
@@ -189,11 +193,11 @@ TEST(AsyncDevice, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
     const Trained got = train(cfg);
     ASSERT_EQ(ref.params.size(), got.params.size());
     EXPECT_TRUE(same_bits(ref.params.data(), got.params.data(), ref.params.size() * 4))
-        << tier_name(tier);
+        << "stage " << stage << ", " << tier_name(tier);
     // The trainer's own gradient arrays, reused at once: grads_ready() must have copied them.
     const Trained handed = train(cfg, true);
     EXPECT_TRUE(same_bits(ref.params.data(), handed.params.data(), ref.params.size() * 4))
-        << tier_name(tier);
+        << "stage " << stage << ", " << tier_name(tier);
     // The host tier on a GPU stages gradient shards on the device: the async device does too.
     if (tier == Tier::host) {
       EXPECT_TRUE(has_buffer(got.memory, "grad_shard_staging")) << got.memory.to_string();
