@@ -14,7 +14,7 @@ is listed as missed: either a test is missing or the wait is not needed.
 Work happens in a copy of the tree (git worktree at HEAD plus the uncommitted changes), never in
 the checkout itself.
 
-Usage: mutate_waits.py [--groups Parity,Offload,...] [--np 2,3] [--only PATTERN] [--list]
+Usage: mutate_waits.py [--groups Parity,Offload,...] [--np 2,3] [--only REGEX] [--list]
                        [--build-dir DIR] [--out FILE]
 Prints one line per site and a summary "caught K of N"; --out writes the same as Markdown.
 """
@@ -84,14 +84,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups", default=GROUPS)
     ap.add_argument("--np", default="2,3")
-    ap.add_argument("--only", default="")
+    ap.add_argument("--only", default="", help="a regular expression the site must match")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--build-dir", default="")
     ap.add_argument("--out", default="")
-    ap.add_argument("--timeout", type=int, default=300, help="seconds per mpirun")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per mpirun")
     a = ap.parse_args()
 
-    found = [s for s in sites(ROOT) if a.only in f"{s[0]}:{s[1]} {s[3]}"]
+    found = [s for s in sites(ROOT) if re.search(a.only, f"{s[0]}:{s[1]} {s[3]}")]
     if a.list:
         for f, n, _, text in found:
             print(f"{f}:{n}: {text}")
