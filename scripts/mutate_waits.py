@@ -184,7 +184,8 @@ def main():
                          f"(groups {a.groups}; ranks {a.np})\n\n| result | site | statement | "
                          f"first failure |\n|---|---|---|---|\n")
                 for f, n, text, res, why, _ in rows:
-                    fh.write(f"| {res} | `{f}:{n}` | `{text}` | {why} |\n")
+                    shown = text.replace("`", "'").replace("|", "\\|")
+                    fh.write(f"| {res} | `{f}:{n}` | `{shown}` | {why} |\n")
         return 0 if caught == len(tried) else 1
     finally:
         subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree])
