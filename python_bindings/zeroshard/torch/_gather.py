@@ -1,0 +1,173 @@
+"""Stage 3: gathering a unit's parameters around its module's forward and backward, releasing them
+after, and gathering on demand (gathered(), register_forward_method())."""
+
+import contextlib
+import functools
+import weakref
+
+import torch
+from torch.utils import dlpack as _dlpack
+
+from .. import _core
+from .._torch_guards import ShardedParameter
+
+from ._private import _autograd_calls, _first_pre_hook, _resize_storage
+from ._units import _tensors
+
+
+class _GatherPart:
+    """The stage-3 gathering part of ZeroOptimizer."""
+
+    def _setup_stage3(self, u):
+        dtype, device = self._torch_dtype, self._device
+        u.placeholder = torch.empty(0, dtype=dtype, device=device)
+        for p, shape in zip(u.params, u.shapes):
+            full = torch.empty(shape, dtype=dtype, device=device)
+            u.full.append(full)
+            # AccumulateGrad records the parameter's shape when it is created: create it (and
+            # hook it) while .data has the full shape and storage, then release.
+            p.data = full
+        self._register_grad_hooks(u)
+        for p, full in zip(u.params, u.full):
+            p.data = u.placeholder
+            _resize_storage(full, 0)
+            # Reads while released raise (not an empty tensor's shape error, or silent zeros).
+            p.__class__ = ShardedParameter
+            # Weak: the engine holds the parameter through C++ (its AccumulateGrad node), where
+            # the garbage collector cannot see a cycle back to the optimizer.
+            p._zs_unit = weakref.ref(u)
+        u.pre, u.post = self._make_pre_forward(u), self._make_post_forward(u)
+        self._hooks.append(_first_pre_hook(u.module, u.pre))
+        self._hooks.append(u.module.register_forward_hook(u.post))
+
+    def _gather_for(self, module, units):
+        """module's forward gathers `units` as their own modules' forwards do (and again for
+        its backward)."""
+        def pre(m, args):
+            for u in units:
+                u.pre(m, args)
+
+        def post(m, args, out):
+            for u in reversed(units):
+                u.post(m, args, out)
+        self._hooks.append(_first_pre_hook(module, pre))
+        self._hooks.append(module.register_forward_hook(post))
+
+    def _make_pre_forward(self, u):
+        def hook(module, inputs):
+            u.forward_stack.append(u.gathered)
+            if not u.gathered:
+                self._gather(u)
+        return hook
+
+    def _make_post_forward(self, u):
+        def hook(module, inputs, output):
+            if torch.is_grad_enabled():
+                # The outputs' graph outlives this call by as long as the trainer keeps it (an
+                # exception's traceback, say), in C++ where the garbage collector cannot follow:
+                # it refers to the optimizer weakly, or it would keep the engine alive.
+                opt, unit = weakref.ref(self), weakref.ref(u)
+
+                def pre_backward(grad):
+                    me, un = opt(), unit()
+                    if me is None or un is None:
+                        return
+                    me._queue_end_of_backward()
+                    if un.handed:  # its gradients went to the engine: a second pass through it
+                        me._refuse_second_pass(un, un.names[0])
+                    if not un.gathered:
+                        me._gather_for_backward(un)
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(pre_backward)
+            was_gathered = u.forward_stack.pop() if u.forward_stack else True
+            if not was_gathered:
+                self._release(u)
+        return hook
+
+    def _gather_for_backward(self, u):
+        try:
+            self._gather(u)
+        except _core.InvalidArgumentError as e:
+            if "max_live_units" not in str(e) or not self._in_grad_pass(_autograd_calls()):
+                raise
+            # A torch.autograd.grad() pass (create_graph=True) leaves a graph the trainer's
+            # backward reads the gathered weights through, with no hook to gather them again.
+            live = self.engine.config().max_live_units
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: a torch.autograd.grad() pass (a gradient penalty) reached unit "
+                f"'{u.name}' with {live} units gathered: at stage 3 the units such a pass goes "
+                "through stay gathered until the trainer's backward, which reads them again. "
+                "Raise zeroshard.max_live_units (ZeroOptimizer(..., max_live_units=N)) to the "
+                "number of units the pass goes through, plus 2") from e
+
+    def _gather(self, u):
+        views = self.engine.gather(u.index)
+        for p, full, v, n in zip(u.params, u.full, views, u.numels):
+            _resize_storage(full, n)
+            full.copy_(_dlpack.from_dlpack(v))
+            p.data = full
+        u.versions = [p._version for p in u.params]
+        u.gathered = True
+
+    def _release(self, u):
+        written = [n for n, p, v in zip(u.names, u.params, u.versions) if p._version != v]
+        for p, full in zip(u.params, u.full):
+            p.data = u.placeholder
+            _resize_storage(full, 0)
+        self.engine.release(u.index)
+        u.gathered = False
+        if written:
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: '{written[0]}' (unit '{u.name}') was written in place while "
+                "gathered; at stage 3 the gathered values are a copy of the shards, and the write "
+                "is lost at release. Change parameters before building the optimizer, or through "
+                "its checkpoints")
+
+    @contextlib.contextmanager
+    def gathered(self, module=None):
+        """Stage 3: the parameters of `module` (default: the whole model) present for reading
+        outside its forward() -- generate(), evaluation, logging -- under torch.no_grad().
+        In-place writes are refused (they would be lost). A no-op at stages 0-2."""
+        if self.stage < 3:
+            yield
+            return
+        if torch.is_grad_enabled():
+            raise _core.InvalidArgumentError(
+                "ZeroOptimizer.gathered() needs torch.no_grad(): its parameters are released on "
+                "exit, before a backward could use them; for a method other than forward() "
+                "that trains, use opt.register_forward_method(module, 'method')")
+        units = self._units_of(module)
+        for u in units:
+            u.pre(u.module, ())
+        try:
+            yield
+        finally:
+            for u in reversed(units):
+                u.post(u.module, (), None)
+
+    def register_forward_method(self, module, name, uses=None):
+        """Stage 3: makes module.<name>() gather parameters for its call, and again for its
+        backward, as forward() does -- for a loss method or a generate() that reads parameters
+        directly (logits = h @ self.wte.weight.T). `uses`: the modules (or one) whose parameters
+        it reads outside their own forward() (default: all of `module`'s, the whole of it
+        gathered at once). A no-op at stages 0-2."""
+        method = getattr(module, name)
+        if self.stage < 3:
+            return
+        units = self._units_of(module if uses is None else uses)
+
+        @functools.wraps(method)
+        def wrapped(*args, **kwargs):
+            for u in units:
+                u.pre(module, args)
+            out = None
+            try:
+                out = method(*args, **kwargs)
+            finally:
+                for u in reversed(units):
+                    u.post(module, args, out)
+            return out
+
+        self._forward_methods.append((module, name, module.__dict__.get(name)))
+        setattr(module, name, wrapped)

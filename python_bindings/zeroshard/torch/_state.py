@@ -1,0 +1,219 @@
+"""State dicts and checkpoints: the optimizer's state_dict()/load_state_dict() (this rank's shard),
+the model's whole state (model_state_dict, collective), and the engine's own checkpoints."""
+
+
+import torch
+from torch.utils import dlpack as _dlpack
+
+from .. import _core
+from ._config import _GROUP_KEYS
+
+
+# Optimizer state slots by optimizer kind, named as torch names them.
+_STATE_NAMES = {
+    _core.OptimizerKind.adam: ("exp_avg", "exp_avg_sq"),
+    _core.OptimizerKind.adamw: ("exp_avg", "exp_avg_sq"),
+    _core.OptimizerKind.lion: ("exp_avg",),
+    _core.OptimizerKind.sgd: ("momentum_buffer",),
+}
+
+
+_STATE_KINDS = (_core.StateKind.state0, _core.StateKind.state1)
+
+
+_STATE_FORMAT = "zeroshard.sharded/1"
+
+
+def _scaler_dict(ls):
+    return {"hysteresis_left": ls.hysteresis_left, "iteration": ls.iteration,
+            "last_overflow": ls.last_overflow}
+
+
+def _norm(v):
+    return tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _f32(t):
+    """A saved shard as the contiguous float32 CPU tensor write_shard() takes."""
+    if not isinstance(t, torch.Tensor):
+        raise _core.InvalidArgumentError(
+            f"load_state_dict(): a saved shard is a {type(t).__name__}, expected a tensor")
+    return t.detach().to("cpu", torch.float32).contiguous()
+
+
+class _StatePart:
+    """The state-dict and checkpoint part of ZeroOptimizer."""
+
+    def _before_model_load(self, *args):
+        raise _core.InvalidArgumentError(
+            "load_state_dict() on the model or a submodule after ZeroOptimizer was built: at "
+            "stage 3 each rank holds only shards of the parameters; load the weights before "
+            "building the optimizer, or restore with ZeroOptimizer.load_state_dict()")
+
+    def _after_model_load(self, module, incompatible):
+        # Stages 0-2: the parameters hold the loaded values; make them the master now, so that
+        # a state_dict() or checkpoint before the next step has them too (collective, as loading
+        # is on every rank), keeping the optimizer's moments, as DeepSpeed does.
+        for u in self._units:
+            self._watch.adopt(u, [True] * len(u.params))
+        self.engine.commit_shards()
+        self._watch.record()
+
+    @torch.no_grad()
+    def model_state_dict(self):
+        """model.state_dict() with every managed parameter whole, as copies on the model's device:
+        in stage 3 each unit's parameter shards are all-gathered (collective: call it on every
+        rank), so this is how to export or evaluate stage-3 weights outside forward. Other
+        entries are model.state_dict()'s."""
+        whole = {}
+        for u in self._units:
+            if self.stage == 3:
+                # All-gather the parameter shards directly rather than through Engine.gather():
+                # an export between steps must not use gather buffers or enter the gather order
+                # the engine records for its prefetch.
+                # Over every rank: the first shard group's shards, in rank order, are the unit
+                # (with shard_group_size the other groups repeat them).
+                si = self.engine.shard_info(u.index)
+                shard = _dlpack.from_dlpack(self.engine.read_shard(u.index, _core.StateKind.param))
+                flat = torch.empty(si.shard_numel * self.comm.size(), dtype=torch.float32)
+                self.comm.all_gather(shard, flat, f"model_state_dict(): unit '{u.name}'")
+                offset = 0
+                for p, shape, n in zip(u.params, u.shapes, u.numels):
+                    # Exact: f32 holds every bf16/f16 value, so this is the parameter itself.
+                    whole[id(p)] = flat[offset:offset + n].view(shape).to(
+                        self._device, self._torch_dtype)
+                    offset += n
+            else:
+                for p in u.params:
+                    whole[id(p)] = p.detach().clone()
+        return {k: whole[id(t)] if id(t) in whole else t.detach() for k, t in
+                self.model.state_dict(keep_vars=True).items()}
+
+    def save_checkpoint(self, root, tag=None):
+        """Collective: writes the engine's checkpoint as root/<tag> (default "step<N>"; root is
+        shared by the ranks) and points root/latest at it: master weights, optimizer state, the
+        step count, the loss scaler's state and every group's hyperparameters, crash-safe and
+        checksummed, in a layout that any world size and any stage can load with
+        load_checkpoint(). An existing tag is refused. Returns the tag's path."""
+        self._sync_hyperparameters()
+        self._watch.adopt_writes()
+        return self.engine.save(str(root), tag or "")
+
+    def load_checkpoint(self, path):
+        """Collective: loads a checkpoint (a tag directory, or a root's latest tag) written at
+        any world size or stage into this optimizer (same model: unit and parameter names,
+        shapes, optimizer), after verifying it whole: a failed load changes nothing. The model's
+        parameters are rebuilt from the loaded master weights, and the param groups take the
+        saved hyperparameters (a scheduler stepped since construction is not rewound)."""
+        self.engine.load(str(path))
+        for gi, g in enumerate(self.param_groups):
+            o = self.engine.options(gi)
+            g["lr"] = o.lr
+            if "betas" in g:
+                g["betas"] = (o.beta1, o.beta2)
+            for key in ("eps", "weight_decay", "momentum", "nesterov"):
+                if key in g:
+                    g[key] = getattr(o, key)
+            self._engine_options[gi] = self._options(g)
+        self._watch.record()  # the parameters are the loaded ones: nothing to adopt
+
+    def state_dict(self):
+        if self.engine is None:
+            raise _core.InvalidArgumentError("ZeroOptimizer.state_dict() after close()")
+        """This rank's shard of the optimizer: f32 master weights and optimizer state per unit
+        (CPU tensors, on a GPU too), step count, loss scale, and the param groups'
+        hyperparameters (params as indices)."""
+        state_names = _STATE_NAMES[self._kind]
+        units = []
+        for u in self._units:
+            si = self.engine.shard_info(u.index)
+            entry = {"name": u.name, "param_names": list(u.names), "numel": si.numel,
+                     "padded_numel": si.padded_numel, "shard_offset": si.shard_offset,
+                     "shard_numel": si.shard_numel,
+                     "master": _dlpack.from_dlpack(
+                         self.engine.read_shard(u.index, _core.StateKind.master))}
+            for name, kind in zip(state_names, _STATE_KINDS):
+                if self.engine.has_state(kind):
+                    entry[name] = _dlpack.from_dlpack(self.engine.read_shard(u.index, kind))
+            units.append(entry)
+        index, groups = 0, []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(d)
+        return {"state": {"format": _STATE_FORMAT, "rank": self.engine.rank(),
+                          "world_size": self.engine.world_size(), "stage": self.stage,
+                          "optimizer": self._kind.name, "step": self.engine.step_count(),
+                          "loss_scale": self.engine.loss_scale(),
+                          "loss_scaler": _scaler_dict(self.engine.loss_scaler_state()),
+                          "units": units},
+                "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Restores a state_dict() saved by the same rank of a run at the same world size over
+        the same model: master weights (and so the model's parameters), optimizer state, step
+        count, loss scale and every group's hyperparameters."""
+        st = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if not isinstance(st, dict) or st.get("format") != _STATE_FORMAT:
+            raise _core.InvalidArgumentError(
+                "load_state_dict(): not a zeroshard state dict (expected state['format'] == "
+                f"'{_STATE_FORMAT}')")
+        rank, world = self.engine.rank(), self.engine.world_size()
+        if st["world_size"] != world or st["rank"] != rank:
+            raise _core.InvalidArgumentError(
+                f"load_state_dict(): the state is rank {st['rank']}'s of {st['world_size']} ranks; "
+                f"this is rank {rank} of {world} (load each rank's own file, at the same world size)")
+        if st["optimizer"] != self._kind.name:
+            raise _core.InvalidArgumentError(
+                f"load_state_dict(): the state is of optimizer {st['optimizer']}, this optimizer "
+                f"is {self._kind.name}")
+        if len(st["units"]) != len(self._units):
+            raise _core.InvalidArgumentError(
+                f"load_state_dict(): the state has {len(st['units'])} units, the model has "
+                f"{len(self._units)}")
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            raise _core.InvalidArgumentError(
+                f"load_state_dict(): the state has {len(groups)} param groups, this optimizer "
+                f"has {len(self.param_groups)}")
+        state_names = _STATE_NAMES[self._kind]
+        # Check everything before writing anything, so a bad file leaves the optimizer intact.
+        for u, entry in zip(self._units, st["units"]):
+            si = self.engine.shard_info(u.index)
+            for key, want in (("name", u.name), ("numel", si.numel),
+                              ("padded_numel", si.padded_numel),
+                              ("shard_numel", si.shard_numel)):
+                if entry.get(key) != want:
+                    raise _core.InvalidArgumentError(
+                        f"load_state_dict(): unit '{u.name}': saved {key} = {entry.get(key)!r}, "
+                        f"this model has {want!r} (same model, world size and shard_alignment "
+                        "needed)")
+        for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
+            # Every hyperparameter is restored, except an SGD momentum that would turn the
+            # momentum buffer on or off, which the engine fixed when it was built.
+            if "momentum" in saved and (_norm(saved["momentum"]) != 0) != (g["momentum"] != 0):
+                raise _core.InvalidArgumentError(
+                    f"load_state_dict(): param_groups[{gi}]['momentum'] was "
+                    f"{saved['momentum']!r}, this optimizer has {g['momentum']!r}: the momentum "
+                    "buffer cannot turn on or off (build the optimizer with the saved momentum)")
+        for u, entry in zip(self._units, st["units"]):
+            self.engine.write_shard(u.index, _core.StateKind.master, _f32(entry["master"]))
+            for name, kind in zip(state_names, _STATE_KINDS):
+                if name in entry:
+                    self.engine.write_shard(u.index, kind, _f32(entry[name]))
+        self.engine.commit_shards()
+        self.engine.set_step_count(int(st["step"]))
+        self.engine.set_loss_scale(float(st["loss_scale"]))
+        if "loss_scaler" in st:  # the scaler's counters too, so its schedule goes on exactly
+            ls = _core.LossScalerState()
+            ls.scale = float(st["loss_scale"])
+            for key in ("hysteresis_left", "iteration", "last_overflow"):
+                setattr(ls, key, int(st["loss_scaler"][key]))
+            self.engine.set_loss_scaler_state(ls)
+        for g, saved in zip(self.param_groups, groups):
+            for key in _GROUP_KEYS[self._kind]:
+                if key in saved:
+                    g[key] = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
+        self._sync_hyperparameters()
+        self._watch.record()  # the parameters are the loaded ones: nothing to adopt
