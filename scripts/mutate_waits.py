@@ -77,7 +77,8 @@ def mutate(lines):
 
 
 def run(cmd, cwd, env=None, timeout=None):
-    return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True)
+    return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True,
+                          errors="replace")  # a crashed test may print any bytes
 
 
 def main():

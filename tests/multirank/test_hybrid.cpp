@@ -226,7 +226,12 @@ TEST(Hybrid, HoldsTheShardOfAWorldOfTheGroupsSize) {
 // flat checkpoint into a hierarchical engine).
 TEST(Hybrid, CheckpointsLoadIntoFlatAndHierarchicalEngines) {
   SKIP_WITHOUT_GROUPS();
-  const fs::path root = fs::temp_directory_path() / "zeroshard-hybrid-ckpt";
+  // Rank 0's pid names the directory: test processes that run at once (ctest -j, the same
+  // group on the asynchronous device) must not share it.
+  double id = world()->rank() == 0 ? double(::getpid()) : 0;
+  world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
+  const fs::path root =
+      fs::temp_directory_path() / ("zeroshard-hybrid-ckpt-" + std::to_string(int64_t(id)));
   if (world()->rank() == 0) fs::remove_all(root);
   world()->barrier("test");
   const int group = group_sizes().back();
