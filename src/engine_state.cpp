@@ -54,18 +54,17 @@ void Engine::commit_shards() {
   // A stage-3 prefetch holds the parameters from before: it must not survive.
   m.drop_prefetches();
   m.state->commit(*m.topo.shard_comm, m);
-  if (m.cfg.stage == 1 || m.cfg.stage == 2) {
-    // Stages 1–2 keep whole parameters: each rank contributes its restored shard.
-    std::vector<std::shared_ptr<Work>> works;
-    m.res.dev->before_collective();
-    for (size_t i = 0; i < m.units.size(); ++i)
-      works.push_back(m.topo.shard_comm->all_gather(
-          m.params->own(int(i)), m.params->whole(int(i)), m.layout(int(i)).shard_numel, m.pdt,
-          "unit '" + m.layout(int(i)).name + "' (restored parameters)"));
-    for (auto& w : works) w->wait();
-  }
-  // No hand_to_trainer(): the restored parameters were written with waits, or all-gathered on
-  // the host (scripts/mutate_waits.py found the wait here unneeded).
+  // No hand_to_trainer() on return: the restored parameters were written with waits, or are
+  // all-gathered on the host below (scripts/mutate_waits.py found that wait unneeded).
+  if (m.cfg.stage != 1 && m.cfg.stage != 2) return;
+  // Stages 1–2 keep whole parameters: each rank contributes its restored shard.
+  std::vector<std::shared_ptr<Work>> works;
+  m.res.dev->before_collective();
+  for (size_t i = 0; i < m.units.size(); ++i)
+    works.push_back(m.topo.shard_comm->all_gather(
+        m.params->own(int(i)), m.params->whole(int(i)), m.layout(int(i)).shard_numel, m.pdt,
+        "unit '" + m.layout(int(i)).name + "' (restored parameters)"));
+  for (auto& w : works) w->wait();
 }
 
 void Engine::set_step_count(int64_t steps) {

@@ -65,19 +65,16 @@ class CpuStream {
     }
     work_cv_.notify_one();
   }
-  uint64_t issued() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return issued_;
-  }
   // Work issued and not yet done.
   uint64_t pending() {
     std::lock_guard<std::mutex> lock(mu_);
     return issued_ - done_;
   }
-  // Blocks until the first `count` pieces of work are done.
-  void wait_for(uint64_t count) {
+  // Blocks until everything issued so far is done, keeping any failure for synchronize().
+  void drain() {
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return done_ >= count; });
+    const uint64_t target = issued_;
+    done_cv_.wait(lock, [&] { return done_ >= target; });
   }
   // Blocks until everything issued so far is done; throws the first failure of this stream's
   // work (as a CUDA stream reports an asynchronous error at its synchronisation), once.
@@ -259,7 +256,7 @@ class AsyncCpuDevice final : public StreamDevice {
   // Every stream's queued work done (failures stay for its next sync_stream()).
   void wait_all() noexcept {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& s : streams_) s->wait_for(s->issued());
+    for (auto& s : streams_) s->drain();
   }
 
   cpu::Arena& arena_;
