@@ -12,7 +12,7 @@ from .. import _core
 from .._torch_guards import ShardedParameter
 
 from ._private import _autograd_calls, _first_pre_hook, _resize_storage
-from ._units import _tensors
+from ._units import GradState, _tensors
 
 
 class _GatherPart:
@@ -73,7 +73,7 @@ class _GatherPart:
                     if me is None or un is None:
                         return
                     me._queue_end_of_backward()
-                    if un.handed:  # its gradients went to the engine: a second pass through it
+                    if un.grads is GradState.HANDED:  # its gradients went to the engine: a second pass through it
                         me._refuse_second_pass(un, un.names[0])
                     if not un.gathered:
                         me._gather_for_backward(un)

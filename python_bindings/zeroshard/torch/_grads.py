@@ -10,7 +10,7 @@ from .. import _core
 from .._torch_guards import GRAD_NOT_READ, HandedGrad, handed_grad
 
 from ._private import _accumulate_grad_node, _autograd_calls, _engine_will_execute, _queue_callback
-from ._units import _tensors
+from ._units import GradState, _tensors
 
 
 class _GradsPart:
@@ -149,12 +149,9 @@ class _GradsPart:
 
     def _on_grad(self, u, i):
         self._queue_end_of_backward()
-        if u.handed:
+        if u.grads is GradState.HANDED:
             self._refuse_second_pass(u, u.names[i])
-        if not u.ready[i]:
-            u.ready[i] = True
-            u.n_ready += 1
-        if u.n_ready == len(u.params):
+        if u.grad_arrived(i):
             self._hand_off(u)
 
     @staticmethod
@@ -179,7 +176,7 @@ class _GradsPart:
             grads.append(g.detach())
         self.engine.grads_ready(u.index, grads)  # copies; the reduction starts now
         self._set_handed(u)
-        u.handed = True
+        u.set_grads(GradState.HANDED)
         if self.stage == 3 and u.gathered:
             self._release(u)
 
@@ -203,11 +200,9 @@ class _GradsPart:
         self._backwards += 1
         self._watch.check()
         for u in self._units:
-            if not u.handed:
+            if u.grads is not GradState.HANDED:
                 self._hand_off(u)
         for u in self._units:
-            u.handed = False
-            u.ready = [False] * len(u.params)
-            u.n_ready = 0
+            u.set_grads(GradState.WAITING)
             if self.stage == 3 and u.gathered and not u.forward_stack:
                 self._release(u)

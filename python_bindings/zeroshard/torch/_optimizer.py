@@ -15,7 +15,7 @@ from ._config import _TORCH_DTYPES, _ConfigPart, _stream_handle
 from ._gather import _GatherPart
 from ._grads import _GradsPart
 from ._state import _StatePart
-from ._units import _Unit, _UnitsPart, partition_units
+from ._units import GradState, _Unit, _UnitsPart, partition_units
 
 
 class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart,
@@ -194,9 +194,7 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         for u in self._units:
             for p in u.params:
                 p.grad = None
-            u.ready = [False] * len(u.params)
-            u.n_ready = 0
-            u.handed = False
+            u.set_grads(GradState.WAITING)
         self._handed.clear()
         self._backwards = 0
         self.engine.zero_grad()

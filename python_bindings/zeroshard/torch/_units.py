@@ -1,10 +1,20 @@
 """How a model is cut into engine units (partition_units), the per-unit bookkeeping, and which
 modules share or nest in other units' parameters."""
 
+import enum
 
 import torch
 
 from .. import _core
+
+
+class GradState(enum.Enum):
+    """Where a unit's gradients are in the current backward: none complete yet, some complete,
+    or all handed to the engine (the reduction has started; a further gradient is an error).
+    Back to WAITING at the end of backward, step() and zero_grad()."""
+    WAITING = 0
+    ARRIVING = 1
+    HANDED = 2
 
 
 class _Unit:
@@ -18,15 +28,25 @@ class _Unit:
         self.params = params          # the nn.Parameters, in registration order
         self.shapes = [tuple(p.shape) for p in params]
         self.numels = [p.numel() for p in params]
-        self.ready = [False] * len(params)  # gradient complete in this backward
-        self.n_ready = 0
-        self.handed = False           # gradients given to the engine in this backward
+        self.grads = GradState.WAITING  # where this backward's gradients are
+        self._arrived = set()         # parameters whose gradient is complete (ARRIVING)
         self.gathered = False         # stage 3: parameters present
         self.forward_stack = []       # stage 3: was it gathered before each nested forward?
         self.full = []                # stage 3: torch buffers the gathered values live in
         self.versions = []            # stage 3: parameters' _version when gathered
         self.pre = self.post = None   # stage 3: the module's forward hooks
         self.placeholder = None       # stage 3: what .data is while released
+
+    def grad_arrived(self, i):
+        """Notes that parameter i's gradient is complete; True once every parameter's is."""
+        self._arrived.add(i)
+        self.grads = GradState.ARRIVING
+        return len(self._arrived) == len(self.params)
+
+    def set_grads(self, state):
+        self.grads = state
+        if state is not GradState.ARRIVING:
+            self._arrived.clear()
 
 
 _MODULE_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
