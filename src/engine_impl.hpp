@@ -112,9 +112,7 @@ struct AsyncSave {
   std::shared_ptr<void> pending;
 };
 
-// The engine is also the ParamSink its state tier updates through: the new low-precision
-// shards go to where its parameter tier keeps them.
-struct Engine::Impl final : ParamSink {
+struct Engine::Impl {
   Config cfg;
   std::shared_ptr<Communicator> comm;  // every rank: agreements, the step's flags
   int rank = 0, world = 1;
@@ -141,7 +139,6 @@ struct Engine::Impl final : ParamSink {
   TierContext tier_ctx;
   std::unique_ptr<ParamTier> params;
   std::unique_ptr<StateTier> state;
-  std::vector<bool> master_is_param;  // unit's f32 parameters are its master weights
   // On a GPU: the state tier's host memory registered with CUDA, so reduced shards come down
   // by DMA. After the tiers, so the registrations end before the memory goes.
   std::vector<std::shared_ptr<void>> dma;
@@ -160,12 +157,7 @@ struct Engine::Impl final : ParamSink {
 
   /// `dev`: the device backend (null: the one Config::device names, make_compute()).
   Impl(Config c, std::shared_ptr<Communicator> cm, std::unique_ptr<Compute> dev = nullptr);
-  ~Impl() override;
-
-  // ParamSink
-  void* target(int u) override { return master_is_param[size_t(u)] ? nullptr : params->own(u); }
-  void done(int) override {}
-  void restore(int u, const float* master) override { params->restore(u, master); }
+  ~Impl();
 
   /// Records a collective of the step path for the busy-time union.
   std::shared_ptr<Work> track(std::shared_ptr<Work> w) {

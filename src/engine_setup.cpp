@@ -75,11 +75,8 @@ void Engine::Impl::make_tiers() {
 
   if (topt == Tier::nvme || tpar == Tier::nvme)
     res.swap = std::make_unique<offload::SwapSpace>(rank);
-  offload::NvmeParamTier* nvme_params = nullptr;
   if (tpar == Tier::nvme) {
-    auto p = std::make_unique<offload::NvmeParamTier>(c, res.arena, *res.swap, topt != Tier::nvme);
-    nvme_params = p.get();
-    params = std::move(p);
+    params = std::make_unique<offload::NvmeParamTier>(c, res.arena, *res.swap, topt != Tier::nvme);
   } else {
     params = std::make_unique<MemoryParamTier>(c, tpar, *res.dev, *res.host);
   }
@@ -88,19 +85,17 @@ void Engine::Impl::make_tiers() {
   const bool on_gpu = res.dev->streams();
   if (on_gpu && tpar != Tier::device)
     params = std::make_unique<StagedParamTier>(c, std::move(params), *res.dev);
-  // An f32 model's master weights are its parameters when both live in the same memory.
+  // An f32 model's master weights are its parameters when both live in the same memory (the
+  // parameter tier says whether it can share them).
   std::vector<std::optional<float*>> alias(units.size());
-  master_is_param.assign(units.size(), false);
-  for (size_t i = 0; i < units.size() && pdt == DType::f32 && topt == tpar && topt != Tier::nvme;
-       ++i) {
-    alias[i] = static_cast<float*>(params->own(int(i)));
-    master_is_param[i] = true;
-  }
+  for (size_t i = 0; i < units.size() && topt == tpar && topt != Tier::nvme; ++i)
+    alias[i] = params->share_as_master(int(i));
   if (topt == Tier::nvme) {
-    state = std::make_unique<offload::NvmeStateTier>(c, res.arena, *res.swap, nvme_params);
+    state =
+        std::make_unique<offload::NvmeStateTier>(c, res.arena, *res.swap, params->takes_writes());
   } else {
     Compute& work = topt == Tier::device ? *res.dev : *res.host;
-    state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->two_phase());
+    state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->previews());
   }
   // A GPU with the optimizer on the CPU: gradients come down, parameters go up (unless their
   // shards live off the GPU too: the update then writes them where they are).

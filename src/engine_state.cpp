@@ -53,7 +53,7 @@ void Engine::commit_shards() {
     ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
   // A stage-3 prefetch holds the parameters from before: it must not survive.
   m.drop_prefetches();
-  m.state->commit(*m.topo.shard_comm, m);
+  m.state->commit(*m.topo.shard_comm, *m.params);
   // No hand_to_trainer() on return: the restored parameters were written with waits, or are
   // all-gathered on the host below (scripts/mutate_waits.py found that wait unneeded).
   if (m.cfg.stage != 1 && m.cfg.stage != 2) return;

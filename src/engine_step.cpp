@@ -64,16 +64,11 @@ void Engine::Impl::drop_prefetches() {
 }
 
 // The update, all or nothing across ranks (a failure throws on every rank and leaves the state
-// of the last step). Parameters on disk with the state in memory are stored first: only once
-// every rank has the new shards on disk may the state change.
+// of the last step). The parameter tier takes the new shards its own way (ParamTier::update).
 void Engine::Impl::update(const std::vector<cpu::UpdateHyper>& hyper) {
   drop_prefetches();  // one started after clip_grad_norm() (close_grads() dropped the earlier)
   params->drop_reads();
-  const bool two_phase = params->two_phase();
-  if (two_phase)
-    params->store_update(steps, [&](int u, void* out) { state->preview(hyper, steps, u, out); });
-  state->update(hyper, steps, *this);
-  if (two_phase) params->commit_update();
+  params->update(*state, hyper, steps);
 }
 
 // Every unit's reductions of this step finished and handed to the state tier.

@@ -4,7 +4,7 @@
 namespace zeroshard {
 
 MemoryParamTier::MemoryParamTier(const TierContext& ctx, Tier tier, Compute& dev, Compute& host)
-    : ctx_(ctx), dev_(dev), host_(host) {
+    : ctx_(ctx), dev_(dev), host_(host), shared_(ctx.units->size(), false) {
   const bool stage3 = ctx.cfg->stage == 3;
   for (size_t i = 0; i < ctx.units->size(); ++i) {
     const UnitLayout& L = ctx.unit(int(i)).layout;
@@ -22,6 +22,12 @@ void* MemoryParamTier::own(int u) {
   const int st = ctx_.cfg->stage;
   const int64_t block = st == 1 || st == 2 ? ctx_.shard_rank * ctx_.shard(u) : 0;
   return params_[size_t(u)].as<char>() + size_t(block) * ctx_.pbytes;
+}
+
+std::optional<float*> MemoryParamTier::share_as_master(int u) {
+  if (ctx_.pdt != DType::f32) return std::nullopt;
+  shared_[size_t(u)] = true;
+  return static_cast<float*>(own(u));
 }
 
 void MemoryParamTier::write(void* dst, const float* values, int64_t n) {

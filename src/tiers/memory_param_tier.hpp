@@ -21,6 +21,8 @@ class MemoryParamTier final : public ParamTier {
   void* own(int u) override;
   std::vector<float> read(int u) const override;
   void restore(int u, const float* master) override;
+  std::optional<float*> share_as_master(int u) override;
+  void* target(int u) override { return shared_[size_t(u)] ? nullptr : own(u); }
 
  private:
   /// n low-precision values at dst (device memory) rounded from f32 values in host memory;
@@ -31,6 +33,7 @@ class MemoryParamTier final : public ParamTier {
   Compute& dev_;
   Compute& host_;
   std::vector<Buffer> params_;  // per unit: whole (stages 0–2) or this rank's shard (stage 3)
+  std::vector<bool> shared_;    // per unit: its f32 parameters are the master weights
 };
 
 }  // namespace zeroshard

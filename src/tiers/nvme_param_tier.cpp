@@ -11,8 +11,12 @@
 namespace zeroshard::offload {
 
 NvmeParamTier::NvmeParamTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space,
-                             bool two_phase)
-    : ctx_(ctx), arena_(arena), space_(space), two_phase_(two_phase), units_(ctx.units->size()) {
+                             bool state_in_memory)
+    : ctx_(ctx),
+      arena_(arena),
+      space_(space),
+      state_in_memory_(state_in_memory),
+      units_(ctx.units->size()) {
   const Config& cfg = *ctx.cfg;
   store_ = SwapStore("parameters", "param.swap", space.dirs(cfg.offload_param.nvme_paths),
                      cfg.aio.block_size);
@@ -144,8 +148,8 @@ void NvmeParamTier::drop_reads() {
   }
 }
 
-std::shared_ptr<IoBatch> NvmeParamTier::write_next(int u, char* data, const PinnedPool* pool,
-                                                   int64_t step) {
+std::shared_ptr<IoBatch> NvmeParamTier::write(int u, char* data, const PinnedPool* pool,
+                                              int64_t step) {
   const Unit& w = units_[size_t(u)];
   std::vector<Piece> ps;
   store_.pieces(w.slot[1 - w.cur], data, pool, true, ps);
@@ -167,7 +171,7 @@ void NvmeParamTier::store_update(int64_t step,
     compute(u, pool_.data(slot));
   };
   h.write = [&](int u, int slot) {
-    return std::vector<std::shared_ptr<IoBatch>>{write_next(u, pool_.data(slot), &pool_, step)};
+    return std::vector<std::shared_ptr<IoBatch>>{write(u, pool_.data(slot), &pool_, step)};
   };
   const PipelineResult pr = run_pipeline(space_.io(), pool_, int(units_.size()), 0, h);
   if (std::optional<Error> failed =
@@ -175,7 +179,15 @@ void NvmeParamTier::store_update(int64_t step,
     throw Error(failed->code(), std::string(failed->what()) + not_applied(step));
 }
 
-void NvmeParamTier::commit_update() {
+void NvmeParamTier::update(StateTier& state, const std::vector<cpu::UpdateHyper>& hyper,
+                           int64_t step) {
+  if (!state_in_memory_) return state.update(hyper, step, *this);  // writes beside its records
+  store_update(step, [&](int u, void* out) { state.preview(hyper, step, u, out); });
+  state.update(hyper, step, *this);  // writes no shard: target() is null
+  commit_writes();
+}
+
+void NvmeParamTier::commit_writes() {
   for (Unit& w : units_) w.cur = 1 - w.cur;
 }
 

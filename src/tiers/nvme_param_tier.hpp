@@ -24,9 +24,10 @@ namespace zeroshard::offload {
 
 class NvmeParamTier final : public ParamTier {
  public:
-  /// `two_phase`: the optimizer state is in memory, so a step stores the new shards
-  /// (store_update) before the state changes. Registers its file and pool with `space`.
-  NvmeParamTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space, bool two_phase);
+  /// `state_in_memory`: the optimizer state is not on nvme, so a step stores the new shards
+  /// (from StateTier::preview()) before the state changes; else the nvme state tier writes
+  /// them beside its records (takes_writes()). Registers its file and pool with `space`.
+  NvmeParamTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space, bool state_in_memory);
 
   void load_initial(int u, const float* whole) override;
   void finish_load() override;
@@ -37,17 +38,16 @@ class NvmeParamTier final : public ParamTier {
   void released(int u) override { units_[size_t(u)].held = false; }
   void read_ahead(const std::vector<int>& order, size_t pos) override;
   void drop_reads() override;
-  bool two_phase() const override { return two_phase_; }
-  void store_update(int64_t step, const std::function<void(int u, void* out)>& compute) override;
-  void commit_update() override;
+  void update(StateTier& state, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) override;
+  bool previews() const override { return state_in_memory_; }
+  void* target(int) override { return nullptr; }  // never in memory
+  bool takes_writes() const override { return !state_in_memory_; }
+  std::shared_ptr<IoBatch> write(int u, char* data, const PinnedPool* pool, int64_t step) override;
+  void commit_writes() override;
   std::vector<float> read(int u) const override;
   void restore(int u, const float* master) override;
   /// The staging pool: a GPU engine copies shards up from it.
   std::vector<std::pair<void*, size_t>> dma_regions() const override;
-
-  /// The nvme state tier writes the new shards with its records: starts writing unit u's new
-  /// shard at `data` (inside a slot of `pool`) to the uncommitted slot.
-  std::shared_ptr<IoBatch> write_next(int u, char* data, const PinnedPool* pool, int64_t step);
 
  private:
   struct Unit {
@@ -58,12 +58,15 @@ class NvmeParamTier final : public ParamTier {
     bool held = false;  // the engine holds a gather buffer of this unit (gathered or prefetched)
   };
   std::shared_ptr<IoBatch> read_into(int u, int slot, const std::string& why);
+  /// Computes (through `compute(u, out)`) and stores every unit's new shard without making it
+  /// current; throws, on every rank, when one could not be stored. Then commit_writes().
+  void store_update(int64_t step, const std::function<void(int u, void* out)>& compute);
   std::string who() const;  // "rank 1: nvme swap "
 
   TierContext ctx_;
   cpu::Arena& arena_;
   SwapSpace& space_;
-  bool two_phase_;
+  bool state_in_memory_;
   mutable SwapStore store_;  // mutable: reads in const methods take its pieces too
   PinnedPool pool_;          // shards on their way to an all-gather or to disk
   std::vector<Unit> units_;

@@ -42,7 +42,7 @@ NvmeStateTier::Record NvmeStateTier::record(int u) const {
   r.grad_off = r.record;
   r.grad_sec = a4k(S * (ctx_.accumulation() > 1 ? 4 : ctx_.pbytes));
   r.lowp_off = r.grad_off + r.grad_sec;
-  r.lowp_sec = params_ ? a4k(S * ctx_.pbytes) : 0;
+  r.lowp_sec = writes_params_ ? a4k(S * ctx_.pbytes) : 0;
   r.total = r.lowp_off + r.lowp_sec;
   return r;
 }
@@ -52,8 +52,12 @@ std::string NvmeStateTier::who() const {
 }
 
 NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space,
-                             NvmeParamTier* params)
-    : ctx_(ctx), arena_(arena), space_(space), params_(params), units_(ctx.units->size()) {
+                             bool writes_params)
+    : ctx_(ctx),
+      arena_(arena),
+      space_(space),
+      writes_params_(writes_params),
+      units_(ctx.units->size()) {
   const Config& cfg = *ctx.cfg;
   const size_t gbytes = ctx.accumulation() > 1 ? 4 : ctx.pbytes;
   store_ = SwapStore("optimizer state", "optim.swap", space.dirs(cfg.offload_optimizer.nvme_paths),
@@ -268,6 +272,7 @@ double NvmeStateTier::sum_squares() {
 // unit; otherwise restores the low-precision parameters it changed in memory and throws.
 void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                            ParamSink& sink) {
+  ZS_CHECK(sink.takes_writes() == writes_params_);
   const DType gdt = ctx_.accumulation() > 1 ? DType::f32 : ctx_.pdt;
   const std::string in_step = " in step " + std::to_string(step);
   std::vector<cpu::UpdateTask> tasks;
@@ -313,8 +318,8 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
                        ? grad_cache_.data(w.gslot) + (ctx_.accumulation() > 1 ? grad_acc_off_ : 0)
                        : base + L.grad_off;
     uu.args.grad_dtype = gdt;
-    void* out = params_ ? base + L.lowp_off : sink.target(i);
-    if (params_) zero_padding(ctx_.unit(i), base + L.lowp_off, ctx_.pbytes);
+    void* out = writes_params_ ? base + L.lowp_off : sink.target(i);
+    if (writes_params_) zero_padding(ctx_.unit(i), base + L.lowp_off, ctx_.pbytes);
     if (out) {
       uu.args.out = out;
       uu.args.out_dtype = ctx_.pdt;
@@ -323,7 +328,7 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     tasks.clear();
     cpu::append_update_tasks(hyper, uu, tasks);
     cpu::run_update_tasks(arena_, tasks);
-    if (!params_) sink.done(i);
+    if (!writes_params_) sink.done(i);
     if (w.gslot >= 0) {  // the cached gradient is spent
       grad_cache_.release(w.gslot);
       w.gslot = -1;
@@ -340,8 +345,7 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
         space_.io().submit(std::move(ps), who() + "write of unit '" + ctx_.unit(i).layout.name +
                                               "' (optimizer state, slot " +
                                               std::to_string(1 - w.cur) + ")" + in_step)};
-    if (params_)
-      out.push_back(params_->write_next(i, base + record(i).lowp_off, &swap_pool_, step));
+    if (writes_params_) out.push_back(sink.write(i, base + record(i).lowp_off, &swap_pool_, step));
     return out;
   };
   const PipelineResult pr =
@@ -351,11 +355,11 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
   forget_grads();
   if (!failed) {
     for (Unit& w : units_) w.cur = 1 - w.cur;
-    if (params_) params_->commit_update();
+    if (writes_params_) sink.commit_writes();
     return;
   }
   std::string restore_error;
-  if (!params_) restore_params(pr.updated, sink, restore_error);
+  if (!writes_params_) restore_params(pr.updated, sink, restore_error);
   throw Error(failed->code(), std::string(failed->what()) + not_applied(step) + restore_error);
 }
 

@@ -32,16 +32,16 @@
 #include "offload/swap_space.hpp"
 #include "offload/swap_store.hpp"
 #include "src/tiers/initial_writes.hpp"
-#include "src/tiers/nvme_param_tier.hpp"
 #include "src/tiers/tier.hpp"
 
 namespace zeroshard::offload {
 
 class NvmeStateTier final : public StateTier {
  public:
-  /// `params`: the nvme parameter tier, when the parameters are on nvme too (else null).
-  /// Registers its file and pools with `space`.
-  NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space, NvmeParamTier* params);
+  /// `writes_params`: the parameter tier takes each unit's new shard as a write beside the
+  /// state's records (ParamSink::takes_writes(), the parameters on nvme too), so each record
+  /// keeps room for it. Registers its file and pools with `space`.
+  NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space, bool writes_params);
 
   void load_initial(int u, const float* whole) override;
   void finish_load() override;
@@ -114,7 +114,7 @@ class NvmeStateTier final : public StateTier {
   TierContext ctx_;
   cpu::Arena& arena_;
   SwapSpace& space_;
-  NvmeParamTier* params_;
+  bool writes_params_;
   mutable SwapStore store_;  // mutable: reads in const methods take its pieces too
   PinnedPool swap_pool_;     // optimizer pipeline slots
   PinnedPool grad_cache_;    // gradient cache slots: [reduce-scatter output | f32 sum]

@@ -32,11 +32,21 @@ class StagedParamTier final : public ParamTier {
     inner_->read_ahead(order, pos);
   }
   void drop_reads() override { inner_->drop_reads(); }
-  bool two_phase() const override { return inner_->two_phase(); }
-  void store_update(int64_t step, const std::function<void(int u, void* out)>& compute) override {
-    inner_->store_update(step, compute);
+  // The update's route is the inner tier's: the CPU optimizer writes the shards where it keeps
+  // them.
+  void update(StateTier& state, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) override {
+    inner_->update(state, hyper, step);
   }
-  void commit_update() override { inner_->commit_update(); }
+  bool previews() const override { return inner_->previews(); }
+  std::optional<float*> share_as_master(int u) override { return inner_->share_as_master(u); }
+  void* target(int u) override { return inner_->target(u); }
+  void done(int u) override { inner_->done(u); }
+  bool takes_writes() const override { return inner_->takes_writes(); }
+  std::shared_ptr<offload::IoBatch> write(int u, char* data, const offload::PinnedPool* pool,
+                                          int64_t step) override {
+    return inner_->write(u, data, pool, step);
+  }
+  void commit_writes() override { inner_->commit_writes(); }
   std::vector<float> read(int u) const override { return inner_->read(u); }
   void restore(int u, const float* master) override { inner_->restore(u, master); }
   std::vector<std::pair<void*, size_t>> dma_regions() const override {

@@ -11,7 +11,9 @@
 //   0–2, this rank's shard in stage 3 (src/tiers/memory_param_tier.cpp,
 //   src/tiers/nvme_param_tier.cpp).
 // - ParamSink is how a StateTier's update hands each unit's new low-precision shard to where the
-//   parameters live; the engine implements it over its ParamTier.
+//   parameters live. Every ParamTier is one, and it alone decides the route a new shard takes
+//   (ParamTier::update): into its memory as the update computes it, written to disk beside the
+//   state's own records, or stored before the state may change.
 //
 // A new tier (compressed, remote) is a new implementation of one of these; the stage logic in
 // src/engine_*.cpp does not change. Units are numbered as registered; every call runs on the
@@ -33,6 +35,11 @@
 #include "zeroshard/memory.hpp"
 
 namespace zeroshard {
+
+namespace offload {
+class IoBatch;
+class PinnedPool;
+}  // namespace offload
 
 class Buffer;
 class Communicator;
@@ -97,6 +104,18 @@ class ParamSink {
   /// Rebuilds unit u's low-precision values from `master` (extent elements of f32, host memory),
   /// off the step path: a restore after a failed step, or after write_shard().
   virtual void restore(int u, const float* master) = 0;
+
+  /// The route for shards kept on disk, taken by a state tier whose own records are on disk:
+  /// the update computes unit u's new shard into `data` (in a slot of the caller's `pool`) and
+  /// write() starts writing it to where the next step's shard goes. The step's shards become
+  /// current at commit_writes(), which the caller calls once every rank wrote every unit.
+  virtual bool takes_writes() const { return false; }
+  virtual std::shared_ptr<offload::IoBatch> write(int /*u*/, char* /*data*/,
+                                                  const offload::PinnedPool* /*pool*/,
+                                                  int64_t /*step*/) {
+    return nullptr;
+  }
+  virtual void commit_writes() {}
 };
 
 /// One state's shard of one unit as a tier stores it in host memory: shard_numel values in
@@ -154,7 +173,7 @@ class StateTier {
                       ParamSink& sink) = 0;
   /// Unit u's new low-precision values written to `out` (host memory) without changing any
   /// state: the update() that follows computes bitwise the same values. For parameter tiers
-  /// that must hold the new parameters before the state may change (ParamTier::two_phase()).
+  /// that must hold the new parameters before the state may change (ParamTier::previews()).
   virtual void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u,
                        void* out) = 0;
 
@@ -182,11 +201,9 @@ class StateTier {
   virtual std::vector<std::pair<void*, size_t>> dma_regions() const { return {}; }
 };
 
-/// The low-precision parameters. See the file comment.
-class ParamTier {
+/// The low-precision parameters, and the sink their updates go through. See the file comment.
+class ParamTier : public ParamSink {
  public:
-  virtual ~ParamTier() = default;
-
   /// finalize(): unit u's parameters rounded from `whole` (the padded unit in f32), or zeros.
   virtual void load_initial(int u, const float* whole) = 0;
   virtual void finish_load() {}
@@ -212,19 +229,27 @@ class ParamTier {
   /// Before an update changes the parameters: forget what was read ahead.
   virtual void drop_reads() {}
 
-  /// Whether the new low-precision shards must be stored before the optimizer state may change
-  /// (the parameters are on disk and the state in memory): then the engine calls
-  /// store_update() with StateTier::preview() before StateTier::update().
-  virtual bool two_phase() const { return false; }
-  /// Computes (through `compute(u, out)`) and stores every unit's new shard without making it
-  /// current; throws, on every rank, when one could not be stored. Then commit_update().
-  virtual void store_update(int64_t, const std::function<void(int u, void* out)>&) {}
-  virtual void commit_update() {}
+  /// The step's update of `state`, each unit's new shard taken the way this tier keeps it; all
+  /// or nothing across ranks, as StateTier::update(). By default the update writes into
+  /// target(u) as it goes.
+  virtual void update(StateTier& state, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) {
+    state.update(hyper, step, *this);
+  }
+  /// Whether update() asks the state tier for StateTier::preview() (it stores the new shards
+  /// before the state may change): the state tier then keeps the scratch memory a preview needs.
+  virtual bool previews() const { return false; }
+  /// An f32 model whose master weights live in the same memory as its parameters: unit u's
+  /// parameters become its master weights (their memory returned, null in a plan; the update
+  /// then writes no separate copy), or nullopt where this tier cannot share them.
+  virtual std::optional<float*> share_as_master(int) { return std::nullopt; }
+
+  /// ParamSink, for a tier in memory: the update writes each shard into own(u), unless the
+  /// shard is the master weights themselves.
+  void* target(int u) override { return own(u); }
+  void done(int) override {}
 
   /// This rank's shard of unit u in f32.
   virtual std::vector<float> read(int u) const = 0;
-  /// Stage 3 restore: unit u's shard rounded from `master` (shard_numel f32 values).
-  virtual void restore(int u, const float* master) = 0;
   /// Host memory a GPU copies shards out of, for the engine to page-lock for DMA (StateTier's
   /// likewise).
   virtual std::vector<std::pair<void*, size_t>> dma_regions() const { return {}; }
