@@ -7,9 +7,10 @@
 //
 // Its device and pinned memory is host memory whose freeing waits for every stream, as
 // cudaFree does, and its TensorViews say Device::cpu; but the engine treats it as a GPU
-// (Compute::streams()): staged tiers, copies up and down, waits. Its kernels are the CPU
-// backend's (cpu_work.hpp), run on the engine's arena from the stream thread, so its results
-// are bitwise the synchronous CPU backend's.
+// (Compute::streams()): staged tiers, copies up and down, waits, and device buffers staged
+// through pinned memory for a host communicator (staged_communicator.hpp, the code CUDA runs). Its
+// kernels are the CPU backend's (cpu_work.hpp), run on the engine's arena from the stream thread,
+// so its results are bitwise the synchronous CPU backend's.
 
 #include <sys/mman.h>
 
@@ -22,18 +23,19 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "base/check.hpp"
 #include "src/compute/compute.hpp"
 #include "src/compute/cpu_work.hpp"
+#include "src/compute/staged_communicator.hpp"
 #include "src/compute/stream_device.hpp"
 
 namespace zeroshard {
@@ -151,15 +153,24 @@ class WaitingHeap final : public Allocator {
       ZS_THROW(no_space,
                "asynchronous CPU device: cannot allocate " << bytes << " bytes for " << name);
     std::lock_guard<std::mutex> lock(mu_);
-    sizes_[p] = bytes;
+    sizes_[static_cast<char*>(p)] = bytes;
     return p;
+  }
+  /// Whether `p` points into a block of this heap.
+  bool contains(const void* p) const {
+    const char* c = static_cast<const char*>(p);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sizes_.upper_bound(const_cast<char*>(c));
+    if (it == sizes_.begin()) return false;
+    --it;
+    return c < it->first + it->second;
   }
   void deallocate(void* p) noexcept override {
     wait_all_();
     size_t bytes = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = sizes_.find(p);
+      auto it = sizes_.find(static_cast<char*>(p));
       if (it == sizes_.end()) return;
       bytes = it->second;
       sizes_.erase(it);
@@ -173,14 +184,54 @@ class WaitingHeap final : public Allocator {
  private:
   static constexpr size_t kMapped = size_t(1) << 20;
   std::function<void()> wait_all_;
-  std::mutex mu_;
-  std::unordered_map<void*, size_t> sizes_;
+  mutable std::mutex mu_;
+  std::map<char*, size_t> sizes_;  // ordered: contains() finds the block below a pointer
+};
+
+// Host memory for the staging allocator (no streams: the staged communicator orders its uses).
+class HostBlocks final : public CachingAllocator::Backend {
+ public:
+  void* alloc(size_t bytes) override { return std::aligned_alloc(256, (bytes + 255) / 256 * 256); }
+  void free(void* p) noexcept override { std::free(p); }
+  void* new_event() noexcept override { return nullptr; }
+  void delete_event(void*) noexcept override {}
+  bool record(void*, void*) noexcept override { return false; }
+  bool done(void*) override { return true; }
+  void wait(void*) noexcept override {}
+};
+
+// Device buffers through a host communicator, as on a GPU: the device heap's blocks are staged,
+// and the copies are plain memcpys on the calling thread that wait for no stream (cudaMemcpy
+// does not wait for the engine's non-blocking streams either), so a collective started before
+// the work that fills its buffer reads the wrong bytes here too.
+class AsyncStaging final : public StagingDevice {
+ public:
+  explicit AsyncStaging(std::shared_ptr<const WaitingHeap> device_heap)
+      : heap_(std::move(device_heap)) {}
+  int device_of(const void* p) override { return p && heap_->contains(p) ? 0 : -1; }
+  void to_host(void* host, const void* dev, size_t bytes, int) override {
+    std::memcpy(host, dev, bytes);
+  }
+  void to_device(void* dev, const void* host, size_t bytes, int) override {
+    std::memcpy(dev, host, bytes);
+  }
+  std::shared_ptr<CachingAllocator> pinned_allocator(int device) override {
+    return CachingAllocator::create(CachingAllocator::Kind::pinned_host, device,
+                                    std::make_unique<HostBlocks>());
+  }
+
+ private:
+  std::shared_ptr<const WaitingHeap> heap_;
 };
 
 class AsyncCpuDevice final : public StreamDevice {
  public:
   AsyncCpuDevice(cpu::Arena& arena, uint64_t seed, int jitter_us)
-      : arena_(arena), seed_(seed), jitter_us_(jitter_us), heap_([this] { wait_all(); }) {
+      : arena_(arena),
+        seed_(seed),
+        jitter_us_(jitter_us),
+        heap_(std::make_shared<WaitingHeap>([this] { wait_all(); })),
+        pinned_([this] { wait_all(); }) {
     ZS_CHECK(jitter_us >= 0);
   }
   ~AsyncCpuDevice() override {
@@ -201,12 +252,15 @@ class AsyncCpuDevice final : public StreamDevice {
 
   Device device() const override { return Device::cpu; }
   int device_index() const override { return 0; }
-  Allocator* device_memory() override { return &heap_; }
-  Allocator* pinned_memory() override { return &heap_; }
+  Allocator* device_memory() override { return heap_.get(); }
+  Allocator* pinned_memory() override { return &pinned_; }
   std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
-  // Its device memory is host memory, which a host communicator reads as it is: the host waits
-  // for the compute stream before each collective (StreamCompute::before_collective).
-  std::shared_ptr<Communicator> stage(std::shared_ptr<Communicator> comm) override { return comm; }
+  // A host communicator could read its device memory as it is, but a GPU's cannot: the device
+  // buffers go through pinned staging, as on CUDA. The engine drops its staged communicators
+  // after the device: they keep the heap's block list, which they classify pointers by.
+  std::shared_ptr<Communicator> stage(std::shared_ptr<Communicator> comm) override {
+    return stage_through(std::move(comm), std::make_shared<AsyncStaging>(heap_));
+  }
 
   Stream create_stream() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -264,7 +318,8 @@ class AsyncCpuDevice final : public StreamDevice {
   const int jitter_us_;
   std::mutex mu_;  // guards the list
   std::vector<std::unique_ptr<CpuStream>> streams_;
-  WaitingHeap heap_;
+  std::shared_ptr<WaitingHeap> heap_;  // device memory
+  WaitingHeap pinned_;                 // pinned host memory
   double device_sums_[2] = {0, 0};
   double host_sums_[2] = {0, 0};
 };

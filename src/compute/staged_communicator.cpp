@@ -1,10 +1,8 @@
 // Device buffers through a host communicator (the contract is in staged_communicator.hpp): every
-// call is forwarded; CUDA device buffers are swapped for pinned staging blocks around it, with a
+// call is forwarded; device buffers are swapped for pinned staging blocks around it, with a
 // synchronous copy in before the call and a synchronous copy back once the call has completed.
 
-#include "src/cuda/staged_communicator.hpp"
-
-#include <cuda_runtime_api.h>
+#include "src/compute/staged_communicator.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -19,27 +17,16 @@
 
 #include "base/check.hpp"
 #include "base/quarantine.hpp"
-#include "src/cuda/caching_allocator.hpp"
-#include "src/cuda/cuda_resources.hpp"
 
 namespace zeroshard {
 namespace {
 
-using Block = cuda::CachingAllocator::Block;
+using Block = CachingAllocator::Block;
 using Clock = std::chrono::steady_clock;
 
-// Throws Error(cuda_error) "<ctx>: <expr> failed: cudaErrorX: <description>" and clears the
-// error, so a non-sticky failure here does not resurface in an unrelated later check.
-void check_cuda(cudaError_t e, const std::string& ctx, const char* expr) {
-  if (e == cudaSuccess) return;
-  (void)cudaGetLastError();
-  ZS_THROW(cuda_error, ctx << ": " << expr << " failed: " << cudaGetErrorName(e) << ": "
-                           << cudaGetErrorString(e));
-}
-
-// Errors thrown by the CUDA RAII layer (DeviceGuard, the allocator) do not know which collective
-// they served: add it, keeping the code (cuda_error, or no_space for the staging allocator).
-// Errors that already name it (check_cuda's) go on as they are.
+// Errors thrown by the device (its copies, its allocator) do not know which collective they
+// served: add it, keeping the code (cuda_error, or no_space for the staging allocator). Errors
+// that already name it go on as they are.
 [[noreturn]] void rethrow_naming(const Error& e, const std::string& ctx, const char* step) {
   if (std::string_view(e.what()).starts_with(ctx)) throw e;
   throw Error(e.code(), ctx + ": " + step + ": " + e.what());
@@ -68,9 +55,10 @@ struct CopyBack {
 // thread that observes completion.
 class StagedWork final : public Work {
  public:
-  StagedWork(std::string ctx, std::vector<Block> blocks, std::vector<CopyBack> back,
-             std::shared_ptr<Quarantine> quarantine)
+  StagedWork(std::string ctx, std::shared_ptr<StagingDevice> dev, std::vector<Block> blocks,
+             std::vector<CopyBack> back, std::shared_ptr<Quarantine> quarantine)
       : ctx_(std::move(ctx)),
+        dev_(std::move(dev)),
         quarantine_(std::move(quarantine)),
         blocks_(std::move(blocks)),
         back_(std::move(back)) {}
@@ -152,17 +140,15 @@ class StagedWork final : public Work {
   void copy_back() {
     for (const CopyBack& c : back_) {
       try {
-        cuda::DeviceGuard guard(c.device);
-        check_cuda(cudaMemcpy(c.device_ptr, c.staging, c.bytes, cudaMemcpyHostToDevice),
-                   ctx_ + ": copying the result back to device memory",
-                   "cudaMemcpy(device, pinned staging, bytes, cudaMemcpyHostToDevice)");
+        dev_->to_device(c.device_ptr, c.staging, c.bytes, c.device);
       } catch (const Error& e) {
         rethrow_naming(e, ctx_, "copying the result back to device memory");
       }
     }
   }
 
-  const std::string ctx_;                   // "rank 1: reduce_scatter of unit 'layer3'"
+  const std::string ctx_;  // "rank 1: reduce_scatter of unit 'layer3'"
+  std::shared_ptr<StagingDevice> dev_;
   std::shared_ptr<Quarantine> quarantine_;  // the communicator's: outlives it if need be
   std::shared_ptr<Work> inner_;
   std::timed_mutex mu_;  // guards everything below
@@ -174,7 +160,8 @@ class StagedWork final : public Work {
 
 class StagedCommunicator final : public Communicator {
  public:
-  explicit StagedCommunicator(std::shared_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  StagedCommunicator(std::shared_ptr<Communicator> inner, std::shared_ptr<StagingDevice> dev)
+      : inner_(std::move(inner)), dev_(std::move(dev)) {}
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -246,7 +233,7 @@ class StagedCommunicator final : public Communicator {
 
   void barrier(std::string what) override { inner_->barrier(std::move(what)); }
   std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override {
-    return std::make_shared<StagedCommunicator>(inner_->split(ranks, std::move(what)));
+    return std::make_shared<StagedCommunicator>(inner_->split(ranks, std::move(what)), dev_);
   }
   void set_timeout(double seconds) override { inner_->set_timeout(seconds); }
 
@@ -261,24 +248,26 @@ class StagedCommunicator final : public Communicator {
     // bytes [in_offset, in_offset + in_bytes) of p are copied now, and from which all of p is
     // copied back at completion if `copy_back`.
     void* stage(const void* p, size_t bytes, size_t in_offset, size_t in_bytes, bool copy_back) {
-      const int device = device_of(p);
+      int device = -1;
+      try {
+        device = comm_.dev_->device_of(p);
+      } catch (const Error& e) {
+        rethrow_naming(e, ctx_, "classifying a buffer");
+      }
       if (device < 0) return const_cast<void*>(p);
+      const char* step = "staging a device buffer";
       try {
         Block block = comm_.staging_allocator(device)->allocate(bytes);
-        if (in_bytes > 0) {
-          cuda::DeviceGuard guard(device);
-          check_cuda(
-              cudaMemcpy(block.as<char>() + in_offset, static_cast<const char*>(p) + in_offset,
-                         in_bytes, cudaMemcpyDeviceToHost),
-              ctx_ + ": copying the input to pinned staging",
-              "cudaMemcpy(pinned staging, device, bytes, cudaMemcpyDeviceToHost)");
-        }
+        step = "copying the input to pinned staging";
+        if (in_bytes > 0)
+          comm_.dev_->to_host(block.as<char>() + in_offset, static_cast<const char*>(p) + in_offset,
+                              in_bytes, device);
         void* host = block.data();
         blocks_.push_back(std::move(block));
         if (copy_back) back_.push_back({const_cast<void*>(p), host, bytes, device});
         return host;
       } catch (const Error& e) {
-        rethrow_naming(e, ctx_, "staging a device buffer");
+        rethrow_naming(e, ctx_, step);
       }
     }
 
@@ -290,23 +279,13 @@ class StagedCommunicator final : public Communicator {
     template <class Start>
     std::shared_ptr<Work> run(Start&& start) {
       comm_.quarantine_->reap();  // blocks of earlier timed-out calls whose peers came late
-      auto work = std::make_shared<StagedWork>(ctx_, std::move(blocks_), std::move(back_),
-                                               comm_.quarantine_);
+      auto work = std::make_shared<StagedWork>(ctx_, comm_.dev_, std::move(blocks_),
+                                               std::move(back_), comm_.quarantine_);
       work->set_inner(start());
       return work;
     }
 
    private:
-    // The device of `p` if it is device memory (cudaMemoryTypeDevice), else -1: host memory,
-    // pinned or not, and managed memory go to the host communicator as they are.
-    int device_of(const void* p) const {
-      if (p == nullptr) return -1;
-      cudaPointerAttributes attr{};
-      check_cuda(cudaPointerGetAttributes(&attr, p), ctx_ + ": classifying a buffer",
-                 "cudaPointerGetAttributes");
-      return attr.type == cudaMemoryTypeDevice ? attr.device : -1;
-    }
-
     StagedCommunicator& comm_;
     const std::string ctx_;
     std::vector<Block> blocks_;
@@ -318,18 +297,18 @@ class StagedCommunicator final : public Communicator {
   }
 
   // One pinned allocator for the communicator, made on first use (so a communicator that only
-  // ever sees host buffers allocates nothing). Its blocks are portable pinned memory, usable
-  // with every device; `device` is only made current while it allocates.
-  std::shared_ptr<cuda::CachingAllocator> staging_allocator(int device) {
+  // ever sees host buffers allocates nothing). Its blocks are pinned memory every device can
+  // copy with.
+  std::shared_ptr<CachingAllocator> staging_allocator(int device) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!pinned_)
-      pinned_ = cuda::make_caching_allocator(CachingAllocator::Kind::pinned_host, device);
+    if (!pinned_) pinned_ = dev_->pinned_allocator(device);
     return pinned_;
   }
 
   std::shared_ptr<Communicator> inner_;
+  std::shared_ptr<StagingDevice> dev_;
   std::mutex mu_;
-  std::shared_ptr<cuda::CachingAllocator> pinned_;  // guarded by mu_
+  std::shared_ptr<CachingAllocator> pinned_;  // guarded by mu_
   // Staging of collectives dropped before they settled (see ~StagedWork). Shared with the
   // Works, so that the last of them and the communicator reap it.
   std::shared_ptr<Quarantine> quarantine_ = std::make_shared<Quarantine>();
@@ -337,9 +316,10 @@ class StagedCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> stage_device_buffers(std::shared_ptr<Communicator> host_comm) {
-  ZS_CHECK(host_comm != nullptr);
-  return std::make_shared<StagedCommunicator>(std::move(host_comm));
+std::shared_ptr<Communicator> stage_through(std::shared_ptr<Communicator> host_comm,
+                                            std::shared_ptr<StagingDevice> dev) {
+  ZS_CHECK(host_comm != nullptr && dev != nullptr);
+  return std::make_shared<StagedCommunicator>(std::move(host_comm), std::move(dev));
 }
 
 }  // namespace zeroshard
