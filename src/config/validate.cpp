@@ -55,6 +55,9 @@ void check_loss_scale_and_optimizer(const Config& c) {
   const LossScaleOptions& ls = c.loss_scale;
   // A floor above the starting point would make the first overflow raise the scale.
   if (ls.static_scale == 0) {
+    require(ls.window >= 1, "fp16.loss_scale_window", ls.window,
+            "must be >= 1 with dynamic loss scaling (fp16.loss_scale = 0); 0 is only valid with "
+            "a static fp16.loss_scale");
     require(std::ldexp(1.0, ls.initial_scale_power) >= ls.min_scale, "fp16.min_loss_scale",
             ls.min_scale,
             "is above the initial scale 2^" + show(ls.initial_scale_power) +

@@ -83,8 +83,11 @@ TEST(LossScale, InfOnOneRankSkipsEverywhereAndHalves) {
     auto rr = zs_test::train(e, clean);  // window 2 after the overflow: iteration 2 is clean
     EXPECT_FALSE(rr[0].skipped);
     zs_test::train(e, clean);
-    EXPECT_EQ(e.loss_scale(), scale0) << "two clean steps after the overflow double the scale back";
-    EXPECT_EQ(e.step_count(), steps0 + 2);
+    EXPECT_EQ(e.loss_scale(), scale0 / 2) << "the step after the overflow does not count";
+    zs_test::train(e, clean);
+    EXPECT_EQ(e.loss_scale(), scale0) << "two clean steps after the one after the overflow "
+                                         "double the scale back (DeepSpeed >= 0.17.1)";
+    EXPECT_EQ(e.step_count(), steps0 + 3);
   }
 }
 
