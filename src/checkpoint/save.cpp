@@ -289,6 +289,9 @@ class RangeSource {
 }  // namespace
 
 std::filesystem::path Engine::save(const std::filesystem::path& root, const std::string& tag) {
+  if (!impl_->finalized)
+    ZS_THROW(invalid_argument, "rank " << rank() << ": save(" << root.string()
+                                       << ") before finalize(): there is no state to save yet");
   finish_save();
   std::unique_ptr<PendingSave> p = start(*this, root, tag);
   std::unique_ptr<StateSnapshot> frozen;  // the nvme tier's: each unit's record read once
@@ -301,6 +304,9 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
 }
 
 void Engine::save_async(const std::filesystem::path& root, const std::string& tag) {
+  if (!impl_->finalized)
+    ZS_THROW(invalid_argument, "rank " << rank() << ": save_async(" << root.string()
+                                       << ") before finalize(): there is no state to save yet");
   finish_save();
   std::shared_ptr<PendingSave> p = start(*this, root, tag);
   // The snapshot, now: kept by the tier where the state lies (nvme), else this rank's data

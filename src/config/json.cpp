@@ -303,6 +303,15 @@ Node zero_optimization_layout() {
           {"stage3_max_reuse_distance", accept_count},   // [1e9]
           {"stage3_gather_16bit_weights_on_model_save", accept_bool},  // [false]
           {"round_robin_gradients", accept_bool},  // [false] a CPU-offload copy order
+          // [true] A parameter that gets no gradient in a backward is tolerated (its gradient
+          // counts as zero); false asks for an error instead, which zeroshard does not raise.
+          {"ignore_unused_parameters",
+           [](const JsonField& f, Ctx&) {
+             if (!f.boolean())
+               f.bad(
+                   "= false is not taken: zeroshard always tolerates a parameter that gets no "
+                   "gradient in a backward (DeepSpeed's default); remove the key or set it true");
+           }},
           {"offload_optimizer",
            {
                Node::fields(),  // device, nvme_path, buffer_count, pin_memory

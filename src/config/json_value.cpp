@@ -120,6 +120,11 @@ std::vector<float> JsonField::numbers(size_t n) const {
 }
 
 json parse_strict(std::string_view text) {
+  // JSON has no raw NUL: inside a string it must be written \u0000, and after the document it
+  // would hide what follows it from a reader that stops there.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos)
+    fail("invalid JSON: a NUL byte at offset " + std::to_string(nul) +
+         " (write \\u0000 inside a string; nothing may follow the document)");
   struct Frame {
     std::set<std::string> seen;
     std::string key;

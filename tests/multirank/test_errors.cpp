@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <string>
@@ -321,6 +322,11 @@ TEST(Misuse, ClearErrors) {
   cfg.stage = 3;
   Engine e(cfg, world());
   EXPECT_ZS_ERROR(e.params(0), invalid_argument, "before finalize()");
+  // A checkpoint of an engine with no state yet (this crashed once).
+  EXPECT_ZS_ERROR(e.save("/tmp/zs-never-written"), invalid_argument,
+                  "save(/tmp/zs-never-written) before finalize()");
+  EXPECT_ZS_ERROR(e.save_async("/tmp/zs-never-written"), invalid_argument, "before finalize()");
+  EXPECT_FALSE(std::filesystem::exists("/tmp/zs-never-written"));
   e.zero_grad();  // nothing to forget yet: a no-op, not a crash
   e.add_unit("u", {Param{"w", {5, 3}}, Param{"b", {3}}});
   EXPECT_ZS_ERROR(e.add_unit("u", {Param{"x", {1}}}), invalid_argument,
@@ -379,6 +385,7 @@ TEST(Misuse, NvmeTierChecksStageAndPaths) {
                   "nvme path '" + missing + "' cannot be used: No such file or directory");
   e.zero_grad();  // the failed finalize() left no tiers: still a no-op, not a crash
   EXPECT_ZS_ERROR(e.step(), invalid_argument, "step() before finalize()");
+  EXPECT_ZS_ERROR(e.save("/tmp/zs-never-written"), invalid_argument, "before finalize()");
 }
 
 }  // namespace

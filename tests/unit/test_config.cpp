@@ -362,6 +362,17 @@ TEST(Config, DeepSpeedPrecisionKeysAndClippingDefault) {
                   .dtype,
               DType::bf16);
   EXPECT_EQ(Config::from_json(R"({"zero_optimization": {"stage": 2}})").gradient_clipping, 0.0);
+  // A NUL byte, in a string or after the document, is refused at its offset.
+  EXPECT_THAT(parse_error(std::string("{\"zeroshard\": {\"device\": \"c\0pu\"}}", 33)),
+              HasSubstr("a NUL byte at offset 27"));
+  EXPECT_THAT(parse_error(std::string("{}\0{\"stage\": 9}", 15)),
+              HasSubstr("a NUL byte at offset 2"));
+  // DeepSpeed's default, in many configs: unused parameters are tolerated.
+  EXPECT_NO_THROW(Config::from_json(
+      R"({"zero_optimization": {"stage": 2, "ignore_unused_parameters": true}})"));
+  EXPECT_THAT(parse_error(R"({"zero_optimization": {"ignore_unused_parameters": false}})"),
+              AllOf(HasSubstr("\"zero_optimization.ignore_unused_parameters\" = false"),
+                    HasSubstr("always tolerates a parameter that gets no gradient")));
 }
 
 // What real DeepSpeed files hold, taken as DeepSpeed takes it: each case comes from a published
@@ -483,7 +494,10 @@ TEST(Config, ValidateNamesFieldValueAndRule) {
 
   c = Config{};
   c.loss_scale.window = 0;
-  EXPECT_THAT(validate_error(c), HasSubstr("fp16.loss_scale_window = 0 must be >= 1"));
+  EXPECT_THAT(validate_error(c), HasSubstr("fp16.loss_scale_window = 0 must be >= 1 with dynamic"));
+  c.dtype = DType::f16;
+  c.loss_scale.static_scale = 128;  // a static scale counts no window: 0 is valid
+  EXPECT_NO_THROW(c.validate());
 
   c = Config{};
   c.optimizer.eps = 0;
