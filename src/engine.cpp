@@ -229,7 +229,10 @@ UnitId Engine::add_unit(std::string name, std::vector<Param> params) {
   const int64_t n = s.layout.shard_numel;
   s.shard_runs = s.layout.runs(m.topo.shard_rank * n, (m.topo.shard_rank + 1) * n);
   m.shapes.push_back(std::move(s));
-  m.units.emplace_back().init_params = std::move(params);
+  Unit& u = m.units.emplace_back();
+  u.grad_seen.assign(params.size(), 0);
+  u.held.assign(params.size(), 0);
+  u.init_params = std::move(params);
   return UnitId(m.units.size() - 1);
 }
 

@@ -244,10 +244,11 @@ void Engine::grads_ready(UnitId id, const std::vector<TensorView>& src) {
                                                  << " gradients");
   for (size_t i = 0; i < ps.size(); ++i) {
     const TensorView& g = src[i];
+    if (!g.data) continue;  // no gradient for this parameter in this micro-step
     // The CPU or the engine's own GPU: copies from another GPU would need peer access.
     const bool reachable = g.device == Device::cpu ||
                            (g.device == dev.device() && g.device_index == dev.device_index());
-    if (g.numel != ps[i].numel || g.dtype != m.pdt || !reachable || (!g.data && g.numel))
+    if (g.numel != ps[i].numel || g.dtype != m.pdt || !reachable)
       ZS_THROW(
           invalid_argument,
           "grads_ready(): " << m.where(id) << ": gradient of '" << ps[i].name << "' has " << g.numel
@@ -265,25 +266,37 @@ void Engine::grads_ready(UnitId id, const std::vector<TensorView>& src) {
   // them needs zeros.
   std::vector<TensorView> dst = m.take_grads(id, m.layout(id).numel);
   bool from_host = false;
+  std::vector<uint8_t> present(ps.size(), 1);
   for (size_t i = 0; i < ps.size(); ++i) {
+    if (!src[i].data) {
+      present[i] = 0;
+      m.res.dev->fill(dst[i].data, 0, size_t(ps[i].numel) * m.pbytes);
+      continue;
+    }
     if (src[i].numel) m.res.dev->copy(dst[i].data, src[i].data, src[i].bytes());
     from_host |= src[i].device == Device::cpu;
   }
   // The caller may reuse its host memory once this returns.
   if (from_host) m.res.dev->synchronize();
-  grads_ready(id);
+  m.hand_over(id, present.data());
 }
 
 void Engine::grads_ready(UnitId id) {
-  Impl& m = *impl_;
-  Unit& u = m.unit(id, "grads_ready");
+  impl_->unit(id, "grads_ready");
+  impl_->hand_over(id, nullptr);
+}
+
+// `present`: per parameter, whether it has a gradient in this micro-step (null: all do).
+void Engine::Impl::hand_over(int id, const uint8_t* present) {
+  Unit& u = units[size_t(id)];
   if (!u.grads_out)
     ZS_THROW(invalid_argument,
-             "grads_ready(): " << m.where(id) << " has no gradient buffer out; call grads() first");
+             "grads_ready(): " << where(id) << " has no gradient buffer out; call grads() first");
+  for (size_t i = 0; i < u.grad_seen.size(); ++i) u.grad_seen[i] |= present ? present[i] : 1;
   u.grads_out = false;
   u.queued = true;
-  m.issue_reductions();
-  m.complete_finished();
+  issue_reductions();
+  complete_finished();
 }
 
 // Starts every waiting reduction whose turn has come.
@@ -335,6 +348,7 @@ void Engine::zero_grad() {
     u.grads_out = false;
     u.queued = false;
     u.micro_done = 0;
+    std::fill(u.grad_seen.begin(), u.grad_seen.end(), 0);
   }
   m.reductions.next = int(m.units.size()) - 1;
   m.reductions.closed.reset();

@@ -39,6 +39,11 @@ struct Unit {
   bool queued = false;              // grads_ready() called, reduction waits for its turn
   int grad_slot = -1;               // stages 2–3: grad_staging buffer in use
   int micro_done = 0;               // micro-steps reduced since the last step
+  // Per parameter: a gradient in some micro-step since the last step, on this rank (a trainer
+  // passes none with a null view to grads_ready()). At step(): held = none on any rank.
+  std::vector<uint8_t> grad_seen;
+  std::vector<uint8_t> held;
+  bool runs_hold = false;  // the shape's runs give the held parameters the hold group
   // Stage 3 gather state.
   int gather_slot = -1;
   std::shared_ptr<Work> gather_work;
@@ -196,6 +201,15 @@ struct Engine::Impl {
   int take_grad_staging(int id);
   std::vector<TensorView> take_grads(int id, int64_t zero_from);
   void issue_reductions();
+  /// read_full()/write_full(): the parameter, after checking the unit, the index and that the
+  /// shard group's communicator moves host memory.
+  const ParamSlot& full_access(UnitId id, int param, const char* call);
+  /// grads_ready(): the unit's gradients of this micro-step are complete; `present` says per
+  /// parameter whether it had one (null: all did).
+  void hand_over(int id, const uint8_t* present);
+  /// step(): gives the runs of parameters held this step (Unit::held) the hold group
+  /// (index groups.size() of fold_hyper()), and the others their own again.
+  void mark_held_runs();
   void start_reduction(int id);
   bool cross_groups(int id);  // the reduced shard's all-reduce across groups, once; true if started
   void land_reduction(int id);    // waits for the reduction, across groups too

@@ -109,11 +109,20 @@ std::pair<double, bool> Engine::Impl::reduce_norm_and_flags() {
   reductions.lost_grad.reset();
   const double local = state->sum_squares();
   const double h = double(collectives.hash & 0xfffff);
-  // Every group holds the whole gradient: the first one's shards make the norm.
-  double agg[5] = {topo.replica == 0 ? local : 0.0, std::isfinite(local) ? 0.0 : 1.0,
-                   grad_error ? 1.0 : 0.0, h, h * h};
-  wait_for(*track(comm->all_reduce(agg, 5, ReduceOp::sum, "gradient norm and overflow flag")));
-  check_same_collectives(agg + 3);
+  // Every group holds the whole gradient: the first one's shards make the norm. Then, per
+  // parameter, whether this rank had a gradient for it: one held by every rank is left alone.
+  std::vector<double> agg = {topo.replica == 0 ? local : 0.0, std::isfinite(local) ? 0.0 : 1.0,
+                             grad_error ? 1.0 : 0.0, h, h * h};
+  for (const Unit& u : units)
+    for (uint8_t seen : u.grad_seen) agg.push_back(seen ? 1.0 : 0.0);
+  wait_for(*track(comm->all_reduce(agg.data(), int64_t(agg.size()), ReduceOp::sum,
+                                   "gradient norm and overflow flag")));
+  check_same_collectives(agg.data() + 3);
+  size_t k = 5;
+  for (Unit& u : units) {
+    for (size_t i = 0; i < u.held.size(); ++i) u.held[i] = agg[k++] == 0.0;
+    std::fill(u.grad_seen.begin(), u.grad_seen.end(), 0);
+  }
   collectives.issued.clear();
   collectives.hash = 0;
   if (agg[2] > 0) {
@@ -205,6 +214,7 @@ StepResult Engine::Impl::step() {
   ++steps;
   const double t_update = now_s();
   try {
+    mark_held_runs();
     update(fold_hyper(inv * r.clip_factor));
   } catch (...) {
     --steps;
@@ -249,7 +259,27 @@ std::vector<cpu::UpdateHyper> Engine::Impl::fold_hyper(double grad_scale) const 
     h.grad_scale = float(grad_scale);
     hyper.push_back(h);
   }
+  cpu::UpdateHyper hold;  // mark_held_runs()'s group
+  hold.kind = groups.front().kind;
+  hold.hold = true;
+  hyper.push_back(hold);
   return hyper;
+}
+
+void Engine::Impl::mark_held_runs() {
+  for (size_t i = 0; i < units.size(); ++i) {
+    Unit& u = units[i];
+    const bool any = std::find(u.held.begin(), u.held.end(), 1) != u.held.end();
+    if (!any && !u.runs_hold) continue;
+    UnitShape& s = shapes[i];
+    UnitLayout marked = s.layout;
+    for (size_t j = 0; j < u.held.size(); ++j)
+      if (u.held[j]) marked.params[j].group = int(groups.size());
+    const int64_t n = marked.shard_numel;
+    s.whole_runs = marked.runs(0, marked.padded_numel);
+    s.shard_runs = marked.runs(topo.shard_rank * n, (topo.shard_rank + 1) * n);
+    u.runs_hold = any;
+  }
 }
 
 }  // namespace zeroshard

@@ -131,6 +131,10 @@ class ZS_API Engine {
   /// Config::dtype (else throws
   /// Error(invalid_argument) naming the parameter), copies them into the unit's gradient buffer
   /// and starts the reduction as grads_ready(unit) does. The views may be reused on return.
+  /// A view with null data says the parameter got no gradient in this micro-step (it counts as
+  /// zeros): a parameter with none in any micro-step on any rank is left as it is by the step
+  /// (master, moments and parameters unchanged: torch.optim's rule for a .grad of None; Adam's
+  /// bias correction still counts the engine's steps).
   void grads_ready(UnitId unit, const std::vector<TensorView>& grads);
 
   /// Finishes the reductions, then, after gradient_accumulation_steps micro-steps: one
@@ -202,6 +206,18 @@ class ZS_API Engine {
   /// Collective: rebuilds every low-precision parameter (and, in stage 0, the whole f32 state)
   /// from the shards written with write_shard().
   void commit_shards();
+
+  /// Parameter `param` (its index in the unit) whole, as f32 (its shape's element count, in
+  /// order): the master weights, the low-precision parameter, or a moment (DeepSpeed's
+  /// safe_get_full_fp32_param and safe_get_full_optimizer_state), at any stage and tier.
+  /// Collective over the shard group (an all-gather of the unit's shards in host memory; an
+  /// engine over NCCL throws), between steps.
+  std::vector<float> read_full(UnitId unit, int param, StateKind kind);
+  /// Overwrites parameter `param` of master, state0 or state1 with `values` (whole, f32; every
+  /// rank passes the same, which is checked), each rank keeping its shard, then rebuilds the
+  /// parameters as commit_shards() does (DeepSpeed's safe_set_full_fp32_param and
+  /// safe_set_full_optimizer_state). Collective, between steps.
+  void write_full(UnitId unit, int param, StateKind kind, const std::vector<float>& values);
   /// Restores the optimizer step count (bias correction) and the loss scale of a saved state.
   void set_step_count(int64_t steps);
   void set_loss_scale(float scale);

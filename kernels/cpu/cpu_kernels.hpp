@@ -45,6 +45,9 @@ struct UpdateHyper {
   float bias_correction1 = 1;  ///< 1 − beta1^t (Adam/AdamW)
   float bias_correction2 = 1;  ///< 1 − beta2^t (Adam/AdamW)
   float grad_scale = 1;        ///< unscale × clip × 1/(ranks × micro-steps), applied to g first
+  /// A run of parameters that got no gradient on any rank this step: master and state stay as
+  /// they are, and out[i] = convert(master[i]) only (the other fields are not read).
+  bool hold = false;
 };
 
 /// One fused optimizer pass over n elements:

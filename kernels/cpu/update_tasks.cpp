@@ -30,13 +30,18 @@ void append_update_tasks(const std::vector<UpdateHyper>& hyper, const UnitUpdate
     // a multiple of every block size) and carry the runs inside them.
     static_assert(Arena::kChunk % kMaxStateBlock == 0);
     for (int64_t b = 0; b < w.n; b += Arena::kChunk) {
-      UpdateTask t{nullptr, offset_args(w, b), {}};
+      UpdateTask t{nullptr, offset_args(w, b), {}, {}};
       t.a.n = std::min(w.n, b + Arena::kChunk) - b;
       for (const GroupRun& run : *unit.runs) {
         const int64_t lo = std::max(run.begin, b), hi = std::min(run.end, b + t.a.n);
-        if (lo < hi) t.segments.push_back({lo - b, hi - b, &hyper[size_t(run.group)]});
+        if (lo >= hi) continue;
+        const UpdateHyper& h = hyper[size_t(run.group)];
+        if (h.hold)
+          t.held.emplace_back(lo - b, hi - b);
+        else
+          t.segments.push_back({lo - b, hi - b, &h});
       }
-      if (!t.segments.empty()) tasks.push_back(std::move(t));
+      if (!t.segments.empty() || !t.held.empty()) tasks.push_back(std::move(t));
     }
     return;
   }
@@ -44,17 +49,30 @@ void append_update_tasks(const std::vector<UpdateHyper>& hyper, const UnitUpdate
     for (int64_t b = run.begin; b < run.end; b += Arena::kChunk) {
       UpdateArgs a = offset_args(w, b);
       a.n = std::min(run.end, b + Arena::kChunk) - b;
-      tasks.push_back({&hyper[size_t(run.group)], a, {}});
+      tasks.push_back({&hyper[size_t(run.group)], a, {}, {}});
     }
   }
 }
 
+// A held range: the parameters are rewritten from the master, which stays as it is.
+void hold(Isa isa, const UpdateArgs& a, int64_t begin, int64_t end) {
+  if (!a.out || begin >= end) return;
+  convert(isa, static_cast<const char*>(a.master) + size_t(begin) * dtype_size(a.master_dtype),
+          a.master_dtype, static_cast<char*>(a.out) + size_t(begin) * dtype_size(a.out_dtype),
+          a.out_dtype, end - begin);
+}
+
 void run_update_task(Isa isa, const UpdateTask& t) {
-  if (t.segments.empty()) {
-    optimizer_update(isa, *t.h, t.a);
-  } else {
-    optimizer_update_segments(isa, t.segments.data(), int(t.segments.size()), t.a);
+  if (t.h) {
+    if (t.h->hold)
+      hold(isa, t.a, 0, t.a.n);
+    else
+      optimizer_update(isa, *t.h, t.a);
+    return;
   }
+  if (!t.segments.empty())
+    optimizer_update_segments(isa, t.segments.data(), int(t.segments.size()), t.a);
+  for (auto [begin, end] : t.held) hold(isa, t.a, begin, end);
 }
 
 void run_update_tasks(Arena& arena, const std::vector<UpdateTask>& tasks) {

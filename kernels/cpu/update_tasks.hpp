@@ -1,6 +1,7 @@
 #pragma once
 // One unit's optimizer update as the tiers describe it, and its split into CPU tasks.
 
+#include <utility>
 #include <vector>
 
 #include "base/layout.hpp"
@@ -17,11 +18,14 @@ struct UnitUpdate {
 };
 
 /// One CPU task: at most Arena::kChunk elements of one run, with its group's hyperparameters;
-/// for q8 moments, a block-aligned chunk of the extent with the segments of the runs in it.
+/// for q8 moments, a block-aligned chunk of the extent with the segments of the runs in it, and
+/// the ranges of held runs (UpdateHyper::hold) in it, whose moments are requantized with their
+/// blocks but not updated.
 struct UpdateTask {
   const UpdateHyper* h;
   UpdateArgs a;
-  std::vector<UpdateSegment> segments;  ///< q8 only
+  std::vector<UpdateSegment> segments;            ///< q8 only
+  std::vector<std::pair<int64_t, int64_t>> held;  ///< q8 only: [begin, end) in the chunk
 };
 
 /// `a` advanced by `b` elements (every array, including the q8 absmax at a block boundary).

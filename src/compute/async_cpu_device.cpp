@@ -290,9 +290,12 @@ class AsyncCpuDevice final : public StreamDevice {
   }
   void update(const std::vector<cpu::UpdateHyper>& hyper, const cpu::UnitUpdate& unit,
               Stream s) override {
-    // The hyperparameters as they are now (a GPU launch copies them into its arguments); the
-    // unit's runs live as long as the engine.
-    cs(s)->issue([this, hyper, unit] { cpu_work::update(arena_, hyper, {unit}); });
+    // The hyperparameters and runs as they are now (a GPU launch copies them into its
+    // arguments).
+    cs(s)->issue([this, hyper, u = unit, runs = *unit.runs]() mutable {
+      u.runs = &runs;
+      cpu_work::update(arena_, hyper, {u});
+    });
   }
   void sum_squares(const GradSpan& x, double* out, bool accumulate, Stream s) override {
     cs(s)->issue([=, this] {

@@ -46,7 +46,32 @@ class StreamCompute final : public Compute {
   }
   void update(const std::vector<cpu::UpdateHyper>& hyper,
               const std::vector<UnitUpdate>& units) override {
-    for (const UnitUpdate& u : units) d_->update(hyper, u, stream_);  // one launch per unit
+    for (const UnitUpdate& u : units) {
+      // Held runs (UpdateHyper::hold) leave the update's launch: their parameters are only
+      // rewritten from the master. The device copies the runs at the launch.
+      std::vector<GroupRun> active;
+      bool held = false;
+      for (const GroupRun& r : *u.runs) {
+        if (hyper[size_t(r.group)].hold)
+          held = true;
+        else
+          active.push_back(r);
+      }
+      if (!held) {
+        d_->update(hyper, u, stream_);  // one launch per unit
+        continue;
+      }
+      UnitUpdate rest = u;
+      rest.runs = &active;
+      if (!active.empty()) d_->update(hyper, rest, stream_);
+      const cpu::UpdateArgs& a = u.args;
+      for (const GroupRun& r : *u.runs)
+        if (hyper[size_t(r.group)].hold && a.out)
+          d_->convert(
+              static_cast<const char*>(a.master) + size_t(r.begin) * dtype_size(a.master_dtype),
+              a.master_dtype, static_cast<char*>(a.out) + size_t(r.begin) * dtype_size(a.out_dtype),
+              a.out_dtype, r.end - r.begin, stream_);
+    }
   }
   std::pair<double, bool> sum_squares(const std::vector<GradSpan>& spans) override {
     bool first = true;

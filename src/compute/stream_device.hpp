@@ -70,7 +70,8 @@ class StreamDevice {
   virtual void copy(void* dst, const void* src, size_t bytes, Stream s) = 0;
   virtual void convert(const void* src, DType sd, void* dst, DType dd, int64_t n, Stream s) = 0;
   virtual void accumulate(float* acc, const void* g, DType gd, int64_t n, Stream s) = 0;
-  /// One unit's fused update; `hyper` is read at the call (the stream may run it later).
+  /// One unit's fused update; `hyper` and the runs are read at the call (the stream may run it
+  /// later). No run is held (UpdateHyper::hold): StreamCompute converts those itself.
   virtual void update(const std::vector<cpu::UpdateHyper>& hyper, const cpu::UnitUpdate& unit,
                       Stream s) = 0;
   /// out[0] = Σ float(x)² (out[0] += with `accumulate`), out[1] = 1.0 once the sum or any

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -345,6 +346,121 @@ TEST(Offload, RunDirectoryIsPrivateAndRemovedAtExit) {
               std::string::npos);
   }
   EXPECT_FALSE(fs::exists(dir)) << dir;
+}
+
+// A parameter that gets no gradient on any rank in a step (its trainer passes a null view to
+// grads_ready()) is left alone by that step, as torch.optim leaves one whose .grad is None: no
+// weight decay, no moment decay, its low-precision copy unchanged. One that gets none on some
+// ranks only, or in some micro-steps only, is updated (with zeros there). Every tier and stage,
+// bitwise equal to stage 0 on the device tier.
+struct Held {
+  Snapshot at2, end;
+  std::vector<ShardInfo> info;
+};
+
+Held run_held(const TierCase& c) {
+  Config cfg = make_config(c);
+  cfg.gradient_clipping = 0;  // the norm of the absent gradients is zero anyway
+  Engine e(cfg, world());
+  zs_test::register_model(e, model());
+  const int rank = e.rank();
+  auto read = [&](Snapshot& s) {
+    for (int u = 0; u < e.num_units(); ++u) {
+      s.param.push_back(e.read_shard(u, StateKind::param));
+      s.master.push_back(e.read_shard(u, StateKind::master));
+      s.s0.push_back(e.read_shard(u, StateKind::state0));
+      s.s1.push_back(e.read_shard(u, StateKind::state1));
+    }
+  };
+  Held h;
+  const size_t esize = dtype_size(c.dtype);
+  const std::vector<zs_test::UnitSpec> spec_of = model();
+  for (int64_t step = 0; step < 5; ++step) {
+    if (step == 2) read(h.at2);
+    for (int micro = 0; micro < c.micro; ++micro) {
+      for (int u = e.num_units() - 1; u >= 0; --u) {
+        if (c.stage == 3) e.gather(u);
+        const auto& spec = spec_of[size_t(u)].params;
+        std::vector<std::vector<char>> bufs;
+        std::vector<TensorView> views;
+        for (size_t p = 0; p < spec.size(); ++p) {
+          const int64_t n = shape_numel(spec[p].second);
+          const std::string name = spec_of[size_t(u)].name + "." + spec[p].first;
+          // From step 2: layer1.gain has no gradient anywhere; head.b none on rank 0 (held
+          // only on one rank); layer0.b none in the first micro-step only.
+          const bool absent =
+              step >= 2 && (name == "layer1.gain" || (name == "head.b" && rank == 0) ||
+                            (name == "layer0.b" && micro == 0 && c.micro > 1));
+          if (absent) {
+            views.push_back(TensorView{});
+            continue;
+          }
+          bufs.emplace_back(size_t(n) * esize);
+          for (int64_t i = 0; i < n; ++i)
+            zs_test::store(bufs.back().data(), c.dtype, i,
+                           0.5f * std::sin(0.37f * float(i) + float(step * 7 + u * 3 + micro) +
+                                           0.9f * float(rank)));
+          views.push_back({bufs.back().data(), n, c.dtype});
+        }
+        e.grads_ready(u, views);
+        if (c.stage == 3) e.release(u);
+      }
+    }
+    EXPECT_FALSE(e.step().skipped);
+  }
+  read(h.end);
+  for (int u = 0; u < e.num_units(); ++u) h.info.push_back(e.shard_info(u));
+  return h;
+}
+
+// Whether elements [off, off + n) of unit `u`, as far as this rank's shard holds them, are the
+// same in `a` and `b` (count: elements compared).
+bool same_range(const std::vector<float>& a, const std::vector<float>& b, const ShardInfo& si,
+                int64_t off, int64_t n, int64_t* count) {
+  const int64_t lo = std::max(off, si.shard_offset) - si.shard_offset;
+  const int64_t hi = std::min(off + n, si.shard_offset + si.shard_numel) - si.shard_offset;
+  *count += std::max<int64_t>(0, hi - lo);
+  return hi <= lo ||
+         std::memcmp(a.data() + lo, b.data() + lo, size_t(hi - lo) * sizeof(float)) == 0;
+}
+
+TEST(OffloadHeld, ParameterWithoutGradientAnywhereIsLeftAlone) {
+  const TierCase cases[] = {
+      {0, Tier::device, Tier::device, DType::f32, 1},
+      {0, Tier::device, Tier::device, DType::bf16, 2},
+      {1, Tier::host, Tier::device, DType::bf16, 1},
+      {2, Tier::nvme, Tier::device, DType::bf16, 2},
+      {3, Tier::device, Tier::device, DType::bf16, 1},
+      {3, Tier::host, Tier::host, DType::f32, 1},
+      {3, Tier::nvme, Tier::nvme, DType::bf16, 2},
+      {3, Tier::host, Tier::nvme, DType::bf16, 1},
+  };
+  for (const TierCase& c : cases) {
+    const std::string what = name_of(c);
+    const Held h = run_held(c);
+    const Held ref = run_held({0, Tier::device, Tier::device, c.dtype, c.micro});
+    expect_same(ref.end, h.end, what + " against stage 0");
+    // layer1.gain (unit 2, elements 312-324) is bitwise as it was after step 2, wherever this
+    // rank holds part of it; the rest of layer1 moved. head.b (unit 4, elements 533-573) moved
+    // unless this rank is the only one.
+    for (auto s : {&Snapshot::param, &Snapshot::master, &Snapshot::s0, &Snapshot::s1}) {
+      int64_t n = 0;
+      EXPECT_TRUE(same_range((h.at2.*s)[2], (h.end.*s)[2], h.info[2], 312, 13, &n)) << what;
+      n = 0;
+      EXPECT_FALSE(same_range((h.at2.*s)[2], (h.end.*s)[2], h.info[2], 0, 312, &n) && n > 0)
+          << what << ": the rest of layer1 must move";
+      n = 0;
+      if (c.micro > 1) {  // layer0.b (unit 1, 253-275) missed the first micro-step only
+        EXPECT_FALSE(same_range((h.at2.*s)[1], (h.end.*s)[1], h.info[1], 253, 23, &n) && n > 0)
+            << what << ": layer0.b has gradients in the second micro-step";
+      }
+      n = 0;
+      if (world()->size() > 1) {
+        EXPECT_FALSE(same_range((h.at2.*s)[4], (h.end.*s)[4], h.info[4], 533, 41, &n) && n > 0)
+            << what << ": head.b has gradients on the other ranks";
+      }
+    }
+  }
 }
 
 }  // namespace
