@@ -1,9 +1,12 @@
 // Engine: state access for checkpoints. Shards are read and written where their tier keeps them;
 // commit_shards() then rebuilds the low-precision parameters from the restored master weights.
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 
 #include "base/check.hpp"
+#include "src/compute/device_communicator.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {
@@ -65,6 +68,58 @@ void Engine::commit_shards() {
         m.params->own(int(i)), m.params->whole(int(i)), m.layout(int(i)).shard_numel, m.pdt,
         "unit '" + m.layout(int(i)).name + "' (restored parameters)"));
   for (auto& w : works) w->wait();
+}
+
+// Parameter `param` of unit `id`, and the shard group's communicator, which must move host
+// memory (not NCCL's).
+const ParamSlot& Engine::Impl::full_access(UnitId id, int param, const char* call) {
+  unit(id, call);
+  if (as_device_communicator(topo.shard_comm.get()))
+    ZS_THROW(invalid_argument, call << "(): the engine's communicator is NCCL's, which moves "
+                                       "device memory only; read the shards with read_shard()");
+  const auto& ps = layout(id).params;
+  if (param < 0 || size_t(param) >= ps.size())
+    ZS_THROW(invalid_argument, call << "(): " << where(id) << " has " << ps.size()
+                                    << " parameters, no parameter " << param);
+  return ps[size_t(param)];
+}
+
+std::vector<float> Engine::read_full(UnitId id, int param, StateKind kind) {
+  Impl& m = *impl_;
+  const ParamSlot& p = m.full_access(id, param, "read_full");
+  const std::vector<float> shard = read_shard(id, kind);
+  const int64_t n = m.layout(id).shard_numel;
+  std::vector<float> unit(size_t(n) * size_t(m.topo.shard_world));
+  m.topo.shard_comm
+      ->all_gather(shard.data(), unit.data(), n, DType::f32,
+                   "read_full() of '" + p.name + "' in " + m.where(id))
+      ->wait();
+  return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
+}
+
+void Engine::write_full(UnitId id, int param, StateKind kind, const std::vector<float>& values) {
+  Impl& m = *impl_;
+  const ParamSlot& p = m.full_access(id, param, "write_full");
+  if (int64_t(values.size()) != p.numel)
+    ZS_THROW(invalid_argument, "write_full(): '" << p.name << "' in " << m.where(id) << " has "
+                                                 << p.numel << " elements, got " << values.size());
+  // Every rank must pass the same values, or the shards would hold a mix: compared by a hash
+  // (its largest and smallest over the ranks).
+  uint64_t h = 1469598103934665603ull;
+  for (float v : values) h = (h ^ std::bit_cast<uint32_t>(v)) * 1099511628211ull;
+  double span[2] = {double(h >> 12), -double(h >> 12)};  // 52 bits: exact in a double
+  m.comm->all_reduce(span, 2, ReduceOp::max, "write_full(): values of '" + p.name + "'")->wait();
+  if (span[0] != -span[1])
+    ZS_THROW(invalid_argument, "write_full(): '" << p.name << "' in " << m.where(id)
+                                                 << ": the ranks passed different values");
+  std::vector<float> shard = read_shard(id, kind);
+  const ShardInfo si = shard_info(id);
+  const int64_t lo = std::max(p.offset, si.shard_offset);
+  const int64_t hi = std::min(p.offset + p.numel, si.shard_offset + si.shard_numel);
+  for (int64_t i = lo; i < hi; ++i)
+    shard[size_t(i - si.shard_offset)] = values[size_t(i - p.offset)];
+  write_shard(id, kind, shard);
+  commit_shards();
 }
 
 void Engine::set_step_count(int64_t steps) {

@@ -229,6 +229,61 @@ TEST(Accumulation, MicroBatchesEqualOneLargerBatch) {
   }
 }
 
+// One parameter whole (DeepSpeed's safe_get_full_fp32_param and its kin): the same bits at every
+// stage, and a write of one parameter's master weights changes that parameter only (its
+// low-precision copy rounded from it), on every rank.
+TEST(RestoreFull, OneParameterWholeAtEveryStage) {
+  const Case c{DType::bf16, 1, OptimizerKind::adamw};
+  const StateKind kinds[] = {StateKind::master, StateKind::state0, StateKind::state1,
+                             StateKind::param};
+  std::vector<std::vector<float>> ref;
+  for (int stage = 0; stage <= 3; ++stage) {
+    Engine e(make_config(c, stage), world());
+    zs_test::register_model(e, zs_test::uneven_model());
+    zs_test::TrainOptions opt;
+    opt.steps = 3;
+    zs_test::train(e, opt);
+    std::vector<std::vector<float>> got;
+    for (int u = 0; u < e.num_units(); ++u) {
+      const std::vector<Param> ps = e.unit_params(u);
+      for (int p = 0; p < int(ps.size()); ++p)
+        for (StateKind k : kinds) {
+          got.push_back(e.read_full(u, p, k));
+          EXPECT_EQ(int64_t(got.back().size()), shape_numel(ps[size_t(p)].shape));
+        }
+    }
+    if (stage == 0) {
+      ref = got;
+      double moved = 0;
+      for (float x : got[1]) moved += std::fabs(x);  // embed.w's first moment
+      EXPECT_GT(moved, 0.0);
+    } else {
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(ref[i], got[i])) << "stage " << stage << " entry " << i;
+    }
+    // layer1.gain is unit 2's parameter 2; its neighbour layer1.b is parameter 1.
+    std::vector<float> v(13);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = 0.125f * float(i) - 0.5f;  // exact in bf16
+    const std::vector<float> b_before = e.read_full(2, 1, StateKind::master);
+    e.write_full(2, 2, StateKind::master, v);
+    EXPECT_TRUE(bitwise_equal(e.read_full(2, 2, StateKind::master), v)) << "stage " << stage;
+    EXPECT_TRUE(bitwise_equal(e.read_full(2, 2, StateKind::param), v)) << "stage " << stage;
+    EXPECT_TRUE(bitwise_equal(e.read_full(2, 1, StateKind::master), b_before));
+    std::vector<float> m(13, 0.0f);
+    e.write_full(2, 2, StateKind::state0, m);
+    EXPECT_TRUE(bitwise_equal(e.read_full(2, 2, StateKind::state0), m));
+    EXPECT_ZS_ERROR(e.read_full(2, 3, StateKind::master), invalid_argument, "no parameter 3");
+    EXPECT_ZS_ERROR(e.write_full(2, 2, StateKind::master, std::vector<float>(12)), invalid_argument,
+                    "has 13 elements, got 12");
+    if (world()->size() > 1) {
+      std::vector<float> w = v;
+      if (world()->rank() == 0) w[3] = 7.0f;
+      EXPECT_ZS_ERROR(e.write_full(2, 2, StateKind::master, w), invalid_argument,
+                      "the ranks passed different values");
+    }
+  }
+}
+
 }  // namespace
 
 // A sharded state written back into a fresh engine continues bitwise like the original.
