@@ -91,6 +91,15 @@ ZS_API std::shared_ptr<Communicator> make_mpi_communicator();
 /// answered and never completed: a finalize would wait for them.
 ZS_API void abort_mpi_job(int code);
 
+/// Finalises MPI now, when zeroshard initialised it and it is not finalised yet; otherwise does
+/// nothing. Every MPI communicator still alive (held by an engine the program never destroyed)
+/// first finishes the collectives it has started, as its destructor would, and is closed: its
+/// later collectives fail with Error(comm_failure). For the end of a program that leaves engines
+/// alive, which would otherwise exit without finalising (and mpirun reports an abnormal end);
+/// the Python package calls it at interpreter exit. Aborts the job instead, as the end of the
+/// process would, once a collective timed out on peers that no longer answer.
+ZS_API void finalize_mpi();
+
 /// A communicator of one rank (no MPI): collectives are copies.
 ZS_API std::shared_ptr<Communicator> make_self_communicator();
 

@@ -3,6 +3,7 @@
 // the trainer computes, and none can hang the process: each has a deadline.
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -59,7 +61,17 @@ void refuse_unjoinable_launch() {
                                         "bootstrap: zeroshard.default_communicator(device))");
 }
 
-// Process-wide MPI state: initialised once, finalised when the last holder goes away.
+// What finalize_mpi() asks of a live communicator: finish, close, refuse what comes later.
+class Closable {
+ public:
+  virtual void close_for_finalize() = 0;
+
+ protected:
+  ~Closable() = default;
+};
+
+// Process-wide MPI state: initialised once, finalised when the last holder goes away or at
+// finalize_mpi(), whichever comes first.
 struct MpiRuntime {
   bool we_initialized = false;
   // A collective of this process timed out on peers that no longer answered (frozen, failed
@@ -92,10 +104,20 @@ struct MpiRuntime {
     ZS_MPI_CHECK(MPI_Op_create(&bf16_sum, 1, &op_bf16));
     ZS_MPI_CHECK(MPI_Op_create(&f16_sum, 1, &op_f16));
   }
-  ~MpiRuntime() {
+  ~MpiRuntime() { finalize(); }
+  // Idempotent. Communicators still alive are closed first (finalize_mpi()).
+  void finalize() {
+    {
+      // Held while closing: a communicator destroyed meanwhile waits in remove().
+      std::lock_guard<std::mutex> lock(live_mu);
+      for (Closable* c : live) c->close_for_finalize();
+      live.clear();
+    }
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (we_initialized && !finalized && peer_lost) {
+    if (finalized || done) return;
+    done = true;
+    if (we_initialized && peer_lost) {
       std::fprintf(stderr,
                    "zeroshard: a collective of this rank timed out on peers that no longer "
                    "answer; aborting the MPI job rather than waiting for them in MPI_Finalize\n");
@@ -104,8 +126,19 @@ struct MpiRuntime {
     }
     MPI_Op_free(&op_bf16);
     MPI_Op_free(&op_f16);
-    if (we_initialized && !finalized) MPI_Finalize();
+    if (we_initialized) MPI_Finalize();
   }
+  void add(Closable* c) {
+    std::lock_guard<std::mutex> lock(live_mu);
+    live.push_back(c);
+  }
+  void remove(Closable* c) {
+    std::lock_guard<std::mutex> lock(live_mu);
+    live.erase(std::remove(live.begin(), live.end(), c), live.end());
+  }
+  std::mutex live_mu;
+  std::vector<Closable*> live;  // communicators not yet closed
+  bool done = false;            // finalize() ran
   // The sum of `dtype`: MPI's own for f32, the ones above for bf16 and f16.
   MPI_Op sum(DType dtype) const {
     return dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? op_bf16 : op_f16;
@@ -128,7 +161,7 @@ int checked_count(int64_t n, const std::string& what) {
   return int(n);
 }
 
-class MpiCommunicator final : public Communicator {
+class MpiCommunicator final : public Communicator, private Closable {
  public:
   MpiCommunicator() : rt_(MpiRuntime::get()) {
     ZS_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
@@ -140,17 +173,18 @@ class MpiCommunicator final : public Communicator {
   }
 
   ~MpiCommunicator() override {
+    rt_->remove(this);
+    close();
+  }
+
+  // finalize_mpi() with this communicator still alive: it closes now, and what is submitted
+  // later fails at once.
+  void close_for_finalize() override {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      if (poisoned_.empty()) poisoned_ = "MPI was finalised (finalize_mpi())";
     }
-    wake_.notify_one();
-    thread_.join();
-    // A collective abandoned after a timeout still references this communicator; freeing it
-    // could crash MPI, so it is left to the process's end.
-    probe_->close(abandoned_ != 0);
-    if (abandoned_ == 0) MPI_Comm_free(&comm_);
-    if (abandoned_ != 0 && peer_silent_) rt_->peer_lost = true;
+    close();
   }
 
   int rank() const override { return rank_; }
@@ -242,12 +276,31 @@ class MpiCommunicator final : public Communicator {
   void set_timeout(double seconds) override { timeout_s_.store(seconds); }
 
  private:
+  // Lets the started collectives finish (or time out), stops the thread, frees the MPI
+  // communicator. Once only.
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
+    // A collective abandoned after a timeout still references this communicator; freeing it
+    // could crash MPI, so it is left to the process's end.
+    probe_->close(abandoned_ != 0);
+    if (abandoned_ == 0) MPI_Comm_free(&comm_);
+    if (abandoned_ != 0 && peer_silent_) rt_->peer_lost = true;
+  }
+
   void open() {
     ZS_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     ZS_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     ZS_MPI_CHECK(MPI_Comm_size(comm_, &size_));
     probe_ = std::make_unique<PeerProbe>(comm_);
     thread_ = std::thread([this] { run(); });
+    rt_->add(this);
   }
 
   using Start = std::function<int(MPI_Request*)>;
@@ -537,11 +590,18 @@ class MpiCommunicator final : public Communicator {
   std::string poisoned_;
   int abandoned_ = 0;
   bool peer_silent_ = false;          // a timeout found peers that no longer answer (comm thread)
+  bool closed_ = false;               // close() ran (the destructor or finalize_mpi())
   std::unique_ptr<PeerProbe> probe_;  // comm thread only, once open() made it
   std::thread thread_;
 };
 
 }  // namespace
+
+void finalize_mpi() {
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) MpiRuntime::get()->finalize();
+}
 
 void abort_mpi_job(int code) {
   int inited = 0, finalized = 0, size = 1;

@@ -9,4 +9,5 @@ std::shared_ptr<Communicator> make_mpi_communicator() {
            "rebuild with it ON or use make_self_communicator()");
 }
 void abort_mpi_job(int) {}
+void finalize_mpi() {}
 }  // namespace zeroshard
