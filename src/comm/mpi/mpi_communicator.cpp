@@ -15,6 +15,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "base/check.hpp"
@@ -61,15 +62,6 @@ void refuse_unjoinable_launch() {
                                         "bootstrap: zeroshard.default_communicator(device))");
 }
 
-// What finalize_mpi() asks of a live communicator: finish, close, refuse what comes later.
-class Closable {
- public:
-  virtual void close_for_finalize() = 0;
-
- protected:
-  ~Closable() = default;
-};
-
 // Process-wide MPI state: initialised once, finalised when the last holder goes away or at
 // finalize_mpi(), whichever comes first.
 struct MpiRuntime {
@@ -110,7 +102,7 @@ struct MpiRuntime {
     {
       // Held while closing: a communicator destroyed meanwhile waits in remove().
       std::lock_guard<std::mutex> lock(live_mu);
-      for (Closable* c : live) c->close_for_finalize();
+      for (auto& [owner, close] : live) close();
       live.clear();
     }
     int finalized = 0;
@@ -128,17 +120,18 @@ struct MpiRuntime {
     MPI_Op_free(&op_f16);
     if (we_initialized) MPI_Finalize();
   }
-  void add(Closable* c) {
+  // A live communicator: what finalize() calls to finish, close it and refuse what comes later.
+  void add(const void* owner, std::function<void()> close) {
     std::lock_guard<std::mutex> lock(live_mu);
-    live.push_back(c);
+    live.emplace_back(owner, std::move(close));
   }
-  void remove(Closable* c) {
+  void remove(const void* owner) {
     std::lock_guard<std::mutex> lock(live_mu);
-    live.erase(std::remove(live.begin(), live.end(), c), live.end());
+    std::erase_if(live, [owner](const auto& l) { return l.first == owner; });
   }
   std::mutex live_mu;
-  std::vector<Closable*> live;  // communicators not yet closed
-  bool done = false;            // finalize() ran
+  std::vector<std::pair<const void*, std::function<void()>>> live;  // not yet closed
+  bool done = false;                                                // finalize() ran
   // The sum of `dtype`: MPI's own for f32, the ones above for bf16 and f16.
   MPI_Op sum(DType dtype) const {
     return dtype == DType::f32 ? MPI_SUM : dtype == DType::bf16 ? op_bf16 : op_f16;
@@ -161,7 +154,7 @@ int checked_count(int64_t n, const std::string& what) {
   return int(n);
 }
 
-class MpiCommunicator final : public Communicator, private Closable {
+class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator() : rt_(MpiRuntime::get()) {
     ZS_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
@@ -179,7 +172,7 @@ class MpiCommunicator final : public Communicator, private Closable {
 
   // finalize_mpi() with this communicator still alive: it closes now, and what is submitted
   // later fails at once.
-  void close_for_finalize() override {
+  void close_for_finalize() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (poisoned_.empty()) poisoned_ = "MPI was finalised (finalize_mpi())";
@@ -300,7 +293,7 @@ class MpiCommunicator final : public Communicator, private Closable {
     ZS_MPI_CHECK(MPI_Comm_size(comm_, &size_));
     probe_ = std::make_unique<PeerProbe>(comm_);
     thread_ = std::thread([this] { run(); });
-    rt_->add(this);
+    rt_->add(this, [this] { close_for_finalize(); });
   }
 
   using Start = std::function<int(MPI_Request*)>;
