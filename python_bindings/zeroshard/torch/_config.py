@@ -2,6 +2,7 @@
 Config; torch-style parameter groups and their hyperparameters; the device the model is on."""
 
 import difflib
+import struct
 
 import torch
 
@@ -43,6 +44,18 @@ def _coerce_config(config):
     if isinstance(config, dict):
         return _core.Config.from_dict(config)
     return _core.Config.from_json_file(str(config))
+
+
+def _as_written(x):
+    """The shortest decimal that rounds to the same f32 as `x` (an f32 value read back as a
+    Python float): what the user wrote, where that was a short decimal."""
+    x = float(x)
+    f32 = struct.unpack("f", struct.pack("f", x))[0]
+    for digits in range(1, 10):
+        y = float(f"{x:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", y))[0] == f32:
+            return y
+    return x
 
 
 class _ConfigPart:
@@ -100,7 +113,8 @@ class _ConfigPart:
             if value is not None:
                 setattr(opt, key, value)
         if betas is not None:
-            opt.beta1, opt.beta2 = betas
+            self._check_betas(betas, "betas")
+            opt.beta1, opt.beta2 = (float(b) for b in betas)
         if offload_optimizer is not None:
             cfg.offload_optimizer = offload_optimizer
         if offload_param is not None:
@@ -153,37 +167,41 @@ class _ConfigPart:
         cfg.device_index = dev.index
 
     def _group_defaults(self, o):
-        d = {"lr": o.lr, "weight_decay": o.weight_decay}
+        # The engine keeps hyperparameters in f32; the groups show the values as written (0.02,
+        # not 0.019999999552965164), which round to the same f32.
+        d = {"lr": _as_written(o.lr), "weight_decay": _as_written(o.weight_decay)}
         if self._kind in (_core.OptimizerKind.adam, _core.OptimizerKind.adamw,
                           _core.OptimizerKind.lion):
-            d["betas"] = (o.beta1, o.beta2)
+            d["betas"] = (_as_written(o.beta1), _as_written(o.beta2))
         if self._kind in (_core.OptimizerKind.adam, _core.OptimizerKind.adamw):
-            d["eps"] = o.eps
+            d["eps"] = _as_written(o.eps)
         if self._kind == _core.OptimizerKind.sgd:
-            d["momentum"] = o.momentum
+            d["momentum"] = _as_written(o.momentum)
             d["nesterov"] = o.nesterov
         return d
 
-    def _build_groups(self, param_groups, trainable):
-        ids = {id(p) for p in trainable}
+    @staticmethod
+    def _check_betas(betas, where):
+        # As torch.optim refuses them: one float and one Tensor.
+        if (betas is not None and len(betas) == 2
+                and isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor)):
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: {where}: betas must be either both floats or both Tensors")
+
+    def _grouped(self, param_groups, trainable):
+        """The trainable parameters the engine manages: those of `param_groups` (every one
+        when None), in the model's order. As in torch.optim, a trainable parameter in no group
+        is not optimised: it stays a plain torch parameter, its .grad accumulates as usual, and
+        nothing steps it. Checks that the groups name parameters of the model, once each."""
         if param_groups is None:
-            return [{"params": list(trainable)}]
-        allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
-        groups, seen = [], set()
+            return trainable
         names = {id(p): n for n, p in self.model.named_parameters()}
+        seen = set()
         for gi, g in enumerate(param_groups):
             if not isinstance(g, dict) or "params" not in g:
                 raise _core.InvalidArgumentError(
                     f"ZeroOptimizer: param_groups[{gi}] must be a dict with a 'params' entry")
-            for k in g:
-                if k not in allowed:
-                    raise _core.ConfigError(
-                        f"config: param_groups[{gi}] has key '{k}', which the "
-                        f"{self._kind.name} optimizer does not take (allowed: "
-                        f"{', '.join(sorted(allowed))})")
-            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-            keep = []
-            for p in ps:
+            for p in self._group_params(g):
                 if id(p) not in names:
                     raise _core.InvalidArgumentError(
                         f"ZeroOptimizer: param_groups[{gi}] holds a tensor that is not a "
@@ -192,16 +210,34 @@ class _ConfigPart:
                     raise _core.InvalidArgumentError(
                         f"ZeroOptimizer: parameter '{names[id(p)]}' is in more than one group")
                 seen.add(id(p))
-                if id(p) in ids:  # frozen parameters are not the engine's
-                    keep.append(p)
-            if keep:
-                groups.append(dict(g, params=keep))
-        missing = [names[id(p)] for p in trainable if id(p) not in seen]
-        if missing:
+        managed = [p for p in trainable if id(p) in seen]
+        if not managed:
             raise _core.InvalidArgumentError(
-                "ZeroOptimizer: param_groups leave out trainable parameters "
-                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; every trainable parameter "
-                "must be in exactly one group")
+                "ZeroOptimizer: param_groups hold no trainable parameter of the model")
+        return managed
+
+    @staticmethod
+    def _group_params(g):
+        return [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+
+    def _build_groups(self, param_groups, managed):
+        """torch-style groups of the managed parameters (frozen ones left out), in the order
+        given; a group left with no parameter stays, as in torch (a scheduler keeps one entry per
+        group)."""
+        if param_groups is None:
+            return [{"params": list(managed)}]
+        allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
+        ids = {id(p) for p in managed}
+        groups = []
+        for gi, g in enumerate(param_groups):
+            for k in g:
+                if k not in allowed:
+                    raise _core.ConfigError(
+                        f"config: param_groups[{gi}] has key '{k}', which the "
+                        f"{self._kind.name} optimizer does not take (allowed: "
+                        f"{', '.join(sorted(allowed))})")
+            self._check_betas(g.get("betas"), f"param_groups[{gi}]")
+            groups.append(dict(g, params=[p for p in self._group_params(g) if id(p) in ids]))
         return groups
 
     def _options(self, group):

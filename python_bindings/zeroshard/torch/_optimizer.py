@@ -35,8 +35,9 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
             given its own (torch's meanings; "adam" adds weight decay to the gradient, "adamw"
             decouples it).
         param_groups: torch-style groups, e.g. [{"params": decay, "weight_decay": 0.1},
-            {"params": no_decay, "weight_decay": 0.0}]; together they must cover every
-            trainable parameter. Default: one group of all of them.
+            {"params": no_decay, "weight_decay": 0.0}]. As in torch.optim, a trainable
+            parameter in no group is not optimised (it stays a plain torch parameter, never
+            sharded), and a group may be empty. Default: one group of all of them.
         offload_optimizer: tier of master weights and optimizer state: "none" (default),
             "cpu" or "nvme" (or an OffloadOptions / dict); offload_param likewise (stage 3).
         nvme_path: directory (or list) for the nvme tier.
@@ -72,6 +73,7 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise _core.InvalidArgumentError("ZeroOptimizer: the model has no trainable parameters")
+        trainable = self._grouped(param_groups, trainable)
         refuse_sparse(model, {id(p) for p in trainable})
         self._device = self._model_device(model)
         dtypes = {p.dtype for p in trainable}
@@ -167,8 +169,9 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         # or of any submodule) reach the master weights at the next step; stage 3 refuses
         # loads, since its parameters are shards (see _param_watch.py).
         managed = {id(p) for u in self._units for p in u.params}
+        # The frozen parameters (a trainable one in no group is the trainer's, as in torch).
         self._watch = ParamWatch(self, [(n, p) for n, p in model.named_parameters()
-                                        if id(p) not in managed])
+                                        if id(p) not in managed and not p.requires_grad])
         if self.stage == 3:
             for m in model.modules():
                 self._hooks.append(m._register_load_state_dict_pre_hook(self._before_model_load))
@@ -188,12 +191,16 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none=True):
-        """Drops the gradients accumulated since the last step (in the engine and in .grad)."""
+        """Drops the gradients accumulated since the last step (in the engine and in .grad).
+        With set_to_none=False, as in torch, a parameter that had a .grad gets a zero tensor
+        there instead (stages 0-2; at stage 3 a parameter is a shard between forwards, and
+        .grad stays None rather than hold a whole zero gradient on every rank)."""
         if self.engine is None:
             raise _core.InvalidArgumentError("ZeroOptimizer.zero_grad() after close()")
+        zeros = not set_to_none and self.stage < 3
         for u in self._units:
             for p in u.params:
-                p.grad = None
+                p.grad = torch.zeros_like(p) if zeros and p.grad is not None else None
             u.set_grads(GradState.WAITING)
         self._handed.clear()
         self._backwards = 0
