@@ -148,6 +148,10 @@ void bind_communicator(nb::module_& m) {
   m.def("make_mpi_communicator", &make_mpi_communicator, nb::call_guard<nb::gil_scoped_release>(),
         "A communicator over MPI_COMM_WORLD (initialises MPI with MPI_THREAD_MULTIPLE if needed; "
         "finalises it when the last one is destroyed). Launch with mpirun.");
+  m.def("finalize_mpi", &finalize_mpi, nb::call_guard<nb::gil_scoped_release>(),
+        "Finalises MPI now if zeroshard initialised it: communicators still alive finish their "
+        "started collectives and close (later ones fail). Called at interpreter exit, so that a "
+        "script that leaves an optimizer alive still ends its MPI job cleanly.");
   m.def("make_self_communicator", &make_self_communicator,
         "A communicator of one rank, without MPI.");
   m.def("abort_mpi_job", &abort_mpi_job, nb::arg("code") = 1,
@@ -402,6 +406,11 @@ void def_training(nb::class_<PyEngine>& cls) {
         std::vector<TensorView> views;
         size_t i = 0;
         for (nb::handle g : grads) {
+          if (g.is_none()) {  // no gradient for this parameter in this micro-step
+            views.push_back(TensorView{});
+            ++i;
+            continue;
+          }
           TensorRequest req{"grads_ready(): gradient of '" + names[i] + "' (unit '" +
                             e.engine.unit_name(u) + "')"};
           req.has_dtype = true;
@@ -420,7 +429,9 @@ void def_training(nb::class_<PyEngine>& cls) {
       "Marks the unit's gradients of this micro-step complete and starts their reduction. "
       "With grads (one contiguous tensor per parameter, of Config.dtype, on the CPU or, for "
       "device cuda, on the engine's GPU), copies them in first; they may be reused on return "
-      "(CUDA ones by work queued on the engine's stream after this call). Collective.");
+      "(CUDA ones by work queued on the engine's stream after this call). None for a parameter "
+      "that got no gradient: one that got none in any micro-step on any rank is left as it is "
+      "by the step (no decay, moments kept). Collective.");
   cls.def(
       "step", [](PyEngine& e) { return locked(e, [&] { return e.engine.step(); }); },
       "Finishes reductions; updates every shard (or skips on overflow). Collective.");
@@ -539,6 +550,29 @@ void def_state(nb::class_<PyEngine>& cls) {
   cls.def(
       "commit_shards", [](PyEngine& e) { locked(e, [&] { e.engine.commit_shards(); }); },
       "Collective: rebuilds the parameters from the shards written with write_shard().");
+  cls.def(
+      "read_full",
+      [](PyEngine& e, UnitId u, int param, StateKind k) {
+        auto v = locked(e, [&] { return e.engine.read_full(u, param, k); });
+        return export_owned(std::move(v));
+      },
+      nb::arg("unit"), nb::arg("param"), nb::arg("kind"),
+      "Collective: parameter `param` of the unit whole, of one state, as a new float32 array "
+      "(flat).");
+  cls.def(
+      "write_full",
+      [](PyEngine& e, UnitId u, int param, StateKind k, nb::handle values) {
+        TensorRequest req{"write_full(): values"};
+        req.has_dtype = true;
+        req.dtype = DType::f32;
+        Imported t = import_tensor(values, req, false);
+        const float* p = static_cast<const float*>(t.view.data);
+        std::vector<float> v(p, p + t.view.numel);
+        locked(e, [&] { e.engine.write_full(u, param, k, v); });
+      },
+      nb::arg("unit"), nb::arg("param"), nb::arg("kind"), nb::arg("values"),
+      "Collective: overwrites parameter `param`'s master/state0/state1 whole (float32, the same "
+      "on every rank) and rebuilds the parameters.");
   cls.def(
       "set_step_count",
       [](PyEngine& e, int64_t n) { locked(e, [&] { e.engine.set_step_count(n); }); },

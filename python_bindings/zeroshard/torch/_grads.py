@@ -167,9 +167,12 @@ class _GradsPart:
         grads = []
         for p, shape in zip(u.params, u.shapes):
             g = p.grad
-            if g is None or isinstance(g, HandedGrad):  # unused in this backward: zero
-                g = torch.zeros(shape, dtype=self._torch_dtype, device=self._device)
-            elif not g.is_contiguous():
+            if g is None or isinstance(g, HandedGrad):
+                # Unused in this backward: none. As in torch, a parameter without a gradient on
+                # every rank in every micro-step is left alone by the step.
+                grads.append(None)
+                continue
+            if not g.is_contiguous():
                 # AccumulateGrad lays .grad out like the parameter (contiguous here); this is
                 # only reached if a user hook replaced it with a strided tensor.
                 g = g.contiguous()
@@ -181,8 +184,11 @@ class _GradsPart:
             self._release(u)
 
     def _set_handed(self, u):
-        # .grad says where the gradient went: reading it raises, naming the alternatives.
+        # .grad says where the gradient went: reading it raises, naming the alternatives. A
+        # parameter that got none keeps None, as in torch.
         for p, name, shape in zip(u.params, u.names, u.shapes):
+            if p.grad is None:
+                continue
             g = handed_grad(shape, p.dtype, p.device, name)
             self._handed[id(p)] = g
             if p.shape == shape:

@@ -89,6 +89,68 @@ class _StatePart:
         return {k: whole[id(t)] if id(t) in whole else t.detach() for k, t in
                 self.model.state_dict(keep_vars=True).items()}
 
+    # Full-state access per parameter, as DeepSpeed's safe_get_full_* and safe_set_full_*: every
+    # stage and tier, collective (call on every rank, between steps).
+
+    def _locate(self, param):
+        for u in self._units:
+            for i, p in enumerate(u.params):
+                if p is param:
+                    return u, i
+        raise _core.InvalidArgumentError(
+            "ZeroOptimizer: the tensor is not a parameter this optimizer manages (frozen, in no "
+            "param group, or of another model)")
+
+    def _state_kind(self, key):
+        names = _STATE_NAMES[self._kind]
+        if key not in names:
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: the {self._kind.name} optimizer keeps {', '.join(names) or 'no'} "
+                f"state per parameter, not '{key}'")
+        if self._kind == _core.OptimizerKind.sgd and not self.engine.has_state(
+                _core.StateKind.state0):
+            raise _core.InvalidArgumentError(
+                "ZeroOptimizer: sgd without momentum keeps no momentum_buffer")
+        return (_core.StateKind.state0, _core.StateKind.state1)[names.index(key)]
+
+    def _read_full(self, param, kind):
+        u, i = self._locate(param)
+        self._watch.adopt_writes()  # writes to the parameters since the last step come first
+        flat = _dlpack.from_dlpack(self.engine.read_full(u.index, i, kind))
+        return flat.view(u.shapes[i])
+
+    def _write_full(self, param, kind, value):
+        u, i = self._locate(param)
+        value = torch.as_tensor(value).detach().to("cpu", torch.float32).contiguous()
+        if tuple(value.shape) != u.shapes[i]:
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer: '{u.names[i]}' has shape {u.shapes[i]}, got "
+                f"{tuple(value.shape)}")
+        self._watch.adopt_writes()
+        self.engine.write_full(u.index, i, kind, value.reshape(-1))
+        self._watch.record()  # the engine wrote the parameters, not the trainer
+
+    def full_fp32_param(self, param):
+        """The f32 master weights of `param`, whole, as a new CPU tensor of its shape
+        (DeepSpeed's safe_get_full_fp32_param). Collective."""
+        return self._read_full(param, _core.StateKind.master)
+
+    def full_optimizer_state(self, param, key):
+        """One optimizer state of `param` ("exp_avg", "exp_avg_sq", "momentum_buffer"), whole,
+        as a new f32 CPU tensor of its shape (DeepSpeed's safe_get_full_optimizer_state).
+        Collective."""
+        return self._read_full(param, self._state_kind(key))
+
+    def set_full_fp32_param(self, param, value):
+        """Overwrites the master weights of `param` with `value` (its shape; the same on every
+        rank) and the parameter with them (DeepSpeed's safe_set_full_fp32_param). Collective."""
+        self._write_full(param, _core.StateKind.master, value)
+
+    def set_full_optimizer_state(self, param, key, value):
+        """Overwrites one optimizer state of `param` (DeepSpeed's
+        safe_set_full_optimizer_state). Collective."""
+        self._write_full(param, self._state_kind(key), value)
+
     def save_checkpoint(self, root, tag=None):
         """Collective: writes the engine's checkpoint as root/<tag> (default "step<N>"; root is
         shared by the ranks) and points root/latest at it: master weights, optimizer state, the
