@@ -179,7 +179,9 @@ def _released(p, u, func):
     raise _core.InvalidArgumentError(
         f"ZeroOptimizer: parameter '{name}' of unit '{u.name}' was read by "
         f"{getattr(func, '__name__', func)}() while released: at stage 3 a parameter exists "
-        "only while its unit's module runs. For a method other than forward() that trains "
+        "only while its unit's module runs. For another module's forward that reads it (a "
+        "shared weight), zeroshard.torch.register_external_parameter(module, parameter) "
+        "before building the optimizer; for a method other than forward() that trains "
         "(a loss method), opt.register_forward_method(module, 'method'); to read parameters "
         "(generate(), evaluation) under torch.no_grad(), `with opt.gathered(module):`; "
         "their values, opt.model_state_dict()")

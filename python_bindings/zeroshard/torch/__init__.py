@@ -102,6 +102,6 @@ restores the model's parameters (they are rebuilt from the master weights).
 from .._torch_guards import HandedGrad
 from ._config import _TORCH_DTYPES  # noqa: F401  (zeroshard.plan reads it)
 from ._optimizer import ZeroOptimizer
-from ._units import partition_units
+from ._units import partition_units, register_external_parameter
 
-__all__ = ["ZeroOptimizer", "partition_units", "HandedGrad"]
+__all__ = ["ZeroOptimizer", "partition_units", "register_external_parameter", "HandedGrad"]

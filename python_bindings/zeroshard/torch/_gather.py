@@ -125,10 +125,18 @@ class _GatherPart:
                 "its checkpoints")
 
     @contextlib.contextmanager
-    def gathered(self, module=None):
+    def gathered(self, module=None, modifier_rank=None):
         """Stage 3: the parameters of `module` (default: the whole model) present for reading
         outside its forward() -- generate(), evaluation, logging -- under torch.no_grad().
-        In-place writes are refused (they would be lost). A no-op at stages 0-2."""
+        In-place writes are refused (they would be lost), unless `modifier_rank` is given
+        (DeepSpeed's GatheredParameters(..., modifier_rank=r), as initialisation code uses):
+        then what rank r writes in place reaches every rank's parameters and the master
+        weights on exit (collective; the moments are kept). A no-op at stages 0-2 without
+        modifier_rank."""
+        if modifier_rank is not None:
+            with self._modified(module, modifier_rank):
+                yield
+            return
         if self.stage < 3:
             yield
             return
@@ -145,6 +153,42 @@ class _GatherPart:
         finally:
             for u in reversed(units):
                 u.post(u.module, (), None)
+
+    @contextlib.contextmanager
+    def _modified(self, module, rank):
+        """gathered(module, modifier_rank=rank): on exit, the parameters `rank` wrote in place
+        become every rank's (broadcast from it) and the master weights (write_full)."""
+        if not 0 <= rank < self.comm.size():
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer.gathered(): modifier_rank {rank} is not a rank of "
+                f"{self.comm.size()}")
+        units = self._units_of(module)
+        if self.stage == 3:
+            for u in units:
+                u.pre(u.module, ())
+        before = [[p._version for p in u.params] for u in units]
+        try:
+            with torch.no_grad():
+                yield
+            # Which parameters the modifier wrote: its flags, broadcast.
+            flags = torch.tensor([float(p._version != v) for u, vs in zip(units, before)
+                                  for p, v in zip(u.params, vs)], dtype=torch.float64)
+            if flags.numel():
+                self.comm.broadcast(flags, rank, "gathered(): written parameters")
+            written, k = [], 0
+            for u, vs in zip(units, before):
+                for i, p in enumerate(u.params):
+                    if flags[k] != 0:
+                        written.append((u, i, p.detach().to("cpu", torch.float32).clone()))
+                    k += 1
+                u.versions = [p._version for p in u.params]  # released without complaint
+        finally:
+            if self.stage == 3:
+                for u in reversed(units):
+                    u.post(u.module, (), None)
+        for u, i, value in written:
+            self.comm.broadcast(value, rank, f"gathered(): '{u.names[i]}' from rank {rank}")
+            self._write_full(u.params[i], _core.StateKind.master, value.view(u.shapes[i]))
 
     def register_forward_method(self, module, name, uses=None):
         """Stage 3: makes module.<name>() gather parameters for its call, and again for its

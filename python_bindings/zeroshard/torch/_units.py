@@ -139,6 +139,25 @@ def partition_units(model, unit_numel=1 << 25, units=None, trainable=None):
     return out
 
 
+def register_external_parameter(module, parameter):
+    """Says that `module`'s forward reads `parameter`, a parameter of another module (a shared
+    embedding read by a head's forward, say), as DeepSpeed's
+    deepspeed.zero.register_external_parameter does. Call it before building the ZeroOptimizer
+    (in the module's __init__, typically): at stage 3 the module's forward then gathers that
+    parameter's unit too, and its backward again. Changes nothing at stages 0-2."""
+    if not isinstance(module, torch.nn.Module) or not isinstance(parameter, torch.nn.Parameter):
+        raise _core.InvalidArgumentError(
+            "register_external_parameter(module, parameter): a torch.nn.Module and a "
+            "torch.nn.Parameter")
+    if getattr(parameter, "_zs_unit", None) is not None:
+        raise _core.InvalidArgumentError(
+            "register_external_parameter(): the ZeroOptimizer owning this parameter is built "
+            "already; register before building it")
+    found = module.__dict__.setdefault("_zs_external_params", [])
+    if not any(p is parameter for p in found):
+        found.append(parameter)
+
+
 class _UnitsPart:
     """The unit-partitioning part of ZeroOptimizer (nesting, tied weights)."""
 
@@ -191,6 +210,13 @@ class _UnitsPart:
         for m in model.modules():
             for p in m.parameters(recurse=False):
                 if id(p) in owner and id(m) in outside(owner[id(p)][1]):
+                    found = users.setdefault(m, [])
+                    if owner[id(p)][0] not in found:
+                        found.append(owner[id(p)][0])
+            # Parameters of other modules this one's forward reads, as registered
+            # (register_external_parameter).
+            for p in m.__dict__.get("_zs_external_params", ()):
+                if id(p) in owner and owner[id(p)][1] is not m:
                     found = users.setdefault(m, [])
                     if owner[id(p)][0] not in found:
                         found.append(owner[id(p)][0])
