@@ -32,7 +32,8 @@ constexpr ErrorClass kErrorClasses[] = {
     {ErrorCode::no_space, "NoSpaceError", false, "A tier ran out of room."},
     {ErrorCode::cuda_error, "CudaError", false, "A CUDA runtime or NCCL call failed."},
     {ErrorCode::overflow, "GradientOverflowError", false,
-     "Gradients overflowed with the loss scale already at its minimum (DeepSpeed stops too)."},
+     "Gradients overflowed with the loss scale already at its minimum (every later step would "
+     "be skipped)."},
     {ErrorCode::internal, "InternalError", false, "An invariant inside zeroshard broke (a bug)."},
 };
 constexpr size_t kNumCodes = sizeof(kErrorClasses) / sizeof(kErrorClasses[0]);

@@ -19,6 +19,13 @@ from . import _core
 _default = {}
 
 
+# Registered first, so it runs last of zeroshard's exit handlers (atexit runs them in reverse):
+# MPI is finalised even when the script leaves an optimizer alive (its parameters hold the
+# engine's memory, and the engine its communicator), which the interpreter may never free.
+# Without it the process would end without MPI_Finalize, and mpirun would fail the job.
+atexit.register(_core.finalize_mpi)
+
+
 def launch_info():
     """{'launcher': 'mpirun' | 'srun' | 'torchrun' | 'none', 'rank', 'world_size',
     'local_rank', 'local_size', 'mpi_world'} from the launcher's environment, without starting
