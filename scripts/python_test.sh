@@ -66,3 +66,32 @@ echo "python: under Slurm's srun (tests/launch)"
 rc=0
 bash tests/launch/run_slurm_test.sh --python "$venv/bin/python" || rc=$?
 if ((rc == 77)); then echo "python: srun test skipped (see above)"; elif ((rc != 0)); then exit "$rc"; fi
+
+# The same single-process suite and the 2-rank examples on the current PyTorch from PyPI, in a
+# venv of its own (Debian's torch above is the oldest version the README supports). The package
+# built above is put on its path as it is: same interpreter, same extension. The first run
+# downloads torch (a CUDA build, several GB; pip caches it); later runs reuse the venv.
+torch_pypi="${ZEROSHARD_TORCH_PYPI:-2.15.0}"
+venv2=.venv-torch2
+if [[ "$torch_pypi" != "none" ]]; then
+  if [[ ! -x "$venv2/bin/python" ]]; then
+    echo "python: creating $venv2 (torch $torch_pypi from PyPI)"
+    "$python" -m venv "$venv2"
+  fi
+  if ! "$venv2/bin/python" -c "import torch, numpy, pytest, safetensors, transformers
+assert torch.__version__.split('+')[0] == '$torch_pypi'" 2>/dev/null; then
+    echo "python: installing torch $torch_pypi into $venv2"
+    "$venv2/bin/python" -m pip --disable-pip-version-check -q install "torch==$torch_pypi" \
+      numpy pytest "safetensors>=0.4" "transformers>=5"
+  fi
+  pkg="$("$venv/bin/python" -c 'import os, zeroshard; print(os.path.dirname(zeroshard.__file__))')"
+  path2="$(mktemp -d)"
+  ln -s "$pkg" "$path2/zeroshard"
+  echo "python: single-process tests and the 2-rank examples on torch $torch_pypi"
+  PYTHONPATH="$path2" run "$venv2/bin/python" -m pytest tests/python --ignore=tests/python/mpi \
+    -q --color=no
+  echo "python: 2-rank tests on torch $torch_pypi (mpirun -np 2)"
+  PYTHONPATH="$path2" run timeout 900 mpirun -x PYTHONPATH -np 2 "$venv2/bin/python" -m pytest \
+    tests/python/mpi -q --color=no
+  rm -rf "$path2"
+fi

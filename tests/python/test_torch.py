@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 import zeroshard as zs  # noqa: E402
 import zeroshard.torch as zt  # noqa: E402
 from zs_testutil import (  # noqa: E402
-    CLIP, EPS, LR, batches, groups, make_model, max_abs_diff, requantize, train_reference,
-    train_zero)
+    CLIP, EPS, LR, batches, groups, make_model, max_abs_diff, no_decay, requantize,
+    train_reference, train_zero)
 
 # See mpi/test_parity.py for the derivation of this bound; one rank sees the same sources of
 # rounding difference except the cross-rank gradient sum.
@@ -235,8 +235,104 @@ def test_config_errors_surface_as_python_exceptions():
     with pytest.raises(zs.ConfigError, match="does not take"):
         zt.ZeroOptimizer(m, param_groups=[{"params": list(m.parameters()), "momentum": 0.9}],
                          comm=zs.make_self_communicator())
-    with pytest.raises(zs.InvalidArgumentError, match="leave out trainable parameters"):
-        zt.ZeroOptimizer(m, param_groups=[{"params": [m.proj.weight]}],
+    with pytest.raises(zs.InvalidArgumentError, match="in more than one group"):
+        zt.ZeroOptimizer(m, param_groups=[{"params": [m.proj.weight]}, {"params": [m.proj.weight]}],
+                         comm=zs.make_self_communicator())
+    with pytest.raises(zs.InvalidArgumentError, match="hold no trainable parameter"):
+        zt.ZeroOptimizer(m, param_groups=[{"params": []}], comm=zs.make_self_communicator())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_groups_that_leave_parameters_out_behave_as_in_torch(stage):
+    # As torch.optim: a trainable parameter in no group is not optimised (it keeps its values),
+    # and an empty group stays a group, so a scheduler with one lambda per group lines up.
+    def make_groups(model):
+        named = list(model.named_parameters())
+        return [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": 0.1},
+                {"params": [], "weight_decay": 0.0}]
+    lambdas = [lambda s: 1.0 / (1 + s), lambda s: 0.5]
+    model, data = make_model(), batches(6)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(make_groups(ref), lr=LR, eps=EPS)
+    rsched = torch.optim.lr_scheduler.LambdaLR(ropt, lambdas)
+    for tokens, labels in data:
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
+        ropt.step()
+        rsched.step()
+    opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, param_groups=make_groups(model),
+                           comm=zs.make_self_communicator())
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["params"] == []
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+    for tokens, labels in data:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(tokens), labels).backward()
+        opt.step()
+        sched.step()
+    got, want, init = opt.model_state_dict(), ref.state_dict(), make_model().state_dict()
+    assert max_abs_diff(got, want) <= BOUND
+    for name in want:
+        if no_decay(name):  # in no group: untouched, on both sides
+            assert torch.equal(got[name], init[name]), name
+        else:
+            assert not torch.equal(got[name], init[name]), name
+
+
+@pytest.mark.parametrize("stage,offload", [(0, "none"), (1, "none"), (2, "cpu"), (3, "none"),
+                                           (3, "cpu")])
+def test_a_parameter_without_gradient_is_left_alone(stage, offload):
+    # torch.optim skips a parameter whose .grad is None: no weight decay, no moment decay. Here
+    # a layer the forward never uses, in the decayed group; the rest still matches AdamW.
+    model, data = make_model(), batches(4)
+    torch.manual_seed(5)
+    model.unused = torch.nn.Linear(8, 8)
+    ref = train_reference(model, data)
+    opt = zero(model, stage, offload_optimizer=offload)
+    train_zero(opt, model, data, 0, 1)
+    got, want = opt.model_state_dict(), ref.state_dict()
+    assert max_abs_diff(got, want) <= BOUND
+    for name in ("unused.weight", "unused.bias"):
+        assert torch.equal(got[name], want[name]), name  # untouched on both sides
+    for p in model.unused.parameters():
+        assert p.grad is None  # as torch leaves it
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_grad_set_to_none_false_is_torchs(stage):
+    # torch leaves zero tensors in .grad (where there was one); training goes on as with None.
+    model, data = make_model(), batches(4)
+    ref = train_reference(model, data)
+    opt = zero(model, stage)
+    for tokens, labels in data:
+        opt.zero_grad(set_to_none=False)
+        for p in model.parameters():
+            if stage < 3 and opt.engine.step_count() > 0:
+                assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p))
+            elif stage == 3:
+                assert p.grad is None  # shards between forwards: no whole zero gradient
+        torch.nn.functional.cross_entropy(model(tokens), labels).backward()
+        opt.step()
+    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+
+
+def test_param_groups_read_back_as_written():
+    # The engine keeps f32 values; the groups show what the user wrote, as torch's do.
+    m = make_model()
+    opt = zt.ZeroOptimizer(m, lr=0.02, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
+                           comm=zs.make_self_communicator())
+    g = opt.param_groups[0]
+    assert (g["lr"], g["betas"], g["weight_decay"], g["eps"]) == (0.02, (0.9, 0.95), 0.1, 1e-8)
+    opt = zt.ZeroOptimizer(make_model(), comm=zs.make_self_communicator(), config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}})
+    assert opt.param_groups[0]["lr"] == 3e-4 and opt.param_groups[0]["weight_decay"] == 0.01
+    # One float and one Tensor in betas: refused, as torch.optim refuses them.
+    with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+        zt.ZeroOptimizer(make_model(), betas=(0.9, torch.tensor(0.99)),
+                         comm=zs.make_self_communicator())
+    m = make_model()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: betas must be either both"):
+        zt.ZeroOptimizer(m, param_groups=[{"params": list(m.parameters()),
+                                           "betas": (torch.tensor(0.9), 0.99)}],
                          comm=zs.make_self_communicator())
 
 
@@ -500,3 +596,74 @@ def test_compact_state_matches_adamw_with_its_moments_stored_alike(fmt):
     assert max_abs_diff(got, ref.state_dict()) <= bound
     plain = train_reference(model, data)  # f32 moments
     assert max_abs_diff(got, plain.state_dict()) > bound
+
+
+class _ExternalHead(torch.nn.Module):
+    """An output layer whose forward reads the embedding's weight through a reference that is
+    not a submodule: DeepSpeed's "external parameter"."""
+
+    def __init__(self, embed):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(embed.num_embeddings))
+        self.embed_ref = [embed]  # a list, not a submodule (deepcopy still follows it)
+
+    def forward(self, h):
+        return h @ self.embed_ref[0].weight.t() + self.bias
+
+
+class _ExternalLM(torch.nn.Module):
+    def __init__(self, register):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = _ExternalHead(self.embed)
+        if register:
+            zt.register_external_parameter(self.head, self.embed.weight)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.body(self.embed(tokens))))
+
+
+def test_external_parameter_is_gathered_when_registered():
+    # Stage 3: a forward that reads another module's parameter fails by name, naming the way
+    # out; registered (before building, as DeepSpeed's register_external_parameter), it trains
+    # as with AdamW.
+    tokens, labels = torch.randint(0, 16, (6,)), torch.randint(0, 16, (6,))
+    plain = _ExternalLM(register=False)
+    opt = zt.ZeroOptimizer(plain, stage=3, lr=LR, comm=zs.make_self_communicator())
+    with pytest.raises(zs.InvalidArgumentError, match="register_external_parameter"):
+        torch.nn.functional.cross_entropy(plain(tokens), labels).backward()
+    opt.close()
+    model = _ExternalLM(register=True)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
+    for _ in range(3):
+        for m, o in ((ref, ropt), (model, opt)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(tokens), labels).backward()
+            o.step()
+    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+    with pytest.raises(zs.InvalidArgumentError, match="register before building it"):
+        zt.register_external_parameter(model.head, model.embed.weight)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_gathered_with_modifier_rank_reaches_the_master_weights(stage):
+    # DeepSpeed's GatheredParameters(params, modifier_rank=0), as initialisation code writes
+    # weights: the write lands in the master weights and the parameters, and training goes on
+    # from it (the moments kept).
+    model, data = make_model(), batches(2)
+    opt = zero(model, stage)
+    train_zero(opt, model, data, 0, 1)
+    with opt.gathered(model.head, modifier_rank=0):
+        model.head.weight.fill_(0.5)
+    shape = tuple(make_model().head.weight.shape)  # at stage 3 the parameter is a shard
+    assert torch.equal(opt.full_fp32_param(model.head.weight), torch.full(shape, 0.5))
+    assert torch.equal(opt.model_state_dict()["head.weight"], torch.full(shape, 0.5))
+    with pytest.raises(zs.InvalidArgumentError, match="modifier_rank 3 is not a rank of 1"):
+        with opt.gathered(model.head, modifier_rank=3):
+            pass
+    train_zero(opt, model, data, 0, 1)  # trains on from the written values
+    assert not torch.equal(opt.model_state_dict()["head.weight"], torch.full(shape, 0.5))

@@ -236,3 +236,69 @@ def test_in_place_writes_on_every_rank_are_kept(stage):
         train_zero(opt, model, [(tokens, labels)], rank, size)
     diff = max_abs_diff(opt.model_state_dict(), ref.state_dict())
     assert agree(comm, diff <= BOUND), f"rank {rank}: stage {stage}: {diff:.3g}"
+
+
+@pytest.mark.parametrize("stage,offload", [(0, "none"), (1, "cpu"), (2, "none"), (3, "none"),
+                                           (3, "cpu")])
+def test_full_state_per_parameter_as_deepspeed_reads_and_writes_it(stage, offload):
+    # full_fp32_param / full_optimizer_state (DeepSpeed's safe_get_full_*) give each parameter
+    # whole on every rank, equal to torch's AdamW; the setters change exactly that parameter.
+    comm, rank, size = world()
+    model, data = make_model(), batches(4)
+    ref = make_model()  # torch's AdamW on the whole batch, keeping its optimizer's state
+    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
+    for tokens, labels in data:
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ropt.step()
+    ropt_state = {n: ropt.state[p] for n, p in ref.named_parameters()}
+    opt = zero_opt(model, stage, offload)
+    train_zero(opt, model, data, rank, size)
+    refs = dict(ref.named_parameters())
+    ok = True
+    for name, p in model.named_parameters():
+        w = opt.full_fp32_param(p)
+        m = opt.full_optimizer_state(p, "exp_avg")
+        v = opt.full_optimizer_state(p, "exp_avg_sq")
+        ok &= tuple(w.shape) == tuple(refs[name].shape)
+        ok &= (w - refs[name].detach()).abs().max().item() <= BOUND
+        ok &= (m - ropt_state[name]["exp_avg"]).abs().max().item() <= BOUND
+        ok &= (v - ropt_state[name]["exp_avg_sq"]).abs().max().item() <= BOUND
+    assert agree(comm, ok), f"rank {rank}: a full state differs from torch's"
+    # Setting one parameter's master moves that parameter only, on every rank.
+    target = model.head.weight
+    before = opt.model_state_dict()
+    shape = tuple(make_model().head.weight.shape)  # at stage 3 the parameter is a shard
+    new = torch.full(shape, 0.25)
+    opt.set_full_fp32_param(target, new)
+    opt.set_full_optimizer_state(target, "exp_avg", torch.zeros(shape))
+    after = opt.model_state_dict()
+    ok = torch.equal(opt.full_fp32_param(target), new)
+    ok &= torch.equal(after["head.weight"], new)
+    ok &= bool((opt.full_optimizer_state(target, "exp_avg") == 0).all())
+    ok &= all(torch.equal(after[k], before[k]) for k in before if k != "head.weight")
+    with pytest.raises(zs.InvalidArgumentError, match="keeps exp_avg, exp_avg_sq"):
+        opt.full_optimizer_state(target, "momentum_buffer")
+    assert agree(comm, ok), f"rank {rank}: set_full_* changed the wrong values"
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_gathered_with_modifier_rank_reaches_every_rank(stage):
+    # DeepSpeed's GatheredParameters(..., modifier_rank=0): what rank 0 writes reaches every
+    # rank's parameters and shards of the master weights; the ranks then train on as one.
+    comm, rank, size = world()
+    model, data = make_model(), batches(2)
+    opt = zero_opt(model, stage)
+    with opt.gathered(model.head, modifier_rank=0):
+        if rank == 0:
+            model.head.weight.fill_(0.5)
+    shape = tuple(make_model().head.weight.shape)
+    ok = torch.equal(opt.full_fp32_param(model.head.weight), torch.full(shape, 0.5))
+    ok &= torch.equal(opt.model_state_dict()["head.weight"], torch.full(shape, 0.5))
+    train_zero(opt, model, data, rank, size)
+    mine = opt.model_state_dict()["head.weight"].contiguous()
+    first = mine.clone()
+    comm.broadcast(first, 0, "rank 0's head.weight")
+    ok &= torch.equal(mine, first) and not torch.equal(mine, torch.full(shape, 0.5))
+    assert agree(comm, ok), f"rank {rank}: stage {stage}: rank 0's write did not reach every rank"

@@ -1,0 +1,65 @@
+"""Hugging Face models built from their configs (a tied head, RoPE attention with grouped KV
+heads, an encoder) train under ZeroOptimizer with the default unit choice as under
+torch.optim.AdamW. Runs where `transformers` is installed (scripts/python_test.sh installs it
+beside the current torch from PyPI)."""
+
+import copy
+
+import pytest
+import torch
+
+import zeroshard as zs
+import zeroshard.torch as zt
+
+tf = pytest.importorskip("transformers")
+
+# Three steps at lr 1e-2 on float32: the two sides sum the same gradients in another order (a
+# tied weight's two uses, the rank mean), a few ulps per step that the next steps carry on.
+BOUND = 1e-4
+
+
+def build(name):
+    small = dict(vocab_size=64, max_position_embeddings=32)
+    if name == "gpt2":  # its head is tied to the token embedding
+        return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32,
+                                                vocab_size=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                attn_pdrop=0.0))
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, hidden_size=32,
+                                                  intermediate_size=64, num_attention_heads=2,
+                                                  num_key_value_heads=1, **small))
+    if name == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(num_hidden_layers=2, hidden_size=32,
+                                                  intermediate_size=64, num_attention_heads=2,
+                                                  num_key_value_heads=1, head_dim=16, **small))
+    return tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=2, hidden_size=32,
+                                            intermediate_size=64, num_attention_heads=2,
+                                            hidden_dropout_prob=0.0,
+                                            attention_probs_dropout_prob=0.0, **small))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "bert"])
+def test_model_from_config_trains_as_with_adamw(name, stage):
+    torch.manual_seed(0)
+    model = build(name)
+    model.train()
+    ref = copy.deepcopy(model)
+    init = copy.deepcopy(model.state_dict())
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = zt.ZeroOptimizer(model, stage=stage, lr=1e-2, comm=zs.make_self_communicator())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 16), generator=g)
+        for m, o in ((ref, ropt), (model, opt)):
+            o.zero_grad()
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+    got, want = opt.model_state_dict(), ref.state_dict()
+    for k, w in want.items():
+        if not w.is_floating_point():
+            continue
+        assert (got[k] - w).abs().max().item() <= BOUND, k
+    moved = max((got[k] - init[k]).abs().max().item() for k in want if want[k].is_floating_point())
+    assert moved > 100 * BOUND
+    opt.close()
