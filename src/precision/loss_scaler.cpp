@@ -23,9 +23,7 @@ void LossScaler::update(bool overflow) {
     last_overflow_iter_ = iter_;
   } else {
     if (o_.consecutive_hysteresis) hysteresis_left_ = o_.hysteresis;
-    // DeepSpeed's rule since 0.17.1 (its PR #6976): the scale grows after `window` clean steps
-    // since the last overflow, not counting the step that overflowed (the first clean window
-    // after start is counted from step -1 likewise).
+    // DeepSpeed's rule since 0.17.1 (its PR #6976), last_overflow_iter_ being -1 at start.
     const int64_t stable = iter_ - last_overflow_iter_ - 1;
     if (stable > 0 && stable % o_.window == 0) {
       hysteresis_left_ = o_.hysteresis;

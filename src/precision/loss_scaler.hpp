@@ -1,7 +1,8 @@
 #pragma once
 // Loss scaling with DeepSpeed's dynamic semantics: start at 2^initial_scale_power; an overflow
 // skips the step and, once `hysteresis` overflows have been seen, halves the scale (never below
-// min_scale); after `window` steps without overflow the scale doubles and hysteresis refills.
+// min_scale); a clean step i doubles the scale and refills hysteresis when i - j - 1 > 0 and
+// (i - j - 1) % window == 0, j being the last overflowing step (-1 at start): DeepSpeed >= 0.17.1.
 
 #include <cstdint>
 
@@ -25,7 +26,8 @@ class LossScaler {
   /// Records one step's outcome (after the all-reduce that agreed on `overflow`).
   void update(bool overflow);
   /// Whether an overflow now would need the scale below min_scale: the scale cannot absorb it,
-  /// and every later step would overflow and be skipped too (DeepSpeed raises there as well).
+  /// and every later step would overflow and be skipped too (DeepSpeed skips them; zeroshard
+  /// raises instead, see the README).
   bool at_floor() const { return dynamic_ && hysteresis_left_ <= 1 && scale_ <= o_.min_scale; }
   const LossScaleOptions& options() const { return o_; }
 

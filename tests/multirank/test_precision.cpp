@@ -128,7 +128,7 @@ TEST(LossScale, ConsecutiveHysteresisRefillsOnACleanStep) {
 }
 
 // At the minimum loss scale an overflow cannot be absorbed any more: instead of skipping every
-// step from then on in silence, step() fails on every rank (DeepSpeed raises there too), after
+// step from then on in silence (as DeepSpeed does), step() fails on every rank, after
 // the hysteresis has been used up, and applies nothing.
 TEST(LossScale, OverflowAtTheMinimumScaleFailsEveryRank) {
   Config cfg = f16_config(2, 2, 1000);
