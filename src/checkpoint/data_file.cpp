@@ -167,14 +167,22 @@ DataFileReader::DataFileReader(std::filesystem::path path, const FileHeader& exp
   std::vector<char> header(static_cast<size_t>(kHeaderBytes));
   read_at(header.data(), header.size(), 0, "header");
   h_ = decode_header(header.data(), header.size(), path_.string());
-  if (h_.save_id != expected.save_id || h_.rank != expected.rank || h_.state != expected.state)
-    ZS_THROW(corrupted, "checkpoint: " << path_
-                                       << " belongs to another save, rank or state than its "
-                                          "manifest says (a file copied in from elsewhere?)");
-  if (h_.data_bytes != expected.data_bytes || h_.block_bytes != expected.block_bytes)
-    ZS_THROW(corrupted, "checkpoint: " << path_ << " holds " << h_.data_bytes
-                                       << " bytes of data, its manifest says "
-                                       << expected.data_bytes);
+  // Each field that differs, named with both values.
+  std::string differs;
+  auto field = [&](const char* name, auto got, auto want) {
+    if (got == want) return;
+    differs += std::string(differs.empty() ? "" : "; ") + name + " " + std::to_string(got) +
+               ", its manifest says " + std::to_string(want);
+  };
+  field("save id", h_.save_id, expected.save_id);
+  field("rank", h_.rank, expected.rank);
+  field("state", h_.state, expected.state);
+  if (!differs.empty())
+    ZS_THROW(corrupted, "checkpoint: " << path_ << " belongs to another save, rank or state ("
+                                       << differs << "): a file copied in from elsewhere?");
+  field("bytes of data", h_.data_bytes, expected.data_bytes);
+  field("block_bytes", h_.block_bytes, expected.block_bytes);
+  if (!differs.empty()) ZS_THROW(corrupted, "checkpoint: " << path_ << " holds " << differs);
   const off_t end = ::lseek(fd_.get(), 0, SEEK_END);
   if (end < 0) io_failure(path_, "sizing", errno);
   if (int64_t(end) != file_bytes(h_))

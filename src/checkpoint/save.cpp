@@ -48,24 +48,59 @@ void write_file(const fs::path& p, const std::string& text) {
   fsync_fd(fd.get(), p);
 }
 
-// Rank 0, before anything is written: the tag must be new; temporary directories of saves
-// that died are removed; this save's is created.
-void prepare(const fs::path& root, const std::string& tag, const fs::path& tmp) {
-  make_directories(root);
-  if (fs::exists(root / tag))
-    ZS_THROW(invalid_argument, "checkpoint: tag " << (root / tag)
-                                                  << " exists; a save never modifies an existing "
-                                                     "tag (give another tag, or remove it)");
-  for (const fs::directory_entry& d : fs::directory_iterator(root))
-    if (d.path().filename().string().rfind(kTempPrefix, 0) == 0) fs::remove_all(d.path());
-  make_directory(tmp);
+// The tag root/latest names ("" when there is none).
+std::string latest_tag(const fs::path& root) {
+  std::ifstream is(root / "latest", std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(is)), std::istreambuf_iterator<char>());
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  return text;
 }
 
 // Whether root/latest names `tag` (and nothing else).
 bool names_latest(const fs::path& root, const std::string& tag) {
-  std::ifstream is(root / "latest", std::ios::binary);
-  std::string text((std::istreambuf_iterator<char>(is)), std::istreambuf_iterator<char>());
-  return text == tag + "\n";
+  return latest_tag(root) == tag;
+}
+
+// Whether root/tag is a complete tag that was never published: a save killed after renaming
+// it into place and before pointing `latest` at it. Then `latest` names an older step (or
+// nothing). A tag published once and superseded since is older than `latest`'s: it is not
+// this, and neither is anything whose manifests cannot be read.
+bool unpublished(const fs::path& root, const std::string& tag) {
+  const std::string latest = latest_tag(root);
+  if (latest == tag) return false;
+  try {
+    const int64_t step = read_manifest(root / tag).step;
+    return latest.empty() || !fs::exists(root / latest) || step > read_manifest(root / latest).step;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+// Rank 0, before anything is written: the tag must be new (a complete one that was never
+// published is replaced: the restarted job that saves it again reached the same step);
+// temporary directories of saves that died are removed; this save's is created.
+void prepare(const fs::path& root, const std::string& tag, const fs::path& tmp) {
+  make_directories(root);
+  if (fs::exists(root / tag)) {
+    if (!unpublished(root, tag))
+      ZS_THROW(invalid_argument, "checkpoint: tag "
+                                     << (root / tag)
+                                     << " exists; a save never modifies an existing tag (give "
+                                        "another tag, or remove it)");
+    // Renamed to a temporary name first, as prune() does: a removal cut short leaves no tag.
+    std::fprintf(stderr,
+                 "zeroshard: checkpoint: tag %s is complete but was never published (`latest` "
+                 "names %s): a save was killed before pointing `latest` at it; replacing it\n",
+                 (root / tag).c_str(),
+                 latest_tag(root).empty() ? "nothing" : latest_tag(root).c_str());
+    const fs::path doomed = root / (kTempPrefix + tag + ".unpublished");
+    fs::remove_all(doomed);
+    rename_path(root / tag, doomed);
+    fsync_path(root);
+  }
+  for (const fs::directory_entry& d : fs::directory_iterator(root))
+    if (d.path().filename().string().rfind(kTempPrefix, 0) == 0) fs::remove_all(d.path());
+  make_directory(tmp);
 }
 
 // Rank 0, once every rank's files are durable: the manifest, the tag's rename into place, and

@@ -362,6 +362,60 @@ TEST(CheckpointDamage, ManifestsAndPointers) {
                  ErrorCode::corrupted, "over the 256");
 }
 
+// A manifest whose block size disagrees with its files' headers (rewritten with a valid
+// checksum, as a tool that edits it would): the error names the field and both values.
+TEST(CheckpointDamage, AManifestThatDisagreesWithAHeaderNamesTheField) {
+  expect_refused(
+      "block_bytes",
+      [](const fs::path& t) {
+        ckpt::Manifest m = ckpt::read_manifest(t);
+        const int64_t was = m.block_bytes;
+        m.block_bytes *= 2;
+        spill(t / "manifest.json", ckpt::manifest_text(m));
+        EXPECT_GT(was, 0);
+      },
+      ErrorCode::corrupted, "block_bytes ");
+}
+
+// A job killed after a tag was renamed into place and before `latest` named it leaves a
+// complete tag no load reads. The restarted job resumes from the older tag, reaches the same
+// step and saves that tag again: the unpublished one is replaced, and the run goes on; a
+// published tag is still never overwritten.
+TEST(CheckpointTags, ARestartReplacesATagThatWasNeverPublished) {
+  const fs::path dir = shared_dir("unpublished");
+  Config c = cfg_for(2);
+  {
+    Engine a(c, world());
+    zs_test::register_model(a, zs_test::uneven_model());
+    train_some(a, 1);
+    a.save(dir);  // step00000001, published
+    train_some(a, 1);
+    a.save(dir);  // step00000002
+    world()->barrier("saved");
+    // The disk as the kill left it: step00000002 in place, `latest` still at step00000001.
+    if (world()->rank() == 0) spill(dir / "latest", "step00000001\n");
+    world()->barrier("killed");
+  }
+  Engine b(c, world());
+  zs_test::register_model(b, zs_test::uneven_model());
+  b.load(dir);
+  EXPECT_EQ(b.step_count(), 1);
+  train_some(b, 1);
+  const fs::path tag = b.save(dir);
+  EXPECT_EQ(tag, dir / "step00000002");
+  world()->barrier("saved again");
+  EXPECT_EQ(slurp(dir / "latest"), "step00000002\n");
+  Engine r(c, world());
+  zs_test::register_model(r, zs_test::uneven_model());
+  r.load(dir);
+  EXPECT_TRUE(same(snapshot(b), snapshot(r)));
+  // step00000001 is published (older than `latest`'s): never replaced.
+  b.load(dir / "step00000001");
+  train_some(b, 1);
+  EXPECT_ZS_ERROR(b.save(dir, "step00000001"), invalid_argument, "exists");
+  cleanup(dir);
+}
+
 // Two saves of the same state: a file of one copied into the other is caught by its header.
 TEST(CheckpointDamage, AFileOfAnotherSave) {
   const fs::path dir = shared_dir("mixed");
