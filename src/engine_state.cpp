@@ -92,7 +92,7 @@ std::vector<float> Engine::read_full(UnitId id, int param, StateKind kind) {
   std::vector<float> unit(size_t(n) * size_t(m.topo.shard_world));
   m.topo.shard_comm
       ->all_gather(shard.data(), unit.data(), n, DType::f32,
-                   "read_full() of '" + p.name + "' in " + m.where(id))
+                   "read_full() of '" + p.name + "' in unit '" + m.layout(id).name + "'")
       ->wait();
   return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
 }

@@ -58,6 +58,17 @@ struct ShardInfo {
   int64_t shard_numel = 0;   ///< padded_numel / the shard group's size
 };
 
+/// What Engine::load() restores besides the master weights (DeepSpeed's load_checkpoint choices).
+struct LoadOptions {
+  /// false: the master weights only, and the parameters rebuilt from them (DeepSpeed's
+  /// load_optimizer_states=False, or load_module_only=True): the moments, the step count and the
+  /// loss scaler keep the engine's values.
+  bool optimizer_states = true;
+  /// false: every group's hyperparameters keep the engine's values (DeepSpeed's
+  /// load_lr_scheduler_states=False: the trainer's scheduler owns them).
+  bool hyperparameters = true;
+};
+
 /// Where this rank stands in the sharding (Config::shard_group_size): it holds shard `rank` of
 /// each unit, one of `size` in its group, and the group is `index` of `count` groups, which hold
 /// the same shards. Flat sharding: one group, rank and size those of the world.
@@ -249,9 +260,10 @@ class ZS_API Engine {
   /// Error(invalid_argument) naming the first difference), and every checksum of what this
   /// rank reads (Error(corrupted) naming file, block and offset). A failed load leaves the
   /// engine as it was. Restores master weights, optimizer state, the step count, the loss
-  /// scaler's state and every group's hyperparameters; parameters are rebuilt from the master
-  /// weights, and stage-3 prefetches are dropped.
-  void load(const std::filesystem::path& path);
+  /// scaler's state and every group's hyperparameters (as `options` says); parameters are
+  /// rebuilt from the master weights, and stage-3 prefetches are dropped. A root without
+  /// `latest` is refused, naming the tags it holds.
+  void load(const std::filesystem::path& path, const LoadOptions& options = {});
   /// Collective: starts from pretrained weights in a safetensors file (F32, BF16 or F16
   /// tensors named as export_checkpoint() names them, e.g. a model.safetensors it wrote or
   /// torch's state_dict saved with safetensors): each rank reads its shard's range of every

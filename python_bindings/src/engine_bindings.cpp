@@ -606,12 +606,18 @@ void def_state(nb::class_<PyEngine>& cls) {
       "Collective: completes the pending save_async(); returns its path (empty if none).");
   cls.def(
       "load",
-      [](PyEngine& e, const std::filesystem::path& path) {
-        locked(e, [&] { e.engine.load(path); });
+      [](PyEngine& e, const std::filesystem::path& path, bool optimizer_states,
+         bool hyperparameters) {
+        LoadOptions o;
+        o.optimizer_states = optimizer_states;
+        o.hyperparameters = hyperparameters;
+        locked(e, [&] { e.engine.load(path, o); });
       },
-      nb::arg("path"),
+      nb::arg("path"), nb::arg("optimizer_states") = true, nb::arg("hyperparameters") = true,
       "Collective: loads a checkpoint (a tag directory, or a root's latest tag) written at any "
-      "world size or stage, after verifying it whole; a failed load changes nothing.");
+      "world size or stage, after verifying it whole; a failed load changes nothing. "
+      "optimizer_states=False: the master weights only (moments, step and loss scaler kept); "
+      "hyperparameters=False: the groups' hyperparameters kept.");
   cls.def("num_groups", [](PyEngine& e) { return e.engine.num_groups(); });
   cls.def(
       "load_safetensors",

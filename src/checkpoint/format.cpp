@@ -452,11 +452,24 @@ std::filesystem::path resolve(const std::filesystem::path& path) {
   if (fs::exists(path / "manifest.json", ec)) return path;
   // `latest` holds a tag name (at most 200 bytes) and a newline, as save() writes it.
   const std::optional<std::string> latest = read_small_file(path / "latest", 256);
-  if (!latest)
-    ZS_THROW(invalid_argument, "checkpoint: " << path
-                                              << " holds neither manifest.json (a tag) nor "
-                                                 "latest (a root of tags): not a checkpoint, "
-                                                 "or no save completed there");
+  if (!latest) {
+    // The tags it does hold (complete ones: a manifest), so that the user can name one.
+    std::vector<std::string> tags;
+    if (fs::is_directory(path, ec))
+      for (const fs::directory_entry& d : fs::directory_iterator(path, ec))
+        if (fs::exists(d.path() / "manifest.json", ec)) tags.push_back(d.path().filename());
+    std::sort(tags.begin(), tags.end());
+    std::string held;
+    for (size_t i = 0; i < tags.size() && i < 10; ++i) held += (i ? ", " : "") + tags[i];
+    if (tags.size() > 10) held += ", ... (" + std::to_string(tags.size()) + " in all)";
+    ZS_THROW(invalid_argument,
+             "checkpoint: " << path << " holds neither manifest.json (a tag) nor latest (a root "
+                            << "of tags): "
+                            << (tags.empty()
+                                    ? std::string("it holds no tag either, so no save "
+                                                  "completed there")
+                                    : "load one of the tags it holds by its directory: " + held));
+  }
   const std::string& text = *latest;
   // Exactly "<tag>\n", as save() writes it.
   const std::string tag =

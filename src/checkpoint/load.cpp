@@ -69,7 +69,7 @@ void check_fits(const Engine& e, const Manifest& m, const std::string& at) {
 
 }  // namespace
 
-void Engine::load(const std::filesystem::path& path) {
+void Engine::load(const std::filesystem::path& path, const LoadOptions& options) {
   Impl& impl = *impl_;
   Communicator& comm = *communicator();
   const std::string at = "load(" + path.string() + ")";
@@ -88,7 +88,7 @@ void Engine::load(const std::filesystem::path& path) {
     check_fits(*this, m, at);
     // Every group's hyperparameters as set_options() will take them, checked now: a refusal
     // after the shards were written would leave the engine half loaded.
-    for (int g = 0; g < num_groups(); ++g) {
+    for (int g = 0; g < num_groups() && options.hyperparameters; ++g) {
       try {
         impl.check_options(g, m.groups[size_t(g)], "the checkpoint's hyperparameters");
       } catch (const Error& err) {
@@ -118,7 +118,9 @@ void Engine::load(const std::filesystem::path& path) {
   }
   std::vector<int> states;
   for (size_t s = 0; s < state_names().size(); ++s)
-    if (has_state(state_names()[s].kind)) states.push_back(int(s));
+    if (has_state(state_names()[s].kind) &&
+        (options.optimizer_states || state_names()[s].kind == StateKind::master))
+      states.push_back(int(s));
 
   // The first pass reads every block this rank needs, only to verify it; once every rank found
   // everything intact the second reads them again and writes the shards, on this thread (a
@@ -172,9 +174,12 @@ void Engine::load(const std::filesystem::path& path) {
                               " -- the engine's state is partly loaded; load again or rebuild it");
   }
   commit_shards();
-  set_step_count(m.step);
-  set_loss_scaler_state(m.scaler);
-  for (int g = 0; g < num_groups(); ++g) set_options(g, m.groups[size_t(g)]);
+  if (options.optimizer_states) {
+    set_step_count(m.step);
+    set_loss_scaler_state(m.scaler);
+  }
+  if (options.hyperparameters)
+    for (int g = 0; g < num_groups(); ++g) set_options(g, m.groups[size_t(g)]);
 }
 
 }  // namespace zeroshard

@@ -362,6 +362,48 @@ TEST(CheckpointDamage, ManifestsAndPointers) {
                  ErrorCode::corrupted, "over the 256");
 }
 
+// DeepSpeed's loading choices: the weights alone (load_optimizer_states=False,
+// load_module_only) keep the moments, the step count and the loss scaler; without the
+// hyperparameters (load_lr_scheduler_states=False) the groups keep theirs. A root without
+// `latest` is refused, naming the tags it holds.
+TEST(CheckpointResume, LoadOptionsKeepWhatTheySay) {
+  const fs::path dir = shared_dir("options");
+  Engine a(cfg_for(2), world()), b(cfg_for(2), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  zs_test::register_model(b, zs_test::uneven_model());
+  train_some(a, 2);
+  a.set_lr(0, 0.125f);
+  train_some(b, 1);
+  const fs::path tag = a.save(dir);
+  const Snapshot sa = snapshot(a), sb = snapshot(b);
+  LoadOptions weights;
+  weights.optimizer_states = false;
+  weights.hyperparameters = false;
+  b.load(dir, weights);
+  const Snapshot got = snapshot(b);  // per unit: parameters, master, m, v (AdamW)
+  ASSERT_EQ(got.size(), sa.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_TRUE(same({got[i]}, {i % 4 < 2 ? sa[i] : sb[i]}))
+        << "entry " << i << (i % 4 < 2 ? ": the checkpoint's weights" : ": b's own moments");
+  EXPECT_EQ(b.step_count(), 1);
+  EXPECT_NE(b.options(0).lr, 0.125f);
+  LoadOptions hyper;
+  hyper.hyperparameters = true;
+  hyper.optimizer_states = false;
+  b.load(dir, hyper);
+  EXPECT_EQ(b.options(0).lr, 0.125f);
+  EXPECT_EQ(b.step_count(), 1);
+  b.load(dir);
+  EXPECT_TRUE(same(sa, snapshot(b)));
+  EXPECT_EQ(b.step_count(), 2);
+  world()->barrier("loaded");
+  if (world()->rank() == 0) fs::remove(dir / "latest");
+  world()->barrier("latest removed");
+  EXPECT_ZS_ERROR(b.load(dir), invalid_argument,
+                  "load one of the tags it holds by its directory: " + tag.filename().string());
+  cleanup(dir);
+}
+
 // A manifest whose block size disagrees with its files' headers (rewritten with a valid
 // checksum, as a tool that edits it would): the error names the field and both values.
 TEST(CheckpointDamage, AManifestThatDisagreesWithAHeaderNamesTheField) {

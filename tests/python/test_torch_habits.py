@@ -233,6 +233,32 @@ def test_checkpoint_resume_restores_hyperparameters_and_continues_bitwise(stage,
     assert all(torch.equal(before[k], v) for k, v in b.model_state_dict().items())
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_load_checkpoint_takes_deepspeeds_choices(stage, tmp_path):
+    # load_module_only (or load_optimizer_states=False) takes the weights alone: the moments,
+    # the step count and the groups' hyperparameters stay this optimizer's.
+    data = batches(4)
+    a_model, b_model = make_model(), make_model(seed=5)
+    a, b = zero(a_model, stage), zero(b_model, stage)
+    train_zero(a, a_model, data, 0, 1)
+    a.param_groups[0]["lr"] = LR / 3
+    a.save_checkpoint(tmp_path)
+    train_zero(b, b_model, data[:1], 0, 1)
+    b.param_groups[0]["lr"] = LR / 2
+    p = b_model.head.weight
+    moments = b.full_optimizer_state(p, "exp_avg")
+    b.load_checkpoint(tmp_path, load_module_only=True)
+    assert torch.equal(b.full_fp32_param(p), a.full_fp32_param(a_model.head.weight))
+    assert torch.equal(b.full_optimizer_state(p, "exp_avg"), moments)
+    assert b.engine.step_count() == 1 and b.param_groups[0]["lr"] == LR / 2
+    b.load_checkpoint(tmp_path, load_lr_scheduler_states=False)
+    assert b.engine.step_count() == 4 and b.param_groups[0]["lr"] == LR / 2
+    assert torch.equal(b.full_optimizer_state(p, "exp_avg"),
+                       a.full_optimizer_state(a_model.head.weight, "exp_avg"))
+    b.load_checkpoint(tmp_path)
+    assert b.param_groups[0]["lr"] == LR / 3  # as written, not its f32
+
+
 @pytest.mark.parametrize("fmt", ["f32", "8bit"])
 def test_export_is_read_by_the_safetensors_package(fmt, tmp_path):
     from safetensors.torch import load_file

@@ -6,7 +6,7 @@ import torch
 from torch.utils import dlpack as _dlpack
 
 from .. import _core
-from ._config import _GROUP_KEYS
+from ._config import _GROUP_KEYS, _as_written
 
 
 # Optimizer state slots by optimizer kind, named as torch names them.
@@ -161,21 +161,29 @@ class _StatePart:
         self._watch.adopt_writes()
         return self.engine.save(str(root), tag or "")
 
-    def load_checkpoint(self, path):
+    def load_checkpoint(self, path, load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):
         """Collective: loads a checkpoint (a tag directory, or a root's latest tag) written at
         any world size or stage into this optimizer (same model: unit and parameter names,
         shapes, optimizer), after verifying it whole: a failed load changes nothing. The model's
         parameters are rebuilt from the loaded master weights, and the param groups take the
-        saved hyperparameters (a scheduler stepped since construction is not rewound)."""
-        self.engine.load(str(path))
-        for gi, g in enumerate(self.param_groups):
+        saved hyperparameters (a scheduler stepped since construction is not rewound).
+        DeepSpeed's choices: load_optimizer_states=False keeps this optimizer's moments, step
+        count and loss scale; load_lr_scheduler_states=False keeps the groups' hyperparameters;
+        load_module_only=True does both (the weights alone)."""
+        states = load_optimizer_states and not load_module_only
+        hyper = load_lr_scheduler_states and not load_module_only
+        self.engine.load(str(path), optimizer_states=states, hyperparameters=hyper)
+        for gi, g in enumerate(self.param_groups if hyper else ()):
             o = self.engine.options(gi)
-            g["lr"] = o.lr
+            g["lr"] = _as_written(o.lr)
             if "betas" in g:
-                g["betas"] = (o.beta1, o.beta2)
-            for key in ("eps", "weight_decay", "momentum", "nesterov"):
+                g["betas"] = (_as_written(o.beta1), _as_written(o.beta2))
+            for key in ("eps", "weight_decay", "momentum"):
                 if key in g:
-                    g[key] = getattr(o, key)
+                    g[key] = _as_written(getattr(o, key))
+            if "nesterov" in g:
+                g["nesterov"] = o.nesterov
             self._engine_options[gi] = self._options(g)
         self._watch.record()  # the parameters are the loaded ones: nothing to adopt
 
