@@ -64,6 +64,16 @@ void check_unit(const PyEngine& e, UnitId u, const char* call) {
                                                  std::to_string(e.shapes.size()) + " registered)");
 }
 
+// A float32 tensor or array's values, copied (write_shard(), write_full()).
+std::vector<float> f32_values(nb::handle values, const char* what) {
+  TensorRequest req{what};
+  req.has_dtype = true;
+  req.dtype = DType::f32;
+  Imported t = import_tensor(values, req, false);
+  const float* p = static_cast<const float*>(t.view.data);
+  return std::vector<float>(p, p + t.view.numel);
+}
+
 // Engine views, one per parameter, as arrays that keep the Engine object alive.
 nb::list export_views(PyEngine& e, UnitId u, const std::vector<TensorView>& views) {
   nb::object owner = nb::find(&e);
@@ -537,12 +547,7 @@ void def_state(nb::class_<PyEngine>& cls) {
   cls.def(
       "write_shard",
       [](PyEngine& e, UnitId u, StateKind k, nb::handle values) {
-        TensorRequest req{"write_shard(): values"};
-        req.has_dtype = true;
-        req.dtype = DType::f32;
-        Imported t = import_tensor(values, req, false);
-        const float* p = static_cast<const float*>(t.view.data);
-        std::vector<float> v(p, p + t.view.numel);
+        std::vector<float> v = f32_values(values, "write_shard(): values");
         locked(e, [&] { e.engine.write_shard(u, k, v); });
       },
       nb::arg("unit"), nb::arg("kind"), nb::arg("values"),
@@ -562,12 +567,7 @@ void def_state(nb::class_<PyEngine>& cls) {
   cls.def(
       "write_full",
       [](PyEngine& e, UnitId u, int param, StateKind k, nb::handle values) {
-        TensorRequest req{"write_full(): values"};
-        req.has_dtype = true;
-        req.dtype = DType::f32;
-        Imported t = import_tensor(values, req, false);
-        const float* p = static_cast<const float*>(t.view.data);
-        std::vector<float> v(p, p + t.view.numel);
+        std::vector<float> v = f32_values(values, "write_full(): values");
         locked(e, [&] { e.engine.write_full(u, param, k, v); });
       },
       nb::arg("unit"), nb::arg("param"), nb::arg("kind"), nb::arg("values"),

@@ -254,21 +254,16 @@ def test_groups_that_leave_parameters_out_behave_as_in_torch(stage):
     model, data = make_model(), batches(6)
     ref = copy.deepcopy(model)
     ropt = torch.optim.AdamW(make_groups(ref), lr=LR, eps=EPS)
-    rsched = torch.optim.lr_scheduler.LambdaLR(ropt, lambdas)
-    for tokens, labels in data:
-        ropt.zero_grad()
-        torch.nn.functional.cross_entropy(ref(tokens), labels).backward()
-        ropt.step()
-        rsched.step()
     opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, param_groups=make_groups(model),
                            comm=zs.make_self_communicator())
     assert len(opt.param_groups) == 2 and opt.param_groups[1]["params"] == []
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
-    for tokens, labels in data:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(tokens), labels).backward()
-        opt.step()
-        sched.step()
+    for m, o in ((ref, ropt), (model, opt)):
+        sched = torch.optim.lr_scheduler.LambdaLR(o, lambdas)
+        for tokens, labels in data:
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(tokens), labels).backward()
+            o.step()
+            sched.step()
     got, want, init = opt.model_state_dict(), ref.state_dict(), make_model().state_dict()
     assert max_abs_diff(got, want) <= BOUND
     for name in want:
