@@ -12,6 +12,7 @@
 #include <new>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -84,14 +85,14 @@ class StagedWork final : public Work {
 
   void wait() override {
     inner_->wait();  // the host collective's errors propagate unchanged
-    std::lock_guard<std::timed_mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     finish_locked();
     if (copy_error_) std::rethrow_exception(copy_error_);
   }
 
   bool done() override {
     if (!inner_->done()) return false;
-    std::lock_guard<std::timed_mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     finish_locked();
     return true;
   }
@@ -105,8 +106,13 @@ class StagedWork final : public Work {
     // Settled but not complete is a backend oddity; the copy back might still be due, so the
     // device buffer is not safe to free yet.
     if (!inner_->done()) return false;
-    std::unique_lock<std::timed_mutex> lock(mu_, std::defer_lock);
-    if (!lock.try_lock_until(deadline)) return false;  // another thread is copying back
+    // Another thread may be copying back: poll, as the wait is short and rare (a timed
+    // mutex's clocked lock is one ThreadSanitizer does not see taken).
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    while (!lock.try_lock()) {
+      if (Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
     finish_locked();
     return true;
   }
@@ -151,7 +157,7 @@ class StagedWork final : public Work {
   std::shared_ptr<StagingDevice> dev_;
   std::shared_ptr<Quarantine> quarantine_;  // the communicator's: outlives it if need be
   std::shared_ptr<Work> inner_;
-  std::timed_mutex mu_;  // guards everything below
+  std::mutex mu_;  // guards everything below
   bool finished_ = false;
   std::exception_ptr copy_error_;
   std::vector<Block> blocks_;
