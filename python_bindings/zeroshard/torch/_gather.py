@@ -73,7 +73,7 @@ class _GatherPart:
                     if me is None or un is None:
                         return
                     me._queue_end_of_backward()
-                    if un.grads is GradState.HANDED:  # its gradients went to the engine: a second pass through it
+                    if un.grads is GradState.HANDED:  # went to the engine: a second pass
                         me._refuse_second_pass(un, un.names[0])
                     if not un.gathered:
                         me._gather_for_backward(un)
