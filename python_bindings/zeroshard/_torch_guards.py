@@ -15,7 +15,12 @@ from . import _core
 # Calls that only touch a tensor's metadata or Python identity: let them through.
 _METADATA = frozenset({"__get__", "__set__", "__hash__", "size", "dim", "numel", "register_hook",
                        "requires_grad_", "__reduce_ex__", "__deepcopy__", "is_floating_point",
-                       "is_complex", "_has_compatible_shallow_copy_type"})
+                       "is_complex", "_has_compatible_shallow_copy_type",
+                       # what torch.compile's tracer asks of a parameter's .grad
+                       "_is_view", "stride", "storage_offset", "is_contiguous", "data_ptr",
+                       "untyped_storage", "_storage", "is_inference", "is_sparse", "is_nested",
+                       "_is_zerotensor", "is_neg", "is_conj", "element_size", "nbytes",
+                       "itemsize", "_typed_storage", "_version"})
 # Conversions, by the dtype and device each one asks for (None: unchanged); "to" parses its own.
 _CONVERSIONS = {"float": (torch.float32, None), "double": (torch.float64, None),
                 "half": (torch.float16, None), "bfloat16": (torch.bfloat16, None),

@@ -662,3 +662,27 @@ def test_gathered_with_modifier_rank_reaches_the_master_weights(stage):
             pass
     train_zero(opt, model, data, 0, 1)  # trains on from the written values
     assert not torch.equal(opt.model_state_dict()["head.weight"], torch.full(shape, 0.5))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_compiled_model_trains_as_eager_without_graph_breaks(stage):
+    # torch.compile at stages 0-2: the forward has no graph break (the optimizer's hooks stay
+    # out of the graph), and training the compiled model gives eager's parameters.
+    dynamo = pytest.importorskip("torch._dynamo")
+    if not hasattr(dynamo, "explain") or not hasattr(torch, "compile"):
+        pytest.skip(f"torch {torch.__version__} has no torch.compile")
+    tokens, labels = batches(1)[0]
+    eager, compiled = make_model(), make_model()
+    results = []
+    for model, wrap in ((eager, lambda m: m), (compiled, lambda m: torch.compile(m, backend="aot_eager"))):
+        opt = zero(model, stage)
+        run = wrap(model)
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(run(tokens), labels).backward()
+            opt.step()
+        results.append(opt.model_state_dict())
+    assert max_abs_diff(results[0], results[1]) <= BOUND
+    dynamo.reset()
+    explained = dynamo.explain(compiled)(tokens)
+    assert explained.graph_break_count == 0, explained.break_reasons
