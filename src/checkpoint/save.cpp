@@ -88,11 +88,11 @@ void prepare(const fs::path& root, const std::string& tag, const fs::path& tmp) 
                                      << " exists; a save never modifies an existing tag (give "
                                         "another tag, or remove it)");
     // Renamed to a temporary name first, as prune() does: a removal cut short leaves no tag.
+    const std::string latest = latest_tag(root);
     std::fprintf(stderr,
                  "zeroshard: checkpoint: tag %s is complete but was never published (`latest` "
                  "names %s): a save was killed before pointing `latest` at it; replacing it\n",
-                 (root / tag).c_str(),
-                 latest_tag(root).empty() ? "nothing" : latest_tag(root).c_str());
+                 (root / tag).c_str(), latest.empty() ? "nothing" : latest.c_str());
     const fs::path doomed = root / (kTempPrefix + tag + ".unpublished");
     fs::remove_all(doomed);
     rename_path(root / tag, doomed);

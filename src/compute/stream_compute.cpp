@@ -4,6 +4,8 @@
 // so they do not wait behind the kernels queued after them; collectives follow the compute
 // stream on the device (a DeviceCommunicator) or after the host waited for it (any other).
 
+#include <algorithm>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,27 +48,23 @@ class StreamCompute final : public Compute {
   }
   void update(const std::vector<cpu::UpdateHyper>& hyper,
               const std::vector<UnitUpdate>& units) override {
+    const auto held = [&](const GroupRun& r) { return hyper[size_t(r.group)].hold; };
     for (const UnitUpdate& u : units) {
-      // Held runs (UpdateHyper::hold) leave the update's launch: their parameters are only
-      // rewritten from the master. The device copies the runs at the launch.
-      std::vector<GroupRun> active;
-      bool held = false;
-      for (const GroupRun& r : *u.runs) {
-        if (hyper[size_t(r.group)].hold)
-          held = true;
-        else
-          active.push_back(r);
-      }
-      if (!held) {
+      if (std::none_of(u.runs->begin(), u.runs->end(), held)) {
         d_->update(hyper, u, stream_);  // one launch per unit
         continue;
       }
+      // Held runs (UpdateHyper::hold) leave the update's launch: their parameters are only
+      // rewritten from the master. The device copies the runs at the launch.
+      std::vector<GroupRun> active;
+      std::copy_if(u.runs->begin(), u.runs->end(), std::back_inserter(active),
+                   [&](const GroupRun& r) { return !held(r); });
       UnitUpdate rest = u;
       rest.runs = &active;
       if (!active.empty()) d_->update(hyper, rest, stream_);
       const cpu::UpdateArgs& a = u.args;
       for (const GroupRun& r : *u.runs)
-        if (hyper[size_t(r.group)].hold && a.out)
+        if (held(r) && a.out)
           d_->convert(
               static_cast<const char*>(a.master) + size_t(r.begin) * dtype_size(a.master_dtype),
               a.master_dtype, static_cast<char*>(a.out) + size_t(r.begin) * dtype_size(a.out_dtype),

@@ -40,7 +40,6 @@ class NvmeParamTier final : public ParamTier {
   void drop_reads() override;
   void update(StateTier& state, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) override;
   bool previews() const override { return state_in_memory_; }
-  void* target(int) override { return nullptr; }  // never in memory
   bool takes_writes() const override { return !state_in_memory_; }
   std::shared_ptr<IoBatch> write(int u, char* data, const PinnedPool* pool, int64_t step) override;
   void commit_writes() override;
