@@ -165,7 +165,7 @@ class _GradsPart:
 
     def _hand_off(self, u):
         grads = []
-        for p, shape in zip(u.params, u.shapes):
+        for p in u.params:
             g = p.grad
             if g is None or isinstance(g, HandedGrad):
                 # Unused in this backward: none. As in torch, a parameter without a gradient on
