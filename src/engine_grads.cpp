@@ -67,31 +67,32 @@ bool Engine::Impl::cross_groups(int id) {
 
 // Starts the all-reduces across groups of the reductions in flight whose reduce-scatters have
 // landed, in the order they were issued, up to the first still running (or failed: its wait
-// reports it): so that several are on the link at once, not one after the other.
-void Engine::Impl::cross_landed() {
-  if (!topo.replica_comm) return;
+// reports it): so that several are on the link at once, not one after the other. Returns
+// whether a reduce-scatter is left to cross once it lands.
+bool Engine::Impl::cross_landed() {
+  if (!topo.replica_comm) return false;
   for (int v : reductions.in_flight) {
     Unit& w = units[size_t(v)];
     if (!w.reduction || w.crossed) continue;
-    if (!w.reduction->done()) return;
+    if (!w.reduction->done()) return true;
     try {
       w.reduction->wait();  // done: returns at once, or throws its failure
     } catch (const Error&) {
-      return;
+      return false;
     }
     cross_groups(v);
   }
+  return false;
 }
 
 // Waits for a unit's reduction (its reduce-scatter, and with groups its all-reduce across them).
 // On failure the handle stays, so the destructor can wait for it to settle.
 void Engine::Impl::land_reduction(int id) {
   Unit& u = units[size_t(id)];
-  wait_for(*u.reduction);
-  if (cross_groups(id)) {
-    cross_landed();
-    wait_for(*u.reduction);
-  }
+  const std::shared_ptr<Work> scatter = u.reduction;  // wait_for() may cross it meanwhile
+  wait_for(*scatter);
+  if (cross_groups(id)) cross_landed();
+  if (u.crossed) wait_for(*u.reduction);
   u.reduction.reset();
   u.crossed = false;
 }

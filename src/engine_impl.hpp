@@ -169,8 +169,14 @@ struct Engine::Impl {
     clock.works.push_back(w);
     return w;
   }
-  /// Waits for a collective, counting the wait as exposed communication.
+  /// Waits for a collective of the step path, counting the wait as exposed communication.
   void wait_for(Work& w);
+  /// Waits for a collective. Every wait of the engine on its peers goes through here: with
+  /// hierarchical sharding it keeps crossing the groups meanwhile (engine_step.cpp).
+  void wait_crossing(Work& w);
+  /// How often a wait looks for landed reductions to cross (it wakes at once when its own
+  /// collective completes): the most an all-reduce across groups starts late by.
+  static constexpr double kCrossPollS = 200e-6;
 
   void check_options(int group, const OptimizerOptions& o, const char* call) const;
   Unit& unit(UnitId id, const char* call);
@@ -213,7 +219,8 @@ struct Engine::Impl {
   void start_reduction(int id);
   bool cross_groups(int id);  // the reduced shard's all-reduce across groups, once; true if started
   void land_reduction(int id);    // waits for the reduction, across groups too
-  void cross_landed();            // cross_groups() for the landed reductions in flight, in order
+  bool cross_landed();  // cross_groups() for the landed reductions in flight, in order; true
+                        // while one waits to land
   void finish_reduction(int id);  // for the trainer: this unit's, and every one issued before
   void finish_in_order(int id);   // the same, at a point of the sequence every rank shares
   void complete_reduction(int id);

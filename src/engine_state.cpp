@@ -67,7 +67,7 @@ void Engine::commit_shards() {
     works.push_back(m.topo.shard_comm->all_gather(
         m.params->own(int(i)), m.params->whole(int(i)), m.layout(int(i)).shard_numel, m.pdt,
         "unit '" + m.layout(int(i)).name + "' (restored parameters)"));
-  for (auto& w : works) w->wait();
+  for (auto& w : works) m.wait_crossing(*w);
 }
 
 // Parameter `param` of unit `id`, and the shard group's communicator, which must move host
@@ -90,10 +90,9 @@ std::vector<float> Engine::read_full(UnitId id, int param, StateKind kind) {
   const std::vector<float> shard = read_shard(id, kind);
   const int64_t n = m.layout(id).shard_numel;
   std::vector<float> unit(size_t(n) * size_t(m.topo.shard_world));
-  m.topo.shard_comm
-      ->all_gather(shard.data(), unit.data(), n, DType::f32,
-                   "read_full() of '" + p.name + "' in unit '" + m.layout(id).name + "'")
-      ->wait();
+  m.wait_crossing(*m.topo.shard_comm->all_gather(
+      shard.data(), unit.data(), n, DType::f32,
+      "read_full() of '" + p.name + "' in unit '" + m.layout(id).name + "'"));
   return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
 }
 
@@ -108,7 +107,8 @@ void Engine::write_full(UnitId id, int param, StateKind kind, const std::vector<
   uint64_t h = 1469598103934665603ull;
   for (float v : values) h = (h ^ std::bit_cast<uint32_t>(v)) * 1099511628211ull;
   double span[2] = {double(h >> 12), -double(h >> 12)};  // 52 bits: exact in a double
-  m.comm->all_reduce(span, 2, ReduceOp::max, "write_full(): values of '" + p.name + "'")->wait();
+  m.wait_crossing(
+      *m.comm->all_reduce(span, 2, ReduceOp::max, "write_full(): values of '" + p.name + "'"));
   if (span[0] != -span[1])
     ZS_THROW(invalid_argument, "write_full(): '" << p.name << "' in " << m.where(id)
                                                  << ": the ranks passed different values");

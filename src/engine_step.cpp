@@ -24,6 +24,16 @@ void Engine::Impl::wait_for(Work& w) {
     double& total;
     ~Count() { total += now_s() - t0; }
   } count{now_s(), clock.exposed_s};
+  wait_crossing(w);
+}
+
+// With hierarchical sharding, a wait also keeps starting the all-reduces across groups of the
+// reductions that land meanwhile (cross_landed()): the replica in another group waits for this
+// rank's, whatever this rank waits for. Otherwise a wait on the group (a gather) and a wait
+// across (a reduction landed in another order, as a free gradient buffer decides) close a
+// cycle round the ranks: each waits for a peer that waits for the next.
+void Engine::Impl::wait_crossing(Work& w) {
+  while (!w.done() && cross_landed()) w.wait_settled(kCrossPollS);
   w.wait();
 }
 

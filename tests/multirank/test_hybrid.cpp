@@ -272,6 +272,74 @@ TEST(Hybrid, CheckpointsLoadIntoFlatAndHierarchicalEngines) {
   if (world()->rank() == 0) fs::remove_all(root);
 }
 
+namespace {
+
+// One micro-step's gradients of unit `u` from its parameters, scaled as the engine expects.
+void write_grads(Engine& e, int u, int micro, const std::vector<TensorView>& p,
+                 const std::vector<TensorView>& g) {
+  int64_t flat = 0;
+  for (size_t t = 0; t < p.size(); ++t)
+    for (int64_t i = 0; i < p[t].numel; ++i, ++flat) {
+      const float v = zs_test::synthetic_grad(zs_test::load(p[t].data, p[t].dtype, i), u, flat,
+                                              e.rank(), micro, 0);
+      zs_test::store(g[t].data, g[t].dtype, i, v * e.loss_scale());
+    }
+}
+
+// One step of two micro-steps over embed (0) and head (1), stage 3 without prefetch. Between
+// the micro-steps, with `diverge`, ranks 0 and 3 gather embed before they take head's next
+// gradient buffer (which lands head's reduction, across the groups too), ranks 1 and 2 after.
+Whole step_in_two_orders(bool diverge) {
+  HybridRun r{3, DType::f32, Tier::device, 2, 2, false};
+  Config cfg = make_config(r);
+  cfg.prefetch = false;  // a gather starts when the trainer asks for it
+  cfg.collective_timeout_s = 30;
+  Engine e(cfg, world());
+  zs_test::register_model(e, {{"embed", {{"w", {16, 8}}}}, {"head", {{"w", {8, 16}}}}});
+  std::vector<TensorView> p = e.gather(1), g = e.grads(1);
+  write_grads(e, 1, 0, p, g);
+  e.grads_ready(1);
+  e.release(1);
+  std::vector<TensorView> head_next;
+  const int rank = world()->rank();
+  if (!diverge || rank == 0 || rank == 3) {
+    p = e.gather(0);
+    head_next = e.grads(1);
+  } else {
+    head_next = e.grads(1);
+    p = e.gather(0);
+  }
+  g = e.grads(0);
+  write_grads(e, 0, 0, p, g);
+  e.grads_ready(0);
+  e.release(0);
+  p = e.gather(1);
+  write_grads(e, 1, 1, p, head_next);
+  e.grads_ready(1);
+  e.release(1);
+  p = e.gather(0);
+  g = e.grads(0);
+  write_grads(e, 0, 1, p, g);
+  e.grads_ready(0);
+  e.release(0);
+  EXPECT_FALSE(e.step().skipped);
+  return whole_state(e);
+}
+
+}  // namespace
+
+// A rank blocked on a collective of its group still starts the all-reduces across the groups of
+// its reductions that landed meanwhile: its replica in the other group waits for them. Here
+// rank 0 waits in embed's gather for rank 1, which waits in head's all-reduce across for rank
+// 3, which waits in the gather for rank 2, which waits across for rank 0: round the four ranks,
+// unless a rank that waits keeps crossing. The step then equals the one in a single order.
+TEST(Hybrid, CrossesTheGroupsWhileWaitingOnTheGroup) {
+  if (world()->size() != 4) GTEST_SKIP() << "the cycle takes two groups of two ranks";
+  const Whole diverged = step_in_two_orders(true);
+  expect_same(step_in_two_orders(false), diverged, "ranks that wait in different orders");
+  EXPECT_TRUE(diverged.replicas_equal);
+}
+
 // Bad groups are refused on every rank, naming the setting.
 TEST(Hybrid, RefusesGroupsThatCannotShard) {
   const int w = world()->size();
