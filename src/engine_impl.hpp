@@ -218,9 +218,9 @@ struct Engine::Impl {
   void mark_held_runs();
   void start_reduction(int id);
   bool cross_groups(int id);  // the reduced shard's all-reduce across groups, once; true if started
-  void land_reduction(int id);    // waits for the reduction, across groups too
-  bool cross_landed();  // cross_groups() for the landed reductions in flight, in order; true
-                        // while one waits to land
+  void land_reduction(int id);  // waits for the reduction, across groups too
+  // cross_groups() for the landed reductions in flight, in order; true while one waits to land.
+  bool cross_landed();
   void finish_reduction(int id);  // for the trainer: this unit's, and every one issued before
   void finish_in_order(int id);   // the same, at a point of the sequence every rank shares
   void complete_reduction(int id);
