@@ -103,6 +103,7 @@ void Engine::Impl::prefetch_after(int) {
 std::vector<TensorView> Engine::gather(UnitId id) {
   Impl& m = *impl_;
   Unit& u = m.unit(id, "gather");
+  m.check_state("gather");
   if (m.cfg.stage < 3) return m.views(id, m.params->whole(id));
   if (u.gathered)
     ZS_THROW(invalid_argument,

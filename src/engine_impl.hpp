@@ -138,6 +138,11 @@ struct Engine::Impl {
   std::vector<UnitShape> shapes;  // fixed at finalize(); the tiers read them
   std::vector<Unit> units;
   bool finalized = false;
+  // What a load that failed after it began writing the state said (load.cpp): until a load
+  // succeeds the engine holds no valid state, and check_state() refuses.
+  std::string failed_load;
+  /// Refuses `call` while the engine holds no valid state (failed_load).
+  void check_state(const char* call) const;
   DType pdt = DType::f32;  // parameter and gradient dtype
   size_t pbytes = 4;
 

@@ -179,7 +179,15 @@ double Engine::Impl::grad_scale() const {
   return 1.0 / (double(world) * cfg.gradient_accumulation_steps * scaler.scale());
 }
 
+void Engine::Impl::check_state(const char* call) const {
+  if (!failed_load.empty())
+    ZS_THROW(invalid_argument, "rank " << rank << ": " << call
+                                       << "(): the engine holds no valid state: " << failed_load
+                                       << " -- load a checkpoint first");
+}
+
 StepResult Engine::Impl::step() {
+  check_state("step");
   const auto [sumsq, overflow] = close_grads();
   reductions.closed.reset();
   const double clip_next = std::exchange(reductions.clip_now, 0.0);

@@ -1,8 +1,8 @@
 // Checkpoint save and load bandwidth: one rank, stage 1, bf16 parameters with the f32 master
 // weights and both AdamW moments on the host tier (12 bytes of checkpoint data per parameter),
 // after one step so that the moments are not zero. Per round: save() a new tag (timed, fsyncs
-// included), drop the page cache (root), load() it into the same engine (timed: it verifies
-// every block before changing anything, then reads it again into the state), and a step
+// included), drop the page cache (root), load() it into the same engine (timed: one pass,
+// every block verified as it lands in the state), and a step
 // between rounds; then the step time while a save_async() writes, against steps alone.
 // ckpt_vs_fio.sh runs it against fio.
 // --state bf16|8bit keeps the moments in that format (the parameter count stays size / 12): the

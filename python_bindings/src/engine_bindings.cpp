@@ -615,7 +615,9 @@ void def_state(nb::class_<PyEngine>& cls) {
       },
       nb::arg("path"), nb::arg("optimizer_states") = true, nb::arg("hyperparameters") = true,
       "Collective: loads a checkpoint (a tag directory, or a root's latest tag) written at any "
-      "world size or stage, after verifying it whole; a failed load changes nothing. "
+      "world size or stage, in one pass: a load refused by the manifest or a file's header "
+      "changes nothing; a damaged block leaves the engine refusing step(), gather() and save() "
+      "until a load succeeds. "
       "optimizer_states=False: the master weights only (moments, step and loss scaler kept); "
       "hyperparameters=False: the groups' hyperparameters kept.");
   cls.def("num_groups", [](PyEngine& e) { return e.engine.num_groups(); });

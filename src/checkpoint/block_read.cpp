@@ -51,41 +51,63 @@ void touch(char* p, int64_t bytes) {
     *reinterpret_cast<volatile char*>(a) = 0;
 }
 
-}  // namespace
+// The data files a load reads, by (state, rank).
+using Files = std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>>;
 
-void read_blocks(const std::filesystem::path& dir, const Manifest& m,
-                 const std::vector<ReadTarget>& targets, bool verify_only) {
-  if (!verify_only)
-    for (const ReadTarget& t : targets) ZS_CHECK(t.out);
-  // Every block to read, in file order, each file opened (header and table checked) once.
+// Calls f(target, piece, file) for every piece of every target, each file opened (header and
+// checksum table checked) once, in `files`.
+template <class F>
+void for_each_piece(const std::filesystem::path& dir, const Manifest& m,
+                    const std::vector<ReadTarget>& targets, Files& files, F&& f) {
   const UnitReader where(dir, m);
-  std::map<std::pair<int, int>, std::unique_ptr<DataFileReader>> files;  // (state, rank)
-  std::map<std::tuple<int, int, int64_t>, Job> by_block;                 // (state, rank, block)
   std::vector<UnitReader::Piece> pieces;
   for (const ReadTarget& t : targets) {
     pieces.clear();
-    // Values land as they lie in the file: only an f32 state can be read in place.
-    ZS_CHECK(verify_only || encoding_of(m, t.s).format == StateFormat::f32);
     where.pieces(t.s, t.u, t.b, t.e, pieces);
     for (const UnitReader::Piece& p : pieces) {
-      std::unique_ptr<DataFileReader>& f = files[{t.s, p.rank}];
-      if (!f)
-        f = std::make_unique<DataFileReader>(
+      std::unique_ptr<DataFileReader>& file = files[{t.s, p.rank}];
+      if (!file)
+        file = std::make_unique<DataFileReader>(
             dir / data_file_name(p.rank, state_names()[size_t(t.s)].name),
             expected_header(m, p.rank, t.s));
-      char* to = t.out ? reinterpret_cast<char*>(t.out + p.to) : nullptr;  // null: verify only
-      for (int64_t byte = p.at, end = p.at + p.bytes; byte < end;) {
-        const int64_t b = byte / m.block_bytes, in = byte - b * m.block_bytes;
-        const int64_t take = std::min(end - byte, f->block_len(b) - in);
-        Job& job = by_block[{t.s, p.rank, b}];
-        job.file = f.get();
-        job.block = b;
-        job.segments.push_back({in, take, to});
-        byte += take;
-        if (to) to += take;
-      }
+      f(t, p, *file);
     }
   }
+}
+
+}  // namespace
+
+void check_files(const std::filesystem::path& dir, const Manifest& m,
+                 const std::vector<ReadTarget>& targets) {
+  Files files;
+  for_each_piece(dir, m, targets, files, [](auto&&...) {});
+}
+
+void read_blocks(const std::filesystem::path& dir, const Manifest& m,
+                 const std::vector<ReadTarget>& targets) {
+  for (const ReadTarget& t : targets) {
+    ZS_CHECK(t.out);
+    // Values land as they lie in the file: only an f32 state can be read in place.
+    ZS_CHECK(encoding_of(m, t.s).format == StateFormat::f32);
+  }
+  // Every block to read, in file order.
+  Files files;
+  std::map<std::tuple<int, int, int64_t>, Job> by_block;  // (state, rank, block)
+  for_each_piece(
+      dir, m, targets, files,
+      [&](const ReadTarget& t, const UnitReader::Piece& p, const DataFileReader& f) {
+        char* to = reinterpret_cast<char*>(t.out + p.to);
+        for (int64_t byte = p.at, end = p.at + p.bytes; byte < end;) {
+          const int64_t b = byte / m.block_bytes, in = byte - b * m.block_bytes;
+          const int64_t take = std::min(end - byte, f.block_len(b) - in);
+          Job& job = by_block[{t.s, p.rank, b}];
+          job.file = &f;
+          job.block = b;
+          job.segments.push_back({in, take, to});
+          byte += take;
+          to += take;
+        }
+      });
   std::vector<Job> jobs;
   jobs.reserve(by_block.size());
   for (auto& [key, job] : by_block) jobs.push_back(std::move(job));
@@ -97,8 +119,7 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
   in_threads(kReaders + 1, [&](size_t t) {
     if (t == kReaders) {
       for (size_t k = 0; k < jobs.size() && !failed.load(std::memory_order_relaxed); ++k) {
-        if (!verify_only)
-          for (const Segment& s : jobs[k].segments) touch(s.to, s.bytes);
+        for (const Segment& s : jobs[k].segments) touch(s.to, s.bytes);
         touched.store(k + 1, std::memory_order_release);
         touched.notify_all();
       }
@@ -113,15 +134,14 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
           touched.wait(seen, std::memory_order_acquire);
         if (failed.load(std::memory_order_relaxed)) break;
         const Job& job = jobs[k];
-        if (!verify_only && job.direct()) {
+        if (job.direct()) {
           job.file->fetch_block(job.block, job.segments.front().to);
           continue;
         }
         if (!bounce) bounce = std::make_unique<BlockBuffer>(size_t(m.block_bytes));
         job.file->fetch_block(job.block, bounce->data);
-        if (!verify_only)
-          for (const Segment& s : job.segments)
-            std::memcpy(s.to, bounce->data + s.in, size_t(s.bytes));
+        for (const Segment& s : job.segments)
+          std::memcpy(s.to, bounce->data + s.in, size_t(s.bytes));
       }
     } catch (...) {
       failed = true;

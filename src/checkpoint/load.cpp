@@ -1,9 +1,11 @@
-// Engine::load: reads a checkpoint at any world size and stage (format.hpp), all or nothing.
-// Everything is checked before any state changes: the manifest (schema, types, ranges), the
-// model against it (naming the first parameter that differs), every file's header and checksum
-// table, and then every block this rank will read, which is read a first time only to verify
-// it. Only once every rank found everything intact does the second pass write the shards. A
-// failed load therefore leaves the engine exactly as it was.
+// Engine::load: reads a checkpoint at any world size and stage (format.hpp), in one pass, fail
+// closed. Checked before any state changes: the manifest (schema, types, ranges), the model
+// against it (naming the first parameter that differs), every data file's header and checksum
+// table. Then every block this rank needs is read once, verified as it lands and applied: a
+// failed load leaves the engine unchanged when those first checks fail, and otherwise (a damaged
+// block, a failed read, on any rank) marked on every rank as holding no valid state, which
+// step(), gather() and save() refuse until a load succeeds. Nothing trains on a half-loaded
+// state, and the disk is read once, at its speed.
 #include <algorithm>
 #include <string>
 
@@ -122,15 +124,15 @@ void Engine::load(const std::filesystem::path& path, const LoadOptions& options)
         (options.optimizer_states || state_names()[s].kind == StateKind::master))
       states.push_back(int(s));
 
-  // The first pass reads every block this rank needs, only to verify it; once every rank found
-  // everything intact the second reads them again and writes the shards, on this thread (a
-  // GPU's current device is per thread): in place where the tier stores a state in host memory
-  // in the checkpoint's format (f32 straight from the disk; bf16 and 8-bit through a block
-  // buffer, as they are: 8-bit only in the same blocks), else converted and through
-  // write_shard(). The second pass verifies again what it reads, so a block changed in between
-  // is caught. Keeping the first pass's blocks for the second instead would take the rank's
-  // whole state in memory a second time.
-  std::vector<ReadTarget> verify, direct;
+  // One pass: every block this rank needs is read once, verified as it lands, and written where
+  // it goes, on this thread (a GPU's current device is per thread): in place where the tier
+  // stores a state in host memory in the checkpoint's format (f32 straight from the disk; bf16
+  // and 8-bit through a block buffer, as they are: 8-bit only in the same blocks), else converted
+  // and through write_shard(). Every data file's header and checksum table are checked first,
+  // before any state changes; a damaged block can only be found as it is read, so a load that
+  // fails from there on leaves the engine holding no valid state, and step(), gather() and
+  // save() refuse, naming the failed load, until a load succeeds (check_state()).
+  std::vector<ReadTarget> all, direct;
   struct Stored {
     int s, u;
     StoredShard into;
@@ -140,7 +142,7 @@ void Engine::load(const std::filesystem::path& path, const LoadOptions& options)
   for (int s : states)
     for (int u = 0; u < num_units(); ++u) {
       const Span& sp = spans[size_t(u)];
-      verify.push_back({s, u, sp.b, sp.e, nullptr});
+      all.push_back({s, u, sp.b, sp.e, nullptr});
       const Encoding enc = encoding_of(m, s);
       const StoredShard into = impl.state->stored(u, state_names()[size_t(s)].kind);
       const bool same = into.data && into.format == enc.format &&
@@ -152,10 +154,11 @@ void Engine::load(const std::filesystem::path& path, const LoadOptions& options)
       else  // the padding past e keeps its zero codes
         as_stored.push_back({s, u, into});
     }
-  all_or_none(comm, at + ": verifying", [&] { read_blocks(dir, m, verify, true); });
+  all_or_none(comm, at + ": reading the data files' headers", [&] { check_files(dir, m, all); });
+  impl.failed_load = at + " stopped part way";
   try {
     all_or_none(comm, at + ": reading shards", [&] {
-      read_blocks(dir, m, direct, false);
+      read_blocks(dir, m, direct);
       UnitReader src(dir, m);
       for (const Stored& t : as_stored)
         src.read_stored(t.s, t.u, spans[size_t(t.u)].b, spans[size_t(t.u)].e, t.into.data,
@@ -169,9 +172,10 @@ void Engine::load(const std::filesystem::path& path, const LoadOptions& options)
       }
     });
   } catch (const Error& e) {
-    // Verified a moment ago: only an I/O error or a file changed since can get here.
+    impl.failed_load = at + " failed part way (" + e.what() + ")";
     throw Error(e.code(), std::string(e.what()) +
-                              " -- the engine's state is partly loaded; load again or rebuild it");
+                              " -- the engine holds no valid state now: step(), gather() and "
+                              "save() refuse until a load succeeds");
   }
   commit_shards();
   if (options.optimizer_states) {
@@ -180,6 +184,7 @@ void Engine::load(const std::filesystem::path& path, const LoadOptions& options)
   }
   if (options.hyperparameters)
     for (int g = 0; g < num_groups(); ++g) set_options(g, m.groups[size_t(g)]);
+  impl.failed_load.clear();
 }
 
 }  // namespace zeroshard

@@ -327,6 +327,7 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
   if (!impl_->finalized)
     ZS_THROW(invalid_argument, "rank " << rank() << ": save(" << root.string()
                                        << ") before finalize(): there is no state to save yet");
+  impl_->check_state("save");
   finish_save();
   std::unique_ptr<PendingSave> p = start(*this, root, tag);
   std::unique_ptr<StateSnapshot> frozen;  // the nvme tier's: each unit's record read once
@@ -342,6 +343,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   if (!impl_->finalized)
     ZS_THROW(invalid_argument, "rank " << rank() << ": save_async(" << root.string()
                                        << ") before finalize(): there is no state to save yet");
+  impl_->check_state("save_async");
   finish_save();
   std::shared_ptr<PendingSave> p = start(*this, root, tag);
   // The snapshot, now: kept by the tier where the state lies (nvme), else this rank's data

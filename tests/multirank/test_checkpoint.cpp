@@ -1,6 +1,6 @@
 // Checkpoints: save at this world size and stage, load at another stage on the same ranks and
 // at world size 1 (rank 0 alone), and continue exactly as the original; every kind of damage
-// to every kind of file fails the load on every rank and leaves the engine as it was.
+// to every kind of file fails the load on every rank (test_checkpoint_safety.cpp).
 #include <gtest/gtest.h>
 #include <unistd.h>
 

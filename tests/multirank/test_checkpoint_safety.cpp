@@ -2,7 +2,9 @@
 // rate, every hyperparameter and the step), tags that are never overwritten and are pruned by
 // keep_last, a load that drops stale stage-3 prefetches, and damage of every kind to every kind
 // of file (data blocks, headers, checksum tables, manifests, `latest`, files of another save or
-// model): each fails the load on every rank with the file named and leaves the engine as it was.
+// model): each fails the load on every rank with the file named, and leaves the engine as it was
+// or, where a damaged block is found as the load reads it, refusing to train until a load
+// succeeds.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -228,12 +230,20 @@ TEST(CheckpointResume, LoadDropsStage3Prefetches) {
 
 namespace {
 
+// Where a load finds the damage: before any state changes (manifests, pointers, a data file's
+// header or checksum table), or only as the block is read.
+enum class Found { before_writing, while_reading };
+
 // A fresh checkpoint of engine `a` in dir/<tag>, damaged by rank 0's `damage(tag_dir)`; then a
-// load into `b` must fail on every rank with `code` and `text`, leaving b unchanged, its memory
-// included. With f32 state in host memory a load reads the blocks straight to where the state
-// lies, else through UnitReader, decoding 8-bit moments (load.cpp): each is damaged.
+// load into `b` must fail on every rank with `code` and `text`, its memory as before. Damage found
+// before writing leaves b unchanged. Damage found while reading leaves b holding no valid state:
+// step(), gather() and save() refuse on every rank, naming the load, until a load of an intact
+// checkpoint brings b to a's state. With f32 state in host memory a load reads the blocks
+// straight to where the state lies, else through UnitReader, decoding 8-bit moments (load.cpp):
+// each is damaged.
 void expect_refused(const std::string& name, const std::function<void(const fs::path&)>& damage,
-                    ErrorCode code, const std::string& text) {
+                    ErrorCode code, const std::string& text,
+                    Found found = Found::before_writing) {
   const std::pair<Tier, StateFormat> runs[] = {{Tier::host, StateFormat::f32},
                                                {Tier::nvme, StateFormat::f32},
                                                {Tier::nvme, StateFormat::q8}};
@@ -259,9 +269,22 @@ void expect_refused(const std::string& name, const std::function<void(const fs::
       EXPECT_EQ(e.code(), code) << what << ": " << e.what();
       EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << what << ": " << e.what();
     }
-    EXPECT_TRUE(same(before, snapshot(b))) << what << ": a failed load changed the engine";
-    EXPECT_EQ(b.step_count(), 1) << what;
     EXPECT_EQ(b.memory().bytes, held.bytes) << what << ": a failed load kept memory";
+    if (found == Found::before_writing) {
+      EXPECT_TRUE(same(before, snapshot(b))) << what << ": a failed load changed the engine";
+      EXPECT_EQ(b.step_count(), 1) << what;
+    } else {
+      const std::string refused = "holds no valid state: load(" + dir.string();
+      EXPECT_ZS_ERROR(b.step(), invalid_argument, refused);
+      EXPECT_ZS_ERROR(b.gather(0), invalid_argument, refused);
+      EXPECT_ZS_ERROR(b.save(dir, "after"), invalid_argument, refused);
+      EXPECT_ZS_ERROR(b.save_async(dir, "after"), invalid_argument, refused);
+      a.save(dir, "intact");
+      b.load(dir);
+      EXPECT_TRUE(same(snapshot(a), snapshot(b))) << what << ": the load after a failed one";
+      train_some(b, 1);
+      EXPECT_EQ(b.step_count(), 3) << what;
+    }
     cleanup(dir);
   }
 }
@@ -286,7 +309,7 @@ TEST(CheckpointDamage, DataFiles) {
   const std::string f0 = "rank00000.master", fl = ckpt::data_file_name(last, "state1");
   expect_refused(
       "flipped bit", [&](const fs::path& t) { flip_byte(t / f0, kData + 5); }, ErrorCode::corrupted,
-      "rank00000.master\": block 0");
+      "rank00000.master\": block 0", Found::while_reading);
   expect_refused(
       "zeroed block",
       [&](const fs::path& t) {
@@ -296,7 +319,7 @@ TEST(CheckpointDamage, DataFiles) {
         std::memset(s.data() + kData, 0, size_t(data));
         spill(t / fl, s);
       },
-      ErrorCode::corrupted, "fails its checksum");
+      ErrorCode::corrupted, "fails its checksum", Found::while_reading);
   expect_refused(
       "truncated", [&](const fs::path& t) { fs::resize_file(t / f0, uintmax_t(kData + 8)); },
       ErrorCode::corrupted, "truncated");

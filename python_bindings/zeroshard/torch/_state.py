@@ -165,7 +165,9 @@ class _StatePart:
                         load_module_only=False):
         """Collective: loads a checkpoint (a tag directory, or a root's latest tag) written at
         any world size or stage into this optimizer (same model: unit and parameter names,
-        shapes, optimizer), after verifying it whole: a failed load changes nothing. The model's
+        shapes, optimizer), in one pass: a load refused by the manifest or a file's header
+        changes nothing; a damaged block leaves the optimizer refusing to step until a load
+        succeeds. The model's
         parameters are rebuilt from the loaded master weights, and the param groups take the
         saved hyperparameters (a scheduler stepped since construction is not rewound).
         DeepSpeed's choices: load_optimizer_states=False keeps this optimizer's moments, step
