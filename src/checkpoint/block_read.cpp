@@ -93,21 +93,20 @@ void read_blocks(const std::filesystem::path& dir, const Manifest& m,
   // Every block to read, in file order.
   Files files;
   std::map<std::tuple<int, int, int64_t>, Job> by_block;  // (state, rank, block)
-  for_each_piece(
-      dir, m, targets, files,
-      [&](const ReadTarget& t, const UnitReader::Piece& p, const DataFileReader& f) {
-        char* to = reinterpret_cast<char*>(t.out + p.to);
-        for (int64_t byte = p.at, end = p.at + p.bytes; byte < end;) {
-          const int64_t b = byte / m.block_bytes, in = byte - b * m.block_bytes;
-          const int64_t take = std::min(end - byte, f.block_len(b) - in);
-          Job& job = by_block[{t.s, p.rank, b}];
-          job.file = &f;
-          job.block = b;
-          job.segments.push_back({in, take, to});
-          byte += take;
-          to += take;
-        }
-      });
+  for_each_piece(dir, m, targets, files,
+                 [&](const ReadTarget& t, const UnitReader::Piece& p, const DataFileReader& f) {
+                   char* to = reinterpret_cast<char*>(t.out + p.to);
+                   for (int64_t byte = p.at, end = p.at + p.bytes; byte < end;) {
+                     const int64_t b = byte / m.block_bytes, in = byte - b * m.block_bytes;
+                     const int64_t take = std::min(end - byte, f.block_len(b) - in);
+                     Job& job = by_block[{t.s, p.rank, b}];
+                     job.file = &f;
+                     job.block = b;
+                     job.segments.push_back({in, take, to});
+                     byte += take;
+                     to += take;
+                   }
+                 });
   std::vector<Job> jobs;
   jobs.reserve(by_block.size());
   for (auto& [key, job] : by_block) jobs.push_back(std::move(job));

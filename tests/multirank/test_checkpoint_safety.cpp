@@ -242,8 +242,7 @@ enum class Found { before_writing, while_reading };
 // straight to where the state lies, else through UnitReader, decoding 8-bit moments (load.cpp):
 // each is damaged.
 void expect_refused(const std::string& name, const std::function<void(const fs::path&)>& damage,
-                    ErrorCode code, const std::string& text,
-                    Found found = Found::before_writing) {
+                    ErrorCode code, const std::string& text, Found found = Found::before_writing) {
   const std::pair<Tier, StateFormat> runs[] = {{Tier::host, StateFormat::f32},
                                                {Tier::nvme, StateFormat::f32},
                                                {Tier::nvme, StateFormat::q8}};
