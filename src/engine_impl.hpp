@@ -10,8 +10,10 @@
 //   engine_state.cpp        state access for checkpoints (read/write/commit shards)
 // The stage logic never asks which tier holds a unit's state: src/tiers/tier.hpp.
 
+#include <condition_variable>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -108,12 +110,35 @@ struct StepClock {
   double interval_start = 0;
 };
 
+/// Closed while a save's thread copies the state into its snapshot: nothing may change the
+/// state meanwhile (Engine::Impl::before_state_change() waits for open()).
+class CopyGate {
+ public:
+  void open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
 /// save_async(): the snapshot, kept from one save to the next (a new buffer's page faults cost
-/// more than the copy), and the save under way (src/checkpoint/save.cpp's PendingSave, which
-/// finish_save() ends; declared after the snapshot its thread reads, so destroyed first).
-/// Written by src/checkpoint/save.cpp only.
+/// more than the copy), the gate its copy holds closed, and the save under way
+/// (src/checkpoint/save.cpp's PendingSave, which finish_save() ends; declared after the
+/// snapshot its thread reads, so destroyed first). Written by src/checkpoint/save.cpp only.
 struct AsyncSave {
   Buffer snapshot;
+  std::shared_ptr<CopyGate> copying;  // null when no copy is under way
   std::shared_ptr<void> pending;
 };
 
@@ -143,6 +168,10 @@ struct Engine::Impl {
   std::string failed_load;
   /// Refuses `call` while the engine holds no valid state (failed_load).
   void check_state(const char* call) const;
+  /// Before the master weights or the moments change: waits for a save_async() copying them.
+  void before_state_change() {
+    if (save.copying) save.copying->wait();
+  }
   DType pdt = DType::f32;  // parameter and gradient dtype
   size_t pbytes = 4;
 

@@ -47,6 +47,7 @@ void Engine::write_shard(UnitId id, StateKind kind, const std::vector<float>& v)
       ZS_THROW(invalid_argument, "write_shard(): " << m.where(id) << ": value " << i << " = " << x
                                                    << " of Adam's second moment is negative");
   }
+  m.before_state_change();
   m.state->write(id, kind, v);
 }
 
@@ -56,6 +57,7 @@ void Engine::commit_shards() {
     ZS_THROW(invalid_argument, "rank " << m.rank << ": commit_shards() before finalize()");
   // A stage-3 prefetch holds the parameters from before: it must not survive.
   m.drop_prefetches();
+  m.before_state_change();
   m.state->commit(*m.topo.shard_comm, *m.params);
   // No hand_to_trainer() on return: the restored parameters were written with waits, or are
   // all-gathered on the host below (scripts/mutate_waits.py found that wait unneeded).

@@ -78,6 +78,7 @@ void Engine::Impl::drop_prefetches() {
 void Engine::Impl::update(const std::vector<cpu::UpdateHyper>& hyper) {
   drop_prefetches();  // one started after clip_grad_norm() (close_grads() dropped the earlier)
   params->drop_reads();
+  before_state_change();
   params->update(*state, hyper, steps);
 }
 

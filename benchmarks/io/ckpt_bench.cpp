@@ -8,7 +8,11 @@
 // --state bf16|8bit keeps the moments in that format (the parameter count stays size / 12): the
 // checkpoint shrinks with them, and bytes/s are of what the files really hold.
 //
+// --backward S: each iteration of the asynchronous-save part first waits S seconds, as a trainer
+// waits for a GPU's forward and backward.
+//
 //   ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16] [--state f32|bf16|8bit]
+//              [--backward S] [--async-iterations 5]
 #include <unistd.h>
 
 #include <chrono>
@@ -16,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "benchmarks/io/parse_size.hpp"
@@ -51,7 +56,8 @@ void one_step(Engine& e) {
 int main(int argc, char** argv) {
   std::string dir;
   int64_t size = int64_t(2) << 30;
-  int rounds = 3, units = 16;
+  int rounds = 3, units = 16, iterations = 5;
+  double backward_s = 0;
   std::string state = "f32";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -65,6 +71,10 @@ int main(int argc, char** argv) {
       units = std::stoi(v);
     else if (k == "--state")
       state = v;
+    else if (k == "--backward")
+      backward_s = std::stod(v);
+    else if (k == "--async-iterations")
+      iterations = std::stoi(v);
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -73,7 +83,7 @@ int main(int argc, char** argv) {
   if (dir.empty()) {
     std::fprintf(stderr,
                  "usage: ckpt_bench --dir DIR --size 2G [--rounds 3] [--units 16] "
-                 "[--state f32|bf16|8bit]\n");
+                 "[--state f32|bf16|8bit] [--backward S] [--async-iterations 5]\n");
     return 2;
   }
   const int64_t per = size / 12 / units;
@@ -97,11 +107,12 @@ int main(int argc, char** argv) {
   std::printf("%-6s %10s %10s %10s %10s %10s\n", "round", "save_s", "save_MB/s", "load_s",
               "load_MB/s", "file_MB");
   bool cold = true;
-  double t = 0;
+  double t = 0, last_save_s = 0;
   for (int r = 1; r <= rounds; ++r) {
     t = now();
     const std::filesystem::path tag = e.save(root, "r" + std::to_string(r));
     const double save_s = now() - t;
+    last_save_s = save_s;
     double bytes = 0;  // what the tag's files hold
     for (const auto& f : std::filesystem::directory_iterator(tag)) bytes += double(f.file_size());
     cold &= drop_caches();
@@ -114,27 +125,37 @@ int main(int argc, char** argv) {
     std::filesystem::remove_all(tag);
     one_step(e);
   }
-  // The step-time cost of an asynchronous save: steps alone, then the same steps while
-  // save_async()'s thread writes, then what finish_save() still waits for. Twice: the first
-  // save_async() allocates its snapshot, later ones reuse it.
-  const int k = 5;
+  // The cost of an asynchronous save to the trainer. An iteration is the trainer's: it waits
+  // `backward` s (the CPU idle, as while a GPU runs forward and backward), writes its gradients
+  // and steps. k iterations alone, then k right after save_async() while its thread copies and
+  // writes, then what finish_save() still waits for. The trainer is blocked by the save for the
+  // time save_async() takes plus what the k iterations take longer; the save's own duration is
+  // the synchronous save()'s of the last round. Twice: the first save_async() allocates its
+  // snapshot, later ones reuse it.
+  auto iteration = [&] {
+    if (backward_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(backward_s));
+    one_step(e);
+  };
+  const int k = iterations;
   for (int a = 1; a <= 2; ++a) {
     t = now();
-    for (int i = 0; i < k; ++i) one_step(e);
+    for (int i = 0; i < k; ++i) iteration();
     const double alone = (now() - t) / k;
     t = now();
     e.save_async(root, "async" + std::to_string(a));
     const double snap = now() - t;
     t = now();
-    for (int i = 0; i < k; ++i) one_step(e);
+    for (int i = 0; i < k; ++i) iteration();
     const double during = (now() - t) / k;
     t = now();
     e.finish_save();
     const double wait = now() - t;
+    const double blocked = snap + k * std::max(0.0, during - alone);
     std::printf(
-        "async save %d: save_async() %.2f s; step %.3f s alone, %.3f s while the save "
-        "writes (%.2fx); finish_save() waited %.2f s more\n",
-        a, snap, alone, during, during / alone, wait);
+        "async save %d: save_async() %.3f s; iteration %.3f s alone, %.3f s while the save "
+        "runs (%.2fx); finish_save() waited %.2f s more; blocked %.3f s in all = %.3f of the "
+        "save's %.3f s\n",
+        a, snap, alone, during, during / alone, wait, blocked, blocked / last_save_s, last_save_s);
   }
   if (!cold) std::printf("(page cache not dropped: not root; loads may read from memory)\n");
   std::filesystem::remove_all(root);

@@ -8,6 +8,7 @@
 // host memory; in the ledger either way) and a thread writes the files while training goes on;
 // finish_save() publishes the tag.
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -346,15 +347,33 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   impl_->check_state("save_async");
   finish_save();
   std::shared_ptr<PendingSave> p = start(*this, root, tag);
-  // The snapshot, now: kept by the tier where the state lies (nvme), else this rank's data
-  // files' contents made in host memory, state after state. Every rank learns whether every
-  // rank took its snapshot (a rank that cannot must not leave the others training while it
-  // waits in this save's agreement).
+  // The snapshot: kept by the tier where the state lies (nvme), else this rank's data files'
+  // contents copied into host memory, state after state. Where the tier stores every state in
+  // host memory the save's thread makes that copy, while the trainer goes on (its forward and
+  // backward change neither the master weights nor the moments): the next change of the state
+  // waits for it (Impl::before_state_change()). Else (a GPU's memory) it is made now. Every rank
+  // learns whether every rank took its snapshot or has its buffer (a rank that cannot must not
+  // leave the others training while it waits in this save's agreement).
   std::unique_ptr<StateSnapshot> frozen;
   char* copied = nullptr;
   std::vector<size_t> starts;  // of each state's contents in `copied`
+  bool in_thread = true;       // the save's thread copies
   const int r = shard_group().rank;
   const bool writes = shard_group().index == 0;  // the other groups hold the same shards
+  StateTier* tier = impl_->state.get();
+  // Copies this rank's data files' contents into `copied`, from the tier.
+  auto copy = [raw = p.get(), r, tier](char* into, const std::vector<size_t>& at0) {
+    RangeSource source(*raw, tier, nullptr);
+    for (size_t i = 0; i < raw->states.size(); ++i) {
+      size_t at = at0[i];
+      for (const Range& rg : raw->m.ranges[size_t(r)]) {
+        const size_t n =
+            size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
+        std::memcpy(into + at, source(i, rg), n);
+        at += n;
+      }
+    }
+  };
   try {
     all_or_none(*communicator(), p->at + ": snapshot", [&] {
       if (!writes) return;
@@ -364,6 +383,8 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
       for (int s : p->states) {
         starts.push_back(total);
         total += size_t(expected_header(p->m, r, s).data_bytes);
+        for (const Range& rg : p->m.ranges[size_t(r)])
+          in_thread &= tier->stored(rg.unit, state_names()[size_t(s)].kind).data != nullptr;
       }
       if (impl_->save.snapshot.bytes() != total) {
         impl_->save.snapshot = Buffer();
@@ -371,16 +392,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
             Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
       }
       copied = impl_->save.snapshot.as<char>();
-      RangeSource source(*p, impl_->state.get(), nullptr);
-      for (size_t i = 0; i < p->states.size(); ++i) {
-        size_t at = starts[i];
-        for (const Range& rg : p->m.ranges[size_t(r)]) {
-          const size_t n =
-              size_t(encoded_bytes(encoding_of(p->m, p->states[i]), rg.end - rg.begin));
-          std::memcpy(copied + at, source(i, rg), n);
-          at += n;
-        }
-      }
+      if (!in_thread) copy(copied, starts);
     });
   } catch (const Error&) {
     std::error_code ec;
@@ -392,23 +404,38 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
     impl_->save.pending = std::move(p);
     return;
   }
+  std::shared_ptr<CopyGate> gate;
+  if (copied && in_thread) gate = std::make_shared<CopyGate>();
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
   try {
-    p->writer = std::thread([raw, r, copied, starts, frozen = std::move(frozen)]() mutable {
-      raw->error = outcome([&] {
-        if (frozen) {
-          write_files(*raw, r, RangeSource(*raw, nullptr, frozen.get()));
-          return;
-        }
-        std::vector<size_t> at = starts;
-        write_files(*raw, r, [&](size_t i, const Range& rg) -> const char* {
-          const char* v = copied + at[i];
-          at[i] += size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
-          return v;
+    p->writer =
+        std::thread([raw, r, copied, starts, gate, copy, frozen = std::move(frozen)]() mutable {
+          raw->error = outcome([&] {
+            if (frozen) {
+              write_files(*raw, r, RangeSource(*raw, nullptr, frozen.get()));
+              return;
+            }
+            // The trainer first: this thread and the writers it starts (which inherit it) take
+            // the cores the trainer leaves (Linux: a nice value is per thread).
+            (void)::setpriority(PRIO_PROCESS, 0, 19);
+            if (gate) {
+              struct Open {  // however the copy ends: the trainer must not wait forever
+                CopyGate& g;
+                ~Open() { g.open(); }
+              } open{*gate};
+              copy(copied, starts);
+            }
+            std::vector<size_t> at = starts;
+            write_files(*raw, r, [&](size_t i, const Range& rg) -> const char* {
+              const char* v = copied + at[i];
+              at[i] +=
+                  size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
+              return v;
+            });
+          });
+          frozen.reset();  // the tier may write over what it kept
         });
-      });
-      frozen.reset();  // the tier may write over what it kept
-    });
+    impl_->save.copying = std::move(gate);
   } catch (const std::system_error& e) {
     p->error = Error(ErrorCode::internal, p->at + ": cannot start its writer thread: " + e.what());
   }
@@ -420,6 +447,7 @@ std::filesystem::path Engine::finish_save() {
   std::shared_ptr<PendingSave> p = std::static_pointer_cast<PendingSave>(impl_->save.pending);
   impl_->save.pending.reset();
   if (p->writer.joinable()) p->writer.join();
+  impl_->save.copying.reset();
   return finish(*this, *p, p->error);
 }
 

@@ -679,6 +679,34 @@ TEST(CheckpointResume, BF16MasterBitwiseAndIntoAnF32Master) {
   cleanup(dir);
 }
 
+// save_async() with the state in host memory returns before its copy of the state is made (its
+// thread makes it): a step called at once, between backward and step() as a trainer may save,
+// waits for the copy before it changes the state. Without that wait the step's update runs
+// beside the copy, which then takes the moments of the first units as updated.
+TEST(CheckpointAsync, TheStepRightAfterTheCallWaitsForItsCopy) {
+  const fs::path dir = shared_dir("async-copy");
+  auto big = zs_test::uneven_model();
+  big.push_back({"wide", {{"w", {2048, 1024}}}});  // 24 MB of state: its copy takes a while
+  Engine a(cfg_for(2, Tier::host), world());
+  zs_test::register_model(a, big);
+  train_some(a, 1);
+  Snapshot at_call;
+  zs_test::TrainOptions o;
+  o.steps = 1;
+  o.before_step = [&](Engine& e) {
+    at_call = snapshot(e);
+    e.save_async(dir, "async");
+  };
+  zs_test::train(a, o);  // step() right after the call
+  a.finish_save();
+  EXPECT_FALSE(same(snapshot(a), at_call)) << "the step changed nothing";
+  Engine b(cfg_for(2, Tier::host), world());
+  zs_test::register_model(b, big);
+  b.load(dir / "async");
+  EXPECT_TRUE(same(snapshot(b), at_call)) << "the checkpoint is not the state of its call";
+  cleanup(dir);
+}
+
 // save_async(): the checkpoint holds the state of the moment it was called, though training
 // went on while it was written; the snapshot is in the ledger.
 TEST(CheckpointAsync, HoldsTheStateOfItsCallWhileTrainingGoesOn) {
