@@ -23,9 +23,14 @@ void usage(std::FILE* out) {
       "usage: zeroshard ckpt inspect PATH   print the manifest (tag, step, groups, "
       "units)\n"
       "       zeroshard ckpt verify PATH    check every block's checksum\n"
-      "       zeroshard ckpt export PATH OUT_DIR\n"
-      "                                     write OUT_DIR/model.safetensors (f32 weights)\n"
-      "                                     and OUT_DIR/optimizer.safetensors\n"
+      "       zeroshard ckpt export PATH OUT_DIR [--max-shard-size BYTES]\n"
+      "                                     write OUT_DIR/model.safetensors (f32 weights under\n"
+      "                                     every name, the module's frozen tensors and buffers)\n"
+      "                                     and OUT_DIR/optimizer.safetensors; a model above\n"
+      "                                     BYTES (default 5000000000, as Hugging Face; suffixes\n"
+      "                                     KB MB GB, KiB MiB GiB; 0: never) is split into\n"
+      "                                     model-0000i-of-0000n.safetensors and\n"
+      "                                     model.safetensors.index.json\n"
       "PATH is a tag directory, or a checkpoint root (its latest tag is read).\n");
 }
 
@@ -63,12 +68,30 @@ int verify(const std::string& path) {
   return 0;
 }
 
-int export_to(const std::string& path, const std::string& out) {
+// "5GB", "500MiB", "123": bytes; -1 for anything else.
+int64_t parse_bytes(const std::string& s) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    return -1;
+  }
+  const std::string unit = s.substr(used);
+  const std::pair<const char*, double> units[] = {{"", 1},          {"B", 1},        {"KB", 1e3},
+                                                  {"MB", 1e6},      {"GB", 1e9},     {"KiB", 1024},
+                                                  {"MiB", 1 << 20}, {"GiB", 1 << 30}};
+  for (auto [name, scale] : units)
+    if (unit == name && v >= 0 && v * scale < 9e18) return int64_t(v * scale);
+  return -1;
+}
+
+int export_to(const std::string& path, const std::string& out, int64_t max_shard_bytes) {
   {
     Progress progress("exported");
-    zeroshard::export_checkpoint(path, out, std::ref(progress));
+    zeroshard::export_checkpoint(path, out, std::ref(progress), max_shard_bytes);
   }
-  std::printf("%s: model.safetensors and optimizer.safetensors written\n", out.c_str());
+  std::printf("%s: the model's safetensors and optimizer.safetensors written\n", out.c_str());
   return 0;
 }
 
@@ -80,7 +103,8 @@ int run_ckpt(const std::vector<std::string>& args) {
     return 0;
   }
   const bool two = args.size() == 2 && (args[0] == "inspect" || args[0] == "verify");
-  const bool three = args.size() == 3 && args[0] == "export";
+  const bool three = !args.empty() && args[0] == "export" &&
+                     (args.size() == 3 || (args.size() == 5 && args[3] == "--max-shard-size"));
   if (!two && !three) {
     usage(stderr);
     return 2;
@@ -90,7 +114,15 @@ int run_ckpt(const std::vector<std::string>& args) {
       std::fputs(zeroshard::describe_checkpoint(args[1]).c_str(), stdout);
       return 0;
     }
-    if (args[0] == "export") return export_to(args[1], args[2]);
+    if (args[0] == "export") {
+      const int64_t limit = args.size() == 5 ? parse_bytes(args[4]) : zeroshard::kExportShardBytes;
+      if (limit < 0) {
+        std::fprintf(stderr, "zeroshard ckpt export: --max-shard-size %s is no size in bytes\n",
+                     args[4].c_str());
+        return 2;
+      }
+      return export_to(args[1], args[2], limit);
+    }
     return verify(args[1]);
   } catch (const std::exception& e) {  // zeroshard::Error, and the file system's own errors
     std::fprintf(stderr, "zeroshard ckpt %s: %s\n", args[0].c_str(), e.what());

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zeroshard/communicator.hpp"
@@ -67,6 +68,27 @@ struct LoadOptions {
   /// false: every group's hyperparameters keep the engine's values (DeepSpeed's
   /// load_lr_scheduler_states=False: the trainer's scheduler owns them).
   bool hyperparameters = true;
+};
+
+/// A tensor of the model that the engine does not train (a frozen parameter, a persistent
+/// buffer), as a checkpoint carries it: its name in the model's state_dict, its dtype as
+/// safetensors spells it ("F32", "BF16", "F16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL"),
+/// its shape, and its bytes (row-major).
+struct ModuleTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<char> bytes;
+};
+
+/// What a checkpoint carries of the model besides the engine's state (Engine::save()'s
+/// `module`): the tensors the engine does not train, and other names of trained parameters
+/// (tied weights: {name, the registered parameter's name}), so that the checkpoint and its
+/// export hold every name of the model's state_dict.
+struct ModuleState {
+  std::vector<ModuleTensor> tensors;
+  std::vector<std::pair<std::string, std::string>> aliases;
+  bool empty() const { return tensors.empty() && aliases.empty(); }
 };
 
 /// Where this rank stands in the sharding (Config::shard_group_size): it holds shard `rank` of
@@ -241,7 +263,11 @@ class ZS_API Engine {
   /// existing tag (Error(invalid_argument) if it exists). Every file is checksummed per block.
   /// Each rank writes the part of each unit its shard holds, unit by unit: nothing is gathered.
   /// Keeps the newest Config::checkpoint_keep_last tags (0: all). Returns root/<tag>.
-  std::filesystem::path save(const std::filesystem::path& root, const std::string& tag = "");
+  /// `module`: rank 0's is written beside the state (module.safetensors, checksummed, of this
+  /// save), the other ranks' are not read; read_module_state() reads it back and
+  /// export_checkpoint() exports it. A name that is not new is Error(invalid_argument).
+  std::filesystem::path save(const std::filesystem::path& root, const std::string& tag = "",
+                             const ModuleState& module = {});
   /// Collective: save() without waiting for the disk. The checkpoint holds the state as it is
   /// now: this rank's part of it is copied into a snapshot (host memory, in the ledger as the
   /// buffer "checkpoint_snapshot") and a thread writes the files while training goes on;
@@ -250,19 +276,22 @@ class ZS_API Engine {
   /// freed with the engine. A save(), save_async() or load() finishes a pending save first;
   /// destroying the engine with one pending abandons it (no tag appears; the next save removes
   /// its files).
-  void save_async(const std::filesystem::path& root, const std::string& tag = "");
+  void save_async(const std::filesystem::path& root, const std::string& tag = "",
+                  const ModuleState& module = {});
   /// Collective: completes the pending save_async() and returns its tag's path (empty if none
   /// is pending). Throws the save's error on every rank if a rank failed to write.
   std::filesystem::path finish_save();
   /// Collective: loads the checkpoint at `path`, a tag directory or a root (whose `latest` it
-  /// follows), written at any world size or stage. Checks everything before changing anything:
-  /// the manifest, the model (unit and parameter names, shapes, order, optimizer; else
-  /// Error(invalid_argument) naming the first difference), and every checksum of what this
-  /// rank reads (Error(corrupted) naming file, block and offset). A failed load leaves the
-  /// engine as it was. Restores master weights, optimizer state, the step count, the loss
-  /// scaler's state and every group's hyperparameters (as `options` says); parameters are
-  /// rebuilt from the master weights, and stage-3 prefetches are dropped. A root without
-  /// `latest` is refused, naming the tags it holds.
+  /// follows), written at any world size or stage. Checks before changing anything the
+  /// manifest, the model (unit and parameter names, shapes, order, optimizer; else
+  /// Error(invalid_argument) naming the first difference) and every data file's header and
+  /// checksum table: a load refused there leaves the engine as it was. Then reads each block
+  /// once, verifying it as it lands (Error(corrupted) naming file, block and offset): a load
+  /// that fails there, on any rank, leaves every rank's engine holding no valid state, and
+  /// step(), gather(), save() and save_async() refuse until a load succeeds. Restores master
+  /// weights, optimizer state, the step count, the loss scaler's state and every group's
+  /// hyperparameters (as `options` says); parameters are rebuilt from the master weights, and
+  /// stage-3 prefetches are dropped. A root without `latest` is refused, naming the tags it holds.
   void load(const std::filesystem::path& path, const LoadOptions& options = {});
   /// Collective: starts from pretrained weights in a safetensors file (F32, BF16 or F16
   /// tensors named as export_checkpoint() names them, e.g. a model.safetensors it wrote or

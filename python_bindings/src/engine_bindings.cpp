@@ -11,6 +11,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <mutex>
@@ -24,6 +25,20 @@
 namespace zeroshard::py {
 
 namespace {
+
+/// A checkpoint's module tensors from Python: (name, safetensors dtype, shape, bytes).
+using PyModuleTensors =
+    std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, nb::bytes>>;
+using PyAliases = std::vector<std::pair<std::string, std::string>>;
+
+ModuleState to_module(const PyModuleTensors& tensors, const PyAliases& aliases) {
+  ModuleState m;
+  for (const auto& [name, dtype, shape, bytes] : tensors)
+    m.tensors.push_back({name, dtype, shape,
+                         std::vector<char>(bytes.c_str(), bytes.c_str() + bytes.size())});
+  m.aliases = aliases;
+  return m;
+}
 
 /// A parameter to register: Param plus the Python object holding its initial values.
 struct PyParam {
@@ -586,19 +601,27 @@ void def_state(nb::class_<PyEngine>& cls) {
       "Whether the optimizer keeps this state (read_shard() of an absent one raises).");
   cls.def(
       "save",
-      [](PyEngine& e, const std::filesystem::path& root, const std::string& tag) {
-        return locked(e, [&] { return e.engine.save(root, tag); });
+      [](PyEngine& e, const std::filesystem::path& root, const std::string& tag,
+         const PyModuleTensors& module_tensors, const PyAliases& aliases) {
+        const ModuleState module = to_module(module_tensors, aliases);
+        return locked(e, [&] { return e.engine.save(root, tag, module); });
       },
-      nb::arg("root"), nb::arg("tag") = "",
+      nb::arg("root"), nb::arg("tag") = "", nb::arg("module_tensors") = PyModuleTensors{},
+      nb::arg("aliases") = PyAliases{},
       "Collective: writes the checkpoint root/<tag> (default tag 'step<N>'), crash-safe and "
       "checksummed, and points root/latest at it; any world size and stage can load it. A tag "
-      "that exists is refused. Returns its path.");
+      "that exists is refused. module_tensors [(name, dtype, shape, bytes)] (frozen parameters, "
+      "buffers; safetensors dtypes) and aliases [(name, trained parameter's name)]: rank 0's go "
+      "into the checkpoint beside the state (read_module_state()). Returns its path.");
   cls.def(
       "save_async",
-      [](PyEngine& e, const std::filesystem::path& root, const std::string& tag) {
-        locked(e, [&] { e.engine.save_async(root, tag); });
+      [](PyEngine& e, const std::filesystem::path& root, const std::string& tag,
+         const PyModuleTensors& module_tensors, const PyAliases& aliases) {
+        const ModuleState module = to_module(module_tensors, aliases);
+        locked(e, [&] { e.engine.save_async(root, tag, module); });
       },
-      nb::arg("root"), nb::arg("tag") = "",
+      nb::arg("root"), nb::arg("tag") = "", nb::arg("module_tensors") = PyModuleTensors{},
+      nb::arg("aliases") = PyAliases{},
       "Collective: save() from a snapshot taken now, written while training goes on; "
       "finish_save() publishes it.");
   cls.def(
@@ -693,12 +716,30 @@ void bind_checkpoint_tools(nb::module_& m) {
       nb::arg("path"), "Verifies every checksum; returns the data bytes verified.");
   m.def(
       "export_checkpoint",
-      [](const std::filesystem::path& p, const std::filesystem::path& out) {
+      [](const std::filesystem::path& p, const std::filesystem::path& out, int64_t max_shard_bytes) {
         nb::gil_scoped_release nogil;
-        export_checkpoint(p, out);
+        export_checkpoint(p, out, {}, max_shard_bytes);
       },
-      nb::arg("path"), nb::arg("out_dir"),
-      "Writes out_dir/model.safetensors (f32 weights) and out_dir/optimizer.safetensors.");
+      nb::arg("path"), nb::arg("out_dir"), nb::arg("max_shard_bytes") = kExportShardBytes,
+      "Writes the model as Hugging Face loads it (model.safetensors: f32 weights under every "
+      "name, the module's tensors; above max_shard_bytes, 0: never, shards with "
+      "model.safetensors.index.json) and out_dir/optimizer.safetensors.");
+  m.def(
+      "read_module_state",
+      [](const std::filesystem::path& p) {
+        ModuleState s;
+        {
+          nb::gil_scoped_release nogil;
+          s = read_module_state(p);
+        }
+        std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, nb::bytes>> t;
+        for (const ModuleTensor& x : s.tensors)
+          t.emplace_back(x.name, x.dtype, x.shape, nb::bytes(x.bytes.data(), x.bytes.size()));
+        return std::make_pair(t, s.aliases);
+      },
+      nb::arg("path"),
+      "What the checkpoint carries of the model besides the engine's state: "
+      "([(name, dtype, shape, bytes)], [(alias, parameter)]), checked; empty lists where none.");
 }
 
 using PyUnits = std::vector<std::pair<std::string, std::vector<PyParam*>>>;

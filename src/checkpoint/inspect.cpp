@@ -3,6 +3,7 @@
 
 #include "src/checkpoint/data_file.hpp"
 #include "src/checkpoint/format.hpp"
+#include "src/checkpoint/module_file.hpp"
 #include "zeroshard/checkpoint.hpp"
 
 namespace zeroshard {
@@ -72,6 +73,7 @@ int64_t verify_checkpoint(const std::filesystem::path& path,
       });
     }
   }
+  read_module_file(dir, m.save_id);  // the module's tensors, their checksum
   return done;
 }
 

@@ -22,13 +22,22 @@ namespace {
 
 constexpr int64_t kMaxHeader = int64_t(100) << 20;  // the format's own limit
 
-int64_t dtype_bytes(const std::string& d) {
+// F32, BF16 and F16: what weights come in (read_f32()).
+int64_t float_bytes(const std::string& d) {
   if (d == "F32") return 4;
   if (d == "BF16" || d == "F16") return 2;
-  return 0;  // a dtype weights cannot come in
+  return 0;
 }
 
 }  // namespace
+
+int64_t dtype_bytes(const std::string& d) {
+  if (d == "F64" || d == "I64" || d == "U64") return 8;
+  if (d == "F32" || d == "I32" || d == "U32") return 4;
+  if (d == "BF16" || d == "F16" || d == "I16" || d == "U16") return 2;
+  if (d == "I8" || d == "U8" || d == "BOOL") return 1;
+  return 0;
+}
 
 std::vector<std::string> tensor_names(const std::vector<UnitInfo>& units) {
   std::set<std::string> seen;
@@ -43,17 +52,20 @@ std::vector<std::string> tensor_names(const std::vector<UnitInfo>& units) {
 
 StWriter::StWriter(std::filesystem::path path, const std::vector<std::string>& names,
                    const std::vector<std::vector<int64_t>>& shapes,
-                   const std::map<std::string, std::string>& metadata)
+                   const std::map<std::string, std::string>& metadata,
+                   const std::vector<std::string>& dtypes)
     : path_(std::move(path)) {
+  ZS_CHECK(dtypes.empty() || dtypes.size() == names.size());
   json h = json::object();
   if (!metadata.empty()) h["__metadata__"] = metadata;
   int64_t offset = 0;
   for (size_t i = 0; i < names.size(); ++i) {
-    int64_t n = 1;
+    const std::string dtype = dtypes.empty() ? "F32" : dtypes[i];
+    int64_t n = dtype_bytes(dtype);
+    ZS_CHECK(n > 0);
     for (int64_t d : shapes[i]) n *= d;
-    h[names[i]] = {
-        {"dtype", "F32"}, {"shape", shapes[i]}, {"data_offsets", {offset, offset + n * 4}}};
-    offset += n * 4;
+    h[names[i]] = {{"dtype", dtype}, {"shape", shapes[i]}, {"data_offsets", {offset, offset + n}}};
+    offset += n;
   }
   std::string text = h.dump();
   text.resize((text.size() + 7) / 8 * 8, ' ');
@@ -67,8 +79,12 @@ StWriter::StWriter(std::filesystem::path path, const std::vector<std::string>& n
 }
 
 void StWriter::append(const float* data, int64_t n) {
-  pwrite_all(fd_.get(), data, size_t(n) * 4, at_, path_);
-  at_ += n * 4;
+  append_bytes(data, n * 4);
+}
+
+void StWriter::append_bytes(const void* data, int64_t bytes) {
+  pwrite_all(fd_.get(), data, size_t(bytes), at_, path_);
+  at_ += bytes;
 }
 
 void StWriter::finish() {
@@ -100,7 +116,12 @@ StReader::StReader(std::filesystem::path path)
   }
   if (!h.is_object()) ZS_THROW(corrupted, "safetensors: " << file << ": the header is no object");
   for (auto it = h.begin(); it != h.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
+    if (it.key() == "__metadata__") {
+      if (it.value().is_object())
+        for (auto m = it.value().begin(); m != it.value().end(); ++m)
+          if (m.value().is_string()) metadata_[m.key()] = m.value().get<std::string>();
+      continue;
+    }
     const json& v = it.value();
     auto bad = [&](const char* what) {
       ZS_THROW(corrupted, "safetensors: " << file << ": tensor '" << it.key() << "': " << what);
@@ -154,8 +175,12 @@ const StTensor* StReader::find(const std::string& name) const {
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
+void StReader::read_bytes(const StTensor& t, void* out) {
+  pread_all(fd_.get(), out, size_t(t.end - t.begin), data_start_ + t.begin, path_, "data");
+}
+
 void StReader::read_f32(const StTensor& t, int64_t offset, int64_t n, float* out) {
-  const int64_t width = dtype_bytes(t.dtype);
+  const int64_t width = float_bytes(t.dtype);
   ZS_CHECK(width > 0 && offset >= 0 && t.begin + (offset + n) * width <= t.end);
   const int64_t at = data_start_ + t.begin + offset * width;
   if (width == 4) {

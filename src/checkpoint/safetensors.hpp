@@ -26,14 +26,21 @@ struct StTensor {
 /// names are), else "<unit>.<param>".
 std::vector<std::string> tensor_names(const std::vector<UnitInfo>& units);
 
+/// Bytes per element of a safetensors dtype ("F32", "BF16", "I64", "BOOL", ...); 0 for one this
+/// project does not know.
+int64_t dtype_bytes(const std::string& dtype);
+
 class StWriter {
  public:
-  /// Creates `path` (replacing a file there) for f32 tensors of these names and shapes.
+  /// Creates `path` (replacing a file there) for tensors of these names, shapes and dtypes (empty:
+  /// every one F32).
   StWriter(std::filesystem::path path, const std::vector<std::string>& names,
            const std::vector<std::vector<int64_t>>& shapes,
-           const std::map<std::string, std::string>& metadata);
-  /// The next tensor bytes, in the order of the names.
+           const std::map<std::string, std::string>& metadata,
+           const std::vector<std::string>& dtypes = {});
+  /// The next tensor bytes, in the order of the names: n f32 values, or raw bytes.
   void append(const float* data, int64_t n);
+  void append_bytes(const void* data, int64_t bytes);
   /// Checks that every byte came, fsyncs.
   void finish();
 
@@ -51,6 +58,10 @@ class StReader {
   explicit StReader(std::filesystem::path path);
   const std::vector<StTensor>& tensors() const { return tensors_; }
   const StTensor* find(const std::string& name) const;
+  /// The file's __metadata__ (string values).
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  /// Tensor t's bytes, whole, into out.
+  void read_bytes(const StTensor& t, void* out);
   /// Elements [offset, offset + n) of tensor t (F32, BF16 or F16) as f32 into out.
   void read_f32(const StTensor& t, int64_t offset, int64_t n, float* out);
 
@@ -60,6 +71,7 @@ class StReader {
   int64_t data_start_ = 0;
   std::vector<StTensor> tensors_;
   std::map<std::string, size_t> index_;
+  std::map<std::string, std::string> metadata_;
 };
 
 }  // namespace zeroshard::ckpt

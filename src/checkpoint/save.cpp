@@ -31,6 +31,8 @@
 #include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/file_io.hpp"
 #include "src/checkpoint/format.hpp"
+#include "src/checkpoint/module_file.hpp"
+#include "src/checkpoint/safetensors.hpp"
 #include "src/engine_impl.hpp"
 
 namespace zeroshard {
@@ -158,6 +160,7 @@ struct PendingSave {
   std::string at;
   Manifest m;
   std::vector<int> states;
+  ModuleState module;  // what world rank 0 writes beside the state (module_file.hpp)
   std::thread writer;  // save_async(): writes from Engine::Impl::save.snapshot
   std::optional<Error> error;
   ~PendingSave() {
@@ -324,7 +327,8 @@ class RangeSource {
 
 }  // namespace
 
-std::filesystem::path Engine::save(const std::filesystem::path& root, const std::string& tag) {
+std::filesystem::path Engine::save(const std::filesystem::path& root, const std::string& tag,
+                                   const ModuleState& module) {
   if (!impl_->finalized)
     ZS_THROW(invalid_argument, "rank " << rank() << ": save(" << root.string()
                                        << ") before finalize(): there is no state to save yet");
@@ -333,6 +337,8 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
   std::unique_ptr<PendingSave> p = start(*this, root, tag);
   std::unique_ptr<StateSnapshot> frozen;  // the nvme tier's: each unit's record read once
   const std::optional<Error> written = outcome([&] {
+    if (rank() == 0 && !module.empty())
+      write_module_file(p->tmp, module, p->m.save_id, tensor_names(p->m.units));
     if (shard_group().index != 0) return;  // another group writes the same shards
     frozen = impl_->state->snapshot();
     write_files(*p, shard_group().rank, RangeSource(*p, impl_->state.get(), frozen.get()));
@@ -340,7 +346,8 @@ std::filesystem::path Engine::save(const std::filesystem::path& root, const std:
   return finish(*this, *p, written);
 }
 
-void Engine::save_async(const std::filesystem::path& root, const std::string& tag) {
+void Engine::save_async(const std::filesystem::path& root, const std::string& tag,
+                        const ModuleState& module) {
   if (!impl_->finalized)
     ZS_THROW(invalid_argument, "rank " << rank() << ": save_async(" << root.string()
                                        << ") before finalize(): there is no state to save yet");
@@ -399,6 +406,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
     if (rank() == 0) fs::remove_all(p->tmp, ec);
     throw;
   }
+  if (rank() == 0) p->module = module;
   PendingSave* raw = p.get();
   if (!writes) {
     impl_->save.pending = std::move(p);
@@ -410,28 +418,30 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   try {
     p->writer =
         std::thread([raw, r, copied, starts, gate, copy, frozen = std::move(frozen)]() mutable {
+          // The trainer first: this thread and the writers it starts (which inherit it) take
+          // the cores the trainer leaves (Linux: a nice value is per thread).
+          (void)::setpriority(PRIO_PROCESS, 0, 19);
           raw->error = outcome([&] {
             if (frozen) {
               write_files(*raw, r, RangeSource(*raw, nullptr, frozen.get()));
-              return;
+            } else {
+              if (gate) {
+                struct Open {  // however the copy ends: the trainer must not wait forever
+                  CopyGate& g;
+                  ~Open() { g.open(); }
+                } open{*gate};
+                copy(copied, starts);
+              }
+              std::vector<size_t> at = starts;
+              write_files(*raw, r, [&](size_t i, const Range& rg) -> const char* {
+                const char* v = copied + at[i];
+                at[i] +=
+                    size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
+                return v;
+              });
             }
-            // The trainer first: this thread and the writers it starts (which inherit it) take
-            // the cores the trainer leaves (Linux: a nice value is per thread).
-            (void)::setpriority(PRIO_PROCESS, 0, 19);
-            if (gate) {
-              struct Open {  // however the copy ends: the trainer must not wait forever
-                CopyGate& g;
-                ~Open() { g.open(); }
-              } open{*gate};
-              copy(copied, starts);
-            }
-            std::vector<size_t> at = starts;
-            write_files(*raw, r, [&](size_t i, const Range& rg) -> const char* {
-              const char* v = copied + at[i];
-              at[i] +=
-                  size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
-              return v;
-            });
+            if (!raw->module.empty())
+              write_module_file(raw->tmp, raw->module, raw->m.save_id, tensor_names(raw->m.units));
           });
           frozen.reset();  // the tier may write over what it kept
         });

@@ -13,9 +13,12 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "src/checkpoint/format.hpp"
+#include "src/checkpoint/safetensors.hpp"
 #include "tests/multirank/harness.hpp"
 #include "zeroshard/checkpoint.hpp"
 
@@ -556,6 +559,93 @@ TEST(CheckpointDamage, AnotherModelIsNamedByItsFirstDifferentParameter) {
         << e.what();
   }
   EXPECT_TRUE(same(before, snapshot(b)));
+  cleanup(dir);
+}
+
+// The module's tensors the engine does not train (frozen parameters, buffers, in any dtype) and
+// the other names of trained parameters go into the checkpoint with rank 0's values, come back
+// bitwise, and are exported under every name; above a size limit the model's file is split into
+// shards with Hugging Face's index. Names that cannot be told apart are refused before anything
+// is written, and a damaged module file is found by verify and by the read.
+TEST(CheckpointExport, EveryNameOfTheModelShardedAboveALimit) {
+  const fs::path dir = shared_dir("module");
+  Engine a(cfg_for(2), world());
+  zs_test::register_model(a, zs_test::uneven_model());
+  train_some(a, 1);
+  auto bytes_of = [](const auto& v) {
+    const char* p = reinterpret_cast<const char*>(v.data());
+    return std::vector<char>(p, p + v.size() * sizeof(v[0]));
+  };
+  ModuleState mod;
+  const std::vector<uint16_t> frozen = {0x3f80, 0x4000, 0xbf80, 0x0000, 0x4040, 0x4080};
+  mod.tensors.push_back({"frozen.w", "BF16", {3, 2}, bytes_of(frozen)});
+  mod.tensors.push_back({"pos_ids", "I64", {4}, bytes_of(std::vector<int64_t>{0, 1, 2, 3})});
+  mod.tensors.push_back({"mask", "BOOL", {2}, {1, 0}});
+  mod.tensors.push_back({"empty", "F32", {0, 3}, {}});
+  mod.aliases = {{"lm_head.w", "embed.w"}};
+  // Rank 0's module is the checkpoint's: another rank's (here nothing) is not read.
+  a.save(dir, "m", world()->rank() == 0 ? mod : ModuleState{});
+  const ModuleState back = read_module_state(dir / "m");
+  ASSERT_EQ(back.tensors.size(), mod.tensors.size());
+  for (size_t i = 0; i < mod.tensors.size(); ++i) {
+    EXPECT_EQ(back.tensors[i].name, mod.tensors[i].name);
+    EXPECT_EQ(back.tensors[i].dtype, mod.tensors[i].dtype);
+    EXPECT_EQ(back.tensors[i].shape, mod.tensors[i].shape);
+    EXPECT_EQ(back.tensors[i].bytes, mod.tensors[i].bytes) << mod.tensors[i].name;
+  }
+  EXPECT_EQ(back.aliases, mod.aliases);
+
+  if (world()->rank() == 0) {
+    // 2 KB shards: the uneven model's 3.5 KB of f32 weights, the alias and the module's tensors
+    // take several.
+    export_checkpoint(dir / "m", dir / "out", {}, 2000);
+    std::ifstream is(dir / "out" / "model.safetensors.index.json");
+    const auto index = nlohmann::json::parse(is);
+    const auto& map = index["weight_map"];
+    std::set<std::string> files;
+    for (auto it = map.begin(); it != map.end(); ++it) files.insert(it.value().get<std::string>());
+    EXPECT_GE(files.size(), 2u);
+    EXPECT_FALSE(fs::exists(dir / "out" / "model.safetensors")) << "sharded: the index names them";
+    for (const char* name :
+         {"embed.w", "head.b", "lm_head.w", "frozen.w", "pos_ids", "mask", "empty"})
+      EXPECT_TRUE(map.contains(name)) << name;
+    auto tensor = [&](const std::string& name) {
+      ckpt::StReader r(dir / "out" / map[name].get<std::string>());
+      const ckpt::StTensor* t = r.find(name);
+      std::vector<char> b(size_t(t->end - t->begin));
+      r.read_bytes(*t, b.data());
+      return std::make_pair(t->dtype, b);
+    };
+    EXPECT_EQ(tensor("lm_head.w"), tensor("embed.w")) << "the alias holds its parameter's values";
+    EXPECT_EQ(tensor("frozen.w"), std::make_pair(std::string("BF16"), mod.tensors[0].bytes));
+    EXPECT_EQ(tensor("pos_ids"), std::make_pair(std::string("I64"), mod.tensors[1].bytes));
+    EXPECT_EQ(tensor("mask").second, mod.tensors[2].bytes);
+    // Without a limit: one file, every name in it.
+    export_checkpoint(dir / "m", dir / "one", {}, 0);
+    ckpt::StReader one(dir / "one" / "model.safetensors");
+    EXPECT_EQ(one.tensors().size(), map.size());
+    EXPECT_FALSE(fs::exists(dir / "one" / "model.safetensors.index.json"));
+  }
+  world()->barrier("exported");
+
+  // Names that cannot be told apart, refused on every rank; no tag appears.
+  auto refused = [&](ModuleState bad, const std::string& text) {
+    EXPECT_ZS_ERROR(a.save(dir, "bad", world()->rank() == 0 ? bad : ModuleState{}),
+                    invalid_argument, text);
+    EXPECT_FALSE(fs::exists(dir / "bad"));
+  };
+  refused({{{"embed.w", "F32", {1}, bytes_of(std::vector<float>{1})}}, {}},
+          "named as a parameter the engine trains");
+  refused({{}, {{"x", "nothing.w"}}}, "which is no parameter the engine trains");
+  refused({{{"x", "F32", {2}, bytes_of(std::vector<float>{1})}}, {}}, "4 bytes for 2 F32 values");
+  refused({{{"x", "C64", {1}, {}}}, {}}, "dtype 'C64'");
+
+  world()->barrier("refused");
+  if (world()->rank() == 0)
+    flip_byte(dir / "m" / "module.safetensors", size_of(dir / "m" / "module.safetensors") - 2);
+  world()->barrier("damaged");
+  EXPECT_ZS_ERROR(read_module_state(dir / "m"), corrupted, "fails its checksum");
+  EXPECT_ZS_ERROR(verify_checkpoint(dir / "m"), corrupted, "module.safetensors");
   cleanup(dir);
 }
 

@@ -8,6 +8,12 @@ from torch.utils import dlpack as _dlpack
 from .. import _core
 from ._config import _GROUP_KEYS, _as_written
 
+# torch's dtypes a checkpoint's module tensors come in, as safetensors spells them.
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
 
 # Optimizer state slots by optimizer kind, named as torch names them.
 _STATE_NAMES = {
@@ -151,15 +157,62 @@ class _StatePart:
         safe_set_full_optimizer_state). Collective."""
         self._write_full(param, self._state_kind(key), value)
 
+    def _module_state(self):
+        """What save() carries of the model besides the engine's state: the state_dict's
+        tensors the engine does not train (frozen parameters, persistent buffers) as
+        (name, dtype, shape, bytes), and the other names of trained ones (tied weights) as
+        (name, the engine's name)."""
+        tensors, aliases = [], []
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            name = self._names.get(id(t))
+            if name is not None:
+                if key != name:
+                    aliases.append((key, name))
+                continue
+            t = t.detach()
+            if t.dtype not in _ST_DTYPES:
+                raise _core.InvalidArgumentError(
+                    f"save_checkpoint(): '{key}' is a {t.dtype} tensor, which a checkpoint "
+                    f"cannot hold (it holds {', '.join(str(d) for d in _ST_DTYPES)})")
+            flat = t.cpu().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+            tensors.append((key, _ST_DTYPES[t.dtype], list(t.shape), raw.numpy().tobytes()))
+        return tensors, aliases
+
     def save_checkpoint(self, root, tag=None):
         """Collective: writes the engine's checkpoint as root/<tag> (default "step<N>"; root is
         shared by the ranks) and points root/latest at it: master weights, optimizer state, the
         step count, the loss scaler's state and every group's hyperparameters, crash-safe and
         checksummed, in a layout that any world size and any stage can load with
-        load_checkpoint(). An existing tag is refused. Returns the tag's path."""
+        load_checkpoint(). Rank 0's frozen parameters and persistent buffers go with it, and
+        every other name of a tied weight, so that the checkpoint (and `zeroshard ckpt export`)
+        holds every name of the model's state_dict. An existing tag is refused. Returns the
+        tag's path."""
         self._sync_hyperparameters()
         self._watch.adopt_writes()
-        return self.engine.save(str(root), tag or "")
+        tensors, aliases = self._module_state() if self.comm.rank() == 0 else ([], [])
+        return self.engine.save(str(root), tag or "", tensors, aliases)
+
+    def _read_module(self, path):
+        """The checkpoint's module tensors, checked against the model before any state changes:
+        [(the model's tensor, a CPU tensor of the saved values)]."""
+        tensors, _ = _core.read_module_state(str(path))
+        have = self.model.state_dict(keep_vars=True)
+        out = []
+        for name, dtype, shape, raw in tensors:
+            t = have.get(name)
+            if t is None or id(t) in self._names:
+                raise _core.InvalidArgumentError(
+                    f"load_checkpoint({path}): the checkpoint holds '{name}', which this model "
+                    "has no frozen parameter or buffer of")
+            if list(t.shape) != list(shape):
+                raise _core.InvalidArgumentError(
+                    f"load_checkpoint({path}): '{name}' is {list(shape)} in the checkpoint, "
+                    f"{list(t.shape)} in this model")
+            saved = torch.frombuffer(bytearray(raw), dtype=_TORCH_DTYPES[dtype]) if raw else \
+                torch.empty(0, dtype=_TORCH_DTYPES[dtype])
+            out.append((t, saved.reshape(shape)))
+        return out
 
     def load_checkpoint(self, path, load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
@@ -175,7 +228,11 @@ class _StatePart:
         load_module_only=True does both (the weights alone)."""
         states = load_optimizer_states and not load_module_only
         hyper = load_lr_scheduler_states and not load_module_only
+        module = self._read_module(path)
         self.engine.load(str(path), optimizer_states=states, hyperparameters=hyper)
+        with torch.no_grad():
+            for t, saved in module:
+                t.copy_(saved)
         for gi, g in enumerate(self.param_groups if hyper else ()):
             o = self.engine.options(gi)
             g["lr"] = _as_written(o.lr)
