@@ -34,8 +34,8 @@ using PyAliases = std::vector<std::pair<std::string, std::string>>;
 ModuleState to_module(const PyModuleTensors& tensors, const PyAliases& aliases) {
   ModuleState m;
   for (const auto& [name, dtype, shape, bytes] : tensors)
-    m.tensors.push_back({name, dtype, shape,
-                         std::vector<char>(bytes.c_str(), bytes.c_str() + bytes.size())});
+    m.tensors.push_back(
+        {name, dtype, shape, std::vector<char>(bytes.c_str(), bytes.c_str() + bytes.size())});
   m.aliases = aliases;
   return m;
 }
@@ -716,7 +716,8 @@ void bind_checkpoint_tools(nb::module_& m) {
       nb::arg("path"), "Verifies every checksum; returns the data bytes verified.");
   m.def(
       "export_checkpoint",
-      [](const std::filesystem::path& p, const std::filesystem::path& out, int64_t max_shard_bytes) {
+      [](const std::filesystem::path& p, const std::filesystem::path& out,
+         int64_t max_shard_bytes) {
         nb::gil_scoped_release nogil;
         export_checkpoint(p, out, {}, max_shard_bytes);
       },
