@@ -2,6 +2,7 @@
 parameters read outside forward(), and .grad after backward (clip_grad_norm_, logging)."""
 
 import copy
+import json
 
 import pytest
 
@@ -304,3 +305,53 @@ def test_pickling_or_copying_released_stage3_parameters_names_the_way_out():
     torch.save(opt.model_state_dict(), io.BytesIO())  # the way out
     opt.close()
     copy.deepcopy(model)  # given back: ordinary parameters
+
+
+class FrozenLM(TiedLM):
+    """TiedLM with what a checkpoint must carry besides the trained weights: a frozen
+    parameter, persistent buffers of two dtypes, and a non-persistent one (not in state_dict)."""
+
+    def __init__(self, seed):
+        super().__init__(head_bias=True)
+        torch.manual_seed(seed)
+        self.adapter = nn.Linear(DIM, DIM)
+        self.adapter.weight.requires_grad_(False)  # frozen; its bias trains
+        self.register_buffer("position_ids", torch.arange(7) + seed)
+        self.register_buffer("scale", torch.rand(DIM, dtype=torch.float64))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, tokens):
+        return self.lm_head(self.adapter(self.hidden(tokens)) * self.scale.float())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_carries_frozen_parameters_buffers_and_tied_names(stage, tmp_path):
+    # Saved, loaded into a model whose frozen parameter and buffers differ, and exported under
+    # every name of the model's state_dict, so that a model built afresh loads it strictly.
+    from safetensors.torch import load_file
+    data = labels_in_vocab(batches(3))
+    a_model, b_model = FrozenLM(seed=1), FrozenLM(seed=2)
+    a, b = zero(a_model, stage), zero(b_model, stage)
+    train_zero(a, a_model, data, 0, 1)
+    tag = a.save_checkpoint(tmp_path / "ckpt")
+    assert not torch.equal(b_model.adapter.weight, a_model.adapter.weight)
+    b.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(b_model.adapter.weight, a_model.adapter.weight)
+    assert torch.equal(b_model.position_ids, a_model.position_ids)
+    assert torch.equal(b_model.scale, a_model.scale) and b_model.scale.dtype == torch.float64
+    got, want = b.model_state_dict(), a.model_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    zs.export_checkpoint(tag, tmp_path / "out", max_shard_bytes=4096)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    weights = {}
+    for f in set(index["weight_map"].values()):
+        weights.update(load_file(str(tmp_path / "out" / f)))
+    fresh = FrozenLM(seed=3)
+    assert set(weights) == set(fresh.state_dict())  # tied names and buffers, not "scratch"
+    fresh.load_state_dict(weights, strict=True)
+    assert torch.equal(fresh.lm_head.weight, fresh.transformer.wte.weight)
+    assert torch.equal(fresh.position_ids, a_model.position_ids)
+    assert torch.equal(fresh.adapter.weight, a_model.adapter.weight)
+    have = fresh.state_dict()
+    assert all(torch.equal(have[k], v.to(have[k].dtype)) for k, v in a.model_state_dict().items())

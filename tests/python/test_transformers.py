@@ -63,3 +63,32 @@ def test_model_from_config_trains_as_with_adamw(name, stage):
     moved = max((got[k] - init[k]).abs().max().item() for k in want if want[k].is_floating_point())
     assert moved > 100 * BOUND
     opt.close()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_export_loads_with_from_pretrained(name, tmp_path):
+    # A trained model's checkpoint, exported in shards, with the config the user adds: the
+    # model from_pretrained() builds holds the trained weights and computes the same logits.
+    torch.manual_seed(0)
+    model = build(name)
+    opt = zt.ZeroOptimizer(model, stage=3, lr=1e-2, comm=zs.make_self_communicator())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(0, 64, (4, 16), generator=g)
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    tag = opt.save_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "hf"
+    zs.export_checkpoint(tag, out, max_shard_bytes=64 << 10)
+    assert (out / "model.safetensors.index.json").exists()
+    model.config.save_pretrained(out)
+    loaded = type(model).from_pretrained(out).eval()
+    want = opt.model_state_dict()
+    have = loaded.state_dict()
+    for k, w in want.items():
+        assert torch.equal(have[k], w.to(have[k].dtype)), k
+    model.eval()
+    ids = torch.randint(0, 64, (2, 16), generator=g)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
