@@ -270,7 +270,9 @@ class ZS_API Engine {
                              const ModuleState& module = {});
   /// Collective: save() without waiting for the disk. The checkpoint holds the state as it is
   /// now: this rank's part of it is copied into a snapshot (host memory, in the ledger as the
-  /// buffer "checkpoint_snapshot") and a thread writes the files while training goes on;
+  /// buffer "checkpoint_snapshot"; where the state lies in host memory the save's thread makes
+  /// the copy, and the next change of the state waits for it) and a thread writes the files
+  /// while training goes on (at nice 19);
   /// finish_save() (collective) waits for them and publishes the tag. The snapshot's memory is
   /// kept for the next save_async() (a fresh buffer's page faults cost more than the copy) and
   /// freed with the engine. A save(), save_async() or load() finishes a pending save first;
