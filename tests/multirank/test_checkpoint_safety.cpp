@@ -769,14 +769,24 @@ TEST(CheckpointResume, BF16MasterBitwiseAndIntoAnF32Master) {
   cleanup(dir);
 }
 
+namespace {
+
+// The uneven model and a unit "wide" of rows × 1024 parameters.
+std::vector<zs_test::UnitSpec> with_wide(int64_t rows) {
+  auto m = zs_test::uneven_model();
+  m.push_back({"wide", {{"w", {rows, 1024}}}});
+  return m;
+}
+
+}  // namespace
+
 // save_async() with the state in host memory returns before its copy of the state is made (its
 // thread makes it): a step called at once, between backward and step() as a trainer may save,
 // waits for the copy before it changes the state. Without that wait the step's update runs
 // beside the copy, which then takes the moments of the first units as updated.
 TEST(CheckpointAsync, TheStepRightAfterTheCallWaitsForItsCopy) {
   const fs::path dir = shared_dir("async-copy");
-  auto big = zs_test::uneven_model();
-  big.push_back({"wide", {{"w", {2048, 1024}}}});  // 24 MB of state: its copy takes a while
+  const auto big = with_wide(2048);  // 24 MB of state: its copy takes a while
   Engine a(cfg_for(2, Tier::host), world());
   zs_test::register_model(a, big);
   train_some(a, 1);
@@ -801,8 +811,7 @@ TEST(CheckpointAsync, TheStepRightAfterTheCallWaitsForItsCopy) {
 // went on while it was written; the snapshot is in the ledger.
 TEST(CheckpointAsync, HoldsTheStateOfItsCallWhileTrainingGoesOn) {
   const fs::path dir = shared_dir("async");
-  auto big = zs_test::uneven_model();
-  big.push_back({"wide", {{"w", {1024, 1024}}}});  // 12 MB of state: the writer takes a while
+  const auto big = with_wide(1024);  // 12 MB of state: the writer takes a while
   Engine a(cfg_for(2, Tier::host), world());
   zs_test::register_model(a, big);
   train_some(a, 2);
