@@ -105,9 +105,19 @@ class ModelFiles {
     pwrite_all(fd.get(), text.data(), text.size(), 0, tmp);
     fsync_fd(fd.get(), tmp);
   }
-  // Every file takes its name; the index (or the single file) last.
+  // Every file takes its name; the index (or the single file) last. Then the files of an
+  // earlier export of the other layout go: a loader finds model.safetensors before an index.
   void rename() {
     for (const std::string& n : final_names()) rename_path(dir_ / (n + ".tmp"), dir_ / n);
+    const std::vector<std::string> now = final_names();
+    std::error_code ec;
+    for (const auto& f : fs::directory_iterator(dir_, ec)) {
+      const std::string n = f.path().filename().string();
+      const bool shard = n.rfind("model-", 0) == 0 && n.find("-of-") != std::string::npos &&
+                         n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0;
+      const bool layout = shard || n == "model.safetensors" || n == "model.safetensors.index.json";
+      if (layout && std::find(now.begin(), now.end(), n) == now.end()) fs::remove(f.path(), ec);
+    }
   }
   void remove_temporaries() {
     std::error_code ec;

@@ -620,11 +620,16 @@ TEST(CheckpointExport, EveryNameOfTheModelShardedAboveALimit) {
     EXPECT_EQ(tensor("frozen.w"), std::make_pair(std::string("BF16"), mod.tensors[0].bytes));
     EXPECT_EQ(tensor("pos_ids"), std::make_pair(std::string("I64"), mod.tensors[1].bytes));
     EXPECT_EQ(tensor("mask").second, mod.tensors[2].bytes);
-    // Without a limit: one file, every name in it.
-    export_checkpoint(dir / "m", dir / "one", {}, 0);
-    ckpt::StReader one(dir / "one" / "model.safetensors");
+    // Without a limit: one file, every name in it; into the sharded export's directory, whose
+    // shards and index go (a loader would take either layout).
+    export_checkpoint(dir / "m", dir / "out", {}, 0);
+    ckpt::StReader one(dir / "out" / "model.safetensors");
     EXPECT_EQ(one.tensors().size(), map.size());
-    EXPECT_FALSE(fs::exists(dir / "one" / "model.safetensors.index.json"));
+    EXPECT_FALSE(fs::exists(dir / "out" / "model.safetensors.index.json"));
+    for (const std::string& f : files) EXPECT_FALSE(fs::exists(dir / "out" / f)) << f;
+    export_checkpoint(dir / "m", dir / "out", {}, 2000);  // and back
+    EXPECT_FALSE(fs::exists(dir / "out" / "model.safetensors"));
+    EXPECT_TRUE(fs::exists(dir / "out" / "model.safetensors.index.json"));
   }
   world()->barrier("exported");
 
