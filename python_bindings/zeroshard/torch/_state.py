@@ -228,7 +228,21 @@ class _StatePart:
         load_module_only=True does both (the weights alone)."""
         states = load_optimizer_states and not load_module_only
         hyper = load_lr_scheduler_states and not load_module_only
-        module = self._read_module(path)
+        failure = None
+        try:
+            module = self._read_module(path)
+        except _core.Error as e:
+            failure = e
+        if self.comm.size() > 1:  # every rank fails, or none: the engine's load is collective
+            flag = torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64,
+                                device=self._device)
+            self.comm.all_reduce(flag, "max", "load_checkpoint(): the module's tensors")
+            if failure is None and flag.item() != 0.0:
+                raise _core.InvalidArgumentError(
+                    f"load_checkpoint({path}): another rank could not take the checkpoint's "
+                    "module tensors (its error names why)")
+        if failure is not None:
+            raise failure
         self.engine.load(str(path), optimizer_states=states, hyperparameters=hyper)
         with torch.no_grad():
             for t, saved in module:

@@ -302,3 +302,29 @@ def test_gathered_with_modifier_rank_reaches_every_rank(stage):
     comm.broadcast(first, 0, "rank 0's head.weight")
     ok &= torch.equal(mine, first) and not torch.equal(mine, torch.full(shape, 0.5))
     assert agree(comm, ok), f"rank {rank}: stage {stage}: rank 0's write did not reach every rank"
+
+
+def test_module_tensors_a_rank_cannot_take_fail_every_rank():
+    # The checkpoint's buffers are checked against each rank's model before the engine's
+    # (collective) load: a rank whose buffer differs fails by name, every other rank with it,
+    # and none waits in the engine's load for it.
+    comm, rank, size = world()
+    model = make_model()
+    model.register_buffer("counts", torch.arange(4))
+    opt = zero_opt(model, 2)
+    train_zero(opt, model, batches(2), rank, size)
+    path = shared_tmpdir(comm, rank)
+    opt.save_checkpoint(path)
+    other = make_model(seed=3)
+    other.register_buffer("counts", torch.zeros(4, dtype=torch.long))
+    b = zero_opt(other, 2)
+    if rank == size - 1:
+        other.counts = torch.zeros(5, dtype=torch.long)  # this rank's model changed since
+    with pytest.raises(zs.InvalidArgumentError) as e:
+        b.load_checkpoint(path)
+    want = "'counts' is [4] in the checkpoint" if rank == size - 1 else "another rank"
+    assert want in str(e.value), str(e.value)
+    comm.barrier("module test done")
+    if rank == 0:
+        import shutil
+        shutil.rmtree(path)
