@@ -72,18 +72,18 @@ void write_module_file(const fs::path& dir, const ModuleState& module, uint64_t 
   w.finish();
 }
 
-ModuleState read_module_aliases(StReader& r, const fs::path& path, uint64_t save_id) {
-  const auto& meta = r.metadata();
+ModuleReader::ModuleReader(fs::path path, uint64_t save_id) : path_(std::move(path)), r_(path_) {
+  const auto& meta = r_.metadata();
   auto field = [&](const char* key) -> std::string {
     auto it = meta.find(key);
     if (it == meta.end())
-      ZS_THROW(corrupted, "checkpoint: " << path << ": its metadata has no '" << key << "'");
+      ZS_THROW(corrupted, "checkpoint: " << path_ << ": its metadata has no '" << key << "'");
     return it->second;
   };
   if (field("format") != "zeroshard-module")
-    ZS_THROW(corrupted, "checkpoint: " << path << ": not a zeroshard module file");
+    ZS_THROW(corrupted, "checkpoint: " << path_ << ": not a zeroshard module file");
   if (field("save_id") != hex64(save_id))
-    ZS_THROW(corrupted, "checkpoint: " << path << " belongs to another save (save id "
+    ZS_THROW(corrupted, "checkpoint: " << path_ << " belongs to another save (save id "
                                        << field("save_id") << ", the manifest's " << hex64(save_id)
                                        << ")");
   field("xxh64");
@@ -93,35 +93,43 @@ ModuleState read_module_aliases(StReader& r, const fs::path& path, uint64_t save
   } catch (const std::exception&) {
   }
   if (!aliases.is_object())
-    ZS_THROW(corrupted, "checkpoint: " << path << ": its aliases are not a JSON object");
-  ModuleState out;
+    ZS_THROW(corrupted, "checkpoint: " << path_ << ": its aliases are not a JSON object");
   for (auto it = aliases.begin(); it != aliases.end(); ++it) {
     if (!it.value().is_string())
-      ZS_THROW(corrupted, "checkpoint: " << path << ": alias '" << it.key() << "' names no string");
-    out.aliases.emplace_back(it.key(), it.value().get<std::string>());
+      ZS_THROW(corrupted,
+               "checkpoint: " << path_ << ": alias '" << it.key() << "' names no string");
+    aliases_.emplace_back(it.key(), it.value().get<std::string>());
   }
-  return out;
+  for (const StTensor& t : r_.tensors()) order_.push_back(&t);
+  std::sort(order_.begin(), order_.end(),
+            [](const StTensor* a, const StTensor* b) { return a->begin < b->begin; });
+}
+
+void ModuleReader::read(const StTensor& t, void* out) {
+  ZS_CHECK(next_ < order_.size() && order_[next_] == &t);
+  ++next_;
+  r_.read_bytes(t, out);
+  sum_ = offload::xxh64(out, size_t(t.end - t.begin), sum_);
+}
+
+void ModuleReader::finish() const {
+  ZS_CHECK(next_ == order_.size());
+  if (hex64(sum_) != r_.metadata().at("xxh64"))
+    ZS_THROW(corrupted, "checkpoint: " << path_ << " fails its checksum: the file is damaged");
 }
 
 ModuleState read_module_file(const fs::path& dir, uint64_t save_id) {
   const fs::path path = dir / kModuleFile;
   if (!fs::exists(path)) return {};
-  StReader r(path);
-  ModuleState out = read_module_aliases(r, path, save_id);
-  // Tensors in file order, as the checksum chains them.
-  std::vector<const StTensor*> order;
-  for (const StTensor& t : r.tensors()) order.push_back(&t);
-  std::sort(order.begin(), order.end(),
-            [](const StTensor* a, const StTensor* b) { return a->begin < b->begin; });
-  uint64_t sum = 0;
-  for (const StTensor* t : order) {
+  ModuleReader r(path, save_id);
+  ModuleState out;
+  out.aliases = r.aliases();
+  for (const StTensor* t : r.tensors()) {
     ModuleTensor m{t->name, t->dtype, t->shape, std::vector<char>(size_t(t->end - t->begin))};
-    r.read_bytes(*t, m.bytes.data());
-    sum = offload::xxh64(m.bytes.data(), m.bytes.size(), sum);
+    r.read(*t, m.bytes.data());
     out.tensors.push_back(std::move(m));
   }
-  if (hex64(sum) != r.metadata().at("xxh64"))
-    ZS_THROW(corrupted, "checkpoint: " << path << " fails its checksum: the file is damaged");
+  r.finish();
   return out;
 }
 

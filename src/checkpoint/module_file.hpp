@@ -29,9 +29,26 @@ void write_module_file(const std::filesystem::path& dir, const ModuleState& modu
 /// v as 16 hex digits, as the metadata spells save ids and checksums.
 std::string hex64(uint64_t v);
 
-/// The aliases of the module file `r` (at `path`), its format and save id checked (else
-/// Error(corrupted) naming the file); no tensors.
-ModuleState read_module_aliases(StReader& r, const std::filesystem::path& path, uint64_t save_id);
+/// A module file read tensor by tensor: its format, save id and aliases checked on opening, its
+/// tensors in file order (the order the checksum chains them in), the checksum checked by
+/// finish() once each was read. Damage is Error(corrupted) naming the file.
+class ModuleReader {
+ public:
+  ModuleReader(std::filesystem::path path, uint64_t save_id);
+  const std::vector<std::pair<std::string, std::string>>& aliases() const { return aliases_; }
+  const std::vector<const StTensor*>& tensors() const { return order_; }
+  /// Tensor t's bytes into out; tensors are read in the order tensors() lists them.
+  void read(const StTensor& t, void* out);
+  void finish() const;
+
+ private:
+  std::filesystem::path path_;
+  StReader r_;
+  std::vector<std::pair<std::string, std::string>> aliases_;
+  std::vector<const StTensor*> order_;
+  size_t next_ = 0;
+  uint64_t sum_ = 0;
+};
 
 /// dir/module.safetensors of the save `save_id`, checked (format, save id, checksum: else
 /// Error(corrupted) naming the file); an empty state where the tag holds none.

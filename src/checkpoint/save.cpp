@@ -180,9 +180,7 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
   p->at = "save(" + (root / tag).string() + ")";
   uint64_t save_id = std::random_device{}() | (uint64_t(std::random_device{}()) << 32);
   comm.broadcast(&save_id, 8, 0, p->at + " (save id)")->wait();
-  char id[17];
-  std::snprintf(id, sizeof id, "%016llx", static_cast<unsigned long long>(save_id));
-  p->tmp = root / (kTempPrefix + tag + "." + id);
+  p->tmp = root / (kTempPrefix + tag + "." + hex64(save_id));
   all_or_none(comm, p->at + ": preparing", [&] {
     if (e.rank() == 0) prepare(root, tag, p->tmp);
   });
