@@ -124,7 +124,9 @@ std::string Engine::Impl::where(int id) const {
 int Engine::Impl::num_states() const {
   const bool momentum = std::any_of(groups.begin(), groups.end(),
                                     [](const OptimizerOptions& g) { return g.momentum != 0; });
-  return cpu::num_states(cfg.optimizer.kind, momentum);
+  int n = cpu::num_states(cfg.optimizer.kind, momentum);
+  for (const OptimizerOptions& g : groups) n = std::max(n, cpu::num_states(g.kind, momentum));
+  return n;
 }
 
 std::vector<TensorView> Engine::Impl::views(int id, void* base) const {
@@ -165,10 +167,11 @@ int Engine::add_group(const OptimizerOptions& o) {
   Impl& m = *impl_;
   if (m.finalized)
     ZS_THROW(invalid_argument, "rank " << m.rank << ": add_group() after finalize()");
-  if (o.kind != m.cfg.optimizer.kind)
+  if (!group_kind_allowed(m.cfg.optimizer.kind, o.kind))
     ZS_THROW(invalid_argument, "rank " << m.rank << ": add_group(): optimizer "
                                        << optimizer_name(o.kind) << " differs from the engine's "
-                                       << optimizer_name(m.cfg.optimizer.kind));
+                                       << optimizer_name(m.cfg.optimizer.kind)
+                                       << " (only a muon engine takes other groups: adam, adamw)");
   Config probe = m.cfg;
   probe.optimizer = o;
   probe.validate();  // same range checks as group 0
@@ -255,7 +258,8 @@ float Engine::lr(int group) const {
 void Engine::Impl::check_options(int group, const OptimizerOptions& o, const char* call) const {
   if (group < 0 || size_t(group) >= groups.size())
     ZS_THROW(invalid_argument, call << ": no parameter group " << group);
-  if (o.kind != cfg.optimizer.kind)
+  if (finalized ? o.kind != groups[size_t(group)].kind
+                : !group_kind_allowed(cfg.optimizer.kind, o.kind))
     ZS_THROW(invalid_argument, call << ": optimizer " << optimizer_name(o.kind)
                                     << " differs from the engine's "
                                     << optimizer_name(cfg.optimizer.kind));

@@ -8,6 +8,7 @@
 //   engine_grads.cpp        gradients: buffers, reduce-scatter, hand-over to the state tier
 //   engine_step.cpp         step(): norm and flags, update, gather of the new parameters
 //   engine_state.cpp        state access for checkpoints (read/write/commit shards)
+//   engine_muon.cpp         Muon: each matrix's direction, orthogonalised by one rank
 // The stage logic never asks which tier holds a unit's state: src/tiers/tier.hpp.
 
 #include <condition_variable>
@@ -132,6 +133,22 @@ class CopyGate {
   bool open_ = false;
 };
 
+/// Muon (src/engine_muon.cpp): each unit's Muon matrices, which rank of the shard group
+/// orthogonalises each (fixed at finalize(), balanced by the iteration's cost), and the f32
+/// buffers a unit's direction is exchanged in: this rank's extent, and the whole padded unit
+/// (stages 1–3 with more than one shard). `hyper` is the step's, while update() runs.
+struct MuonPlan {
+  struct Matrix {
+    int param = 0;  // in the unit's layout
+    int64_t offset = 0, rows = 0, cols = 0;
+    int owner = 0;  // shard rank
+  };
+  std::vector<std::vector<Matrix>> units;
+  Buffer mine, whole;
+  std::vector<float> scratch, wide;
+  const std::vector<cpu::UpdateHyper>* hyper = nullptr;
+};
+
 /// save_async(): the snapshot, kept from one save to the next (a new buffer's page faults cost
 /// more than the copy), the gate its copy holds closed, and the save under way
 /// (src/checkpoint/save.cpp's PendingSave, which finish_save() ends; declared after the
@@ -193,6 +210,7 @@ struct Engine::Impl {
   void record(char kind, int unit);
   AsyncSave save;
   StepClock clock;
+  MuonPlan muon;
 
   /// `dev`: the device backend (null: the one Config::device names, make_compute()).
   Impl(Config c, std::shared_ptr<Communicator> cm, std::unique_ptr<Compute> dev = nullptr);
@@ -259,6 +277,13 @@ struct Engine::Impl {
   void finish_in_order(int id);   // the same, at a point of the sequence every rank shares
   void complete_reduction(int id);
   void complete_finished();  // the reductions already done, in order (stages 1–3)
+
+  // engine_muon.cpp
+  /// finalize(), before the tiers: the Muon matrices, their owners and buffers (none unless a
+  /// group is muon); refuses a Muon parameter of fewer than two dimensions.
+  void plan_muon();
+  /// TierContext::direction: unit u's Muon direction for the update `a` describes.
+  const float* muon_direction(int u, const cpu::UpdateArgs& a);
 
   // engine_step.cpp
   StepResult step();

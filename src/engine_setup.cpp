@@ -44,6 +44,7 @@ void Engine::Impl::make_tiers() {
     return Buffer(&res.ledger, t, kind, name, bytes, pin);
   };
   c.finish_reduction = [this](int u) { finish_reduction(u); };
+  plan_muon();  // sets c.direction where a group is muon
 
   reductions.next = int(units.size()) - 1;
   largest = 0;

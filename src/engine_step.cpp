@@ -79,6 +79,11 @@ void Engine::Impl::update(const std::vector<cpu::UpdateHyper>& hyper) {
   drop_prefetches();  // one started after clip_grad_norm() (close_grads() dropped the earlier)
   params->drop_reads();
   before_state_change();
+  muon.hyper = &hyper;
+  struct Forget {
+    const std::vector<cpu::UpdateHyper>*& h;
+    ~Forget() { h = nullptr; }
+  } forget{muon.hyper};
   params->update(*state, hyper, steps);
 }
 

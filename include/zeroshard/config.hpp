@@ -14,7 +14,7 @@
 
 namespace zeroshard {
 
-enum class OptimizerKind : uint8_t { adam, adamw, sgd, lion };
+enum class OptimizerKind : uint8_t { adam, adamw, sgd, lion, muon };
 ZS_API const char* optimizer_name(OptimizerKind k);
 
 /// How the optimizer moments (Adam's m and v, Lion's and SGD's momentum) are stored, on every
@@ -37,6 +37,13 @@ ZS_API const char* state_format_name(StateFormat f);
 ///   adamw decays p by lr·wd before the update); bias-corrected moments.
 /// - sgd: lr, momentum, nesterov, weight_decay (added to the gradient); no dampening.
 /// - lion: lr, beta1 (interpolation), beta2 (momentum decay), weight_decay (decoupled).
+/// - muon: lr, momentum, nesterov, weight_decay (decoupled), eps (of the normalisation), ns_steps,
+///   ns_bf16, match_rms_adamw, as torch.optim.Muon: buf = momentum·buf + (1 − momentum)·g; the
+///   direction (nesterov: (1 − momentum)·g + momentum·buf, else buf) of each matrix is
+///   orthogonalised by ns_steps Newton–Schulz iterations; p = p − lr·wd·p − lr·adjust·O.
+///   Parameters of two or more dimensions only (a matrix of shape[0] rows); an engine whose
+///   optimizer is muon also takes adam and adamw groups, for the embeddings, the head, the
+///   norms and the biases (docs/muon.md).
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::adamw;
   float lr = 1e-3f;
@@ -46,7 +53,16 @@ struct OptimizerOptions {
   float weight_decay = 0.01f;
   float momentum = 0.0f;
   bool nesterov = false;
+  int ns_steps = 5;          ///< muon: Newton–Schulz iterations
+  bool ns_bf16 = false;      ///< muon: the iteration's matrices rounded to bf16 (torch's choice)
+  /// muon: how the learning rate scales with a matrix's shape (A rows, B columns): by
+  /// max(1, A/B)^0.5 (Jordan et al., torch's "original"), or, when set, by 0.2 · max(A, B)^0.5
+  /// (Liu et al.: the update's RMS matches AdamW's; torch's "match_rms_adamw").
+  bool match_rms_adamw = false;
 };
+/// Whether a group of kind `group` may sit in an engine whose optimizer is `engine`: the same
+/// kind, or adam/adamw beside muon.
+ZS_API bool group_kind_allowed(OptimizerKind engine, OptimizerKind group);
 
 /// Where one kind of state lives (DeepSpeed's offload_optimizer / offload_param).
 ///

@@ -31,6 +31,7 @@ inline int num_states(OptimizerKind kind, bool momentum) {
     case OptimizerKind::adamw:
       return 2;
     case OptimizerKind::lion:
+    case OptimizerKind::muon:
       return 1;
     case OptimizerKind::sgd:
       return momentum ? 1 : 0;
@@ -64,6 +65,9 @@ struct UpdateHyper {
 ///          p -= lr*g
 ///   lion:  c = b1*m + (1-b1)*g; p = p - (lr*wd)*p; p -= lr*sign(c); m = b2*m + (1-b2)*g
 ///          (sign(0) = 0)
+///   muon:  m = momentum*m + (1-momentum)*g; p = p - (lr*wd)*p; p -= lr*dir[i], where dir is
+///          the step's orthogonalised direction, scaled per matrix (src/muon/), made before the
+///          update from the same m and g
 /// The moments are stored as state_format says (Config::optimizer_state) and widened to f32
 /// for the update:
 ///   f32:  float arrays.
@@ -95,6 +99,8 @@ struct UpdateArgs {
   DType grad_dtype = DType::f32;
   void* out = nullptr;
   DType out_dtype = DType::f32;
+  /// muon: the direction, f32, indexed like grad (read only by a muon group's elements).
+  const float* dir = nullptr;
   int64_t n = 0;
 };
 /// Largest q8 block: a block's two moments are widened on the stack (32 KiB).

@@ -138,7 +138,7 @@ Isa best_isa() {
 namespace {
 
 void check_kind(const char* call, OptimizerKind kind) {
-  if (static_cast<int>(kind) > static_cast<int>(OptimizerKind::lion)) {
+  if (static_cast<int>(kind) > static_cast<int>(OptimizerKind::muon)) {
     ZS_THROW(invalid_argument, call << ": unknown optimizer kind " << static_cast<int>(kind));
   }
 }
@@ -169,8 +169,10 @@ void check_update_args(const char* call, const UpdateHyper& h, const UpdateArgs&
   // The states each rule reads; a null one would only surface as a crash inside the loop.
   const bool adam = h.kind == OptimizerKind::adam || h.kind == OptimizerKind::adamw;
   const bool sgd_momentum = h.kind == OptimizerKind::sgd && h.momentum != 0;
-  const bool one = adam || sgd_momentum || h.kind == OptimizerKind::lion;
+  const bool muon = h.kind == OptimizerKind::muon;
+  const bool one = adam || sgd_momentum || h.kind == OptimizerKind::lion || muon;
   if (one) check_range(call, a.state0, "state0", a.n);
+  if (muon) check_range(call, a.dir, "dir", a.n);
   if (adam) check_range(call, a.state1, "state1", a.n);
   if (f != StateFormat::q8) return;
   if (a.block < 1 || a.block > kMaxStateBlock) {
@@ -218,17 +220,22 @@ void optimizer_update_segments(Isa isa, const UpdateSegment* segments, int count
                                       << ") is not ascending inside [0, " << a.n << ")");
     }
     check_kind(call, g.h->kind);
-    if (g.h->kind != segments[0].h->kind) {
+    // One optimizer, or Muon beside Adam/AdamW (a Muon engine's groups): the blocks' moments
+    // then mean the same to each (state0 the signed first moment, state1 Adam's second).
+    auto family = [](OptimizerKind k) {
+      return k == OptimizerKind::adam || k == OptimizerKind::adamw || k == OptimizerKind::muon
+                 ? OptimizerKind::muon
+                 : k;
+    };
+    if (family(g.h->kind) != family(segments[0].h->kind)) {
       ZS_THROW(invalid_argument, call << ": segments of different optimizers");
     }
     at = g.end;
   }
   if (count == 0) return;
-  // One kind for all segments; an SGD segment with momentum (if any) reads the most states.
-  const UpdateSegment* most = segments;
-  for (int s = 0; s < count; ++s)
-    if (segments[s].h->momentum != 0) most = segments + s;
-  check_update_args(call, *most->h, a);
+  // Every segment's arrays: an SGD segment with momentum reads more states than one without,
+  // Adam reads state1, Muon its direction.
+  for (int s = 0; s < count; ++s) check_update_args(call, *segments[s].h, a);
   if (a.n == 0) return;
   table(isa).optimizer_update_segments(segments, count, a);
 }

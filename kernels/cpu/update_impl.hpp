@@ -23,7 +23,7 @@ namespace {
 template <class V>
 struct Broadcast {
   using T = typename V::T;
-  T lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale, omb1, omb2, lr_wd;
+  T lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale, omb1, omb2, lr_wd, omm;
   explicit Broadcast(const UpdateConsts& c)
       : lr(V::set1(c.lr)),
         beta1(V::set1(c.beta1)),
@@ -36,7 +36,8 @@ struct Broadcast {
         grad_scale(V::set1(c.grad_scale)),
         omb1(V::set1(c.omb1)),
         omb2(V::set1(c.omb2)),
-        lr_wd(V::set1(c.lr_wd)) {}
+        lr_wd(V::set1(c.lr_wd)),
+        omm(V::set1(c.omm)) {}
 };
 
 // Elements [begin, end) with V; end - begin must be a multiple of V::kWidth. The formulas are
@@ -66,6 +67,7 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
       if constexpr (R != Rule::sgd) prefetch_ahead(s0, i, state_bytes);
       if constexpr (R == Rule::adam || R == Rule::adamw) prefetch_ahead(s1, i, state_bytes);
       if constexpr (O != Out::none) prefetch_ahead(a.out, i, out_bytes);
+      if constexpr (R == Rule::muon) prefetch_ahead(a.dir, i, 4);
     }
     T p = load_as<V, M>(master, i);
     T g = load_as<V, G>(a.grad, i) * k.grad_scale;
@@ -92,6 +94,13 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
       p = p - k.lr * V::sign(dir);
       m = k.beta2 * m + k.omb2 * g;
       store_as<V, S>(s0, i, m);
+    } else if constexpr (R == Rule::muon) {
+      // The momentum is averaged here; the step's direction was made from the same average
+      // (and orthogonalised) before the update, in dir (docs/muon.md).
+      const T buf = k.momentum * load_as<V, S>(s0, i) + k.omm * g;
+      store_as<V, S>(s0, i, buf);
+      p = p - k.lr_wd * p;
+      p = p - k.lr * load_as<V, DType::f32>(a.dir, i);
     } else {
       g = g + k.wd * p;
       if constexpr (R == Rule::sgd_momentum || R == Rule::sgd_nesterov) {
@@ -246,6 +255,7 @@ void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
       p.state_format = StateFormat::f32;
       p.grad = static_cast<const char*>(a.grad) + size_t(lo) * gbytes;
       p.out = a.out ? static_cast<char*>(a.out) + size_t(lo) * obytes : nullptr;
+      p.dir = a.dir ? a.dir + lo : nullptr;
       p.n = hi - lo;
       update_plain<V>(*segments[s].h, p);
     }

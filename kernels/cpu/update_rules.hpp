@@ -16,7 +16,7 @@ namespace zeroshard::cpu {
 namespace {
 
 // SGD's three shapes are separate rules so the momentum branches vanish from the inner loop.
-enum class Rule : uint8_t { adam, adamw, sgd, sgd_momentum, sgd_nesterov, lion };
+enum class Rule : uint8_t { adam, adamw, sgd, sgd_momentum, sgd_nesterov, lion, muon };
 // The low-precision copy-out: none, or the dtype written to UpdateArgs::out.
 enum class Out : uint8_t { none, f32, bf16, f16 };
 
@@ -25,6 +25,7 @@ enum class Out : uint8_t { none, f32, bf16, f16 };
 struct UpdateConsts {
   float lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale;
   float omb1, omb2, lr_wd;  // 1 − beta1, 1 − beta2, lr × weight_decay
+  float omm;                // 1 − momentum (Muon's average)
 };
 
 inline UpdateConsts fold_consts(const UpdateHyper& h) {
@@ -41,6 +42,7 @@ inline UpdateConsts fold_consts(const UpdateHyper& h) {
   c.omb1 = 1.0f - h.beta1;
   c.omb2 = 1.0f - h.beta2;
   c.lr_wd = h.lr * h.weight_decay;
+  c.omm = 1.0f - h.momentum;
   return c;
 }
 
@@ -52,6 +54,8 @@ inline Rule rule_of(const UpdateHyper& h) {
       return Rule::adamw;
     case OptimizerKind::lion:
       return Rule::lion;
+    case OptimizerKind::muon:
+      return Rule::muon;
     case OptimizerKind::sgd:
       break;
   }
@@ -95,6 +99,8 @@ void with_rule(Rule r, F&& f) {
       return f(RuleTag<Rule::sgd_nesterov>{});
     case Rule::lion:
       return f(RuleTag<Rule::lion>{});
+    case Rule::muon:
+      return f(RuleTag<Rule::muon>{});
   }
 }
 

@@ -18,6 +18,7 @@ UpdateArgs offset_args(const UpdateArgs& w, int64_t b) {
   }
   a.grad = static_cast<const char*>(w.grad) + size_t(b) * gsize;
   a.out = w.out ? static_cast<char*>(w.out) + size_t(b) * osize : nullptr;
+  a.dir = w.dir ? w.dir + b : nullptr;
   a.n = w.n - b;
   return a;
 }

@@ -159,6 +159,9 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
              "cuda::optimizer_update: invalid state format " << static_cast<int>(f));
   for (const UpdateRun& u : sorted) {
     const Rule rule = rule_of(hypers[u.hyper]);
+    if (rule == Rule::muon)
+      ZS_THROW(invalid_argument, "cuda::optimizer_update: muon's update runs on the CPU (its "
+                                 "direction comes from the CPU's Newton-Schulz iteration)");
     const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
     if ((rule != Rule::sgd && !a.state0) || (needs_s1 && !a.state1))
       ZS_THROW(invalid_argument, "cuda::optimizer_update: " << rule_name(rule) << " needs state0"
@@ -212,7 +215,7 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
       if (blocks > uint64_t(launch::kMaxBlocks))
         ZS_THROW(invalid_argument,
                  "cuda::optimizer_update: " << a.n << " elements need more than 2^31 blocks");
-      with_rule(rule, [&](auto R) {
+      with_gpu_rule(rule, [&](auto R) {
         with_dtype(a.grad_dtype, [&](auto G) {
           with_out(out, [&](auto O) {
             constexpr Rule kR = decltype(R)::value;

@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "base/check.hpp"
 #include "kernels/cpu/update_rules.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 
@@ -24,7 +25,6 @@ using cpu::Rule;
 using cpu::rule_of;
 using cpu::with_dtype;
 using cpu::with_out;
-using cpu::with_rule;
 using Consts = cpu::UpdateConsts;
 
 inline constexpr int kThreads = 256;
@@ -98,8 +98,35 @@ inline const char* rule_name(Rule r) {
       return "sgd (nesterov)";
     case Rule::lion:
       return "lion";
+    case Rule::muon:
+      return "muon";
   }
   return "?";
+}
+
+/// with_rule() over the rules the GPU runs. Muon's is not one: its direction comes from the
+/// CPU's Newton-Schulz iteration, so Config::validate() keeps Muon's update off the GPU
+/// (docs/muon.md) and optimizer_update() refuses it before any launch.
+template <class F>
+void with_gpu_rule(Rule r, F&& f) {
+  switch (r) {
+    case Rule::adam:
+      return f(cpu::RuleTag<Rule::adam>{});
+    case Rule::adamw:
+      return f(cpu::RuleTag<Rule::adamw>{});
+    case Rule::sgd:
+      return f(cpu::RuleTag<Rule::sgd>{});
+    case Rule::sgd_momentum:
+      return f(cpu::RuleTag<Rule::sgd_momentum>{});
+    case Rule::sgd_nesterov:
+      return f(cpu::RuleTag<Rule::sgd_nesterov>{});
+    case Rule::lion:
+      return f(cpu::RuleTag<Rule::lion>{});
+    case Rule::muon:
+      break;
+  }
+  ZS_THROW(invalid_argument, "cuda::optimizer_update: the " << rule_name(r)
+                                                            << " rule runs on the CPU only");
 }
 
 /// 8-bit moments (update_q8.cu): `runs` are the checked, non-empty runs in begin order.

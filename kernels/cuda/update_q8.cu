@@ -234,7 +234,7 @@ void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector
       ZS_THROW(invalid_argument, "cuda::optimizer_update: " << a.n << " elements in blocks of "
                                                             << block << " do not fit a launch");
     ensure_tables();  // after the checks above, which need no GPU
-    with_rule(rule, [&](auto R) {
+    with_gpu_rule(rule, [&](auto R) {
       with_dtype(a.grad_dtype, [&](auto G) {
         with_out(out_of(a), [&](auto O) {
           update_q8_kernel<decltype(R)::value, decltype(G)::value, decltype(O)::value>

@@ -28,8 +28,16 @@ const char* optimizer_name(OptimizerKind k) {
       return "sgd";
     case OptimizerKind::lion:
       return "lion";
+    case OptimizerKind::muon:
+      return "muon";
   }
   return "unknown";
+}
+
+bool group_kind_allowed(OptimizerKind engine, OptimizerKind group) {
+  if (engine == group) return true;
+  return engine == OptimizerKind::muon &&
+         (group == OptimizerKind::adam || group == OptimizerKind::adamw);
 }
 
 const char* state_format_name(StateFormat f) {
@@ -90,6 +98,12 @@ std::span<const FieldInfo<OptimizerOptions>> config_fields<OptimizerOptions>() {
        .rules = {{[](double v) { return v >= 0; },
                   "must be >= 0 (>= 1 with dynamic scaling, loss_scale 0)"}}},
       {.name = "nesterov", .member = &O::nesterov, .json = "nesterov"},
+      {.name = "ns_steps",
+       .member = &O::ns_steps,
+       .json = "ns_steps",
+       .rules = {{[](double v) { return v >= 1 && v <= 100; }, "must be in [1, 100]"}}},
+      {.name = "ns_bf16", .member = &O::ns_bf16, .json = "ns_bf16"},
+      {.name = "match_rms_adamw", .member = &O::match_rms_adamw, .json = "match_rms_adamw"},
   };
   return rows;
 }

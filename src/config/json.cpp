@@ -220,8 +220,17 @@ void only_for(const JsonField& f, const Ctx& x, bool applies, const char* which)
 void adam_only(const JsonField& f, const Ctx& x) {
   only_for(f, x, adam_family(x.c.optimizer.kind), "adam and adamw");
 }
-void sgd_only(const JsonField& f, const Ctx& x) {
-  only_for(f, x, x.c.optimizer.kind == OptimizerKind::sgd, "sgd");
+void momentum_only(const JsonField& f, const Ctx& x) {
+  only_for(f, x,
+           x.c.optimizer.kind == OptimizerKind::sgd || x.c.optimizer.kind == OptimizerKind::muon,
+           "sgd and muon");
+}
+void adam_or_muon(const JsonField& f, const Ctx& x) {
+  only_for(f, x, adam_family(x.c.optimizer.kind) || x.c.optimizer.kind == OptimizerKind::muon,
+           "adam, adamw and muon");
+}
+void muon_only(const JsonField& f, const Ctx& x) {
+  only_for(f, x, x.c.optimizer.kind == OptimizerKind::muon, "muon");
 }
 
 // optimizer.type: DeepSpeed's names, case-insensitive.
@@ -238,9 +247,11 @@ void set_optimizer_type(const JsonField& f, Ctx& x) {
     kind = OptimizerKind::sgd;
   } else if (t == "lion") {
     kind = OptimizerKind::lion;
+  } else if (t == "muon") {
+    kind = OptimizerKind::muon;
   } else {
     f.bad("= \"" + name +
-          "\" is not supported (supported: Adam, AdamW, SGD, Lion; case-insensitive)");
+          "\" is not supported (supported: Adam, AdamW, SGD, Lion, Muon; case-insensitive)");
   }
   // An "optimizer" block means what it means to DeepSpeed: what it leaves out takes the
   // optimizer's own default (FusedAdam, FusedLion, torch SGD all default weight_decay to 0), not
@@ -248,6 +259,11 @@ void set_optimizer_type(const JsonField& f, Ctx& x) {
   x.c.optimizer = OptimizerOptions{};
   x.c.optimizer.kind = kind;
   x.c.optimizer.weight_decay = 0.0f;
+  if (kind == OptimizerKind::muon) {  // torch.optim.Muon's defaults (weight decay: DeepSpeed's 0)
+    x.c.optimizer.momentum = 0.95f;
+    x.c.optimizer.nesterov = true;
+    x.c.optimizer.eps = 1e-7f;
+  }
   x.adam_type = t == "adam";
 }
 
@@ -466,8 +482,9 @@ void batch_size(const JsonField& f, const Ctx&) {
 
 constexpr std::pair<std::string_view, Guard> kGuards[] = {
     {"train_batch_size", batch_size},        {"train_micro_batch_size_per_gpu", batch_size},
-    {"optimizer.params.eps", adam_only},     {"optimizer.params.momentum", sgd_only},
-    {"optimizer.params.nesterov", sgd_only},
+    {"optimizer.params.eps", adam_or_muon},  {"optimizer.params.momentum", momentum_only},
+    {"optimizer.params.nesterov", momentum_only}, {"optimizer.params.ns_steps", muon_only},
+    {"optimizer.params.ns_bf16", muon_only},      {"optimizer.params.match_rms_adamw", muon_only},
 };
 
 const Node& schema() {

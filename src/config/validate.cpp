@@ -51,6 +51,15 @@ void check_nvme_paths(const OffloadOptions& o, const std::string& key) {
   }
 }
 
+// Engines that run as on a GPU: the GPU itself, and the asynchronous CPU device that plays one
+// (it takes the GPU's tiers and paths, so it takes the GPU's configurations only).
+bool gpu_shaped(const Config& c) {
+  return c.device == Device::cuda || c.async_device;
+}
+std::string gpu_setting(const Config& c) {
+  return c.device == Device::cuda ? "zeroshard.device = cuda" : "zeroshard.async_device = true";
+}
+
 void check_loss_scale_and_optimizer(const Config& c) {
   const LossScaleOptions& ls = c.loss_scale;
   // A floor above the starting point would make the first overflow raise the scale.
@@ -71,9 +80,26 @@ void check_loss_scale_and_optimizer(const Config& c) {
          "); remove it, or set it to 0");
   const OptimizerOptions& o = c.optimizer;
   const bool sgd = o.kind == OptimizerKind::sgd;
-  // Only SGD reads momentum; silently ignoring it elsewhere would hide a misconfiguration.
-  require(o.momentum == 0 || sgd, "optimizer.params.momentum", o.momentum,
-          std::string("applies only to sgd (optimizer is ") + optimizer_name(o.kind) + ")");
+  const bool muon = o.kind == OptimizerKind::muon;
+  // Only SGD and Muon read momentum; silently ignoring it elsewhere would hide a
+  // misconfiguration.
+  require(o.momentum == 0 || sgd || muon, "optimizer.params.momentum", o.momentum,
+          std::string("applies only to sgd and muon (optimizer is ") + optimizer_name(o.kind) +
+              ")");
+  if (muon) {
+    require(o.momentum < 1, "optimizer.params.momentum", o.momentum,
+            "must be in [0, 1) for muon (an exponential average)");
+    if (c.device == Device::cuda)
+      fail(
+          "optimizer muon with zeroshard.device = cuda is not supported yet: Muon's exchange of "
+          "whole matrices and its Newton-Schulz iteration run on the CPU, in host memory "
+          "(docs/muon.md)");
+    if (gpu_shaped(c) && c.offload_optimizer.tier == Tier::device)
+      fail("optimizer muon with " + gpu_setting(c) +
+           " requires zero_optimization.offload_optimizer.device cpu or nvme: Muon's update and "
+           "its Newton-Schulz iteration run on the CPU (docs/muon.md)");
+    return;
+  }
   if (o.nesterov && (!sgd || o.momentum <= 0)) {
     fail(std::string("optimizer.params.nesterov = true requires optimizer sgd with momentum > 0 "
                      "(optimizer is ") +
@@ -123,14 +149,6 @@ void check_prefetch(const Config& c) {
          "raise it to 2 or set zeroshard.prefetch = false");
 }
 
-// Engines that run as on a GPU: the GPU itself, and the asynchronous CPU device that plays one
-// (it takes the GPU's tiers and paths, so it takes the GPU's configurations only).
-bool gpu_shaped(const Config& c) {
-  return c.device == Device::cuda || c.async_device;
-}
-std::string gpu_setting(const Config& c) {
-  return c.device == Device::cuda ? "zeroshard.device = cuda" : "zeroshard.async_device = true";
-}
 
 // A bf16 master is the parameters' own precision, updated by the CPU kernels only.
 void check_master(const Config& c) {

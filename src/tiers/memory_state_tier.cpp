@@ -176,6 +176,15 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
   std::vector<cpu::UnitUpdate> updates;
   for (size_t i = 0; i < units_.size(); ++i)
     updates.push_back(unit_update(int(i), sink.target(int(i)), step));
+  if (ctx_.direction) {
+    // Muon: each unit's direction is made just before its update, in memory the next reuses.
+    for (size_t i = 0; i < units_.size(); ++i) {
+      updates[i].args.dir = ctx_.direction(int(i), updates[i].args);
+      compute_.update(hyper, {updates[i]});
+      sink.done(int(i));
+    }
+    return;
+  }
   if (sink.per_unit()) {
     // Unit by unit, so what done() starts (an upload) overlaps the next unit's update.
     for (size_t i = 0; i < units_.size(); ++i) {
@@ -194,7 +203,9 @@ void MemoryStateTier::preview(const std::vector<cpu::UpdateHyper>& hyper, int64_
                               void* out) {
   ZS_CHECK(!scratch_.empty());
   std::vector<cpu::UpdateTask> tasks;
-  cpu::append_update_tasks(hyper, unit_update(u, out, step), tasks);
+  cpu::UnitUpdate w = unit_update(u, out, step);
+  if (ctx_.direction) w.args.dir = ctx_.direction(u, w.args);
+  cpu::append_update_tasks(hyper, w, tasks);
   const size_t sb = cpu::state_bytes(format_);
   arena_.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
     char* sc = scratch_.as<char>() + size_t(arena_.slot()) * preview_slot_bytes();

@@ -325,6 +325,7 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
       uu.args.out_dtype = ctx_.pdt;
     }
     uu.args.n = ctx_.shard(i);
+    if (ctx_.direction) uu.args.dir = ctx_.direction(i, uu.args);
     tasks.clear();
     cpu::append_update_tasks(hyper, uu, tasks);
     cpu::run_update_tasks(arena_, tasks);

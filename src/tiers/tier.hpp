@@ -66,6 +66,12 @@ struct TierContext {
   /// Waits for unit u's reduction in flight (if any) and hands it to StateTier::grad_reduced():
   /// for a tier that must reuse the memory it lands in.
   std::function<void(int u)> finish_reduction;
+  /// Muon (src/engine_muon.cpp): unit u's direction (f32, indexed like a's extent) made from the
+  /// gradient and momentum `a` points at, for a's update to read as UpdateArgs::dir; null where
+  /// u holds no Muon matrix. Collective over the shard group: a tier calls it for every unit, in
+  /// unit order, just before that unit's update (and preview), and runs that update before the
+  /// next call (the memory is reused). Unset unless a group is muon.
+  std::function<const float*(int u, const cpu::UpdateArgs& a)> direction;
 
   const UnitShape& unit(int u) const { return (*units)[size_t(u)]; }
   int64_t shard(int u) const { return unit(u).layout.shard_numel; }

@@ -1,0 +1,173 @@
+// Engine: Muon's direction. Muon orthogonalises each weight matrix's averaged gradient whole,
+// while the state is sharded at arbitrary element offsets. Per unit, just before its update
+// (TierContext::direction):
+//   1. each rank averages its extent of every Muon matrix: m' = μ·m + (1 − μ)·g, the direction
+//      (1 − μ)·g + μ·m' with Nesterov, else m' — from the same gradient and momentum the update
+//      then reads, and with the same operations (the update stores m');
+//   2. the unit's directions are all-gathered in f32 over the shard group;
+//   3. each matrix is orthogonalised (kernels/cpu/newton_schulz.hpp) by the one rank that owns
+//      it, and scaled by its shape's learning-rate factor;
+//   4. every rank zeroes what it does not own and a reduce-scatter (a sum with one non-zero
+//      term per element, so exact) hands each rank its extent of the result.
+// Stage 0 holds whole units: step 2 is skipped and step 4 is an all-reduce. One rank alone does
+// steps 1 and 3 only. docs/muon.md has the memory and communication this costs.
+#include <algorithm>
+#include <cmath>
+
+#include "base/check.hpp"
+#include "kernels/cpu/newton_schulz.hpp"
+#include "src/engine_impl.hpp"
+
+namespace zeroshard {
+
+void Engine::Impl::plan_muon() {
+  const bool any = std::any_of(groups.begin(), groups.end(), [](const OptimizerOptions& g) {
+    return g.kind == OptimizerKind::muon;
+  });
+  muon.units.assign(units.size(), {});
+  if (!any) return;
+  // Owners: per unit, the largest matrix first to the rank with the least work so far (work
+  // summed over the whole model breaks ties), so each unit's iteration is spread over the group
+  // and so is the model's.
+  std::vector<double> load(size_t(topo.shard_world), 0.0);
+  int64_t mine = 0, whole = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const UnitLayout& L = layout(int(u));
+    std::vector<std::pair<double, MuonPlan::Matrix>> found;
+    for (size_t j = 0; j < L.params.size(); ++j) {
+      const ParamSlot& p = L.params[j];
+      if (groups[size_t(p.group)].kind != OptimizerKind::muon) continue;
+      if (p.shape.size() < 2)
+        ZS_THROW(invalid_argument,
+                 "rank " << rank << ": finalize(): parameter '" << p.name << "' of unit '"
+                         << L.name << "' is in Muon group " << p.group << " but has "
+                         << p.shape.size()
+                         << " dimension(s): Muon orthogonalises matrices; put vectors (biases, "
+                            "norms) in an adam or adamw group");
+      if (p.numel == 0) continue;
+      MuonPlan::Matrix m;
+      m.param = int(j);
+      m.offset = p.offset;
+      m.rows = p.shape[0];
+      m.cols = p.numel / p.shape[0];
+      found.push_back(
+          {cpu::newton_schulz_cost(m.rows, m.cols, groups[size_t(p.group)].ns_steps), m});
+    }
+    std::stable_sort(found.begin(), found.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::vector<double> here(load.size(), 0.0);
+    for (auto& [cost, m] : found) {
+      int best = 0;
+      for (int r = 1; r < topo.shard_world; ++r)
+        if (std::make_pair(here[size_t(r)], load[size_t(r)]) <
+            std::make_pair(here[size_t(best)], load[size_t(best)]))
+          best = r;
+      m.owner = best;
+      here[size_t(best)] += cost;
+      load[size_t(best)] += cost;
+      muon.units[u].push_back(m);
+    }
+    // In offset order, as muon_direction() zeroes around the matrices it owns.
+    std::sort(muon.units[u].begin(), muon.units[u].end(),
+              [](const MuonPlan::Matrix& a, const MuonPlan::Matrix& b) { return a.offset < b.offset; });
+    if (found.empty()) continue;
+    mine = std::max(mine, cfg.stage == 0 ? L.padded_numel : L.shard_numel);
+    if (cfg.stage > 0 && topo.shard_world > 1) whole = std::max(whole, L.padded_numel);
+  }
+  if (mine == 0) return;
+  muon.mine = tier_ctx.buffer(Tier::host, MemKind::buffer, "muon_direction", size_t(mine) * 4,
+                              false);
+  if (whole > 0)
+    muon.whole = tier_ctx.buffer(Tier::host, MemKind::buffer, "muon_exchange", size_t(whole) * 4,
+                                 false);
+  tier_ctx.direction = [this](int u, const cpu::UpdateArgs& a) { return muon_direction(u, a); };
+}
+
+namespace {
+
+// How Muon scales a matrix's step by its shape (OptimizerOptions::match_rms_adamw).
+float lr_factor(const OptimizerOptions& o, int64_t rows, int64_t cols) {
+  const double a = double(rows), b = double(cols);
+  return float(o.match_rms_adamw ? 0.2 * std::sqrt(std::max(a, b)) : std::sqrt(std::max(1.0, a / b)));
+}
+
+}  // namespace
+
+const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
+  const std::vector<MuonPlan::Matrix>& mats = muon.units[size_t(u)];
+  if (mats.empty()) return nullptr;
+  ZS_CHECK(muon.hyper != nullptr);
+  const UnitLayout& L = layout(u);
+  const Unit& unit = units[size_t(u)];
+  const cpu::Isa isa = res.arena.isa();
+  const int64_t n = a.n;
+  const int64_t start = cfg.stage == 0 ? 0 : int64_t(topo.shard_rank) * L.shard_numel;
+  float* mine = muon.mine.as<float>();
+  std::fill(mine, mine + n, 0.0f);
+  // 1. This rank's extent of each matrix's direction; a held matrix (no gradient this step on
+  //    any rank) keeps a zero direction, which its held update never reads.
+  for (const MuonPlan::Matrix& m : mats) {
+    if (unit.held[size_t(m.param)]) continue;
+    const int64_t lo = std::max<int64_t>(m.offset - start, 0);
+    const int64_t hi = std::min<int64_t>(m.offset + m.rows * m.cols - start, n);
+    if (lo >= hi) continue;
+    const cpu::UpdateHyper& h = (*muon.hyper)[size_t(L.params[size_t(m.param)].group)];
+    // The momentum widened to f32: q8 whole blocks at a time, as the update dequantizes them.
+    const int64_t blo = a.state_format == StateFormat::q8 ? lo / a.block * a.block : lo;
+    const int64_t bhi = a.state_format == StateFormat::q8
+                            ? std::min(n, (hi + a.block - 1) / a.block * a.block)
+                            : hi;
+    muon.wide.resize(size_t(bhi - blo));
+    const size_t sb = cpu::state_bytes(a.state_format);
+    cpu::widen_moment(isa, a.state_format, static_cast<const char*>(a.state0) + size_t(blo) * sb,
+                      a.absmax0 ? a.absmax0 + blo / a.block : nullptr, bhi - blo, a.block, true,
+                      muon.wide.data());
+    float* d = mine + lo;
+    cpu::convert(isa, static_cast<const char*>(a.grad) + size_t(lo) * dtype_size(a.grad_dtype),
+                 a.grad_dtype, d, DType::f32, hi - lo);
+    const float omm = 1.0f - h.momentum;
+    for (int64_t i = 0; i < hi - lo; ++i) {
+      const float g = d[i] * h.grad_scale;
+      const float buf = h.momentum * muon.wide[size_t(lo - blo + i)] + omm * g;
+      d[i] = h.nesterov ? omm * g + h.momentum * buf : buf;
+    }
+  }
+  const bool alone = topo.shard_world == 1;
+  const bool sharded = cfg.stage > 0 && !alone;
+  // 2. The whole unit's directions on every rank of the group.
+  float* whole = mine;
+  if (sharded) {
+    whole = muon.whole.as<float>();
+    wait_for(*topo.shard_comm->all_gather(mine, whole, L.shard_numel, DType::f32,
+                                          "unit '" + L.name + "' (Muon directions)"));
+    count_sent(false, int64_t(topo.shard_world - 1) * L.shard_numel * 4);
+  }
+  // 3. This rank's matrices orthogonalised and scaled; 4. the rest zeroed, then summed.
+  int64_t kept = 0;  // whole[kept, m.offset) is not this rank's
+  for (const MuonPlan::Matrix& m : mats) {
+    if (alone || m.owner == topo.shard_rank) {
+      if (!alone) std::fill(whole + kept, whole + m.offset, 0.0f);
+      kept = m.offset + m.rows * m.cols;
+      if (unit.held[size_t(m.param)]) continue;
+      const OptimizerOptions& o = groups[size_t(L.params[size_t(m.param)].group)];
+      float* x = whole + m.offset;
+      cpu::newton_schulz(x, m.rows, m.cols, o.ns_steps, o.eps, o.ns_bf16, muon.scratch);
+      const float f = lr_factor(o, m.rows, m.cols);
+      for (int64_t i = 0; i < m.rows * m.cols; ++i) x[i] *= f;
+    }
+  }
+  if (alone) return mine;
+  const int64_t total = sharded ? L.padded_numel : n;
+  std::fill(whole + kept, whole + total, 0.0f);
+  if (sharded) {
+    wait_for(*topo.shard_comm->reduce_scatter(whole, mine, L.shard_numel, DType::f32,
+                                              "unit '" + L.name + "' (Muon updates)"));
+  } else {
+    wait_for(*topo.shard_comm->all_reduce_sum(mine, n, DType::f32,
+                                              "unit '" + L.name + "' (Muon updates)"));
+  }
+  count_sent(false, int64_t(topo.shard_world - 1) * L.shard_numel * 4);
+  return mine;
+}
+
+}  // namespace zeroshard
