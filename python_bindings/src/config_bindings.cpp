@@ -285,7 +285,8 @@ void bind_enums(nb::module_& m) {
       .value("adam", OptimizerKind::adam)
       .value("adamw", OptimizerKind::adamw)
       .value("sgd", OptimizerKind::sgd)
-      .value("lion", OptimizerKind::lion);
+      .value("lion", OptimizerKind::lion)
+      .value("muon", OptimizerKind::muon);
   nb::enum_<StateFormat>(m, "StateFormat",
                          "Storage of the optimizer moments (Config.optimizer_state): f32, bf16, "
                          "or q8 (blockwise 8-bit, \"8bit\").")

@@ -250,7 +250,8 @@ OptimizerKind parse_optimizer(nb::handle h) {
   if (s == "adamw") return OptimizerKind::adamw;
   if (s == "sgd") return OptimizerKind::sgd;
   if (s == "lion") return OptimizerKind::lion;
-  bad_value("optimizer", h, "\"adam\", \"adamw\", \"sgd\", \"lion\"");
+  if (s == "muon") return OptimizerKind::muon;
+  bad_value("optimizer", h, "\"adam\", \"adamw\", \"sgd\", \"lion\", \"muon\"");
 }
 
 StateFormat parse_state_format(nb::handle h) {

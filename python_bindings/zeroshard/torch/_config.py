@@ -22,7 +22,18 @@ _GROUP_KEYS = {
     _core.OptimizerKind.adamw: ("lr", "betas", "eps", "weight_decay"),
     _core.OptimizerKind.lion: ("lr", "betas", "weight_decay"),
     _core.OptimizerKind.sgd: ("lr", "momentum", "nesterov", "weight_decay"),
+    # A Muon engine's groups: Muon ones (use_muon, the default for parameters of two or more
+    # dimensions) and AdamW ones beside them (docs/muon.md).
+    _core.OptimizerKind.muon: ("lr", "weight_decay", "use_muon", "momentum", "nesterov", "eps",
+                               "ns_steps", "ns_bf16", "adjust_lr_fn", "betas"),
 }
+
+# torch.optim.Muon's defaults for a Muon group, and torch.optim.AdamW's for an AdamW group
+# beside it (each group takes those of its own kind that it does not set).
+_MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "eps": 1e-7, "ns_steps": 5,
+                  "ns_bf16": False, "adjust_lr_fn": "original"}
+_AUX_ADAMW_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8}
+_MUON_ONLY = ("momentum", "nesterov", "ns_steps", "ns_bf16", "adjust_lr_fn")
 
 
 # cudaStreamLegacy, the legacy default stream as a handle (DLPack spells it 1 too).
@@ -170,6 +181,8 @@ class _ConfigPart:
         # The engine keeps hyperparameters in f32; the groups show the values as written (0.02,
         # not 0.019999999552965164), which round to the same f32.
         d = {"lr": _as_written(o.lr), "weight_decay": _as_written(o.weight_decay)}
+        if self._kind == _core.OptimizerKind.muon:
+            return d  # each group carries the rest, by its kind (_muon_groups())
         if self._kind in (_core.OptimizerKind.adam, _core.OptimizerKind.adamw,
                           _core.OptimizerKind.lion):
             d["betas"] = (_as_written(o.beta1), _as_written(o.beta2))
@@ -224,6 +237,8 @@ class _ConfigPart:
         """torch-style groups of the managed parameters (frozen ones left out), in the order
         given; a group left with no parameter stays, as in torch (a scheduler keeps one entry per
         group)."""
+        if self._kind == _core.OptimizerKind.muon:
+            return self._muon_groups(param_groups, managed)
         if param_groups is None:
             return [{"params": list(managed)}]
         allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
@@ -240,7 +255,60 @@ class _ConfigPart:
             groups.append(dict(g, params=[p for p in self._group_params(g) if id(p) in ids]))
         return groups
 
+    def _muon_groups(self, param_groups, managed):
+        """A Muon engine's groups. Without param_groups: the parameters of two or more
+        dimensions in a Muon group, the others in an AdamW group (a parameter's own `use_muon`
+        attribute, as DeepSpeed reads it, overrides its shape: set it False on embeddings and
+        output heads, which Muon's authors leave to AdamW). A given group is Muon's when its
+        "use_muon" says so (default True). Each group is completed with the defaults of its
+        kind, and the constructor's momentum/nesterov (Muon) or betas (AdamW) where given."""
+        if param_groups is None:
+            def use(p):
+                return bool(getattr(p, "use_muon", p.dim() >= 2))
+            param_groups = [{"params": [p for p in managed if use(p)], "use_muon": True},
+                            {"params": [p for p in managed if not use(p)], "use_muon": False}]
+        allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
+        ids = {id(p) for p in managed}
+        given = self._muon_given
+        groups = []
+        for gi, g in enumerate(param_groups):
+            for k in g:
+                if k not in allowed:
+                    raise _core.ConfigError(
+                        f"config: param_groups[{gi}] has key '{k}', which the muon optimizer "
+                        f"does not take (allowed: {', '.join(sorted(allowed))})")
+            muon = bool(g.get("use_muon", True))
+            wrong = [k for k in (("betas",) if muon else _MUON_ONLY) if k in g]
+            if wrong:
+                kind = "a Muon group (use_muon true)" if muon else "an AdamW group (use_muon false)"
+                raise _core.ConfigError(
+                    f"config: param_groups[{gi}] is {kind}, which does not take "
+                    f"{', '.join(wrong)}")
+            self._check_betas(g.get("betas"), f"param_groups[{gi}]")
+            params = [p for p in self._group_params(g) if id(p) in ids]
+            if muon:
+                flat = [self._names_of.get(id(p), "?") for p in params if p.dim() < 2]
+                if flat:
+                    raise _core.InvalidArgumentError(
+                        f"ZeroOptimizer: param_groups[{gi}] is a Muon group but holds "
+                        f"{', '.join(flat)} of fewer than two dimensions; Muon orthogonalises "
+                        "matrices: put them in a group with \"use_muon\": False (AdamW)")
+            own = dict(_MUON_DEFAULTS if muon else _AUX_ADAMW_DEFAULTS)
+            own.update({k: v for k, v in given.items()
+                        if k in (_MUON_DEFAULTS if muon else _AUX_ADAMW_DEFAULTS)})
+            own.update(g)
+            own["use_muon"] = muon
+            own["params"] = params
+            groups.append(own)
+        if not groups[0]["use_muon"]:
+            raise _core.ConfigError(
+                "config: with optimizer \"muon\" the first param group is the engine's Muon "
+                "group: put a group with \"use_muon\": True first (AdamW groups after it)")
+        return groups
+
     def _options(self, group):
+        if self._kind == _core.OptimizerKind.muon:
+            return self._muon_options(group)
         o = _core.OptimizerOptions(kind=self._kind)
         o.lr = float(group["lr"])
         o.weight_decay = float(group["weight_decay"])
@@ -251,6 +319,28 @@ class _ConfigPart:
         if "momentum" in group:
             o.momentum = float(group["momentum"])
             o.nesterov = bool(group["nesterov"])
+        return o
+
+    def _muon_options(self, group):
+        muon = group["use_muon"]
+        o = _core.OptimizerOptions(
+            kind=_core.OptimizerKind.muon if muon else _core.OptimizerKind.adamw)
+        o.lr = float(group["lr"])
+        o.weight_decay = float(group["weight_decay"])
+        o.eps = float(group["eps"])
+        if muon:
+            o.momentum = float(group["momentum"])
+            o.nesterov = bool(group["nesterov"])
+            o.ns_steps = int(group["ns_steps"])
+            o.ns_bf16 = bool(group["ns_bf16"])
+            fn = group["adjust_lr_fn"]
+            if fn not in (None, "original", "match_rms_adamw"):
+                raise _core.ConfigError(
+                    f"config: adjust_lr_fn = {fn!r}: must be \"original\" (or None) or "
+                    "\"match_rms_adamw\", as in torch.optim.Muon")
+            o.match_rms_adamw = fn == "match_rms_adamw"
+        else:
+            o.beta1, o.beta2 = (float(b) for b in group["betas"])
         return o
 
     def _broadcast_from_rank0(self, model):
@@ -280,7 +370,8 @@ class _ConfigPart:
         # the engine takes a group's new hyperparameters at any step.
         for gi, (g, o) in enumerate(zip(self.param_groups, self._engine_options)):
             now = self._options(g)
-            keys = ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov")
+            keys = ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov",
+                    "ns_steps", "ns_bf16", "match_rms_adamw")
             if any(getattr(now, k) != getattr(o, k) for k in keys):
                 self.engine.set_options(gi, now)
                 self._engine_options[gi] = now

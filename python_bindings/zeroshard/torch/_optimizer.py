@@ -30,7 +30,10 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
             (see "Devices" in the module doc: the model runs on torch's current stream at
             construction, the default stream unless changed).
         stage: ZeRO stage 0-3.
-        optimizer: "adamw" (default), "adam", "sgd" or "lion".
+        optimizer: "adamw" (default), "adam", "sgd", "lion" or "muon". With "muon", matrices
+            are updated by Muon and the rest by AdamW: by default the parameters of two or
+            more dimensions (a parameter's `use_muon` attribute overrides that), or as groups
+            with "use_muon" say, the first group a Muon one (docs/muon.md).
         lr, betas, eps, weight_decay, momentum, nesterov: hyperparameters of every group not
             given its own (torch's meanings; "adam" adds weight decay to the gradient, "adamw"
             decouples it).
@@ -91,6 +94,9 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         self._kind = cfg.optimizer.kind
 
         # Torch-side param groups, validated; their order defines the engine's groups.
+        self._muon_given = {k: v for k, v in (("momentum", momentum), ("nesterov", nesterov),
+                                              ("eps", eps), ("betas", betas)) if v is not None}
+        self._names_of = {id(p): n for n, p in model.named_parameters()}
         groups = self._build_groups(param_groups, trainable)
         defaults = self._group_defaults(cfg.optimizer)
         super().__init__(groups, defaults)

@@ -21,6 +21,9 @@ _STATE_NAMES = {
     _core.OptimizerKind.adamw: ("exp_avg", "exp_avg_sq"),
     _core.OptimizerKind.lion: ("exp_avg",),
     _core.OptimizerKind.sgd: ("momentum_buffer",),
+    # A Muon engine's first moment is a Muon parameter's momentum_buffer (torch.optim.Muon's
+    # name, also taken by _state_kind()) or an AdamW parameter's exp_avg.
+    _core.OptimizerKind.muon: ("exp_avg", "exp_avg_sq"),
 }
 
 
@@ -108,6 +111,8 @@ class _StatePart:
             "param group, or of another model)")
 
     def _state_kind(self, key):
+        if self._kind == _core.OptimizerKind.muon and key == "momentum_buffer":
+            return _core.StateKind.state0
         names = _STATE_NAMES[self._kind]
         if key not in names:
             raise _core.InvalidArgumentError(
@@ -335,7 +340,8 @@ class _StatePart:
         for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
             # Every hyperparameter is restored, except an SGD momentum that would turn the
             # momentum buffer on or off, which the engine fixed when it was built.
-            if "momentum" in saved and (_norm(saved["momentum"]) != 0) != (g["momentum"] != 0):
+            if (self._kind == _core.OptimizerKind.sgd and "momentum" in saved
+                    and (_norm(saved["momentum"]) != 0) != (g["momentum"] != 0)):
                 raise _core.InvalidArgumentError(
                     f"load_state_dict(): param_groups[{gi}]['momentum'] was "
                     f"{saved['momentum']!r}, this optimizer has {g['momentum']!r}: the momentum "
