@@ -35,7 +35,10 @@ constexpr Flag kFlags[] = {
      "ZeRO engine"},
     {"--dtype", "f32|bf16|f16",
      "parameter and gradient type (default bf16; f16 uses dynamic loss scaling)", "ZeRO engine"},
-    {"--optimizer", "adamw|adam|sgd|lion", "optimizer (default adamw)", "ZeRO engine"},
+    {"--optimizer", "adamw|adam|sgd|lion|muon",
+     "optimizer (default adamw; muon: the matrices of the blocks by Muon, the embeddings, the "
+     "head and the vectors by AdamW at lr 2e-3)",
+     "ZeRO engine"},
     {"--optimizer-state", "f32|bf16|8bit",
      "storage of the optimizer moments (default f32; 8bit: blockwise dynamic quantization)",
      "ZeRO engine"},
@@ -182,6 +185,8 @@ float default_lr(OptimizerKind k) {
       return 3e-4f;
     case OptimizerKind::sgd:
       return 0.1f;
+    case OptimizerKind::muon:
+      return 2e-2f;
     default:
       return 2e-3f;
   }
@@ -284,7 +289,8 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
                                                        {{"adamw", OptimizerKind::adamw},
                                                         {"adam", OptimizerKind::adam},
                                                         {"sgd", OptimizerKind::sgd},
-                                                        {"lion", OptimizerKind::lion}});
+                                                        {"lion", OptimizerKind::lion},
+                                                        {"muon", OptimizerKind::muon}});
       // Each optimizer has its own scale of learning rate, so a changed optimizer takes the
       // demo's rate for it (a file's rate was meant for the file's optimizer). SGD without
       // momentum barely trains in 100 steps: the demo's default adds it.
@@ -296,6 +302,11 @@ ParseResult parse_demo_options(const std::vector<std::string>& args, DemoOptions
       }
       if (!has("--lr") && (kind != before || !has("--config"))) c.optimizer.lr = default_lr(kind);
       if (kind == OptimizerKind::sgd && !has("--config")) c.optimizer.momentum = 0.9f;
+      if (kind == OptimizerKind::muon) {  // torch.optim.Muon's momentum, Nesterov and eps
+        c.optimizer.momentum = 0.95f;
+        c.optimizer.nesterov = true;
+        c.optimizer.eps = 1e-7f;
+      }
     }
     if (has("--optimizer-state"))
       c.optimizer_state =

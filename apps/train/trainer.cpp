@@ -41,14 +41,29 @@ void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool wit
   // Group 1: no weight decay (layer-norm gains, biases), as GPT trainers usually do.
   zeroshard::OptimizerOptions no_decay = engine.config().optimizer;
   no_decay.weight_decay = 0.0f;
+  // With Muon, the blocks' matrices are Muon's (group 0); the embeddings and the output head
+  // (group 2) and the vectors (group 1) are AdamW's, as Muon's authors train them.
+  const bool muon = no_decay.kind == zeroshard::OptimizerKind::muon;
+  zeroshard::OptimizerOptions adamw;
+  adamw.kind = zeroshard::OptimizerKind::adamw;
+  adamw.lr = 2e-3f;
+  adamw.weight_decay = engine.config().optimizer.weight_decay;
+  if (muon) {
+    adamw.weight_decay = 0.0f;
+    no_decay = adamw;
+    adamw.weight_decay = engine.config().optimizer.weight_decay;
+  }
   const int nd = engine.add_group(no_decay);
+  const int outer = muon ? engine.add_group(adamw) : 0;
   std::vector<std::vector<float>> keep;  // initial values must live until finalize()
   for (const UnitSpec& u : gpt_units(shape)) {
     std::vector<std::vector<float>> init;
     if (with_init) init = gpt_init(shape, u, seed);
     std::vector<zeroshard::Param> params;
     for (size_t i = 0; i < u.params.size(); ++i) {
-      zeroshard::Param p{u.params[i].name, u.params[i].shape, u.params[i].decay ? 0 : nd};
+      const bool embedding = u.name == "embed" || u.params[i].name == "lm.w";
+      zeroshard::Param p{u.params[i].name, u.params[i].shape,
+                         !u.params[i].decay ? nd : embedding ? outer : 0};
       if (with_init) {
         keep.push_back(std::move(init[i]));
         p.init = {keep.back().data(), int64_t(keep.back().size()), DType::f32};
@@ -192,12 +207,18 @@ std::vector<StepLog> train(Engine& engine, Gpt& model, BatchSampler& data, const
   const int accum = engine.config().gradient_accumulation_steps;
   std::vector<StepLog> logs;
   double sample_s = 0;
+  // Every group follows the schedule from its own peak: group 0's is s.peak_lr, the no-decay
+  // group shares it, Muon's AdamW groups have theirs (register_gpt()).
+  const bool muon = engine.options(0).kind == zeroshard::OptimizerKind::muon;
+  std::vector<float> peak;
+  for (int g = 0; g < engine.num_groups(); ++g)
+    peak.push_back(g == 0 || !muon ? s.peak_lr : engine.options(g).lr);
   for (int64_t step = s.first_step; step <= s.steps; ++step) {
     StepLog log;
     log.step = step;
     log.lr = lr_at(step, s.steps, s.warmup, s.peak_lr);
-    engine.set_lr(0, log.lr);
-    engine.set_lr(1, log.lr);
+    for (int g = 0; g < engine.num_groups(); ++g)
+      engine.set_lr(g, lr_at(step, s.steps, s.warmup, peak[size_t(g)]));
     const double compute0 = run.compute_s() + sample_s;
     double loss = 0;
     for (int micro = 0; micro < accum; ++micro) {

@@ -117,12 +117,20 @@ std::vector<OptimizerCase> optimizer_cases() {
   h.beta2 = 0.99f;
   h.weight_decay = 0.1f;
   cases.push_back({"lion", h});
+  h = base;
+  h.kind = OptimizerKind::muon;
+  h.lr = 2e-2f;
+  h.momentum = 0.95f;
+  h.nesterov = true;
+  h.weight_decay = 0.1f;
+  cases.push_back({"muon", h});
   return cases;
 }
 
 // The arrays one update works on, filled from a seed; with_out = false passes out = nullptr.
 struct UpdateState {
   std::vector<float> master, s0, s1;
+  std::vector<float> dir;  // Muon's direction (the kernel reads it for muon only)
   Buf grad;
   bool has_out;
   Buf out;
@@ -135,6 +143,7 @@ struct UpdateState {
     s1 = random_floats(rng, n, 0.0f, 0.01f, false);
     const std::vector<float> g = random_floats(rng, n, -1.0f, 1.0f, specials);
     for (int64_t i = 0; i < n; ++i) grad.set(i, g[i]);
+    dir = random_floats(rng, n, -0.5f, 0.5f, false);
     // Lion's sign(0): a zero gradient on a zero moment, where n allows.
     if (n > 3) {
       s0[3] = 0.0f;
@@ -152,6 +161,7 @@ struct UpdateState {
     a.grad_dtype = grad.dtype;
     a.out = has_out ? out.data() : nullptr;
     a.out_dtype = out.dtype;
+    a.dir = dir.data();
     a.n = static_cast<int64_t>(master.size());
     return a;
   }
@@ -207,7 +217,7 @@ TEST_P(IsaTest, UpdateBitwiseEqualsScalar) {
       }
     }
   }
-  EXPECT_EQ(checked, 6 * 3 * 4 * 11 * 2);
+  EXPECT_EQ(checked, 7 * 3 * 4 * 11 * 2);
 }
 
 // Bitwise equality alone would pass two kernels that both do nothing: here every element must
@@ -257,6 +267,7 @@ struct RefElem {
   double p, m, v;          // master, state0, state1 in double
   double sp, sm, sv;       // their scales
   bool ambiguous = false;  // Lion only: |c| so small that f32 may see the other sign
+  double dir = 0;          // Muon only: the element's direction
 };
 
 void reference_step(const UpdateHyper& h, double g_in, RefElem& e) {
@@ -297,6 +308,14 @@ void reference_step(const UpdateHyper& h, double g_in, RefElem& e) {
       e.sp += lr * sg;
       break;
     }
+    case OptimizerKind::muon: {
+      e.m = mom * e.m + (1 - mom) * g;
+      e.sm = mom * e.sm + (1 - mom) * sg;
+      e.p -= lr * wd * p0;
+      e.p -= lr * e.dir;
+      e.sp += lr * wd * std::fabs(p0) + lr * std::fabs(e.dir);
+      break;
+    }
     case OptimizerKind::lion: {
       const double c = b1 * e.m + (1 - b1) * g;
       if (std::fabs(c) <= 1e-4 * (b1 * e.sm + (1 - b1) * sg)) e.ambiguous = true;
@@ -322,6 +341,7 @@ TEST(CpuKernels, ScalarUpdateMatchesDoubleReference) {
       for (int64_t i = 0; i < n; ++i) {
         const double p = st.master[i], m = st.s0[i], v = st.s1[i];
         ref[i] = {p, m, v, std::fabs(p), std::fabs(m), v};
+        ref[i].dir = st.dir[size_t(i)];
       }
       for (int step = 0; step < kRefSteps; ++step) {
         optimizer_update(Isa::scalar, oc.hyper, st.args());
