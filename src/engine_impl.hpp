@@ -147,6 +147,7 @@ struct MuonPlan {
   Buffer mine, whole;
   std::vector<float> scratch, wide;
   const std::vector<cpu::UpdateHyper>* hyper = nullptr;
+  double ns_s = 0;  // time in the Newton-Schulz iteration since the last step() read it
 };
 
 /// save_async(): the snapshot, kept from one save to the next (a new buffer's page faults cost

@@ -12,6 +12,7 @@
 // Stage 0 holds whole units: step 2 is skipped and step 4 is an all-reduce. One rank alone does
 // steps 1 and 3 only. docs/muon.md has the memory and communication this costs.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "base/check.hpp"
@@ -151,7 +152,9 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
       if (unit.held[size_t(m.param)]) continue;
       const OptimizerOptions& o = groups[size_t(L.params[size_t(m.param)].group)];
       float* x = whole + m.offset;
+      const auto t0 = std::chrono::steady_clock::now();
       cpu::newton_schulz(x, m.rows, m.cols, o.ns_steps, o.eps, o.ns_bf16, muon.scratch);
+      muon.ns_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const float f = lr_factor(o, m.rows, m.cols);
       for (int64_t i = 0; i < m.rows * m.cols; ++i) x[i] *= f;
     }

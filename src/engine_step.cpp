@@ -236,7 +236,7 @@ StepResult Engine::Impl::step() {
           : cfg.gradient_clipping;
   r.clip_factor = clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0;
   ++steps;
-  const double t_update = now_s();
+  const double t_update = now_s(), waited = clock.exposed_s;
   try {
     mark_held_runs();
     update(fold_hyper(inv * r.clip_factor));
@@ -244,8 +244,10 @@ StepResult Engine::Impl::step() {
     --steps;
     throw;
   }
-  // The update alone: the all-gather that follows is communication, counted as such.
-  r.optimizer_s = now_s() - t_update;
+  // The update alone: the all-gather that follows is communication, counted as such, and so
+  // are Muon's exchanges inside the update (wait_for() counted them).
+  r.optimizer_s = now_s() - t_update - (clock.exposed_s - waited);
+  r.newton_schulz_s = std::exchange(muon.ns_s, 0.0);
   // Stages 1–2 keep whole parameters: each rank contributes its updated shard.
   if (cfg.stage == 1 || cfg.stage == 2) {
     std::vector<std::shared_ptr<Work>> works;

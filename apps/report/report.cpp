@@ -158,6 +158,7 @@ void print_final(const RunSummary& s) {
     mean.interval += t.interval / n, mean.optimizer += t.optimizer / n,
         mean.exposed += t.exposed / n;
     mean.busy += t.busy / n, mean.compute += t.compute / n;
+    mean.newton_schulz += t.newton_schulz / n;
   }
   mean.steps = t0->steps;
   std::printf("\nstep time (ms per step, mean of steps 2..%lld)\n", (long long)(t0->steps + 1));
@@ -179,6 +180,10 @@ void print_final(const RunSummary& s) {
       "exposed communication (waits)", [](const RankTimes& t) { return t.exposed; }, true);
   row(
       "optimizer", [](const RankTimes& t) { return t.optimizer; }, true);
+  if (mean.newton_schulz > 0)
+    row(
+        "  of which Muon's Newton-Schulz iteration",
+        [](const RankTimes& t) { return t.newton_schulz; }, true);
   row(
       "other (engine bookkeeping, logging)",
       [](const RankTimes& t) { return t.interval - t.compute - t.exposed - t.optimizer; }, true);
@@ -271,6 +276,7 @@ void write_json(const RunSummary& s, const std::string& path) {
         {{"steps", t.steps},
          {"interval_s", t.interval},
          {"optimizer_s", t.optimizer},
+         {"newton_schulz_s", t.newton_schulz},
          {"comm_exposed_s", t.exposed},
          {"comm_busy_s", t.busy},
          {"compute_s", t.compute},
