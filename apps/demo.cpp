@@ -277,11 +277,11 @@ int train_and_report(DemoOptions& o) {
     t.inter_node_bytes += double(l.result.inter_node_bytes);
     t.newton_schulz += l.result.newton_schulz_s;
   }
-  std::vector<double> tv = gather_rows(*comm,
-                                       {t.interval, t.optimizer, t.exposed, t.busy, t.compute,
-                                        t.comm_bytes, t.inter_node_bytes, double(t.steps),
-                                        t.newton_schulz},
-                                       "timings");
+  std::vector<double> tv =
+      gather_rows(*comm,
+                  {t.interval, t.optimizer, t.exposed, t.busy, t.compute, t.comm_bytes,
+                   t.inter_node_bytes, double(t.steps), t.newton_schulz},
+                  "timings");
   for (int r = 0; r < world; ++r) {
     const double* x = tv.data() + size_t(r) * 9;
     RankTimes rt{x[0], x[1], x[2], x[3], x[4], x[5], x[6], int64_t(x[7])};

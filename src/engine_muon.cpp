@@ -40,9 +40,8 @@ void Engine::Impl::plan_muon() {
       if (groups[size_t(p.group)].kind != OptimizerKind::muon) continue;
       if (p.shape.size() < 2)
         ZS_THROW(invalid_argument,
-                 "rank " << rank << ": finalize(): parameter '" << p.name << "' of unit '"
-                         << L.name << "' is in Muon group " << p.group << " but has "
-                         << p.shape.size()
+                 "rank " << rank << ": finalize(): parameter '" << p.name << "' of unit '" << L.name
+                         << "' is in Muon group " << p.group << " but has " << p.shape.size()
                          << " dimension(s): Muon orthogonalises matrices; put vectors (biases, "
                             "norms) in an adam or adamw group");
       if (p.numel == 0) continue;
@@ -69,18 +68,19 @@ void Engine::Impl::plan_muon() {
       muon.units[u].push_back(m);
     }
     // In offset order, as muon_direction() zeroes around the matrices it owns.
-    std::sort(muon.units[u].begin(), muon.units[u].end(),
-              [](const MuonPlan::Matrix& a, const MuonPlan::Matrix& b) { return a.offset < b.offset; });
+    std::sort(
+        muon.units[u].begin(), muon.units[u].end(),
+        [](const MuonPlan::Matrix& a, const MuonPlan::Matrix& b) { return a.offset < b.offset; });
     if (found.empty()) continue;
     mine = std::max(mine, cfg.stage == 0 ? L.padded_numel : L.shard_numel);
     if (cfg.stage > 0 && topo.shard_world > 1) whole = std::max(whole, L.padded_numel);
   }
   if (mine == 0) return;
-  muon.mine = tier_ctx.buffer(Tier::host, MemKind::buffer, "muon_direction", size_t(mine) * 4,
-                              false);
+  muon.mine =
+      tier_ctx.buffer(Tier::host, MemKind::buffer, "muon_direction", size_t(mine) * 4, false);
   if (whole > 0)
-    muon.whole = tier_ctx.buffer(Tier::host, MemKind::buffer, "muon_exchange", size_t(whole) * 4,
-                                 false);
+    muon.whole =
+        tier_ctx.buffer(Tier::host, MemKind::buffer, "muon_exchange", size_t(whole) * 4, false);
   tier_ctx.direction = [this](int u, const cpu::UpdateArgs& a) { return muon_direction(u, a); };
 }
 
@@ -89,7 +89,8 @@ namespace {
 // How Muon scales a matrix's step by its shape (OptimizerOptions::match_rms_adamw).
 float lr_factor(const OptimizerOptions& o, int64_t rows, int64_t cols) {
   const double a = double(rows), b = double(cols);
-  return float(o.match_rms_adamw ? 0.2 * std::sqrt(std::max(a, b)) : std::sqrt(std::max(1.0, a / b)));
+  return float(o.match_rms_adamw ? 0.2 * std::sqrt(std::max(a, b))
+                                 : std::sqrt(std::max(1.0, a / b)));
 }
 
 }  // namespace

@@ -98,6 +98,22 @@ std::vector<float> Engine::read_full(UnitId id, int param, StateKind kind) {
   return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
 }
 
+std::vector<float> Engine::read_full_grad(UnitId id, int param) {
+  Impl& m = *impl_;
+  const ParamSlot& p = m.full_access(id, param, "read_full_grad");
+  m.check_state("read_full_grad");
+  m.close_grads();  // every micro-step's reductions landed, on every rank
+  std::vector<float> shard = m.state->read_grad(id);
+  const float scale = float(m.grad_scale());
+  for (float& v : shard) v *= scale;
+  const int64_t n = m.layout(id).shard_numel;
+  std::vector<float> unit(size_t(n) * size_t(m.topo.shard_world));
+  m.wait_crossing(*m.topo.shard_comm->all_gather(
+      shard.data(), unit.data(), n, DType::f32,
+      "read_full_grad() of '" + p.name + "' in unit '" + m.layout(id).name + "'"));
+  return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
+}
+
 void Engine::write_full(UnitId id, int param, StateKind kind, const std::vector<float>& values) {
   Impl& m = *impl_;
   const ParamSlot& p = m.full_access(id, param, "write_full");

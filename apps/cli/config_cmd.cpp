@@ -40,7 +40,7 @@ const char* type_name() {
   if constexpr (std::is_same_v<T, zs::DType>) return "f32 | bf16 | f16";
   if constexpr (std::is_same_v<T, zs::Device>) return "cpu | cuda";
   if constexpr (std::is_same_v<T, zs::Tier>) return "device | host | nvme";
-  if constexpr (std::is_same_v<T, zs::OptimizerKind>) return "adam | adamw | sgd | lion";
+  if constexpr (std::is_same_v<T, zs::OptimizerKind>) return "adam | adamw | sgd | lion | muon";
   if constexpr (std::is_same_v<T, zs::StateFormat>) return "f32 | bf16 | 8bit";
   return "?";
 }

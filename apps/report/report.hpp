@@ -21,7 +21,7 @@ using MemCells = std::array<std::array<int64_t, zeroshard::kNumMemKinds>, zerosh
 struct RankTimes {
   double interval = 0, optimizer = 0, exposed = 0, busy = 0, compute = 0;
   double comm_bytes = 0, inter_node_bytes = 0;  ///< StepResult's, summed
-  int64_t steps = 0;  ///< steps summed (the first, which also pays for set-up, is left out)
+  int64_t steps = 0;         ///< steps summed (the first, which also pays for set-up, is left out)
   double newton_schulz = 0;  ///< Muon: the part of `optimizer` in the Newton-Schulz iteration
 };
 

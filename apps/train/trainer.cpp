@@ -63,7 +63,9 @@ void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool wit
     for (size_t i = 0; i < u.params.size(); ++i) {
       const bool embedding = u.name == "embed" || u.params[i].name == "lm.w";
       zeroshard::Param p{u.params[i].name, u.params[i].shape,
-                         !u.params[i].decay ? nd : embedding ? outer : 0};
+                         !u.params[i].decay ? nd
+                         : embedding        ? outer
+                                            : 0};
       if (with_init) {
         keep.push_back(std::move(init[i]));
         p.init = {keep.back().data(), int64_t(keep.back().size()), DType::f32};

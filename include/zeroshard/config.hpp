@@ -53,8 +53,8 @@ struct OptimizerOptions {
   float weight_decay = 0.01f;
   float momentum = 0.0f;
   bool nesterov = false;
-  int ns_steps = 5;          ///< muon: Newton–Schulz iterations
-  bool ns_bf16 = false;      ///< muon: the iteration's matrices rounded to bf16 (torch's choice)
+  int ns_steps = 5;      ///< muon: Newton–Schulz iterations
+  bool ns_bf16 = false;  ///< muon: the iteration's matrices rounded to bf16 (torch's choice)
   /// muon: how the learning rate scales with a matrix's shape (A rows, B columns): by
   /// max(1, A/B)^0.5 (Jordan et al., torch's "original"), or, when set, by 0.2 · max(A, B)^0.5
   /// (Liu et al.: the update's RMS matches AdamW's; torch's "match_rms_adamw").

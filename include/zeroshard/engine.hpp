@@ -31,11 +31,11 @@ struct StepResult {
   int64_t step = 0;          ///< optimizer steps taken so far (skipped steps do not count)
 
   /// Where the time since the previous step() went, in seconds, on this rank:
-  double optimizer_s = 0;     ///< the optimizer update itself (communication excluded)
+  double optimizer_s = 0;      ///< the optimizer update itself (communication excluded)
   double newton_schulz_s = 0;  ///< Muon: the part of optimizer_s in the Newton–Schulz iteration
-  double comm_busy_s = 0;     ///< wall time with at least one of the engine's collectives running
-  double comm_exposed_s = 0;  ///< wall time the trainer's thread waited for collectives
-  double interval_s = 0;      ///< wall time since the previous step() returned (or finalize())
+  double comm_busy_s = 0;      ///< wall time with at least one of the engine's collectives running
+  double comm_exposed_s = 0;   ///< wall time the trainer's thread waited for collectives
+  double interval_s = 0;       ///< wall time since the previous step() returned (or finalize())
   /// Bytes this rank's collectives of the interval sent, counted as a ring schedule over each
   /// communicator's ranks sends them (each rank to the next: (n − 1)/n of the data of a
   /// reduce-scatter or all-gather, twice that of an all-reduce); the step's small all-reduce of
@@ -247,6 +247,12 @@ class ZS_API Engine {
   /// Collective over the shard group (an all-gather of the unit's shards in host memory; an
   /// engine over NCCL throws), between steps.
   std::vector<float> read_full(UnitId unit, int param, StateKind kind);
+  /// The reduced gradient of one parameter, whole, in f32 (DeepSpeed's safe_get_full_grad): the
+  /// mean over the ranks and micro-steps, unscaled by the loss scale, before clipping — what the
+  /// update would read with a clip factor of 1. Call it after the step's last micro-step and
+  /// before step(); like clip_grad_norm() it closes the micro-steps (every rank, same order).
+  /// Zeros for a parameter no rank had a gradient for. Collective over every rank.
+  std::vector<float> read_full_grad(UnitId unit, int param);
   /// Overwrites parameter `param` of master, state0 or state1 with `values` (whole, f32; every
   /// rank passes the same, which is checked), each rank keeping its shard, then rebuilds the
   /// parameters as commit_shards() does (DeepSpeed's safe_set_full_fp32_param and

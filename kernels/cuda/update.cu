@@ -160,8 +160,9 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
   for (const UpdateRun& u : sorted) {
     const Rule rule = rule_of(hypers[u.hyper]);
     if (rule == Rule::muon)
-      ZS_THROW(invalid_argument, "cuda::optimizer_update: muon's update runs on the CPU (its "
-                                 "direction comes from the CPU's Newton-Schulz iteration)");
+      ZS_THROW(invalid_argument,
+               "cuda::optimizer_update: muon's update runs on the CPU (its "
+               "direction comes from the CPU's Newton-Schulz iteration)");
     const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
     if ((rule != Rule::sgd && !a.state0) || (needs_s1 && !a.state1))
       ZS_THROW(invalid_argument, "cuda::optimizer_update: " << rule_name(rule) << " needs state0"

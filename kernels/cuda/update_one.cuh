@@ -125,8 +125,8 @@ void with_gpu_rule(Rule r, F&& f) {
     case Rule::muon:
       break;
   }
-  ZS_THROW(invalid_argument, "cuda::optimizer_update: the " << rule_name(r)
-                                                            << " rule runs on the CPU only");
+  ZS_THROW(invalid_argument,
+           "cuda::optimizer_update: the " << rule_name(r) << " rule runs on the CPU only");
 }
 
 /// 8-bit moments (update_q8.cu): `runs` are the checked, non-empty runs in begin order.

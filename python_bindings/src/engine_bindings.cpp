@@ -581,6 +581,16 @@ void def_state(nb::class_<PyEngine>& cls) {
       "Collective: parameter `param` of the unit whole, of one state, as a new float32 array "
       "(flat).");
   cls.def(
+      "read_full_grad",
+      [](PyEngine& e, UnitId u, int param) {
+        auto v = locked(e, [&] { return e.engine.read_full_grad(u, param); });
+        return export_owned(std::move(v));
+      },
+      nb::arg("unit"), nb::arg("param"),
+      "Collective: parameter `param`'s reduced gradient whole (mean over ranks and micro-steps, "
+      "unscaled, before clipping), as a new float32 array (flat). After the step's last "
+      "micro-step, before step(); closes the micro-steps as clip_grad_norm() does.");
+  cls.def(
       "write_full",
       [](PyEngine& e, UnitId u, int param, StateKind k, nb::handle values) {
         std::vector<float> v = f32_values(values, "write_full(): values");

@@ -198,9 +198,8 @@ class Reader {
 };
 
 OptimizerKind parse_kind(const Reader& r, const std::string& name, const std::string& path) {
-  for (OptimizerKind k :
-       {OptimizerKind::adam, OptimizerKind::adamw, OptimizerKind::sgd, OptimizerKind::lion,
-        OptimizerKind::muon})
+  for (OptimizerKind k : {OptimizerKind::adam, OptimizerKind::adamw, OptimizerKind::sgd,
+                          OptimizerKind::lion, OptimizerKind::muon})
     if (name == optimizer_name(k)) return k;
   r.bad(path, "names no optimizer ('" + name + "')");
 }

@@ -481,10 +481,14 @@ void batch_size(const JsonField& f, const Ctx&) {
 }
 
 constexpr std::pair<std::string_view, Guard> kGuards[] = {
-    {"train_batch_size", batch_size},        {"train_micro_batch_size_per_gpu", batch_size},
-    {"optimizer.params.eps", adam_or_muon},  {"optimizer.params.momentum", momentum_only},
-    {"optimizer.params.nesterov", momentum_only}, {"optimizer.params.ns_steps", muon_only},
-    {"optimizer.params.ns_bf16", muon_only},      {"optimizer.params.match_rms_adamw", muon_only},
+    {"train_batch_size", batch_size},
+    {"train_micro_batch_size_per_gpu", batch_size},
+    {"optimizer.params.eps", adam_or_muon},
+    {"optimizer.params.momentum", momentum_only},
+    {"optimizer.params.nesterov", momentum_only},
+    {"optimizer.params.ns_steps", muon_only},
+    {"optimizer.params.ns_bf16", muon_only},
+    {"optimizer.params.match_rms_adamw", muon_only},
 };
 
 const Node& schema() {

@@ -83,9 +83,9 @@ void check_loss_scale_and_optimizer(const Config& c) {
   const bool muon = o.kind == OptimizerKind::muon;
   // Only SGD and Muon read momentum; silently ignoring it elsewhere would hide a
   // misconfiguration.
-  require(o.momentum == 0 || sgd || muon, "optimizer.params.momentum", o.momentum,
-          std::string("applies only to sgd and muon (optimizer is ") + optimizer_name(o.kind) +
-              ")");
+  require(
+      o.momentum == 0 || sgd || muon, "optimizer.params.momentum", o.momentum,
+      std::string("applies only to sgd and muon (optimizer is ") + optimizer_name(o.kind) + ")");
   if (muon) {
     require(o.momentum < 1, "optimizer.params.momentum", o.momentum,
             "must be in [0, 1) for muon (an exponential average)");
@@ -148,7 +148,6 @@ void check_prefetch(const Config& c) {
          " leaves no buffer to prefetch into (the unit in use plus the one being prefetched): "
          "raise it to 2 or set zeroshard.prefetch = false");
 }
-
 
 // A bf16 master is the parameters' own precision, updated by the CPU kernels only.
 void check_master(const Config& c) {

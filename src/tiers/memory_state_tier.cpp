@@ -299,6 +299,23 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
   return out;
 }
 
+std::vector<float> MemoryStateTier::read_grad(int u) {
+  const int64_t n = ctx_.shard(u);
+  std::vector<float> out(size_t(n), 0.0f);
+  auto [g, dt] = grad(u);
+  if (!g) return out;  // stage 0 before any gradient was handed over
+  const char* src = static_cast<const char*>(g) + size_t(shard_offset(u)) * dtype_size(dt);
+  std::vector<char> bytes;  // a GPU's gradient, copied to the host first
+  if (!on_cpu_) {
+    bytes.resize(size_t(n) * dtype_size(dt));
+    compute_.copy(bytes.data(), src, bytes.size());
+    compute_.synchronize();
+    src = bytes.data();
+  }
+  cpu::convert(arena_.isa(), src, dt, out.data(), DType::f32, n);
+  return out;
+}
+
 StoredShard MemoryStateTier::stored(int u, StateKind kind) {
   if (compute_.streams()) return {};
   // A bf16 master is saved and loaded as f32 (read() and write() convert it).

@@ -31,6 +31,7 @@ class MemoryStateTier final : public StateTier {
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
   void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u, void* out) override;
   std::vector<float> read(int u, StateKind kind) const override;
+  std::vector<float> read_grad(int u) override;
   StoredShard stored(int u, StateKind kind) override;
   void write(int u, StateKind kind, const std::vector<float>& shard) override;
   void commit(Communicator& comm, ParamSink& sink) override;

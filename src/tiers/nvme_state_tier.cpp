@@ -234,6 +234,14 @@ void NvmeStateTier::grad_reduced(int u, int micro, const void*) {
 }
 
 std::optional<Error> NvmeStateTier::settle_grads() {
+  settle_evictions();
+  std::optional<Error> e = std::move(deferred_);
+  deferred_.reset();
+  return e;
+}
+
+// The gradients being written out land (a failure is kept in deferred_ for settle_grads()).
+void NvmeStateTier::settle_evictions() {
   for (int v : evicting_) {
     Unit& w = units_[size_t(v)];
     space_.io().settle(*w.grad_write);
@@ -243,9 +251,6 @@ std::optional<Error> NvmeStateTier::settle_grads() {
     w.wslot = -1;
   }
   evicting_.clear();
-  std::optional<Error> e = std::move(deferred_);
-  deferred_.reset();
-  return e;
 }
 
 void NvmeStateTier::forget_grads() {
@@ -424,6 +429,29 @@ std::vector<float> NvmeStateTier::read(int u, StateKind kind) const {
   space_.io().wait(*b);
   std::vector<float> out(static_cast<size_t>(ctx_.shard(u)));
   widen(u, tmp.as<char>(), kind, out.data());
+  return out;
+}
+
+std::vector<float> NvmeStateTier::read_grad(int u) {
+  Unit& w = units_[size_t(u)];
+  const int64_t S = ctx_.shard(u);
+  const DType gdt = ctx_.accumulation() > 1 ? DType::f32 : ctx_.pdt;
+  std::vector<float> out(size_t(S), 0.0f);
+  if (w.gslot >= 0) {
+    const char* g = grad_cache_.data(w.gslot) + (ctx_.accumulation() > 1 ? grad_acc_off_ : 0);
+    cpu::convert(arena_.isa(), g, gdt, out.data(), DType::f32, S);
+    return out;
+  }
+  if (!w.grad_on_disk) return out;
+  settle_evictions();  // an eviction still being written lands first
+  Buffer tmp(ctx_.ledger, Tier::host, MemKind::buffer, "swap_readback",
+             size_t(round_up(S * int64_t(dtype_size(gdt)), 4096)));
+  std::vector<Piece> ps;
+  store_.pieces(w.grad, tmp.as<char>(), nullptr, false, ps);
+  auto rd = space_.io().submit(std::move(ps), who() + "read of the gradient of unit '" +
+                                                  ctx_.unit(u).layout.name + "'");
+  space_.io().wait(*rd);
+  cpu::convert(arena_.isa(), tmp.data(), gdt, out.data(), DType::f32, S);
   return out;
 }
 

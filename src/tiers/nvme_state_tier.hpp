@@ -53,6 +53,7 @@ class NvmeStateTier final : public StateTier {
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
   void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u, void* out) override;
   std::vector<float> read(int u, StateKind kind) const override;
+  std::vector<float> read_grad(int u) override;
   void write(int u, StateKind kind, const std::vector<float>& shard) override;
   void commit(Communicator& comm, ParamSink& sink) override;
   std::vector<std::pair<void*, size_t>> dma_regions() const override;
@@ -109,6 +110,7 @@ class NvmeStateTier final : public StateTier {
   void reap(bool block);              // evictions that finished give their slots back
   bool evict(int keep);               // writes the oldest cached gradient other than `keep`
   void read_back(int u, float* acc);  // an evicted partial sum comes back
+  void settle_evictions();
   void restore_params(int updated, ParamSink& sink, std::string& errors);
 
   TierContext ctx_;

@@ -38,6 +38,7 @@ class StagedStateTier final : public StateTier {
     inner_->preview(hyper, step, u, out);
   }
   std::vector<float> read(int u, StateKind kind) const override { return inner_->read(u, kind); }
+  std::vector<float> read_grad(int u) override { return inner_->read_grad(u); }
   StoredShard stored(int u, StateKind kind) override { return inner_->stored(u, kind); }
   std::unique_ptr<StateSnapshot> snapshot() override { return inner_->snapshot(); }
   void write(int u, StateKind kind, const std::vector<float>& shard) override {

@@ -183,6 +183,10 @@ class StateTier {
   virtual void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u,
                        void* out) = 0;
 
+  /// This rank's shard of unit u's reduced gradient (f32, shard_numel values) once the step's
+  /// micro-steps are complete and before its update: the sum over ranks and micro-steps, still
+  /// loss-scaled (the caller divides). Zeros where no gradient was handed over.
+  virtual std::vector<float> read_grad(int u) = 0;
   /// This rank's shard of one state of unit u (f32, shard_numel values); throws
   /// Error(invalid_argument) for a moment the optimizer does not keep.
   virtual std::vector<float> read(int u, StateKind kind) const = 0;

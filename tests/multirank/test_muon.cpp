@@ -119,7 +119,8 @@ Mat matmul(const Mat& a, const Mat& b, int64_t m, int64_t k, int64_t n, bool bt)
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
       double s = 0;
-      for (int64_t p = 0; p < k; ++p) s += a[size_t(i * k + p)] * (bt ? b[size_t(j * k + p)] : b[size_t(p * n + j)]);
+      for (int64_t p = 0; p < k; ++p)
+        s += a[size_t(i * k + p)] * (bt ? b[size_t(j * k + p)] : b[size_t(p * n + j)]);
       c[size_t(i * n + j)] = s;
     }
   return c;
@@ -178,7 +179,8 @@ TEST_P(Muon, MatchesAFloat64Reference) {
     std::vector<Piece> pieces;
     for (const auto& [name, shape] : model[u].params) {
       auto init = zs_test::init_values(model[u].name, name, shape_numel(shape));
-      pieces.push_back({int64_t(p.size()), shape[0], shape_numel(shape) / shape[0], name[0] != 'b'});
+      pieces.push_back(
+          {int64_t(p.size()), shape[0], shape_numel(shape) / shape[0], name[0] != 'b'});
       p.insert(p.end(), init.begin(), init.end());
     }
     const std::vector<double> p0 = p;
@@ -258,15 +260,16 @@ std::string case_name(const ::testing::TestParamInfo<Case>& i) {
          "_k" + std::to_string(c.micro) + "_" + state_format_name(c.state);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Tiers, MuonParity,
-    ::testing::Values(Case{1}, Case{2}, Case{3}, Case{1, Tier::host}, Case{2, Tier::host},
-                      Case{3, Tier::host}, Case{1, Tier::nvme}, Case{3, Tier::nvme},
-                      Case{2, Tier::device, DType::bf16}, Case{3, Tier::host, DType::bf16, 2},
-                      Case{2, Tier::nvme, DType::bf16, 2}, Case{3, Tier::device, DType::f32, 1,
-                                                                StateFormat::q8},
-                      Case{2, Tier::host, DType::bf16, 1, StateFormat::bf16}),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(Tiers, MuonParity,
+                         ::testing::Values(Case{1}, Case{2}, Case{3}, Case{1, Tier::host},
+                                           Case{2, Tier::host}, Case{3, Tier::host},
+                                           Case{1, Tier::nvme}, Case{3, Tier::nvme},
+                                           Case{2, Tier::device, DType::bf16},
+                                           Case{3, Tier::host, DType::bf16, 2},
+                                           Case{2, Tier::nvme, DType::bf16, 2},
+                                           Case{3, Tier::device, DType::f32, 1, StateFormat::q8},
+                                           Case{2, Tier::host, DType::bf16, 1, StateFormat::bf16}),
+                         case_name);
 
 TEST(MuonRefuses, AVectorInAMuonGroup) {
   Engine e(make_config({1}), world());

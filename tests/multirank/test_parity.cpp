@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 #include "tests/multirank/harness.hpp"
 
@@ -348,4 +349,72 @@ TEST(Restore, PrefetchedUnitIsFreshAfterStep) {
   auto a = e.gather(0);
   EXPECT_FLOAT_EQ(a[0].as<float>()[0], -0.2f) << "two SGD steps of lr 0.1 on gradient 1";
   e.release(0);
+}
+
+// The reduced gradient of one parameter whole (DeepSpeed's safe_get_full_grad), read between
+// the last micro-step and step(): the mean over the ranks and micro-steps of what each rank
+// handed over, the same bits at every stage and tier, and the step that follows unchanged by the
+// read (it closes the micro-steps as clip_grad_norm() does).
+TEST(RestoreFull, GradientWholeIsTheMeanOverRanksAndMicroSteps) {
+  struct Where {
+    int stage;
+    Tier tier;
+  };
+  const Where places[] = {{0, Tier::device}, {1, Tier::device}, {2, Tier::host},
+                          {3, Tier::device}, {2, Tier::nvme},   {3, Tier::nvme}};
+  const int k = 2, W = world()->size();
+  std::vector<std::vector<float>> ref_grads, ref_master;
+  for (const Where& w : places) {
+    Config cfg = make_config(Case{DType::f32, k, OptimizerKind::adamw, StateFormat::f32, w.tier},
+                             w.stage);
+    if (w.tier == Tier::nvme) {
+      const auto root = std::filesystem::temp_directory_path() / "zeroshard-fullgrad-tests";
+      std::filesystem::create_directories(root);
+      cfg.offload_optimizer.nvme_paths = {root.string()};
+      cfg.aio.block_size = 4096;
+    }
+    Engine e(cfg, world());
+    zs_test::register_model(e, zs_test::uneven_model());
+    std::vector<std::vector<float>> grads;
+    double worst = 0, largest = 0;
+    zs_test::TrainOptions opt;
+    opt.steps = 3;
+    opt.micro_batches = k;
+    opt.before_step = [&](Engine& en) {
+      if (en.step_count() != 1) return;  // the second step's gradients
+      for (int u = 0; u < en.num_units(); ++u) {
+        const std::vector<Param> ps = en.unit_params(u);
+        int64_t flat = 0;
+        for (int p = 0; p < int(ps.size()); ++p) {
+          const std::vector<float> pv = en.read_full(u, p, StateKind::param);
+          grads.push_back(en.read_full_grad(u, p));
+          ASSERT_EQ(grads.back().size(), pv.size());
+          for (size_t i = 0; i < pv.size(); ++i, ++flat) {
+            double want = 0;
+            for (int r = 0; r < W; ++r)
+              for (int m = 0; m < k; ++m) want += zs_test::synthetic_grad(pv[i], u, flat, r, m, 1);
+            want /= double(W * k);
+            worst = std::max(worst, std::fabs(double(grads.back()[i]) - want));
+            largest = std::max(largest, std::fabs(want));
+          }
+        }
+      }
+    };
+    zs_test::train(e, opt);
+    ASSERT_FALSE(grads.empty());
+    EXPECT_GT(largest, 0.1);
+    EXPECT_LT(worst, 1e-6) << "stage " << w.stage << " " << tier_name(w.tier);
+    std::vector<std::vector<float>> master;
+    for (int u = 0; u < e.num_units(); ++u) master.push_back(e.read_shard(u, StateKind::master));
+    if (ref_grads.empty()) {
+      ref_grads = grads, ref_master = master;
+      continue;
+    }
+    for (size_t i = 0; i < grads.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(ref_grads[i], grads[i]))
+          << "stage " << w.stage << " " << tier_name(w.tier) << " parameter " << i;
+    for (size_t u = 0; u < master.size(); ++u)
+      EXPECT_TRUE(bitwise_equal(ref_master[u], master[u]))
+          << "stage " << w.stage << " " << tier_name(w.tier) << " unit " << u;
+  }
 }

@@ -686,3 +686,30 @@ def test_compiled_model_trains_as_eager_without_graph_breaks(stage):
     dynamo.reset()
     explained = dynamo.explain(compiled)(tokens)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("stage,offload", [(0, None), (1, None), (2, "cpu"), (3, None)])
+def test_full_grad_is_the_reduced_gradient_after_backward(stage, offload):
+    # DeepSpeed's safe_get_full_grad, for logging: after backward and before step(), the mean
+    # gradient of each parameter (two micro-steps here), unscaled and before clipping; the step
+    # that follows is the one it would have been.
+    model, data = make_model(), batches(3)
+    ref = copy.deepcopy(model)
+    opt = zero(model, stage, gradient_accumulation_steps=2, offload_optimizer=offload)
+    ropt = torch.optim.AdamW(groups(ref), lr=LR, eps=EPS)
+    names = dict(model.named_parameters())
+    for step, (tokens, labels) in enumerate(data):
+        opt.zero_grad()
+        ropt.zero_grad()
+        for half in (slice(0, 8), slice(8, 16)):
+            torch.nn.functional.cross_entropy(model(tokens[half]), labels[half]).backward()
+            (torch.nn.functional.cross_entropy(ref(tokens[half]), labels[half]) / 2).backward()
+        for name, p in ref.named_parameters():
+            got = opt.full_grad(names[name])
+            assert got.shape == p.shape
+            assert (got - p.grad).abs().max().item() <= 1e-6, (step, name)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        ropt.step()
+    assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
+    opt.close()

@@ -275,6 +275,38 @@ TEST(Config, OptimizerErrors) {
               HasSubstr("nesterov = true requires optimizer sgd with momentum > 0"));
 }
 
+TEST(Config, Muon) {
+  // torch.optim.Muon's momentum, Nesterov and eps; DeepSpeed's weight decay 0.
+  const Config m = Config::from_json(
+      R"({"optimizer": {"type": "Muon", "params": {"lr": 0.02, "ns_steps": 3,
+                                                    "match_rms_adamw": true}}})");
+  EXPECT_EQ(m.optimizer.kind, OptimizerKind::muon);
+  EXPECT_EQ(m.optimizer.momentum, 0.95f);
+  EXPECT_TRUE(m.optimizer.nesterov);
+  EXPECT_EQ(m.optimizer.eps, 1e-7f);
+  EXPECT_EQ(m.optimizer.weight_decay, 0.0f);
+  EXPECT_EQ(m.optimizer.ns_steps, 3);
+  EXPECT_TRUE(m.optimizer.match_rms_adamw);
+  EXPECT_THAT(parse_error(R"({"optimizer": {"type": "AdamW", "params": {"ns_steps": 5}}})"),
+              AllOf(HasSubstr("\"optimizer.params.ns_steps\""), HasSubstr("muon")));
+  EXPECT_THAT(parse_error(R"({"optimizer": {"type": "Muon", "params": {"momentum": 1.0}}})"),
+              HasSubstr("must be in [0, 1) for muon"));
+  EXPECT_THAT(parse_error(R"({"optimizer": {"type": "Muon", "params": {"ns_steps": 0}}})"),
+              HasSubstr("must be in [1, 100]"));
+  Config gpu = m;
+  gpu.device = Device::cuda;
+  EXPECT_THAT(validate_error(gpu), HasSubstr("muon with zeroshard.device = cuda"));
+  Config async = m;
+  async.async_device = true;
+  EXPECT_THAT(validate_error(async), HasSubstr("offload_optimizer.device cpu or nvme"));
+  async.offload_optimizer.tier = Tier::host;
+  async.stage = 1;
+  EXPECT_NO_THROW(async.validate());
+  EXPECT_TRUE(group_kind_allowed(OptimizerKind::muon, OptimizerKind::adamw));
+  EXPECT_FALSE(group_kind_allowed(OptimizerKind::adamw, OptimizerKind::muon));
+  EXPECT_FALSE(group_kind_allowed(OptimizerKind::muon, OptimizerKind::sgd));
+}
+
 TEST(Config, UnknownKeyAtTopLevelNamesItAndSuggests) {
   EXPECT_THAT(parse_error(R"({"gradient_cliping": 1.0})"),
               AllOf(StartsWith("config: "), HasSubstr("unknown key \"gradient_cliping\""),

@@ -184,7 +184,8 @@ TEST(ConfigFields, EveryJsonFieldReadsBackAndChangesOnlyItself) {
         f.json.rfind("optimizer.", 0) == 0
             ? std::vector<Doc>{{{"optimizer.type", R"("AdamW")"}},
                                {{"optimizer.type", R"("SGD")"},
-                                {"optimizer.params.momentum", "0.5"}}}
+                                {"optimizer.params.momentum", "0.5"}},
+                               {{"optimizer.type", R"("Muon")"}}}
         : f.json.rfind("fp16.", 0) == 0
             ? std::vector<Doc>{{{"fp16.enabled", "true"}}}
             : std::vector<Doc>{{}, {{"zero_optimization.stage", "3"}}, {{"bf16.enabled", "true"}}};
@@ -203,7 +204,12 @@ TEST(ConfigFields, EveryJsonFieldReadsBackAndChangesOnlyItself) {
         doc.emplace_back(f.json, literal);
         const std::string text = document(doc);
         SCOPED_TRACE(f.name + " from " + text);
-        Config got = Config::from_json(text);
+        Config got;
+        try {
+          got = Config::from_json(text);
+        } catch (const Error&) {
+          break;  // a key of another optimizer (Muon's under AdamW): try the next base
+        }
         expect_same_config(got, want, text);
         done = true;
       }
@@ -261,7 +267,7 @@ TEST(ConfigFields, NamesAreUniqueAndJsonPathsTooAndTablesFollowTheStructs) {
   }
   // One row per member: a member without a row is one that no reader, rule or binding knows
   // of. Adding a field to config.hpp and its row to fields.cpp raises this count.
-  EXPECT_EQ(fields().size(), 47u) << "a Config member without a row in src/config/fields.cpp?";
+  EXPECT_EQ(fields().size(), 50u) << "a Config member without a row in src/config/fields.cpp?";
 }
 
 TEST(ConfigFields, FingerprintHasOneLinePerSharedSettingAndNamesIt) {

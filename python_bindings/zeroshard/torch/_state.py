@@ -152,6 +152,17 @@ class _StatePart:
         Collective."""
         return self._read_full(param, self._state_kind(key))
 
+    def full_grad(self, param):
+        """The reduced gradient of `param`, whole, as a new f32 CPU tensor of its shape
+        (DeepSpeed's safe_get_full_grad): the mean over the ranks and the micro-steps, unscaled
+        by the loss scale, before clipping. Read it after backward and before step(); like
+        clip_grad_norm_() it closes the micro-steps, so call it on every rank, in the same
+        order. Zeros for a parameter that got no gradient on any rank. Collective."""
+        u, i = self._locate(param)
+        self._check_grads()
+        flat = _dlpack.from_dlpack(self.engine.read_full_grad(u.index, i))
+        return flat.view(u.shapes[i])
+
     def set_full_fp32_param(self, param, value):
         """Overwrites the master weights of `param` with `value` (its shape; the same on every
         rank) and the parameter with them (DeepSpeed's safe_set_full_fp32_param). Collective."""
