@@ -109,7 +109,7 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   // 1. This rank's extent of each matrix's direction; a held matrix (no gradient this step on
   //    any rank) keeps a zero direction, which its held update never reads.
   for (const MuonPlan::Matrix& m : mats) {
-    if (unit.held[size_t(m.param)]) continue;
+    if (unit.held[size_t(m.param)] || !a.grad) continue;  // no grad: this rank's update failed
     const int64_t lo = std::max<int64_t>(m.offset - start, 0);
     const int64_t hi = std::min<int64_t>(m.offset + m.rows * m.cols - start, n);
     if (lo >= hi) continue;
@@ -170,7 +170,8 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
     wait_for(*topo.shard_comm->all_reduce_sum(mine, n, DType::f32,
                                               "unit '" + L.name + "' (Muon updates)"));
   }
-  count_sent(false, int64_t(topo.shard_world - 1) * L.shard_numel * 4);
+  // A ring's reduce-scatter sends (n − 1)/n of the data; an all-reduce twice that.
+  count_sent(false, (sharded ? 1 : 2) * int64_t(topo.shard_world - 1) * L.shard_numel * 4);
   return mine;
 }
 

@@ -37,6 +37,9 @@ struct Timed {
 
 }  // namespace
 
+// With Muon, the peak learning rate of the AdamW groups beside it (the schedule scales it).
+constexpr float kMuonAdamLr = 2e-3f;
+
 void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool with_init) {
   // Group 1: no weight decay (layer-norm gains, biases), as GPT trainers usually do.
   zeroshard::OptimizerOptions no_decay = engine.config().optimizer;
@@ -46,7 +49,7 @@ void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool wit
   const bool muon = no_decay.kind == zeroshard::OptimizerKind::muon;
   zeroshard::OptimizerOptions adamw;
   adamw.kind = zeroshard::OptimizerKind::adamw;
-  adamw.lr = 2e-3f;
+  adamw.lr = kMuonAdamLr;
   adamw.weight_decay = engine.config().optimizer.weight_decay;
   if (muon) {
     adamw.weight_decay = 0.0f;
@@ -210,11 +213,12 @@ std::vector<StepLog> train(Engine& engine, Gpt& model, BatchSampler& data, const
   std::vector<StepLog> logs;
   double sample_s = 0;
   // Every group follows the schedule from its own peak: group 0's is s.peak_lr, the no-decay
-  // group shares it, Muon's AdamW groups have theirs (register_gpt()).
+  // group shares it, Muon's AdamW groups have theirs (register_gpt(); not read back from the
+  // engine, which after a resume holds the checkpoint's scheduled rate).
   const bool muon = engine.options(0).kind == zeroshard::OptimizerKind::muon;
   std::vector<float> peak;
   for (int g = 0; g < engine.num_groups(); ++g)
-    peak.push_back(g == 0 || !muon ? s.peak_lr : engine.options(g).lr);
+    peak.push_back(g == 0 || !muon ? s.peak_lr : kMuonAdamLr);
   for (int64_t step = s.first_step; step <= s.steps; ++step) {
     StepLog log;
     log.step = step;

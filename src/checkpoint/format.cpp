@@ -120,7 +120,10 @@ json options_json(const OptimizerOptions& o) {
           {"eps", o.eps},
           {"weight_decay", o.weight_decay},
           {"momentum", o.momentum},
-          {"nesterov", o.nesterov}};
+          {"nesterov", o.nesterov},
+          {"ns_steps", o.ns_steps},
+          {"ns_bf16", o.ns_bf16},
+          {"match_rms_adamw", o.match_rms_adamw}};
 }
 
 std::string hex64(uint64_t v) {
@@ -323,6 +326,12 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
     o.weight_decay = r.f32(groups[g], "weight_decay", p);
     o.momentum = r.f32(groups[g], "momentum", p);
     o.nesterov = r.boolean(groups[g], "nesterov", p);
+    // Muon's settings (absent from checkpoints written before Muon: their defaults).
+    if (groups[g].contains("ns_steps"))
+      o.ns_steps = int(r.integer(groups[g], "ns_steps", p, 1, 100));
+    if (groups[g].contains("ns_bf16")) o.ns_bf16 = r.boolean(groups[g], "ns_bf16", p);
+    if (groups[g].contains("match_rms_adamw"))
+      o.match_rms_adamw = r.boolean(groups[g], "match_rms_adamw", p);
     m.groups.push_back(o);
   }
   const json& states = r.array(j, "states", "", state_names().size());

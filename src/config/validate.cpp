@@ -94,6 +94,13 @@ void check_loss_scale_and_optimizer(const Config& c) {
           "optimizer muon with zeroshard.device = cuda is not supported yet: Muon's exchange of "
           "whole matrices and its Newton-Schulz iteration run on the CPU, in host memory "
           "(docs/muon.md)");
+    if (c.stage == 3 && c.offload_param.tier == Tier::nvme &&
+        c.offload_optimizer.tier != Tier::nvme)
+      fail(
+          "optimizer muon with zero_optimization.offload_param.device = nvme requires "
+          "zero_optimization.offload_optimizer.device = nvme: with the optimizer state in memory "
+          "the parameters' new shards are computed ahead of the update, which Muon's exchange "
+          "does not support yet (docs/muon.md)");
     if (gpu_shaped(c) && c.offload_optimizer.tier == Tier::device)
       fail("optimizer muon with " + gpu_setting(c) +
            " requires zero_optimization.offload_optimizer.device cpu or nvme: Muon's update and "

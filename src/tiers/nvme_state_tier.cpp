@@ -281,6 +281,7 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
   const DType gdt = ctx_.accumulation() > 1 ? DType::f32 : ctx_.pdt;
   const std::string in_step = " in step " + std::to_string(step);
   std::vector<cpu::UpdateTask> tasks;
+  int exchanged = 0;  // units whose Muon direction was made (TierContext::direction)
   PipelineHooks h;
   h.read = [&](int i, int slot) {
     Unit& w = units_[size_t(i)];
@@ -330,7 +331,10 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
       uu.args.out_dtype = ctx_.pdt;
     }
     uu.args.n = ctx_.shard(i);
-    if (ctx_.direction) uu.args.dir = ctx_.direction(i, uu.args);
+    if (ctx_.direction) {
+      uu.args.dir = ctx_.direction(i, uu.args);
+      ++exchanged;
+    }
     tasks.clear();
     cpu::append_update_tasks(hyper, uu, tasks);
     cpu::run_update_tasks(arena_, tasks);
@@ -356,6 +360,13 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
   };
   const PipelineResult pr =
       run_pipeline(space_.io(), swap_pool_, int(units_.size()), read_ahead_, h);
+  // A pipeline stopped by this rank's I/O error still takes part in the other units' Muon
+  // exchanges (with nothing to contribute), which the other ranks are in: then all agree.
+  for (int i = exchanged; ctx_.direction && pr.error && i < int(units_.size()); ++i) {
+    cpu::UpdateArgs none;
+    none.n = ctx_.shard(i);
+    ctx_.direction(i, none);
+  }
   std::optional<Error> failed =
       agree(*ctx_.comm, pr.error, "step " + std::to_string(step) + " (nvme swap)");
   forget_grads();
@@ -448,8 +459,8 @@ std::vector<float> NvmeStateTier::read_grad(int u) {
              size_t(round_up(S * int64_t(dtype_size(gdt)), 4096)));
   std::vector<Piece> ps;
   store_.pieces(w.grad, tmp.as<char>(), nullptr, false, ps);
-  auto rd = space_.io().submit(std::move(ps), who() + "read of the gradient of unit '" +
-                                                  ctx_.unit(u).layout.name + "'");
+  auto rd = space_.io().submit(
+      std::move(ps), who() + "read of the gradient of unit '" + ctx_.unit(u).layout.name + "'");
   space_.io().wait(*rd);
   cpu::convert(arena_.isa(), tmp.data(), gdt, out.data(), DType::f32, S);
   return out;

@@ -70,7 +70,9 @@ struct TierContext {
   /// gradient and momentum `a` points at, for a's update to read as UpdateArgs::dir; null where
   /// u holds no Muon matrix. Collective over the shard group: a tier calls it for every unit, in
   /// unit order, just before that unit's update (and preview), and runs that update before the
-  /// next call (the memory is reused). Unset unless a group is muon.
+  /// next call (the memory is reused). A tier whose update stopped on a failure of this rank
+  /// still calls it for the units left, with a null a.grad (contributing nothing), so that the
+  /// other ranks' exchanges complete and the failure is agreed on. Unset unless a group is muon.
   std::function<const float*(int u, const cpu::UpdateArgs& a)> direction;
 
   const UnitShape& unit(int u) const { return (*units)[size_t(u)]; }

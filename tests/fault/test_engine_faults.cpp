@@ -171,6 +171,53 @@ void expect_step_message(const std::string& msg, const std::string& op_text) {
   }
 }
 
+// Muon on the nvme tier: a unit's update waits for its matrices' exchange with every rank, so a
+// rank whose I/O fails part way must still take part in the exchanges left, or the others hang
+// in them. The step fails on every rank with the failing rank named and is not applied; once
+// the disk is healthy the step gives what a run without the fault gives.
+TEST(EngineFaults, EioInAMuonStepFailsOnEveryRankWithoutHanging) {
+  const std::vector<zs_test::UnitSpec> muon_model = {
+      {"embed", {{"w", {37, 11}}}},
+      {"layer0", {{"w", {11, 23}}, {"b", {23}}}},
+      {"wide", {{"w", {40, 97}}, {"b2", {97}}}},
+  };
+  Config cfg = default_config(2, false);
+  cfg.optimizer.kind = OptimizerKind::muon;
+  cfg.optimizer.lr = 2e-2f;
+  cfg.optimizer.momentum = 0.95f;
+  cfg.optimizer.nesterov = true;
+  OptimizerOptions adamw;
+  adamw.lr = 1e-2f;
+  for (int fail_read : {0, 1}) {
+    SCOPED_TRACE(fail_read ? "a read fails" : "a write fails");
+    auto plan = std::make_shared<zs_fault::FaultPlan>();
+    zs_fault::InjectFaults inject(plan);
+    Engine e(cfg, world()), ref(cfg, world());
+    e.add_group(adamw);
+    ref.add_group(adamw);
+    zs_test::register_model(e, muon_model, 1);
+    zs_test::register_model(ref, muon_model, 1);
+    for (int s = 0; s < 3; ++s) {
+      train_step(e, s);
+      train_step(ref, s);
+    }
+    const State before = snapshot(e);
+    (fail_read ? plan->fail_read_at : plan->fail_write_at) = 1;  // the first units exchanged
+    const std::string msg = expect_error(
+        [&] { train_step(e, 3, [&] { plan->armed = failing_rank(); }); }, ErrorCode::io_error);
+    EXPECT_THAT(msg, HasSubstr("was not applied on any rank"));
+    if (failing_rank()) {
+      EXPECT_GT(plan->injected.load(), 0);
+    }
+    plan->armed = false;
+    EXPECT_EQ(e.step_count(), 3);
+    EXPECT_TRUE(snapshot(e) == before) << "a failed step changed the state";
+    train_step(e, 3);
+    train_step(ref, 3);
+    EXPECT_TRUE(snapshot(e) == snapshot(ref)) << "retrying the step did not give the clean result";
+  }
+}
+
 // ---- EIO and short transfers through the seam
 // --------------------------------------------------------
 

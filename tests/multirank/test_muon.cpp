@@ -282,3 +282,70 @@ TEST(MuonRefuses, AVectorInAMuonGroup) {
     EXPECT_NE(std::string(err.what()).find("adamw group"), std::string::npos) << err.what();
   }
 }
+
+// A checkpoint carries Muon's settings: an engine built with other ones (the defaults) that
+// loads it at another stage and tier continues bitwise like the one that saved it. The saving
+// engine runs the options the other tests leave alone: no Nesterov, AdamW-matched learning-rate
+// scaling, 3 iterations in bf16.
+TEST(MuonCheckpoint, ResumesBitwiseWithTheSavedSettings) {
+  const fs::path dir = fs::temp_directory_path() / "zeroshard-muon-checkpoint";
+  if (world()->rank() == 0) fs::remove_all(dir);
+  world()->barrier("muon checkpoint test: clean directory");
+  Case saver{3, Tier::host};
+  Config cfg = make_config(saver);
+  cfg.optimizer.nesterov = false;
+  cfg.optimizer.match_rms_adamw = true;
+  cfg.optimizer.ns_steps = 3;
+  cfg.optimizer.ns_bf16 = true;
+  Engine a(cfg, world());
+  a.add_group(adamw_options());
+  zs_test::register_model(a, muon_model(), 1);
+  zs_test::TrainOptions opt;
+  opt.steps = 4;
+  zs_test::train(a, opt);
+  a.save(dir);
+  Engine b(make_config({1, Tier::device}), world());  // torch's Muon settings
+  b.add_group(adamw_options());
+  zs_test::register_model(b, muon_model(), 1);
+  b.load(dir);
+  EXPECT_EQ(b.options(0).ns_steps, 3);
+  EXPECT_TRUE(b.options(0).match_rms_adamw);
+  EXPECT_TRUE(b.options(0).ns_bf16);
+  EXPECT_FALSE(b.options(0).nesterov);
+  zs_test::train(a, opt);
+  zs_test::train(b, opt);
+  for (int u = 0; u < a.num_units(); ++u)
+    for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0}) {
+      const auto x = a.read_shard(u, k), y = b.read_shard(u, k);
+      EXPECT_TRUE(same_bits(x, y)) << "unit " << u;
+    }
+}
+
+// A matrix no rank has a gradient for in a step is left as it is, momentum included (torch's
+// rule for a .grad of None), while the others move; at stage 0 and stage 2.
+TEST(MuonHeld, AMatrixWithoutAGradientStaysPut) {
+  for (int stage : {0, 2}) {
+    Engine e(make_config({stage}), world());
+    e.add_group(adamw_options());
+    zs_test::register_model(e, muon_model(), 1);
+    zs_test::TrainOptions opt;
+    opt.steps = 2;
+    // The copying grads_ready() with a null view: layer0.w2 (unit 1, parameter 2) gets no
+    // gradient in the second step, on any rank.
+    opt.download = [](void* host, const void* dev, size_t bytes) { std::memcpy(host, dev, bytes); };
+    opt.tamper = [](Engine&, int u, int, int64_t step, std::vector<TensorView>& g) {
+      if (step == 1 && u == 1) g[2].data = nullptr;
+    };
+    std::vector<float> master, momentum, other;
+    opt.before_step = [&](Engine& en) {
+      if (en.step_count() != 1) return;
+      master = en.read_full(1, 2, StateKind::master);
+      momentum = en.read_full(1, 2, StateKind::state0);
+      other = en.read_full(1, 0, StateKind::master);
+    };
+    zs_test::train(e, opt);
+    EXPECT_TRUE(same_bits(e.read_full(1, 2, StateKind::master), master)) << "stage " << stage;
+    EXPECT_TRUE(same_bits(e.read_full(1, 2, StateKind::state0), momentum)) << "stage " << stage;
+    EXPECT_FALSE(same_bits(e.read_full(1, 0, StateKind::master), other)) << "stage " << stage;
+  }
+}

@@ -61,7 +61,7 @@ def train_reference(model, data):
                 p.mul_(1 - LR * WD)
                 p.add_(orthogonalise(d), alpha=-LR * scale)
         adam.step()
-    return ref
+    return ref, bufs[id(ref.proj.weight)]
 
 
 def run(model, data, stage, **kw):
@@ -78,7 +78,7 @@ def run(model, data, stage, **kw):
                                            (3, "cpu")])
 def test_matches_a_float64_reference(stage, offload):
     model, data = make_model(), batches(12)
-    ref = train_reference(model, data)
+    ref, momentum = train_reference(model, data)
     opt = run(model, data, stage, offload_optimizer=offload)
     got = opt.model_state_dict()
     want = {k: v.float() for k, v in ref.state_dict().items()}
@@ -86,7 +86,7 @@ def test_matches_a_float64_reference(stage, offload):
     assert max_abs_diff(got, make_model().state_dict()) > 0.05  # it trained
     # The matrix's momentum is read back under torch.optim.Muon's name.
     m = opt.full_optimizer_state(model.proj.weight, "momentum_buffer")
-    assert m.shape == (32, 16) and m.abs().max() > 0  # proj: HIDDEN x DIM
+    assert (m - momentum.float()).abs().max().item() <= 1e-6
     opt.close()
 
 
@@ -100,6 +100,17 @@ def test_default_split_by_dimensions_and_use_muon():
     assert {id(p) for p in muon["params"]} == {id(model.proj.weight), id(model.head.weight)}
     assert muon["momentum"] == 0.95 and muon["nesterov"] and muon["ns_steps"] == 5
     assert adamw["betas"] == (0.9, 0.999) and "momentum" not in adamw
+    opt.close()
+    # A configuration's Muon settings reach the Muon group (and the engine).
+    model = make_model()
+    opt = zt.ZeroOptimizer(model, stage=1, comm=zs.make_self_communicator(), config={
+        "optimizer": {"type": "Muon", "params": {"lr": 0.01, "momentum": 0.9, "ns_steps": 3,
+                                                 "match_rms_adamw": True}}})
+    muon = opt.param_groups[0]
+    assert (muon["momentum"], muon["ns_steps"], muon["adjust_lr_fn"]) == (0.9, 3,
+                                                                          "match_rms_adamw")
+    o = opt.engine.options(0)
+    assert (o.ns_steps, o.match_rms_adamw, round(o.momentum, 6)) == (3, True, 0.9)
     opt.close()
 
 

@@ -302,6 +302,15 @@ TEST(Config, Muon) {
   async.offload_optimizer.tier = Tier::host;
   async.stage = 1;
   EXPECT_NO_THROW(async.validate());
+  Config nvme_params = m;
+  nvme_params.stage = 3;
+  nvme_params.offload_param.tier = Tier::nvme;
+  nvme_params.offload_param.nvme_paths = {"/tmp"};
+  nvme_params.offload_optimizer.tier = Tier::host;
+  EXPECT_THAT(validate_error(nvme_params), HasSubstr("offload_optimizer.device = nvme"));
+  nvme_params.offload_optimizer.tier = Tier::nvme;
+  nvme_params.offload_optimizer.nvme_paths = {"/tmp"};
+  EXPECT_NO_THROW(nvme_params.validate());
   EXPECT_TRUE(group_kind_allowed(OptimizerKind::muon, OptimizerKind::adamw));
   EXPECT_FALSE(group_kind_allowed(OptimizerKind::adamw, OptimizerKind::muon));
   EXPECT_FALSE(group_kind_allowed(OptimizerKind::muon, OptimizerKind::sgd));

@@ -28,10 +28,8 @@ _GROUP_KEYS = {
                                "ns_steps", "ns_bf16", "adjust_lr_fn", "betas"),
 }
 
-# torch.optim.Muon's defaults for a Muon group, and torch.optim.AdamW's for an AdamW group
-# beside it (each group takes those of its own kind that it does not set).
-_MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "eps": 1e-7, "ns_steps": 5,
-                  "ns_bf16": False, "adjust_lr_fn": "original"}
+# torch.optim.AdamW's defaults for an AdamW group beside Muon groups (which take theirs from the
+# configuration: torch.optim.Muon's unless it says otherwise).
 _AUX_ADAMW_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8}
 _MUON_ONLY = ("momentum", "nesterov", "ns_steps", "ns_bf16", "adjust_lr_fn")
 
@@ -118,6 +116,9 @@ class _ConfigPart:
                 # for AdamW, 0 for the others (not the previous optimizer's values).
                 cfg.optimizer = _core.OptimizerOptions(
                     kind=kind, weight_decay=0.01 if kind == _core.OptimizerKind.adamw else 0.0)
+                if kind == _core.OptimizerKind.muon:  # torch.optim.Muon's
+                    cfg.optimizer.momentum, cfg.optimizer.nesterov = 0.95, True
+                    cfg.optimizer.eps = 1e-7
         opt = cfg.optimizer
         for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
                            ("momentum", momentum), ("nesterov", nesterov)):
@@ -261,7 +262,9 @@ class _ConfigPart:
         attribute, as DeepSpeed reads it, overrides its shape: set it False on embeddings and
         output heads, which Muon's authors leave to AdamW). A given group is Muon's when its
         "use_muon" says so (default True). Each group is completed with the defaults of its
-        kind, and the constructor's momentum/nesterov (Muon) or betas (AdamW) where given."""
+        kind: a Muon group the configuration's (torch.optim.Muon's defaults unless it or the
+        constructor says otherwise), an AdamW group torch.optim.AdamW's, or the constructor's
+        betas and eps."""
         if param_groups is None:
             def use(p):
                 return bool(getattr(p, "use_muon", p.dim() >= 2))
@@ -269,7 +272,13 @@ class _ConfigPart:
                             {"params": [p for p in managed if not use(p)], "use_muon": False}]
         allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
         ids = {id(p) for p in managed}
-        given = self._muon_given
+        base = self._muon_base  # the configuration's Muon settings, the constructor's included
+        muon_defaults = {"momentum": _as_written(base.momentum), "nesterov": base.nesterov,
+                         "eps": _as_written(base.eps),
+                         "ns_steps": base.ns_steps, "ns_bf16": base.ns_bf16,
+                         "adjust_lr_fn": "match_rms_adamw" if base.match_rms_adamw else "original"}
+        # An AdamW group takes the constructor's betas and eps where given, else AdamW's.
+        given = {k: v for k, v in self._muon_given.items() if k in _AUX_ADAMW_DEFAULTS}
         groups = []
         for gi, g in enumerate(param_groups):
             for k in g:
@@ -293,9 +302,7 @@ class _ConfigPart:
                         f"ZeroOptimizer: param_groups[{gi}] is a Muon group but holds "
                         f"{', '.join(flat)} of fewer than two dimensions; Muon orthogonalises "
                         "matrices: put them in a group with \"use_muon\": False (AdamW)")
-            own = dict(_MUON_DEFAULTS if muon else _AUX_ADAMW_DEFAULTS)
-            own.update({k: v for k, v in given.items()
-                        if k in (_MUON_DEFAULTS if muon else _AUX_ADAMW_DEFAULTS)})
+            own = dict(muon_defaults) if muon else {**_AUX_ADAMW_DEFAULTS, **given}
             own.update(g)
             own["use_muon"] = muon
             own["params"] = params

@@ -94,8 +94,8 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         self._kind = cfg.optimizer.kind
 
         # Torch-side param groups, validated; their order defines the engine's groups.
-        self._muon_given = {k: v for k, v in (("momentum", momentum), ("nesterov", nesterov),
-                                              ("eps", eps), ("betas", betas)) if v is not None}
+        self._muon_given = {k: v for k, v in (("eps", eps), ("betas", betas)) if v is not None}
+        self._muon_base = cfg.optimizer
         self._names_of = {id(p): n for n, p in model.named_parameters()}
         groups = self._build_groups(param_groups, trainable)
         defaults = self._group_defaults(cfg.optimizer)

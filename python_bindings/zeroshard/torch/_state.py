@@ -273,6 +273,10 @@ class _StatePart:
                     g[key] = _as_written(getattr(o, key))
             if "nesterov" in g:
                 g["nesterov"] = o.nesterov
+            if "ns_steps" in g:  # a Muon group
+                g["ns_steps"] = o.ns_steps
+                g["ns_bf16"] = o.ns_bf16
+                g["adjust_lr_fn"] = "match_rms_adamw" if o.match_rms_adamw else "original"
             self._engine_options[gi] = self._options(g)
         self._watch.record()  # the parameters are the loaded ones: nothing to adopt
 
