@@ -67,7 +67,7 @@ class DataFileWriter {
   std::condition_variable cv_;
   bool stop_ = false;
   std::exception_ptr error_;
-  static constexpr size_t kWriters = 2;  // blocks in flight to the disk
+  static constexpr size_t kWriters = 4;  // blocks in flight to the disk, per file
   std::vector<std::thread> threads_;
 };
 
