@@ -86,16 +86,23 @@ const ParamSlot& Engine::Impl::full_access(UnitId id, int param, const char* cal
   return ps[size_t(param)];
 }
 
-std::vector<float> Engine::read_full(UnitId id, int param, StateKind kind) {
-  Impl& m = *impl_;
-  const ParamSlot& p = m.full_access(id, param, "read_full");
-  const std::vector<float> shard = read_shard(id, kind);
+// Parameter p of unit `id` out of every rank's shard of the unit (f32, shard_numel values):
+// an all-gather over the shard group.
+template <class Impl>
+static std::vector<float> whole_param(Impl& m, UnitId id, const ParamSlot& p,
+                                      const std::vector<float>& shard, const char* call) {
   const int64_t n = m.layout(id).shard_numel;
   std::vector<float> unit(size_t(n) * size_t(m.topo.shard_world));
   m.wait_crossing(*m.topo.shard_comm->all_gather(
       shard.data(), unit.data(), n, DType::f32,
-      "read_full() of '" + p.name + "' in unit '" + m.layout(id).name + "'"));
+      std::string(call) + "() of '" + p.name + "' in unit '" + m.layout(id).name + "'"));
   return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
+}
+
+std::vector<float> Engine::read_full(UnitId id, int param, StateKind kind) {
+  Impl& m = *impl_;
+  const ParamSlot& p = m.full_access(id, param, "read_full");
+  return whole_param(m, id, p, read_shard(id, kind), "read_full");
 }
 
 std::vector<float> Engine::read_full_grad(UnitId id, int param) {
@@ -106,12 +113,7 @@ std::vector<float> Engine::read_full_grad(UnitId id, int param) {
   std::vector<float> shard = m.state->read_grad(id);
   const float scale = float(m.grad_scale());
   for (float& v : shard) v *= scale;
-  const int64_t n = m.layout(id).shard_numel;
-  std::vector<float> unit(size_t(n) * size_t(m.topo.shard_world));
-  m.wait_crossing(*m.topo.shard_comm->all_gather(
-      shard.data(), unit.data(), n, DType::f32,
-      "read_full_grad() of '" + p.name + "' in unit '" + m.layout(id).name + "'"));
-  return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
+  return whole_param(m, id, p, shard, "read_full_grad");
 }
 
 void Engine::write_full(UnitId id, int param, StateKind kind, const std::vector<float>& values) {

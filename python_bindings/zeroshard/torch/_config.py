@@ -242,19 +242,21 @@ class _ConfigPart:
             return self._muon_groups(param_groups, managed)
         if param_groups is None:
             return [{"params": list(managed)}]
-        allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
         ids = {id(p) for p in managed}
         groups = []
         for gi, g in enumerate(param_groups):
-            for k in g:
-                if k not in allowed:
-                    raise _core.ConfigError(
-                        f"config: param_groups[{gi}] has key '{k}', which the "
-                        f"{self._kind.name} optimizer does not take (allowed: "
-                        f"{', '.join(sorted(allowed))})")
+            self._check_group_keys(gi, g)
             self._check_betas(g.get("betas"), f"param_groups[{gi}]")
             groups.append(dict(g, params=[p for p in self._group_params(g) if id(p) in ids]))
         return groups
+
+    def _check_group_keys(self, gi, g):
+        allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
+        for k in g:
+            if k not in allowed:
+                raise _core.ConfigError(
+                    f"config: param_groups[{gi}] has key '{k}', which the {self._kind.name} "
+                    f"optimizer does not take (allowed: {', '.join(sorted(allowed))})")
 
     def _muon_groups(self, param_groups, managed):
         """A Muon engine's groups. Without param_groups: the parameters of two or more
@@ -270,7 +272,6 @@ class _ConfigPart:
                 return bool(getattr(p, "use_muon", p.dim() >= 2))
             param_groups = [{"params": [p for p in managed if use(p)], "use_muon": True},
                             {"params": [p for p in managed if not use(p)], "use_muon": False}]
-        allowed = set(_GROUP_KEYS[self._kind]) | {"params"}
         ids = {id(p) for p in managed}
         base = self._muon_base  # the configuration's Muon settings, the constructor's included
         muon_defaults = {"momentum": _as_written(base.momentum), "nesterov": base.nesterov,
@@ -281,11 +282,7 @@ class _ConfigPart:
         given = {k: v for k, v in self._muon_given.items() if k in _AUX_ADAMW_DEFAULTS}
         groups = []
         for gi, g in enumerate(param_groups):
-            for k in g:
-                if k not in allowed:
-                    raise _core.ConfigError(
-                        f"config: param_groups[{gi}] has key '{k}', which the muon optimizer "
-                        f"does not take (allowed: {', '.join(sorted(allowed))})")
+            self._check_group_keys(gi, g)
             muon = bool(g.get("use_muon", True))
             wrong = [k for k in (("betas",) if muon else _MUON_ONLY) if k in g]
             if wrong:
