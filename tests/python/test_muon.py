@@ -158,3 +158,30 @@ def test_wrong_groups_are_refused():
     with pytest.raises(zs.ConfigError, match="betas"):
         zt.ZeroOptimizer(model, optimizer="muon", comm=zs.make_self_communicator(),
                          param_groups=[{"params": [model.proj.weight], "betas": (0.9, 0.9)}])
+
+
+def test_state_dict_round_trip_and_a_group_of_another_kind_refused():
+    # A Muon engine's state_dict() loads into a fresh one, which then trains on bitwise like the
+    # first; a state whose groups have other kinds is refused before anything is written.
+    model, data = make_model(), batches(6)
+    opt = run(model, data[:3], 2)
+    saved = opt.state_dict()
+    twin = make_model()
+    other = zt.ZeroOptimizer(twin, stage=2, optimizer="muon", param_groups=param_groups(twin),
+                             comm=zs.make_self_communicator())
+    other.load_state_dict(saved)
+    for m, o in ((model, opt), (twin, other)):
+        for tokens, labels in data[3:]:
+            o.zero_grad()
+            loss_fn(m, tokens, labels).backward()
+            o.step()
+    a, b = opt.model_state_dict(), other.model_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    state = copy.deepcopy(saved)  # three steps behind `other`: a load would change it
+    state["param_groups"][1]["use_muon"] = True
+    before = other.state_dict()["state"]["units"][0]["master"].clone()
+    with pytest.raises(zs.InvalidArgumentError, match="was a Muon group"):
+        other.load_state_dict(state)
+    assert torch.equal(other.state_dict()["state"]["units"][0]["master"], before)
+    opt.close()
+    other.close()

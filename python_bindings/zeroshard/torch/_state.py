@@ -361,6 +361,13 @@ class _StatePart:
                     f"load_state_dict(): param_groups[{gi}]['momentum'] was "
                     f"{saved['momentum']!r}, this optimizer has {g['momentum']!r}: the momentum "
                     "buffer cannot turn on or off (build the optimizer with the saved momentum)")
+            # A Muon engine's groups keep their kind (the engine fixed it when it was built).
+            if "use_muon" in saved and bool(saved["use_muon"]) != g["use_muon"]:
+                raise _core.InvalidArgumentError(
+                    f"load_state_dict(): param_groups[{gi}] was a "
+                    f"{'Muon' if saved['use_muon'] else 'AdamW'} group, here it is "
+                    f"{'a Muon' if g['use_muon'] else 'an AdamW'} one: build the optimizer with "
+                    "the saved groups")
         for u, entry in zip(self._units, st["units"]):
             self.engine.write_shard(u.index, _core.StateKind.master, _f32(entry["master"]))
             for name, kind in zip(state_names, _STATE_KINDS):
