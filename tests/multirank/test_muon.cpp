@@ -10,11 +10,13 @@
 // - A Muon parameter of one dimension is refused at finalize(), naming it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 
 #include "tests/multirank/harness.hpp"
+#include "zeroshard/planner.hpp"
 
 using namespace zeroshard;
 using zs_test::world;
@@ -348,4 +350,56 @@ TEST(MuonHeld, AMatrixWithoutAGradientStaysPut) {
     EXPECT_TRUE(same_bits(e.read_full(1, 2, StateKind::state0), momentum)) << "stage " << stage;
     EXPECT_FALSE(same_bits(e.read_full(1, 0, StateKind::master), other)) << "stage " << stage;
   }
+}
+
+// The planner plans Muon's buffers as the engine holds them (plan_memory() is the engine's own
+// set-up with nothing allocated): equal to the ledger, cell by cell and buffer by buffer, with
+// the direction (the largest Muon unit's extent, f32) and, sharded, the exchange (that unit
+// whole) among them.
+TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneUnitInFlight) {
+  std::vector<PlanUnit> units;
+  for (const auto& u : muon_model()) {
+    PlanUnit pu{u.name, {}};
+    for (const auto& [name, shape] : u.params)
+      pu.params.push_back(Param{name, shape, name[0] == 'b' ? 1 : 0});
+    units.push_back(pu);
+  }
+  for (int stage = 0; stage <= 3; ++stage)
+    for (Tier tier : {Tier::device, Tier::host, Tier::nvme}) {
+      if (stage == 0 && tier == Tier::nvme) continue;
+      SCOPED_TRACE("stage " + std::to_string(stage) + ", optimizer " + tier_name(tier));
+      const Config cfg = make_config({stage, tier});
+      Engine e(cfg, world());
+      e.add_group(adamw_options());
+      zs_test::register_model(e, muon_model(), 1);
+      const MemoryReport real = e.memory();
+      const MemoryReport plan =
+          plan_memory(cfg, units, e.world_size(), e.rank(), {adamw_options()});
+      for (int t = 0; t < kNumTiers; ++t)
+        for (int kd = 0; kd < kNumMemKinds; ++kd)
+          EXPECT_EQ(plan.bytes[t][kd], real.bytes[t][kd]) << "tier " << t << " kind " << kd;
+      ASSERT_EQ(plan.buffers.size(), real.buffers.size());
+      int64_t extent = 0, whole = 0;  // of the largest unit holding a Muon matrix
+      for (int u = 0; u < e.num_units(); ++u) {
+        if (u == 3) continue;  // "tiny": its one vector is AdamW's
+        const ShardInfo si = e.shard_info(u);
+        extent = std::max(extent, stage == 0 ? si.padded_numel : si.shard_numel);
+        whole = std::max(whole, si.padded_numel);
+      }
+      bool direction = false, exchange = false;
+      for (size_t i = 0; i < plan.buffers.size(); ++i) {
+        EXPECT_EQ(plan.buffers[i].name, real.buffers[i].name);
+        EXPECT_EQ(plan.buffers[i].bytes, real.buffers[i].bytes) << real.buffers[i].name;
+        if (real.buffers[i].name == "muon_direction") {
+          direction = true;
+          EXPECT_EQ(real.buffers[i].bytes, 4 * extent);
+        }
+        if (real.buffers[i].name == "muon_exchange") {
+          exchange = true;
+          EXPECT_EQ(real.buffers[i].bytes, 4 * whole);
+        }
+      }
+      EXPECT_TRUE(direction);
+      EXPECT_EQ(exchange, stage > 0 && e.world_size() > 1);
+    }
 }
