@@ -42,6 +42,7 @@ struct Case {
   DType dtype = DType::f32;
   int micro = 1;
   StateFormat state = StateFormat::f32;
+  int group = 0;  // Config::shard_group_size (hierarchical sharding)
 };
 
 OptimizerOptions muon_options() {
@@ -74,6 +75,7 @@ Config make_config(const Case& c) {
   cfg.optimizer_state = c.state;
   cfg.state_block = 64;
   cfg.offload_optimizer.tier = c.tier;
+  cfg.shard_group_size = c.group;
   if (c.tier == Tier::nvme) {
     const fs::path root = fs::temp_directory_path() / "zeroshard-muon-tests";
     fs::create_directories(root);
@@ -158,12 +160,17 @@ Mat orthogonalise(const Mat& g, int64_t rows, int64_t cols, int steps, double ep
 
 }  // namespace
 
-class Muon : public ::testing::TestWithParam<int> {};
+class Muon : public ::testing::TestWithParam<std::pair<int, int>> {};
 
+// Also with hierarchical sharding (shard_group_size 2: shards within pairs of ranks, the same
+// exchange in each pair), where the world has pairs.
 TEST_P(Muon, MatchesAFloat64Reference) {
-  const int stage = GetParam();
+  const auto [stage, group] = GetParam();
+  if (group > 0 && (world()->size() % group != 0 || world()->size() == group))
+    GTEST_SKIP() << "needs a world of several groups of " << group << " ranks";
   const int steps = 10;
   Case c{stage, stage == 3 ? Tier::host : Tier::device};
+  c.group = group;
   Snapshot got = run(c, steps);
   const OptimizerOptions mo = muon_options(), ao = adamw_options();
   const auto model = muon_model();
@@ -232,13 +239,17 @@ TEST_P(Muon, MatchesAFloat64Reference) {
       moved = std::max(moved, std::fabs(p[size_t(k)] - p0[size_t(k)]));
     }
   }
-  std::printf("[muon] stage %d: worst |engine - reference| = %.3g (largest move %.3g)\n", stage,
-              worst, moved);
+  std::printf(
+      "[muon] stage %d, shard groups of %d: worst |engine - reference| = %.3g (largest "
+      "move %.3g)\n",
+      stage, group > 0 ? group : world()->size(), worst, moved);
   EXPECT_GT(moved, 0.05) << "the reference must move for the comparison to mean something";
   EXPECT_LT(worst, 2e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Stages, Muon, ::testing::Values(0, 3));
+INSTANTIATE_TEST_SUITE_P(Stages, Muon,
+                         ::testing::Values(std::make_pair(0, 0), std::make_pair(3, 0),
+                                           std::make_pair(2, 2), std::make_pair(3, 2)));
 
 class MuonParity : public ::testing::TestWithParam<Case> {};
 
