@@ -284,9 +284,7 @@ int train_and_report(DemoOptions& o) {
                   "timings");
   for (int r = 0; r < world; ++r) {
     const double* x = tv.data() + size_t(r) * 9;
-    RankTimes rt{x[0], x[1], x[2], x[3], x[4], x[5], x[6], int64_t(x[7])};
-    rt.newton_schulz = x[8];
-    s.times.push_back(rt);
+    s.times.push_back({x[0], x[1], x[2], x[3], x[4], x[5], x[6], int64_t(x[7]), x[8]});
   }
 
   // Plain data parallel for the same model, measured: a stage-0 engine (everything whole, on the

@@ -124,7 +124,7 @@ std::string Engine::Impl::where(int id) const {
 int Engine::Impl::num_states() const {
   const bool momentum = std::any_of(groups.begin(), groups.end(),
                                     [](const OptimizerOptions& g) { return g.momentum != 0; });
-  int n = cpu::num_states(cfg.optimizer.kind, momentum);
+  int n = 0;  // the most any group's optimizer keeps (a Muon engine's AdamW groups keep two)
   for (const OptimizerOptions& g : groups) n = std::max(n, cpu::num_states(g.kind, momentum));
   return n;
 }
@@ -258,11 +258,12 @@ float Engine::lr(int group) const {
 void Engine::Impl::check_options(int group, const OptimizerOptions& o, const char* call) const {
   if (group < 0 || size_t(group) >= groups.size())
     ZS_THROW(invalid_argument, call << ": no parameter group " << group);
-  if (finalized ? o.kind != groups[size_t(group)].kind
-                : !group_kind_allowed(cfg.optimizer.kind, o.kind))
+  // After finalize() a group keeps its optimizer; before, a muon engine's may be adam or adamw.
+  const OptimizerKind want = finalized ? groups[size_t(group)].kind : cfg.optimizer.kind;
+  if (finalized ? o.kind != want : !group_kind_allowed(want, o.kind))
     ZS_THROW(invalid_argument, call << ": optimizer " << optimizer_name(o.kind)
-                                    << " differs from the engine's "
-                                    << optimizer_name(cfg.optimizer.kind));
+                                    << " differs from the engine's " << optimizer_name(want)
+                                    << (finalized ? " for group " + std::to_string(group) : ""));
   Config probe = cfg;
   probe.optimizer = o;
   probe.validate();  // the same range checks as at construction

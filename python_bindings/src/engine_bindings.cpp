@@ -744,7 +744,7 @@ void bind_checkpoint_tools(nb::module_& m) {
           nb::gil_scoped_release nogil;
           s = read_module_state(p);
         }
-        std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, nb::bytes>> t;
+        PyModuleTensors t;
         for (const ModuleTensor& x : s.tensors)
           t.emplace_back(x.name, x.dtype, x.shape, nb::bytes(x.bytes.data(), x.bytes.size()));
         return std::make_pair(t, s.aliases);

@@ -110,6 +110,12 @@ int64_t file_bytes(const FileHeader& h) {
 
 // ---- manifest ------------------------------------------------------------------------------
 
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
 namespace {
 
 json options_json(const OptimizerOptions& o) {
@@ -124,12 +130,6 @@ json options_json(const OptimizerOptions& o) {
           {"ns_steps", o.ns_steps},
           {"ns_bf16", o.ns_bf16},
           {"match_rms_adamw", o.match_rms_adamw}};
-}
-
-std::string hex64(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-  return buf;
 }
 
 // The manifest's checksum covers its canonical dump without the "checksum" key.

@@ -111,6 +111,9 @@ std::vector<int64_t> range_bytes(const Manifest& m, int rank, int state);
 
 /// The manifest as JSON text, with its own checksum.
 std::string manifest_text(const Manifest& m);
+/// v as 16 hex digits, as the manifest, the module file and temporary names spell save ids and
+/// checksums.
+std::string hex64(uint64_t v);
 /// Parses and validates a manifest (schema, every field's type and range, the ranges cover
 /// every unit exactly once, the checksum); throws Error(corrupted) or, for another schema or
 /// format, Error(invalid_argument), naming `file` and the field.

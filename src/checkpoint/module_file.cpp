@@ -2,24 +2,18 @@
 #include "src/checkpoint/module_file.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "base/check.hpp"
 #include "base/checksum.hpp"
+#include "src/checkpoint/format.hpp"
 #include "src/checkpoint/safetensors.hpp"
 
 namespace zeroshard::ckpt {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-std::string hex64(uint64_t v) {
-  char s[17];
-  std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(v));
-  return s;
-}
 
 void write_module_file(const fs::path& dir, const ModuleState& module, uint64_t save_id,
                        const std::vector<std::string>& trained) {

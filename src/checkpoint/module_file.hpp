@@ -26,9 +26,6 @@ inline constexpr const char* kModuleFile = "module.safetensors";
 void write_module_file(const std::filesystem::path& dir, const ModuleState& module,
                        uint64_t save_id, const std::vector<std::string>& trained);
 
-/// v as 16 hex digits, as the metadata spells save ids and checksums.
-std::string hex64(uint64_t v);
-
 /// A module file read tensor by tensor: its format, save id and aliases checked on opening, its
 /// tensors in file order (the order the checksum chains them in), the checksum checked by
 /// finish() once each was read. Damage is Error(corrupted) naming the file.

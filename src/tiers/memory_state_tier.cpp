@@ -176,18 +176,11 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
   std::vector<cpu::UnitUpdate> updates;
   for (size_t i = 0; i < units_.size(); ++i)
     updates.push_back(unit_update(int(i), sink.target(int(i)), step));
-  if (ctx_.direction) {
-    // Muon: each unit's direction is made just before its update, in memory the next reuses.
+  if (sink.per_unit() || ctx_.direction) {
+    // Unit by unit: what done() starts (an upload) overlaps the next unit's update, and Muon's
+    // direction is made just before its unit's update, in memory the next one reuses.
     for (size_t i = 0; i < units_.size(); ++i) {
-      updates[i].args.dir = ctx_.direction(int(i), updates[i].args);
-      compute_.update(hyper, {updates[i]});
-      sink.done(int(i));
-    }
-    return;
-  }
-  if (sink.per_unit()) {
-    // Unit by unit, so what done() starts (an upload) overlaps the next unit's update.
-    for (size_t i = 0; i < units_.size(); ++i) {
+      if (ctx_.direction) updates[i].args.dir = ctx_.direction(int(i), updates[i].args);
       compute_.update(hyper, {updates[i]});
       sink.done(int(i));
     }
