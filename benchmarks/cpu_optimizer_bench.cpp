@@ -9,9 +9,9 @@
 //   cpu_optimizer_bench [--n 100000000] [--threads T] [--isa scalar|avx2|avx512]
 //                       [--rounds 11] [--chunk 65536] [--formats]
 //
-// --formats: AdamW with its moments stored as bf16 and as 8-bit blocks instead (bf16 gradient in,
-// bf16 copy out), each alternating with the f32-moment update and with the same-bytes pass of
-// its own streams.
+// --formats: AdamW with its moments stored as bf16 and as 8-bit blocks instead, with an f32 and
+// with a bf16 master (bf16 gradient in, bf16 copy out), each alternating with the f32-moment,
+// f32-master update and with the same-bytes pass of its own streams.
 
 #include <tbb/global_control.h>
 #include <tbb/info.h>
@@ -229,12 +229,13 @@ class Bench {
   }
 
   // AdamW, bf16 gradient in and bf16 copy out, with the moments stored as `f` (q8 in blocks of
-  // `block`), against the f32-moment update and against the same-bytes pass of f's own
-  // streams, all three alternating round by round. Returns the f rate and the two ratios.
+  // `block`) and the master as `master` (f32, or bf16 rounded stochastically), against the
+  // f32-moment, f32-master update and against the same-bytes pass of this format's own
+  // streams, all three alternating round by round. Returns the rate and the two ratios.
   struct FormatRow {
     double rate, vs_f32_median, vs_f32_min, vs_f32_max, vs_same_median, bytes_per_param;
   };
-  FormatRow run_format(zeroshard::StateFormat f, int64_t block) {
+  FormatRow run_format(zeroshard::StateFormat f, int64_t block, DType master) {
     zc::UpdateHyper h;
     h.kind = OptimizerKind::adamw;
     h.lr = 1e-4f;
@@ -250,6 +251,14 @@ class Bench {
     auto* m8 = reinterpret_cast<unsigned char*>(sb_m_.f32());
     auto* v8 = reinterpret_cast<unsigned char*>(sb_v_.f32());
     const size_t sb = zc::state_bytes(f);
+    const size_t mb = master == DType::f32 ? 4 : 2;
+    if (master == DType::bf16) {  // a bf16 master in sb_p_'s memory, from the f32 values there
+      for_chunks([&](int64_t b, int64_t e) {
+        std::vector<uint16_t> w(size_t(e - b));
+        zc::convert(o_.isa, sb_p_.f32() + b, DType::f32, w.data(), DType::bf16, e - b);
+        std::memcpy(sb_p_.u16() + b, w.data(), w.size() * 2);
+      });
+    }
     for_chunks([&](int64_t b, int64_t e) {
       std::memset(m8 + size_t(b) * sb, 0, size_t(e - b) * sb);
       std::memset(v8 + size_t(b) * sb, 0, size_t(e - b) * sb);
@@ -260,9 +269,12 @@ class Bench {
         std::memset(v8 + b, zc::dynamic_code(false).zero, size_t(e - b));
       });
     }
-    auto args = [&](float* p, void* m, void* v, zeroshard::StateFormat sf, int64_t b, int64_t e) {
+    auto args = [&](void* p, DType pd, void* m, void* v, zeroshard::StateFormat sf, int64_t b,
+                    int64_t e) {
       zc::UpdateArgs a;
-      a.master = p + b;
+      a.master = static_cast<char*>(p) + size_t(b) * (pd == DType::f32 ? 4 : 2);
+      a.master_dtype = pd;
+      a.index = b;
       a.state0 = static_cast<char*>(m) + size_t(b) * zc::state_bytes(sf);
       a.state1 = static_cast<char*>(v) + size_t(b) * zc::state_bytes(sf);
       a.state_format = sf;
@@ -288,25 +300,26 @@ class Bench {
       for_chunks([&](int64_t b, int64_t e) {
         zc::optimizer_update(
             o_.isa, h,
-            args(up_p_.f32(), up_m_.f32(), up_v_.f32(), zeroshard::StateFormat::f32, b, e));
+            args(up_p_.f32(), DType::f32, up_m_.f32(), up_v_.f32(), zeroshard::StateFormat::f32,
+                 b, e));
       });
       return seconds_since(t0);
     };
     auto time_fmt = [&] {
       const auto t0 = std::chrono::steady_clock::now();
       for_chunks([&](int64_t b, int64_t e) {
-        zc::optimizer_update(o_.isa, h, args(sb_p_.f32(), m8, v8, f, b, e));
+        zc::optimizer_update(o_.isa, h, args(sb_p_.f32(), master, m8, v8, f, b, e));
       });
       return seconds_since(t0);
     };
-    // Same bytes: master r+w, both moments r+w at their width, bf16 grad in, bf16 copy out
+    // Same bytes: master r+w and both moments r+w at their width, bf16 grad in, bf16 copy out
     // (moved as floats over the byte count; chunks are multiples of 8 elements).
     auto time_same = [&] {
       const auto t0 = std::chrono::steady_clock::now();
       for_chunks([&](int64_t b, int64_t e) {
-        float* p = sb_p_.f32() + b;
+        float* p = reinterpret_cast<float*>(reinterpret_cast<char*>(sb_p_.f32()) + size_t(b) * mb);
         const float* rp = p;
-        zc::same_bytes(o_.isa, &rp, 1, &p, 1, e - b);
+        zc::same_bytes(o_.isa, &rp, 1, &p, 1, (e - b) * int64_t(mb) / 4);
         const int64_t words = (e - b) * int64_t(sb) / 4;
         float* m = reinterpret_cast<float*>(m8 + size_t(b) * sb);
         float* v = reinterpret_cast<float*>(v8 + size_t(b) * sb);
@@ -340,7 +353,7 @@ class Bench {
     row.vs_f32_min = *std::min_element(vs32.begin(), vs32.end());
     row.vs_f32_max = *std::max_element(vs32.begin(), vs32.end());
     row.vs_same_median = median(vssame);
-    row.bytes_per_param = 8 + 2.0 * 2 * double(sb) + 4 +
+    row.bytes_per_param = 2.0 * double(mb) + 2.0 * 2 * double(sb) + 4 +
                           (f == zeroshard::StateFormat::q8 ? 2 * 2 * 4.0 / double(block) : 0);
     return row;
   }
@@ -377,29 +390,34 @@ int main(int argc, char** argv) {
   std::printf("cpu_optimizer_bench: n=%lld threads=%d isa=%s rounds=%d chunk=%lld\n\n",
               static_cast<long long>(o.n), o.threads, zc::isa_name(o.isa), o.rounds,
               static_cast<long long>(o.chunk));
-  std::printf(
-      "| optimizer | config | bytes/param | update Gparam/s | same-bytes Gparam/s | "
-      "update GB/s | ratio median (min–max) |\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
   if (o.formats) {
     std::printf(
-        "| moments | bytes/param | update Gparam/s | vs f32 moments median (min–max) | vs "
-        "same-bytes median |\n|---|---|---|---|---|\n");
+        "| moments | master | bytes/param | update Gparam/s | vs f32 moments median (min–max) | "
+        "vs same-bytes median |\n|---|---|---|---|---|---|\n");
     struct F {
       const char* name;
       zeroshard::StateFormat f;
       int64_t block;
+      DType master;
     };
-    for (const F& f : {F{"bf16", zeroshard::StateFormat::bf16, 2048},
-                       F{"8bit, block 2048", zeroshard::StateFormat::q8, 2048},
-                       F{"8bit, block 256", zeroshard::StateFormat::q8, 256}}) {
-      const auto r = bench.run_format(f.f, f.block);
-      std::printf("| %s | %.2f | %.3f | %.3f (%.3f–%.3f) | %.3f |\n", f.name, r.bytes_per_param,
+    // The bf16-master rows come last: they overwrite the f32 master with its bf16 rounding.
+    for (const F& f : {F{"bf16", zeroshard::StateFormat::bf16, 2048, DType::f32},
+                       F{"8bit, block 2048", zeroshard::StateFormat::q8, 2048, DType::f32},
+                       F{"8bit, block 256", zeroshard::StateFormat::q8, 256, DType::f32},
+                       F{"bf16", zeroshard::StateFormat::bf16, 2048, DType::bf16},
+                       F{"8bit, block 2048", zeroshard::StateFormat::q8, 2048, DType::bf16}}) {
+      const auto r = bench.run_format(f.f, f.block, f.master);
+      std::printf("| %s | %s | %.2f | %.3f | %.3f (%.3f–%.3f) | %.3f |\n", f.name,
+                  f.master == DType::f32 ? "f32" : "bf16", r.bytes_per_param,
                   r.rate / 1e9, r.vs_f32_median, r.vs_f32_min, r.vs_f32_max, r.vs_same_median);
       std::fflush(stdout);
     }
     return 0;
   }
+  std::printf(
+      "| optimizer | config | bytes/param | update Gparam/s | same-bytes Gparam/s | "
+      "update GB/s | ratio median (min–max) |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
   for (const Case& c : cases) {
     for (bool low : {false, true}) {
       const Row r = bench.run(c, low);

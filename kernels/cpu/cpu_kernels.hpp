@@ -58,7 +58,8 @@ struct UpdateHyper {
 /// momentum == 0); Lion m in state0. Unused states may be null.
 /// Update rules (all in f32):
 ///   adam:  g += wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
-///          p -= lr * (m/bc1) / (sqrt(v/bc2) + eps)
+///          p -= (step*m) / (sqrt(v*ibc2) + eps), with step = lr/bc1 and ibc2 = 1/bc2 folded
+///          once per call in f32 (one divide and one square root per element)
 ///   adamw: p -= lr*wd*p  (i.e. p = p - (lr*wd)*p), then as adam without the g += wd*p
 ///   sgd:   g += wd*p; if momentum != 0: buf = momentum*buf + g; g = nesterov ? g + momentum*buf :
 ///   buf;

@@ -23,8 +23,9 @@ enum class Out : uint8_t { none, f32, bf16, f16 };
 // Per-call constants, folded once in single float operations before any loop, so every ISA and
 // the GPU broadcast identical bits.
 struct UpdateConsts {
-  float lr, beta1, beta2, eps, wd, momentum, bc1, bc2, grad_scale;
+  float lr, beta1, beta2, eps, wd, momentum, grad_scale;
   float omb1, omb2, lr_wd;  // 1 − beta1, 1 − beta2, lr × weight_decay
+  float step, ibc2;         // Adam: lr / bias_correction1, 1 / bias_correction2
   float omm;                // 1 − momentum (Muon's average)
 };
 
@@ -36,12 +37,12 @@ inline UpdateConsts fold_consts(const UpdateHyper& h) {
   c.eps = h.eps;
   c.wd = h.weight_decay;
   c.momentum = h.momentum;
-  c.bc1 = h.bias_correction1;
-  c.bc2 = h.bias_correction2;
   c.grad_scale = h.grad_scale;
   c.omb1 = 1.0f - h.beta1;
   c.omb2 = 1.0f - h.beta2;
   c.lr_wd = h.lr * h.weight_decay;
+  c.step = h.lr / h.bias_correction1;
+  c.ibc2 = 1.0f / h.bias_correction2;
   c.omm = 1.0f - h.momentum;
   return c;
 }

@@ -54,8 +54,8 @@ __device__ __forceinline__ void update_one(const Consts& k, float& p, float g_in
     }
     m = __fadd_rn(__fmul_rn(k.beta1, m), __fmul_rn(k.omb1, g));
     v = __fadd_rn(__fmul_rn(k.beta2, v), __fmul_rn(__fmul_rn(k.omb2, g), g));
-    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, k.bc2)), k.eps);
-    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(k.lr, __fdiv_rn(m, k.bc1)), denom));
+    const float denom = __fadd_rn(__fsqrt_rn(__fmul_rn(v, k.ibc2)), k.eps);
+    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(k.step, m), denom));
     s0 = m;
     s1 = v;
   } else if constexpr (R == Rule::lion) {
