@@ -298,10 +298,9 @@ class Bench {
       fold();
       const auto t0 = std::chrono::steady_clock::now();
       for_chunks([&](int64_t b, int64_t e) {
-        zc::optimizer_update(
-            o_.isa, h,
-            args(up_p_.f32(), DType::f32, up_m_.f32(), up_v_.f32(), zeroshard::StateFormat::f32,
-                 b, e));
+        zc::optimizer_update(o_.isa, h,
+                             args(up_p_.f32(), DType::f32, up_m_.f32(), up_v_.f32(),
+                                  zeroshard::StateFormat::f32, b, e));
       });
       return seconds_since(t0);
     };
@@ -408,8 +407,8 @@ int main(int argc, char** argv) {
                        F{"8bit, block 2048", zeroshard::StateFormat::q8, 2048, DType::bf16}}) {
       const auto r = bench.run_format(f.f, f.block, f.master);
       std::printf("| %s | %s | %.2f | %.3f | %.3f (%.3f–%.3f) | %.3f |\n", f.name,
-                  f.master == DType::f32 ? "f32" : "bf16", r.bytes_per_param,
-                  r.rate / 1e9, r.vs_f32_median, r.vs_f32_min, r.vs_f32_max, r.vs_same_median);
+                  f.master == DType::f32 ? "f32" : "bf16", r.bytes_per_param, r.rate / 1e9,
+                  r.vs_f32_median, r.vs_f32_min, r.vs_f32_max, r.vs_same_median);
       std::fflush(stdout);
     }
     return 0;
