@@ -664,10 +664,12 @@ def test_gathered_with_modifier_rank_reaches_the_master_weights(stage):
     assert not torch.equal(opt.model_state_dict()["head.weight"], torch.full(shape, 0.5))
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_compiled_model_trains_as_eager_without_graph_breaks(stage):
-    # torch.compile at stages 0-2: the forward has no graph break (the optimizer's hooks stay
-    # out of the graph), and training the compiled model gives eager's parameters.
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_compiled_model_trains_as_eager(stage):
+    # torch.compile: training the compiled model gives eager's parameters. At stages 0-2 the
+    # forward has no graph break (the optimizer's hooks stay out of the graph); at stage 3 the
+    # graph breaks only around each unit's forward, where its parameters are gathered and
+    # released (hooks Dynamo runs eagerly; before that, tracing them recursed without end).
     dynamo = pytest.importorskip("torch._dynamo")
     if not hasattr(dynamo, "explain") or not hasattr(torch, "compile"):
         pytest.skip(f"torch {torch.__version__} has no torch.compile")
@@ -685,7 +687,11 @@ def test_compiled_model_trains_as_eager_without_graph_breaks(stage):
     assert max_abs_diff(results[0], results[1]) <= BOUND
     dynamo.reset()
     explained = dynamo.explain(compiled)(tokens)
-    assert explained.graph_break_count == 0, explained.break_reasons
+    if stage < 3:
+        assert explained.graph_break_count == 0, explained.break_reasons
+    else:
+        assert 0 < explained.graph_break_count <= 2 * len(opt._units), explained.break_reasons
+        assert all("disable" in str(r.reason) for r in explained.break_reasons), explained.break_reasons
 
 
 @pytest.mark.parametrize("stage,offload", [(0, None), (1, None), (2, "cpu"), (3, None)])

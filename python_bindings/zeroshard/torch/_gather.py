@@ -15,6 +15,15 @@ from ._private import _autograd_calls, _first_pre_hook, _resize_storage
 from ._units import GradState, _tensors
 
 
+def _eager(hook):
+    """hook, run eagerly under torch.compile: the gathering and releasing around a unit's
+    forward calls the engine and swaps the parameters' storage, which a graph cannot hold, so
+    Dynamo breaks the graph there (one break before and one after each stage-3 unit's forward)
+    and traces the modules' own code between."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return functools.wraps(hook)(disable(hook)) if disable is not None else hook
+
+
 class _GatherPart:
     """The stage-3 gathering part of ZeroOptimizer."""
 
@@ -36,7 +45,7 @@ class _GatherPart:
             # Weak: the engine holds the parameter through C++ (its AccumulateGrad node), where
             # the garbage collector cannot see a cycle back to the optimizer.
             p._zs_unit = weakref.ref(u)
-        u.pre, u.post = self._make_pre_forward(u), self._make_post_forward(u)
+        u.pre, u.post = _eager(self._make_pre_forward(u)), _eager(self._make_post_forward(u))
         self._hooks.append(_first_pre_hook(u.module, u.pre))
         self._hooks.append(u.module.register_forward_hook(u.post))
 
@@ -50,6 +59,7 @@ class _GatherPart:
         def post(m, args, out):
             for u in reversed(units):
                 u.post(m, args, out)
+        pre, post = _eager(pre), _eager(post)
         self._hooks.append(_first_pre_hook(module, pre))
         self._hooks.append(module.register_forward_hook(post))
 
