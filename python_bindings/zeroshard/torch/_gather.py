@@ -21,7 +21,7 @@ def _eager(hook):
     Dynamo breaks the graph there (one break before and one after each stage-3 unit's forward)
     and traces the modules' own code between."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return functools.wraps(hook)(disable(hook)) if disable is not None else hook
+    return disable(hook) if disable is not None else hook
 
 
 class _GatherPart:
