@@ -14,6 +14,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -133,6 +134,18 @@ class CpuStream {
   const int jitter_us_;
   std::thread thread_;
 };
+
+// The trainers' streams alive now (AsyncTrainerStream): set_stream() takes only these.
+std::mutex trainer_streams_mu;
+std::vector<CpuStream*>& trainer_streams() {
+  static std::vector<CpuStream*> live;  // guarded by trainer_streams_mu
+  return live;
+}
+bool is_trainer_stream(const void* s) {
+  std::lock_guard<std::mutex> lock(trainer_streams_mu);
+  const auto& live = trainer_streams();
+  return std::find(live.begin(), live.end(), s) != live.end();
+}
 
 // Host memory whose freeing first waits for the work queued on every stream, as cudaFree
 // does: Buffers the engine drops while a stream still reads them are not freed under it.
@@ -268,13 +281,22 @@ class AsyncCpuDevice final : public StreamDevice {
     return streams_.back().get();
   }
   void sync_stream(Stream s) override { cs(s)->synchronize(); }
+  // A trainer's stream (AsyncTrainerStream, the tests' stand-in for torch's CUDA stream); the
+  // device's own streams have no handle a trainer could queue on, so the host trainer waits.
   Stream adopt_stream(void* trainer_stream) override {
-    (void)trainer_stream;
-    ZS_THROW(invalid_argument,
-             "set_stream(): the engine runs on the CPU (the asynchronous CPU device, "
-             "zeroshard.async_device); streams belong to the cuda device");
+    if (!is_trainer_stream(trainer_stream))
+      ZS_THROW(invalid_argument,
+               "set_stream(): the engine runs on the asynchronous CPU device "
+               "(zeroshard.async_device), which takes only an AsyncTrainerStream's handle");
+    std::lock_guard<std::mutex> lock(mu_);
+    if (std::find(adopted_.begin(), adopted_.end(), trainer_stream) == adopted_.end())
+      adopted_.push_back(static_cast<CpuStream*>(trainer_stream));
+    return trainer_stream;
   }
-  void* public_handle(Stream) const override { return nullptr; }
+  void* public_handle(Stream s) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::find(adopted_.begin(), adopted_.end(), s) != adopted_.end() ? s : nullptr;
+  }
 
   void fill(void* p, unsigned char value, size_t bytes, Stream s) override {
     cs(s)->issue([=] { std::memset(p, value, bytes); });
@@ -310,17 +332,21 @@ class AsyncCpuDevice final : public StreamDevice {
 
  private:
   static CpuStream* cs(Stream s) { return static_cast<CpuStream*>(s); }
-  // Every stream's queued work done (failures stay for its next sync_stream()).
+  // Every stream's queued work done, a trainer's stream handed over too, as cudaFree waits for
+  // the whole device (failures stay for its next sync_stream()).
   void wait_all() noexcept {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& s : streams_) s->drain();
+    for (CpuStream* s : adopted_)
+      if (is_trainer_stream(s)) s->drain();
   }
 
   cpu::Arena& arena_;
   const uint64_t seed_;
   const int jitter_us_;
-  std::mutex mu_;  // guards the list
+  mutable std::mutex mu_;  // guards the lists
   std::vector<std::unique_ptr<CpuStream>> streams_;
+  std::vector<CpuStream*> adopted_;  // trainers' streams set_stream() took (not owned)
   std::shared_ptr<WaitingHeap> heap_;  // device memory
   WaitingHeap pinned_;                 // pinned host memory
   double device_sums_[2] = {0, 0};
@@ -328,6 +354,27 @@ class AsyncCpuDevice final : public StreamDevice {
 };
 
 }  // namespace
+
+AsyncTrainerStream::AsyncTrainerStream(uint64_t seed, int jitter_us)
+    : handle_(new CpuStream(seed, jitter_us)) {
+  std::lock_guard<std::mutex> lock(trainer_streams_mu);
+  trainer_streams().push_back(static_cast<CpuStream*>(handle_));
+}
+
+AsyncTrainerStream::~AsyncTrainerStream() {
+  {
+    std::lock_guard<std::mutex> lock(trainer_streams_mu);
+    auto& live = trainer_streams();
+    live.erase(std::find(live.begin(), live.end(), handle_));
+  }
+  delete static_cast<CpuStream*>(handle_);  // finishes what was issued
+}
+
+void AsyncTrainerStream::issue(std::function<void()> work) {
+  static_cast<CpuStream*>(handle_)->issue(std::move(work));
+}
+
+void AsyncTrainerStream::synchronize() { static_cast<CpuStream*>(handle_)->synchronize(); }
 
 std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us) {
   return make_stream_compute(std::make_unique<AsyncCpuDevice>(arena, seed, jitter_us));

@@ -13,6 +13,7 @@
 // before each piece of work, so a missing wait shows on machines without a GPU.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -103,6 +104,26 @@ std::unique_ptr<Compute> make_stream_compute(std::unique_ptr<StreamDevice> devic
 /// threads; before each piece of work a stream sleeps a random 0..jitter_us microseconds drawn
 /// from `seed`.
 std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us);
+/// A trainer's own stream on the asynchronous CPU device, for tests: work issued here runs on
+/// a thread of its own, in issue order, after a seeded random delay of 0..jitter_us
+/// microseconds, as a trainer's kernels run on its CUDA stream. handle() is what
+/// Engine::set_stream() takes; the engine then queues its work on this stream and the trainer
+/// queues its own after it, with no host wait between. It must outlive every engine it is
+/// handed to, as a CUDA stream must. Destroying it finishes its work.
+class AsyncTrainerStream {
+ public:
+  AsyncTrainerStream(uint64_t seed, int jitter_us);
+  ~AsyncTrainerStream();
+  AsyncTrainerStream(const AsyncTrainerStream&) = delete;
+  AsyncTrainerStream& operator=(const AsyncTrainerStream&) = delete;
+  void issue(std::function<void()> work);
+  /// Blocks until the work issued so far is done; throws its first failure.
+  void synchronize();
+  void* handle() const { return handle_; }
+
+ private:
+  void* handle_;
+};
 /// The backend Config::device (and for cpu, Config::async_device) names. For cuda, device_index −1
 /// picks the local rank (from the launcher's environment) modulo the number of GPUs. Throws
 /// Error(invalid_config) for cuda in a build without CUDA, Error(cuda_error) when no GPU can be

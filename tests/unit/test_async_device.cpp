@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -118,55 +119,85 @@ struct Trained {
   MemoryReport memory;
 };
 
-// Two units, trained for a few steps on a one-rank engine. hand_in: the trainer passes its own
-// gradient arrays of the first unit to grads_ready(u, grads) before the second unit's (so its
-// reduction waits for its turn) and overwrites them with NaN as soon as the call returns: it may
-// reuse its memory then.
-Trained train(Config cfg, bool hand_in = false) {
-  Engine e(cfg, make_self_communicator());
-  const std::vector<float> w0 = random_floats(1000, 11), w1 = random_floats(37, 12);
-  const std::vector<float> w2 = random_floats(4099, 13), w3 = random_floats(515, 14);
-  std::vector<Param> ps = {{"w0", {1000}, 0, {const_cast<float*>(w0.data()), 1000, DType::f32}},
-                           {"w1", {37}, 0, {const_cast<float*>(w1.data()), 37, DType::f32}},
-                           {"w2", {4099}, 0, {const_cast<float*>(w2.data()), 4099, DType::f32}}};
-  const UnitId layer = e.add_unit("layer", ps);
-  const UnitId head =
-      e.add_unit("head", {{"w3", {515}, 0, {const_cast<float*>(w3.data()), 515, DType::f32}}});
-  e.finalize();
-  // The gradient of parameter i of a unit at a step: the same numbers whichever way they go in.
-  const auto grad_of = [](int step, size_t i, int64_t n) {
-    return random_floats(size_t(n), uint32_t(100 + step * 7 + i));
-  };
-  for (int step = 0; step < 3; ++step) {
-    if (hand_in) {  // the first unit first: its reduction waits for the head's
-      std::vector<std::vector<float>> mine;
-      std::vector<TensorView> views;
-      for (size_t i = 0; i < ps.size(); ++i) {
-        mine.push_back(grad_of(step, i, shape_numel(ps[i].shape)));
-        views.push_back({mine.back().data(), int64_t(mine.back().size()), DType::f32});
-      }
-      e.grads_ready(layer, views);
-      for (auto& v : mine) std::fill(v.begin(), v.end(), NAN);
-    }
-    for (UnitId u : {head, layer}) {
-      if (hand_in && u == layer) continue;
-      std::vector<TensorView> g = e.grads(u);
-      for (size_t i = 0; i < g.size(); ++i) {
-        const std::vector<float> v = grad_of(step, u == head ? 3 : i, g[i].numel);
-        std::memcpy(g[i].data, v.data(), v.size() * 4);
-      }
-      e.grads_ready(u);
-    }
-    e.step();
-    e.zero_grad();
-  }
+// How the trainer passes gradients and reads parameters.
+enum class Trainer {
+  host,     // writes into grads()'s views and reads params() on the host
+  hand_in,  // as host, but passes its own gradient arrays of the first unit to grads_ready(u,
+            // grads) before the second unit's (so its reduction waits for its turn) and
+            // overwrites them with NaN as soon as the call returns: it may reuse its memory then
+  streams,  // on streams of its own (set_stream()), as torch on a GPU: writes each gradient by
+            // work queued there and reads the new parameters by work queued after step(), with
+            // no host wait between; steps 0-1 on one stream, the rest on a second
+};
+
+// Two units, trained for four steps on a one-rank engine: the parameters as the trainer reads
+// them after every step.
+Trained train(Config cfg, Trainer trainer = Trainer::host) {
+  AsyncTrainerStream first(101, 2000), second(202, 2000);  // outlive the engine, as CUDA's must
   Trained t;
-  for (UnitId u : {layer, head})
-    for (const TensorView& p : e.params(u)) {
-      const float* f = static_cast<const float*>(p.data);
-      t.params.insert(t.params.end(), f, f + p.numel);
+  std::vector<std::shared_ptr<std::vector<float>>> reads;  // filled by the trainer's streams
+  {
+    Engine e(cfg, make_self_communicator());
+    const std::vector<float> w0 = random_floats(1000, 11), w1 = random_floats(37, 12);
+    const std::vector<float> w2 = random_floats(4099, 13), w3 = random_floats(515, 14);
+    std::vector<Param> ps = {{"w0", {1000}, 0, {const_cast<float*>(w0.data()), 1000, DType::f32}},
+                             {"w1", {37}, 0, {const_cast<float*>(w1.data()), 37, DType::f32}},
+                             {"w2", {4099}, 0, {const_cast<float*>(w2.data()), 4099, DType::f32}}};
+    const UnitId layer = e.add_unit("layer", ps);
+    const UnitId head =
+        e.add_unit("head", {{"w3", {515}, 0, {const_cast<float*>(w3.data()), 515, DType::f32}}});
+    e.finalize();
+    // The gradient of parameter i of a unit at a step: the same numbers whichever way they go in.
+    const auto grad_of = [](int step, size_t i, int64_t n) {
+      return random_floats(size_t(n), uint32_t(100 + step * 7 + i));
+    };
+    for (int step = 0; step < 4; ++step) {
+      AsyncTrainerStream& ts = step < 2 ? first : second;
+      const bool on_stream = trainer == Trainer::streams;
+      if (on_stream) e.set_stream(ts.handle());
+      if (trainer == Trainer::hand_in) {  // the first unit first: its reduction waits for the head's
+        std::vector<std::vector<float>> mine;
+        std::vector<TensorView> views;
+        for (size_t i = 0; i < ps.size(); ++i) {
+          mine.push_back(grad_of(step, i, shape_numel(ps[i].shape)));
+          views.push_back({mine.back().data(), int64_t(mine.back().size()), DType::f32});
+        }
+        e.grads_ready(layer, views);
+        for (auto& v : mine) std::fill(v.begin(), v.end(), NAN);
+      }
+      for (UnitId u : {head, layer}) {
+        if (trainer == Trainer::hand_in && u == layer) continue;
+        std::vector<TensorView> g = e.grads(u);
+        for (size_t i = 0; i < g.size(); ++i) {
+          std::vector<float> v = grad_of(step, u == head ? 3 : i, g[i].numel);
+          if (on_stream)
+            ts.issue([to = g[i].data, v = std::move(v)] { std::memcpy(to, v.data(), v.size() * 4); });
+          else
+            std::memcpy(g[i].data, v.data(), v.size() * 4);
+        }
+        e.grads_ready(u);
+      }
+      e.step();
+      auto read = std::make_shared<std::vector<float>>();
+      reads.push_back(read);
+      for (UnitId u : {layer, head})
+        for (const TensorView& p : e.params(u)) {
+          auto append = [read, p] {
+            const float* f = static_cast<const float*>(p.data);
+            read->insert(read->end(), f, f + p.numel);
+          };
+          if (on_stream)
+            ts.issue(append);
+          else
+            append();
+        }
+      e.zero_grad();
     }
-  t.memory = e.memory();
+    t.memory = e.memory();
+  }
+  first.synchronize();
+  second.synchronize();
+  for (const auto& r : reads) t.params.insert(t.params.end(), r->begin(), r->end());
   return t;
 }
 
@@ -195,10 +226,15 @@ TEST(AsyncDevice, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
     EXPECT_TRUE(same_bits(ref.params.data(), got.params.data(), ref.params.size() * 4))
         << "stage " << stage << ", " << tier_name(tier);
     // The trainer's own gradient arrays, reused at once: grads_ready() must have copied them.
-    const Trained handed = train(cfg, true);
+    const Trained handed = train(cfg, Trainer::hand_in);
     EXPECT_TRUE(same_bits(ref.params.data(), handed.params.data(), ref.params.size() * 4))
         << "stage " << stage << ", " << tier_name(tier);
     // The host tier on a GPU stages gradient shards on the device: the async device does too.
+    // A trainer on streams of its own, as torch on a GPU: the engine's work and the trainer's
+    // are ordered by the streams alone, and a stream change (set_stream()) waits for the last.
+    const Trained streamed = train(cfg, Trainer::streams);
+    EXPECT_TRUE(same_bits(ref.params.data(), streamed.params.data(), ref.params.size() * 4))
+        << "stage " << stage << ", " << tier_name(tier) << ", on the trainer's streams";
     if (tier == Tier::host) {
       EXPECT_TRUE(has_buffer(got.memory, "grad_shard_staging")) << got.memory.to_string();
       EXPECT_FALSE(has_buffer(ref.memory, "grad_shard_staging")) << ref.memory.to_string();
