@@ -1,6 +1,7 @@
 // The asynchronous CPU device (src/compute/async_cpu_device.cpp): its kernels are bitwise the
 // synchronous CPU backend's; an engine on it takes the GPU's paths (staging slots in its ledger)
-// and trains to bitwise the same parameters; it is selected by config or environment, and takes
+// and trains to bitwise the same parameters, also with the trainer on streams of its own
+// (AsyncTrainerStream, as torch on a GPU); it is selected by config or environment, and takes
 // what a GPU takes. That it catches missing waits is shown by scripts/mutate_waits.py.
 
 #include <gtest/gtest.h>
