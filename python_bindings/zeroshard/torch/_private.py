@@ -20,6 +20,8 @@ def _autograd_calls():
     in (a use_reentrant=True checkpoint runs a backward of its own per segment inside the
     trainer's); a hook that runs on an autograd device thread (CUDA) sees only the passes
     started on that thread, usually none."""
+    if _compiling():  # Dynamo cannot trace sys._getframe; a compiled forward runs in no pass
+        return 0, 0
     grad = backward = 0
     f = sys._getframe(1)
     while f is not None:
@@ -29,6 +31,15 @@ def _autograd_calls():
             grad += 1
         f = f.f_back
     return grad, backward
+
+
+def _compiling():
+    """Whether Dynamo is tracing this call (torch.compile); False on torch without it."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):  # torch >= 2.3
+        return compiler.is_compiling()
+    dynamo = getattr(torch, "_dynamo", None)
+    return bool(dynamo is not None and hasattr(dynamo, "is_compiling") and dynamo.is_compiling())
 
 
 def _resize_storage(t, numel):
