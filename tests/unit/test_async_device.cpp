@@ -16,7 +16,9 @@
 #include <vector>
 
 #include "kernels/cpu/arena.hpp"
+#include "base/ledger.hpp"
 #include "src/compute/compute.hpp"
+#include "src/tiers/memory_state_tier.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zeroshard {
@@ -119,6 +121,49 @@ struct Trained {
   std::vector<float> params;
   MemoryReport memory;
 };
+
+// A state tier's own contract, whatever the tier after it does: once load_initial(u, whole)
+// returns, the caller may refill `whole` (the engine reuses one array for every unit), so the
+// copy into the device's master weights must have read it by then.
+TEST(AsyncDevice, StateTierLoadHasReadTheInitialValuesWhenItReturns) {
+  cpu::Arena arena(1);
+  const std::unique_ptr<Compute> dev = make_async_cpu_compute(arena, 7, 2000);
+  Config cfg;
+  cfg.stage = 2;
+  cfg.dtype = DType::bf16;  // the master weights are a buffer of their own
+  std::vector<UnitShape> units(2);
+  for (int i = 0; i < 2; ++i) {
+    UnitShape& u = units[size_t(i)];
+    u.layout.name = "u" + std::to_string(i);
+    u.layout.numel = u.layout.padded_numel = u.layout.shard_numel = 3000 + 17 * i;
+    u.whole_runs = u.shard_runs = {{0, u.layout.shard_numel, 0}};
+  }
+  Ledger ledger;
+  TierContext ctx;
+  ctx.cfg = &cfg;
+  ctx.units = &units;
+  ctx.pdt = DType::bf16;
+  ctx.pbytes = 2;
+  ctx.num_states = 2;
+  ctx.ledger = &ledger;
+  ctx.buffer = [&](Tier t, MemKind k, const char* name, size_t bytes, bool) {
+    return Buffer(&ledger, t, k, name, bytes, t == Tier::device ? dev->device_memory() : nullptr);
+  };
+  MemoryStateTier tier(ctx, Tier::device, *dev, arena, {std::nullopt, std::nullopt}, false);
+  std::vector<float> whole(3017);
+  std::vector<std::vector<float>> want;
+  for (int u = 0; u < 2; ++u) {
+    want.push_back(random_floats(size_t(ctx.shard(u)), uint32_t(40 + u)));
+    std::copy(want.back().begin(), want.back().end(), whole.begin());
+    tier.load_initial(u, whole.data());
+    std::fill(whole.begin(), whole.end(), NAN);  // refilled at once, as the engine may
+  }
+  for (int u = 0; u < 2; ++u) {
+    const std::vector<float> got = tier.read(u, StateKind::master);
+    ASSERT_EQ(got.size(), want[size_t(u)].size());
+    EXPECT_TRUE(same_bits(got.data(), want[size_t(u)].data(), got.size() * 4)) << "unit " << u;
+  }
+}
 
 // How the trainer passes gradients and reads parameters.
 enum class Trainer {
