@@ -346,7 +346,7 @@ class AsyncCpuDevice final : public StreamDevice {
   const int jitter_us_;
   mutable std::mutex mu_;  // guards the lists
   std::vector<std::unique_ptr<CpuStream>> streams_;
-  std::vector<CpuStream*> adopted_;  // trainers' streams set_stream() took (not owned)
+  std::vector<CpuStream*> adopted_;    // trainers' streams set_stream() took (not owned)
   std::shared_ptr<WaitingHeap> heap_;  // device memory
   WaitingHeap pinned_;                 // pinned host memory
   double device_sums_[2] = {0, 0};
@@ -374,7 +374,9 @@ void AsyncTrainerStream::issue(std::function<void()> work) {
   static_cast<CpuStream*>(handle_)->issue(std::move(work));
 }
 
-void AsyncTrainerStream::synchronize() { static_cast<CpuStream*>(handle_)->synchronize(); }
+void AsyncTrainerStream::synchronize() {
+  static_cast<CpuStream*>(handle_)->synchronize();
+}
 
 std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us) {
   return make_stream_compute(std::make_unique<AsyncCpuDevice>(arena, seed, jitter_us));

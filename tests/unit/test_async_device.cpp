@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/arena.hpp"
 #include "base/ledger.hpp"
+#include "kernels/cpu/arena.hpp"
 #include "src/compute/compute.hpp"
 #include "src/tiers/memory_state_tier.hpp"
 #include "zeroshard/zeroshard.hpp"
@@ -201,7 +201,8 @@ Trained train(Config cfg, Trainer trainer = Trainer::host) {
       AsyncTrainerStream& ts = step < 2 ? first : second;
       const bool on_stream = trainer == Trainer::streams;
       if (on_stream) e.set_stream(ts.handle());
-      if (trainer == Trainer::hand_in) {  // the first unit first: its reduction waits for the head's
+      if (trainer ==
+          Trainer::hand_in) {  // the first unit first: its reduction waits for the head's
         std::vector<std::vector<float>> mine;
         std::vector<TensorView> views;
         for (size_t i = 0; i < ps.size(); ++i) {
@@ -217,7 +218,8 @@ Trained train(Config cfg, Trainer trainer = Trainer::host) {
         for (size_t i = 0; i < g.size(); ++i) {
           std::vector<float> v = grad_of(step, u == head ? 3 : i, g[i].numel);
           if (on_stream)
-            ts.issue([to = g[i].data, v = std::move(v)] { std::memcpy(to, v.data(), v.size() * 4); });
+            ts.issue(
+                [to = g[i].data, v = std::move(v)] { std::memcpy(to, v.data(), v.size() * 4); });
           else
             std::memcpy(g[i].data, v.data(), v.size() * 4);
         }
