@@ -201,8 +201,8 @@ Trained train(Config cfg, Trainer trainer = Trainer::host) {
       AsyncTrainerStream& ts = step < 2 ? first : second;
       const bool on_stream = trainer == Trainer::streams;
       if (on_stream) e.set_stream(ts.handle());
-      if (trainer ==
-          Trainer::hand_in) {  // the first unit first: its reduction waits for the head's
+      // hand_in: the first unit first, so its reduction waits for the head's.
+      if (trainer == Trainer::hand_in) {
         std::vector<std::vector<float>> mine;
         std::vector<TensorView> views;
         for (size_t i = 0; i < ps.size(); ++i) {
