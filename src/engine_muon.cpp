@@ -27,14 +27,12 @@ void Engine::Impl::plan_muon() {
   });
   muon.units.assign(units.size(), {});
   if (!any) return;
-  // Owners: per unit, the largest matrix first to the rank with the least work so far (work
-  // summed over the whole model breaks ties), so each unit's iteration is spread over the group
-  // and so is the model's.
+  // Owners: cpu::assign_owners(), the planner's too.
   std::vector<double> load(size_t(topo.shard_world), 0.0);
   int64_t mine = 0, whole = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     const UnitLayout& L = layout(int(u));
-    std::vector<std::pair<double, MuonPlan::Matrix>> found;
+    std::vector<double> cost;
     for (size_t j = 0; j < L.params.size(); ++j) {
       const ParamSlot& p = L.params[j];
       if (groups[size_t(p.group)].kind != OptimizerKind::muon) continue;
@@ -50,28 +48,16 @@ void Engine::Impl::plan_muon() {
       m.offset = p.offset;
       m.rows = p.shape[0];
       m.cols = p.numel / p.shape[0];
-      found.push_back(
-          {cpu::newton_schulz_cost(m.rows, m.cols, groups[size_t(p.group)].ns_steps), m});
-    }
-    std::stable_sort(found.begin(), found.end(),
-                     [](const auto& a, const auto& b) { return a.first > b.first; });
-    std::vector<double> here(load.size(), 0.0);
-    for (auto& [cost, m] : found) {
-      int best = 0;
-      for (int r = 1; r < topo.shard_world; ++r)
-        if (std::make_pair(here[size_t(r)], load[size_t(r)]) <
-            std::make_pair(here[size_t(best)], load[size_t(best)]))
-          best = r;
-      m.owner = best;
-      here[size_t(best)] += cost;
-      load[size_t(best)] += cost;
+      cost.push_back(cpu::newton_schulz_cost(m.rows, m.cols, groups[size_t(p.group)].ns_steps));
       muon.units[u].push_back(m);
     }
+    const std::vector<int> owner = cpu::assign_owners(cost, load);
+    for (size_t i = 0; i < owner.size(); ++i) muon.units[u][i].owner = owner[i];
     // In offset order, as muon_direction() zeroes around the matrices it owns.
     std::sort(
         muon.units[u].begin(), muon.units[u].end(),
         [](const MuonPlan::Matrix& a, const MuonPlan::Matrix& b) { return a.offset < b.offset; });
-    if (found.empty()) continue;
+    if (cost.empty()) continue;
     mine = std::max(mine, cfg.stage == 0 ? L.padded_numel : L.shard_numel);
     if (cfg.stage > 0 && topo.shard_world > 1) whole = std::max(whole, L.padded_numel);
   }

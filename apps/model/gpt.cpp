@@ -53,6 +53,11 @@ std::vector<UnitSpec> gpt_units(const GptShape& s) {
   return units;
 }
 
+int gpt_group(const UnitSpec& u, const ParamSpec& p, bool muon) {
+  if (!p.decay) return 1;
+  return muon && (u.name == "embed" || p.name == "lm.w") ? 2 : 0;
+}
+
 int64_t gpt_param_count(const GptShape& s) {
   int64_t n = 0;
   for (const UnitSpec& u : gpt_units(s))

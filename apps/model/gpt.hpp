@@ -44,6 +44,10 @@ struct UnitSpec {
 
 /// The units in registration (= forward) order.
 std::vector<UnitSpec> gpt_units(const GptShape& s);
+/// The parameter group the demo trains `p` of unit `u` in: 1 for the gains and biases (no
+/// weight decay); with Muon, 2 for the embeddings and the output head (AdamW beside Muon, as
+/// Muon's authors train them); else 0 (the blocks' matrices: Muon's with Muon).
+int gpt_group(const UnitSpec& u, const ParamSpec& p, bool muon);
 /// Σ of every parameter's element count.
 int64_t gpt_param_count(const GptShape& s);
 /// GPT-2 style initial values of one unit, one vector per parameter: weights N(0, 0.02) (the

@@ -6,6 +6,8 @@
 // - optimizer: an engine's update of one unit on the CPU (StepResult::optimizer_s), in
 //   parameters per second, and as a fraction of the same-bytes pass of its own bytes; with the
 //   moments in f32 and, under "state_formats", in bf16 and 8-bit;
+// - newton_schulz: Muon's iteration as its owner rank runs it (time_newton_schulz()), on square
+//   f32 matrices of 128 to 1024, as (multiply-adds, multiply-adds per second) points;
 // - collectives: reduce-scatter, all-gather and all-reduce (of bf16, as hierarchical sharding's
 //   across its groups) over the launched ranks at sizes from 4 KiB up, on buffers in the caches and
 //   (under "cold") on buffers that are not, and the first two many at once ("queued"): every
@@ -421,6 +423,17 @@ int run_calibrate(const std::vector<std::string>& args) {
     j["memory"] = mem;
     j["optimizer"] = {{"adamw", opt}};
 
+    say("Muon's Newton-Schulz iteration (every rank at once)");
+    json ns = json::array();
+    for (int64_t n : {128, 256, 512, 1024}) {  // square f32 matrices, 5 steps
+      double madds = 0;
+      comm->barrier("calibrate");
+      const double s = time_newton_schulz(n, n, 5, o.reps, &madds);
+      ns.push_back({madds, mean_over(*comm, madds / s)});
+    }
+    j["newton_schulz"] = {{"points_madds_per_s", ns},
+                          {"note", "square f32 matrices of 128 to 1024, 5 steps"}};
+
     say("collectives");
     comm->set_timeout(300);
     j["collectives"] = collectives(*comm, o);
@@ -502,6 +515,11 @@ int run_calibrate(const std::vector<std::string>& args) {
             a["state_formats"]["bf16"]["params_per_s"].get<double>() / 1e9,
             a["state_formats"]["8bit"]["params_per_s"].get<double>() / 1e9);
       }
+      std::printf("  Newton-Schulz");
+      for (const json& p : j["newton_schulz"]["points_madds_per_s"])
+        std::printf(" %.3g madds at %.2f GFLOP/s;", p[0].get<double>(),
+                    2 * p[1].get<double>() / 1e9);
+      std::printf(" per rank\n");
       const json& cl = j["collectives"];
       for (const char* k : {"reduce_scatter", "all_gather", "all_reduce"})
         if (cl.contains(k))

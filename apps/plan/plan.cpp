@@ -50,8 +50,7 @@ int run_plan(const std::vector<std::string>& args) {
       optimizer_name(o.optimizer), state_format_name(o.moments), o.bf16_master ? " bf16" : "n f32",
       o.ranks, o.device == Device::cuda ? ", a GPU each" : "");
   const Config cfg = plan_config(o);
-  OptimizerOptions no_decay = cfg.optimizer;
-  no_decay.weight_decay = 0;
+  const std::vector<OptimizerOptions> groups = plan_groups(cfg);
   std::printf("%-5s %-9s %-9s %12s %12s %12s %14s  %-10s", "stage", "optimizer", "params",
               "device GiB", "host GiB", "nvme GiB", "model states", "fits");
   if (o.timed)
@@ -61,7 +60,7 @@ int run_plan(const std::vector<std::string>& args) {
   const double limit[kNumTiers] = {o.device_gib, o.host_gib, o.nvme_gib};
   std::vector<PlanChoice> choices;
   try {
-    choices = plan_choices(cfg, units, o.ranks, {no_decay});
+    choices = plan_choices(cfg, units, o.ranks, groups);
   } catch (const Error& e) {  // settings the engine refuses
     std::fprintf(stderr, "zeroshard plan: %s\n", e.what());
     return 2;
@@ -76,7 +75,7 @@ int run_plan(const std::vector<std::string>& args) {
                 gib(c.tier_bytes[1]), gib(c.tier_bytes[2]), gib(c.model_states), fits.c_str());
     if (o.timed) {
       try {
-        const StepPrediction p = predict_step(c.config, units, o.ranks, o.rates);
+        const StepPrediction p = predict_step(c.config, units, o.ranks, o.rates, groups);
         std::printf(" %8.3f %8.3f %8.3f %8.3f %8.1f", p.total_s, p.comm_s, p.optimizer_s, p.nvme_s,
                     p.inter_node_bytes / double(1 << 20));
         if (o.device == Device::cuda) std::printf(" %8.3f", p.pcie_s);
@@ -96,8 +95,12 @@ int run_plan(const std::vector<std::string>& args) {
   if (o.timed)
     std::printf(
         "Step: the engine's part (with --compute-s %.3f s of the trainer's compute added and\n"
-        "hiding what it can), from %s.\n",
-        o.compute_s, o.calibration.empty() ? "the typed rates" : o.calibration.c_str());
+        "hiding what it can), from %s.%s\n",
+        o.compute_s, o.calibration.empty() ? "the typed rates" : o.calibration.c_str(),
+        o.optimizer == OptimizerKind::muon
+            ? "\nWith Muon, \"update s\" includes the Newton-Schulz iteration of each unit's\n"
+              "busiest owner, and \"comm s\" the exchange of its directions."
+            : "");
   return 0;
 }
 

@@ -14,7 +14,8 @@ using namespace zeroshard;
 
 const char* const kPlanHelp =
     "usage: zeroshard plan [model] [--ranks N] [--dtype bf16|f16|f32]\n"
-    "                      [--optimizer adamw|adam|lion|sgd] [--optimizer-state f32|bf16|8bit]\n"
+    "                      [--optimizer adamw|adam|lion|sgd|muon] [--optimizer-state "
+    "f32|bf16|8bit]\n"
     "                      [--master f32|bf16] [--device cpu|cuda] [--shard-group N]\n"
     "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
     "                      [rates [--compute-s X] [--ranks-per-node N\n"
@@ -24,7 +25,7 @@ const char* const kPlanHelp =
     "                                                      the largest (k, M, G, T suffixes)\n"
     "       | --units FILE                                 a JSON list of units\n"
     "  rates: --calibration FILE, and or instead typed: [--memory-gbs X] [--disk-gbs X]\n"
-    "         [--bus-gbs X] [--pcie-gbs X] [--gpu-update-gps X]\n\n"
+    "         [--bus-gbs X] [--pcie-gbs X] [--gpu-update-gps X] [--ns-gflops X]\n\n"
     "For a model on --ranks ranks, prints for every ZeRO stage and offload choice the bytes one\n"
     "rank holds on each tier once the engine is finalized, computed by the engine's own setup\n"
     "with nothing allocated (what Engine::memory() will report; rank 0, or the largest rank\n"
@@ -36,7 +37,9 @@ const char* const kPlanHelp =
     "  [{\"name\": \"embed\", \"params\": [{\"name\": \"w\", \"shape\": [50304, 768]}]},\n"
     "   {\"name\": \"block0\", \"params\": [{\"name\": \"w\", \"shape\": [768, 2304]},\n"
     "                                  {\"name\": \"b\", \"shape\": [2304], \"decay\": false}]}]\n"
-    "(\"decay\": false puts a parameter in a group without weight decay). --device cuda plans\n"
+    "(\"decay\": false puts a parameter in a group without weight decay). With --optimizer muon\n"
+    "the matrices are Muon's, and the vectors, the GPT's embeddings and head, and a units file's\n"
+    "parameters with \"muon\": false are AdamW's, as the demo trains them. --device cuda plans\n"
     "GPU engines (one GPU per rank; the device tier is its memory), with their staging on the\n"
     "GPU and in pinned host memory, and only the choices a GPU engine takes.\n\n"
     "With rates, also the engine's step time per choice: the reductions and gathers the trainer\n"
@@ -48,7 +51,7 @@ const char* const kPlanHelp =
     "bytes per parameter with f32 moments, fewer with compact ones); --disk-gbs, a rank's share\n"
     "of its disks, reads and writes together (the nvme tier); --bus-gbs, the collectives' bus\n"
     "bandwidth as nccl-tests report it (a ring's reduce-scatter of S bytes over n ranks takes\n"
-    "(n-1)/n S / bus).\n\n"
+    "(n-1)/n S / bus); --ns-gflops, Muon's Newton-Schulz iteration on one rank's CPU, GFLOP/s.\n\n"
     "--shard-group N plans hierarchical sharding (Config::shard_group_size: shards within groups\n"
     "of N consecutive ranks, replicated across them). --ranks-per-node puts that many\n"
     "consecutive ranks on each node, and --inter-node-gbs is each node's link to the others\n"
@@ -160,6 +163,8 @@ void parse_flag(PlanOptions& o, const std::string& f, const std::string& v) {
     o.pcie_gbs = to_number(f, v, "GB/s");
   else if (f == "--gpu-update-gps")
     o.gpu_update_gps = to_number(f, v, "G params/s");
+  else if (f == "--ns-gflops")
+    o.ns_gflops = to_number(f, v, "GFLOP/s");
   else if (f == "--device")
     one_of<Device>(o.device, f, v, {{"cpu", Device::cpu}, {"cuda", Device::cuda}});
   else if (f == "--dtype")
@@ -169,7 +174,8 @@ void parse_flag(PlanOptions& o, const std::string& f, const std::string& v) {
                           {{"adamw", OptimizerKind::adamw},
                            {"adam", OptimizerKind::adam},
                            {"lion", OptimizerKind::lion},
-                           {"sgd", OptimizerKind::sgd}});
+                           {"sgd", OptimizerKind::sgd},
+                           {"muon", OptimizerKind::muon}});
   else if (f == "--optimizer-state")
     one_of<StateFormat>(
         o.moments, f, v,
@@ -189,6 +195,7 @@ void set_rates(PlanOptions& o) {
                                         : read_link_calibration(o.link_calibration);
     set_typed_rates(r, plan_config(o), o.ranks,
                     {o.memory_gbs, o.disk_gbs, o.bus_gbs, o.pcie_gbs, o.gpu_update_gps});
+    if (o.ns_gflops > 0) r.newton_schulz = {{1.0, o.ns_gflops * 1e9 / 2}};  // multiply-adds/s
   } catch (const Error& e) {
     bad(e.what());
   }
@@ -219,16 +226,32 @@ PlanOptions parse_plan(const std::vector<std::string>& args) {
   if (o.shape.dim % o.shape.heads != 0) bad("--dim is not a multiple of --heads");
   if (o.device == Device::cpu && (o.pcie_gbs > 0 || o.gpu_update_gps > 0))
     bad("--pcie-gbs and --gpu-update-gps are a GPU's: they need --device cuda");
+  if (o.ns_gflops > 0 && o.optimizer != OptimizerKind::muon)
+    bad("--ns-gflops is Muon's: it needs --optimizer muon");
   if (o.inter_node_gbs > 0 && !o.link_calibration.empty())
     bad("--inter-node-gbs and --link-calibration both give the link: one of them");
   o.timed = !o.calibration.empty() || o.memory_gbs > 0 || o.disk_gbs > 0 || o.bus_gbs > 0 ||
-            o.pcie_gbs > 0 || o.gpu_update_gps > 0;
+            o.pcie_gbs > 0 || o.gpu_update_gps > 0 || o.ns_gflops > 0;
   if (o.timed)
     set_rates(o);
   else if (o.compute_s > 0 || o.inter_node_gbs > 0 || !o.link_calibration.empty())
     bad("--compute-s, --inter-node-gbs and --link-calibration time the step: they need "
         "--calibration or a typed rate (--memory-gbs, --disk-gbs, --bus-gbs, ...)");
   return o;
+}
+
+std::vector<OptimizerOptions> plan_groups(const Config& cfg) {
+  OptimizerOptions no_decay = cfg.optimizer;
+  if (cfg.optimizer.kind != OptimizerKind::muon) {
+    no_decay.weight_decay = 0;
+    return {no_decay};
+  }
+  OptimizerOptions adamw;  // the demo's AdamW beside Muon (its learning rate plays no part here)
+  adamw.kind = OptimizerKind::adamw;
+  adamw.weight_decay = cfg.optimizer.weight_decay;
+  no_decay = adamw;
+  no_decay.weight_decay = 0;
+  return {no_decay, adamw};
 }
 
 Config plan_config(const PlanOptions& o) {
@@ -244,7 +267,7 @@ Config plan_config(const PlanOptions& o) {
 
 namespace {
 
-std::vector<PlanUnit> units_from_file(const std::string& path) {
+std::vector<PlanUnit> units_from_file(const std::string& path, bool muon) {
   std::ifstream f(path);
   if (!f) bad("--units " + path + " cannot be read");
   std::vector<PlanUnit> units;
@@ -257,7 +280,7 @@ std::vector<PlanUnit> units_from_file(const std::string& path) {
       PlanUnit pu{u.at("name").get<std::string>(), {}};
       for (const nlohmann::json& p : u.at("params")) {
         Param q{p.at("name").get<std::string>(), p.at("shape").get<std::vector<int64_t>>()};
-        q.group = p.value("decay", true) ? 0 : 1;
+        q.group = !p.value("decay", true) ? 1 : muon && !p.value("muon", true) ? 2 : 0;
         pu.params.push_back(std::move(q));
       }
       units.push_back(std::move(pu));
@@ -274,7 +297,7 @@ std::vector<PlanUnit> units_from_file(const std::string& path) {
 std::vector<PlanUnit> plan_model(const PlanOptions& o, std::string& title) {
   std::vector<PlanUnit> units;
   if (!o.units_file.empty()) {
-    units = units_from_file(o.units_file);
+    units = units_from_file(o.units_file, o.optimizer == OptimizerKind::muon);
     title = o.units_file;
   } else if (o.total_params > 0) {
     for (int64_t left = o.total_params, i = 0; left > 0; left -= o.largest_unit, ++i)
@@ -284,7 +307,8 @@ std::vector<PlanUnit> plan_model(const PlanOptions& o, std::string& title) {
     for (const zsdemo::UnitSpec& u : zsdemo::gpt_units(o.shape)) {
       PlanUnit pu{u.name, {}};
       for (const zsdemo::ParamSpec& p : u.params)
-        pu.params.push_back(Param{p.name, p.shape, p.decay ? 0 : 1});
+        pu.params.push_back(
+            Param{p.name, p.shape, zsdemo::gpt_group(u, p, o.optimizer == OptimizerKind::muon)});
       units.push_back(std::move(pu));
     }
     title = "GPT: " + std::to_string(o.shape.layers) + " blocks of width " +

@@ -33,7 +33,8 @@ struct PlanOptions {
   double inter_node_gbs = 0;  // each node's link, GB/s
   std::string link_calibration;
   double memory_gbs = 0, disk_gbs = 0, bus_gbs = 0, pcie_gbs = 0, gpu_update_gps = 0;
-  bool timed = false;  // a calibration file or a typed rate: a step column
+  double ns_gflops = 0;  // Muon's Newton-Schulz iteration, GFLOP/s at every size
+  bool timed = false;    // a calibration file or a typed rate: a step column
   zeroshard::MachineRates rates;
 };
 
@@ -46,9 +47,14 @@ PlanOptions parse_plan(const std::vector<std::string>& args);
 /// The engine's settings the plan is made for (stage and tiers vary per row).
 zeroshard::Config plan_config(const PlanOptions& o);
 
+/// The parameter groups after the first: group 1 without weight decay; with Muon, groups 1
+/// and 2 are AdamW's (the demo's: vectors, and the embeddings and head).
+std::vector<zeroshard::OptimizerOptions> plan_groups(const zeroshard::Config& cfg);
+
 /// The model's units (a parameter whose "decay" is false in group 1, which the plan gives no
-/// weight decay), and a line naming the model. Throws std::invalid_argument on a units file
-/// that cannot be read or is not a list of units.
+/// weight decay; with --optimizer muon, the GPT's embeddings and head, and a units file's
+/// parameters whose "muon" is false, in group 2), and a line naming the model. Throws
+/// std::invalid_argument on a units file that cannot be read or is not a list of units.
 std::vector<zeroshard::PlanUnit> plan_model(const PlanOptions& o, std::string& title);
 
 }  // namespace zsplan

@@ -56,19 +56,15 @@ void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool wit
     no_decay = adamw;
     adamw.weight_decay = engine.config().optimizer.weight_decay;
   }
-  const int nd = engine.add_group(no_decay);
-  const int outer = muon ? engine.add_group(adamw) : 0;
+  engine.add_group(no_decay);            // group 1
+  if (muon) engine.add_group(adamw);     // group 2 (gpt_group())
   std::vector<std::vector<float>> keep;  // initial values must live until finalize()
   for (const UnitSpec& u : gpt_units(shape)) {
     std::vector<std::vector<float>> init;
     if (with_init) init = gpt_init(shape, u, seed);
     std::vector<zeroshard::Param> params;
     for (size_t i = 0; i < u.params.size(); ++i) {
-      const bool embedding = u.name == "embed" || u.params[i].name == "lm.w";
-      zeroshard::Param p{u.params[i].name, u.params[i].shape,
-                         !u.params[i].decay ? nd
-                         : embedding        ? outer
-                                            : 0};
+      zeroshard::Param p{u.params[i].name, u.params[i].shape, gpt_group(u, u.params[i], muon)};
       if (with_init) {
         keep.push_back(std::move(init[i]));
         p.init = {keep.back().data(), int64_t(keep.back().size()), DType::f32};

@@ -89,4 +89,10 @@ ZS_API PcieRates time_pcie(int device, int64_t bytes, int reps);
 /// does not have.
 ZS_API double time_update(const Config& cfg, int64_t n, int reps);
 
+/// Muon's Newton–Schulz iteration alone (f32, `steps` steps), as an engine's owner rank runs it
+/// on the CPU on a rows × cols matrix: the median of `reps` after one untimed, in seconds. Its
+/// multiply-adds (the iteration's cost that owners are balanced by) are written to `madds`.
+/// MachineRates::newton_schulz holds such points.
+ZS_API double time_newton_schulz(int64_t rows, int64_t cols, int steps, int reps, double* madds);
+
 }  // namespace zeroshard

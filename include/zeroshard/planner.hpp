@@ -49,10 +49,11 @@ struct PlanChoice {
 
 /// plan_memory() for every stage and offload choice (stages 0–3; optimizer state on the device,
 /// host or, from stage 1, nvme tier; at stage 3 parameters on each tier too), with `base`'s other
-/// settings: what `zeroshard plan` and zeroshard.estimate() print. For a GPU engine, only the
-/// choices it takes (Config::validate(): no stage 0 with the optimizer off the GPU, no
-/// parameters off it with the optimizer on it), and its reason when it takes none. Throws what
-/// the engine throws for a choice a CPU engine refuses too (the base's settings at fault).
+/// settings: what `zeroshard plan` and zeroshard.estimate() print. Only the choices the engine
+/// takes (Config::validate(): a GPU engine's take no stage 0 with the optimizer off the GPU and
+/// no parameters off it with the optimizer on it; Muon's no parameters on nvme beside the state
+/// in memory); where it takes none, throws the first choice's reason (the base's settings at
+/// fault).
 ZS_API std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanUnit>& units,
                                             int world,
                                             const std::vector<OptimizerOptions>& groups = {});
@@ -135,6 +136,12 @@ struct MachineRates {
   /// host memory copied to and from the GPU (PCIe), in GB/s. 0: not measured.
   double gpu_update_params_per_s = 0;
   double h2d_gbs = 0, d2h_gbs = 0;
+  /// Muon's Newton–Schulz iteration on the CPU (kernels/cpu/newton_schulz.hpp), as
+  /// (multiply-adds of one matrix's iteration, multiply-adds per second) points in increasing
+  /// size: a matrix between two points takes the rate interpolated on a log scale, one outside
+  /// them the nearest point's. `zeroshard calibrate` measures square matrices; `zeroshard plan
+  /// --ns-gflops` types one rate for every size. Empty: not measured.
+  std::vector<std::pair<double, double>> newton_schulz;
 };
 
 /// The collectives of an engine on `world` ranks sharded in groups of `group` (0: all of them)
@@ -208,6 +215,12 @@ struct StepPrediction {
   /// The update in memory: on the CPU, or on the GPU where a GPU engine keeps its optimizer
   /// state there.
   double optimizer_s = 0;
+  /// Muon: the Newton–Schulz iteration, included in optimizer_s. Each unit's matrices are
+  /// orthogonalised by their owners (cpu::assign_owners()) before the unit's update, and the
+  /// unit waits for its slowest rank: the sum over units of the busiest rank's iteration. Its
+  /// exchange (an all-gather and a reduce-scatter of f32 directions per unit over the shard group,
+  /// an all-reduce at stage 0) runs after backward and is in comm_s, hidden by nothing.
+  double newton_schulz_s = 0;
   /// A GPU engine's copies between its memory and pinned host memory that the step waits for:
   /// the reduced gradient shards going down to a CPU optimizer (beside the reductions, hidden
   /// with them); the new parameters going up, each unit's as the CPU update finishes it (a
@@ -229,10 +242,14 @@ struct StepPrediction {
 /// recorded order, so the reads and the gathers' collectives run side by side and the slower
 /// sets the pace) and the update writes every new shard. A GPU engine (Config::device cuda)
 /// adds its host↔GPU copies (StepPrediction::pcie_s) and updates in GPU memory at
-/// MachineRates::gpu_update_params_per_s. Throws Error(invalid_argument) for a rate it needs
-/// that is 0, Error(invalid_config) for a configuration the engine refuses (Config::validate(),
-/// with nvme paths not needed).
+/// MachineRates::gpu_update_params_per_s. `groups` are the parameter groups after the first
+/// (Engine::add_group()), as plan_memory() takes them: a Muon engine's matrices are those in its
+/// muon groups, and its update is timed at the AdamW rate (the same streams but one moment
+/// fewer and the direction read). Throws Error(invalid_argument) for a rate it needs that is 0,
+/// Error(invalid_config) for a configuration the engine refuses (Config::validate(), with nvme
+/// paths not needed).
 ZS_API StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
-                                   const MachineRates& rates);
+                                   const MachineRates& rates,
+                                   const std::vector<OptimizerOptions>& groups = {});
 
 }  // namespace zeroshard

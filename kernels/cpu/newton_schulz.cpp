@@ -61,6 +61,24 @@ double newton_schulz_cost(int64_t rows, int64_t cols, int steps) {
   return double(steps) * (2 * m * m * n + m * m * m);
 }
 
+std::vector<int> assign_owners(const std::vector<double>& cost, std::vector<double>& load) {
+  std::vector<size_t> order(cost.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+  std::vector<double> here(load.size(), 0.0);
+  std::vector<int> owner(cost.size(), 0);
+  for (size_t i : order) {
+    size_t best = 0;
+    for (size_t r = 1; r < load.size(); ++r)
+      if (std::make_pair(here[r], load[r]) < std::make_pair(here[best], load[best])) best = r;
+    owner[i] = int(best);
+    here[best] += cost[i];
+    load[best] += cost[i];
+  }
+  return owner;
+}
+
 void newton_schulz(float* x, int64_t rows, int64_t cols, int steps, float eps, bool bf16,
                    std::vector<float>& scratch) {
   const bool tall = rows > cols;

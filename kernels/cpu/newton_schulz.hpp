@@ -23,6 +23,14 @@ void newton_schulz(float* x, int64_t rows, int64_t cols, int steps, float eps, b
 /// Multiply-adds of newton_schulz() on a rows × cols matrix: what owners are balanced by.
 double newton_schulz_cost(int64_t rows, int64_t cols, int steps);
 
+/// Which rank orthogonalises each of one unit's matrices, whose newton_schulz_cost() are `cost`
+/// (in the unit's order): the costliest first (ties in the unit's order), each to the rank with
+/// the least work in this unit so far, then the least over the whole model (`load`, one entry
+/// per rank of the shard group, added to here), then the lowest rank. So each unit's iteration
+/// is spread over the group, and so is the model's. The engine (src/engine_muon.cpp) and the
+/// planner's step time (src/planner/plan_time.cpp) both take their owners from here.
+std::vector<int> assign_owners(const std::vector<double>& cost, std::vector<double>& load);
+
 /// Whether this build multiplies with OpenBLAS (else plain loops).
 bool newton_schulz_uses_blas();
 

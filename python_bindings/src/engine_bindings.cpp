@@ -805,7 +805,7 @@ void bind_plan(nb::module_& m) {
           if (timed) {
             StepPrediction p;
             try {
-              p = predict_step(c.config, us, world, rates);
+              p = predict_step(c.config, us, world, rates, groups);
             } catch (const Error& e) {  // not modelled, or a rate the file lacks
               d["step_note"] = std::string(e.what());
               out.append(d);
@@ -816,6 +816,7 @@ void bind_plan(nb::module_& m) {
             st["compute_s"] = p.compute_s;
             st["comm_s"] = p.comm_s;
             st["optimizer_s"] = p.optimizer_s;
+            st["newton_schulz_s"] = p.newton_schulz_s;
             st["nvme_s"] = p.nvme_s;
             st["pcie_s"] = p.pcie_s;
             d["step"] = st;
@@ -832,7 +833,8 @@ void bind_plan(nb::module_& m) {
       "of dicts (stage, optimizer, params, bytes on device/host/nvme and model_states, of the "
       "rank that holds the most). With `calibration` (a file `zeroshard calibrate` wrote), each "
       "dict's `step` is predict_step()'s split of the engine's step in seconds (total_s, "
-      "compute_s as given, comm_s, optimizer_s, pcie_s, nvme_s); where it cannot be predicted "
+      "compute_s as given, comm_s, optimizer_s with Muon's newton_schulz_s in it, pcie_s, "
+      "nvme_s); where it cannot be predicted "
       "(a rate not given) `step` is None and `step_note` says why. Typed rates stand in for "
       "the file's or override them (set_typed_rates()): memory_gbs, disk_gbs, bus_gbs, and a GPU "
       "engine's pcie_gbs and gpu_update_gps.");

@@ -186,18 +186,14 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
         // The plan lays swap files out in a directory of its own: any path stands for a disk.
         for (OffloadOptions* o : {&cfg.offload_optimizer, &cfg.offload_param})
           if (o->nvme_paths.empty()) o->nvme_paths = {"nvme"};
-        // A choice a GPU engine refuses (Config::validate()) is not a choice; what a CPU engine
-        // refuses too is the base's fault, and said.
-        if (cfg.device != Device::cpu) {
-          Config on_cpu = cfg;
-          on_cpu.device = Device::cpu;
-          on_cpu.validate();
-          try {
-            cfg.validate();
-          } catch (const Error& e) {
-            if (!refused) refused = e;
-            continue;
-          }
+        // A choice the engine refuses (Config::validate(): a GPU engine's, or Muon's with
+        // stage 3's parameters on nvme beside the state in memory) is not a choice; where every
+        // choice is refused, the base is, and the first reason is said.
+        try {
+          cfg.validate();
+        } catch (const Error& e) {
+          if (!refused) refused = e;
+          continue;
         }
         PlanChoice c{stage, opt, par, {}, 0, cfg};
         for (int r : {0, world - 1}) {

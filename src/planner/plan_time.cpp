@@ -2,6 +2,7 @@
 // planner. Per unit, the engine's own layout (plan_unit()) gives the bytes each collective moves
 // and the elements this rank updates; the machine's rates turn them into seconds.
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -9,6 +10,7 @@
 #include "base/check.hpp"
 #include "base/layout.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/newton_schulz.hpp"
 #include "zeroshard/planner.hpp"
 
 namespace zeroshard {
@@ -94,6 +96,10 @@ MachineRates read_calibration(const std::string& path, const Config& cfg) {
       return where.at("state_formats").at(fmt).at(key).get<double>();
     };
     r.update_params_per_s = measured(adamw, "params_per_s");
+    at = "newton_schulz.points_madds_per_s";  // absent in files from before it was measured
+    if (j.contains("newton_schulz"))
+      for (const json& p : j.at("newton_schulz").at("points_madds_per_s"))
+        r.newton_schulz.push_back({p.at(0).get<double>(), p.at(1).get<double>()});
     at = "collectives";
     const json& c = j.at("collectives");
     for (auto [name, rate] :
@@ -208,8 +214,22 @@ void set_bus_bandwidth(MachineRates& r, double bus_gbs, int world, int group) {
       0, replicas > 1 ? bus_gbs * replicas / (2.0 * (replicas - 1)) : bus_gbs, {}, {}, {}};
 }
 
+// Seconds of Muon's iteration on a matrix of `madds` multiply-adds at the rates measured (see
+// MachineRates::newton_schulz): interpolated on a log scale between points, the nearest outside.
+double newton_schulz_seconds(const std::vector<std::pair<double, double>>& pts, double madds) {
+  if (madds <= pts.front().first) return madds / pts.front().second;
+  if (madds >= pts.back().first) return madds / pts.back().second;
+  size_t i = 1;
+  while (pts[i].first < madds) ++i;
+  const auto [x0, r0] = pts[i - 1];
+  const auto [x1, r1] = pts[i];
+  const double t = std::log(madds / x0) / std::log(x1 / x0);
+  return madds / std::exp(std::log(r0) + t * std::log(r1 / r0));
+}
+
 StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& units, int world,
-                            const MachineRates& rates) {
+                            const MachineRates& rates,
+                            const std::vector<OptimizerOptions>& groups) {
   if (world < 1) ZS_THROW(invalid_argument, "predict_step(): world " << world);
   {  // a choice the engine refuses (a GPU engine's) has no step; a prediction needs no disk
     Config c = cfg;
@@ -256,6 +276,26 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
              "predict_step(): a GPU engine with its optimizer or parameters off the GPU copies "
              "them over PCIe, whose rates are not measured (zeroshard calibrate --device cuda "
              "measures them; zeroshard plan takes them typed as --pcie-gbs)");
+  // Muon's matrices: the parameters of its muon groups (src/engine_muon.cpp).
+  auto group_of = [&](int g) -> const OptimizerOptions& {
+    if (g < 0 || g > int(groups.size()))
+      ZS_THROW(invalid_argument, "predict_step(): a parameter of group "
+                                     << g << " with " << groups.size() + 1 << " group(s)");
+    return g == 0 ? cfg.optimizer : groups[size_t(g - 1)];
+  };
+  const bool muon = cfg.optimizer.kind == OptimizerKind::muon;
+  if (muon) {
+    if (rates.newton_schulz.empty())
+      ZS_THROW(invalid_argument,
+               "predict_step(): Muon's Newton-Schulz rate is not measured (zeroshard calibrate "
+               "measures it; zeroshard plan takes it typed as --ns-gflops)");
+    for (size_t i = 0; i < rates.newton_schulz.size(); ++i)
+      if (!(rates.newton_schulz[i].first > 0 && rates.newton_schulz[i].second > 0) ||
+          (i > 0 && !(rates.newton_schulz[i].first > rates.newton_schulz[i - 1].first)))
+        ZS_THROW(invalid_argument,
+                 "predict_step(): MachineRates::newton_schulz needs positive "
+                 "points in increasing size");
+  }
   const double pbytes = double(dtype_size(cfg.dtype));
   const int k = cfg.gradient_accumulation_steps;
   // Groups (Config::shard_group_size) and nodes: the rings of a collective within each group,
@@ -294,6 +334,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   };
   const double block_out = link.nodes - 1.0, buffer_out = 2.0 * (link.nodes - 1) / link.nodes;
   double updated = 0, grads = 0, gathers = 0, after = 0;  // elements; seconds of collectives
+  std::vector<double> ns_load(size_t(group), 0.0);        // Muon: each rank's iteration so far
+  double ns = 0;                                          // seconds of the iteration
   double param_read = 0, param_write = 0;                 // bytes of nvme parameter shards
   double down = 0, gather_up = 0;                         // bytes between the GPU and host memory
   // Per unit, in the order the update takes them: its update's seconds and its new shard's
@@ -315,7 +357,32 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
         update_then_up.emplace_back(mine / update_rate, shard / (rates.h2d_gbs * 1e9));
     }
     if (gpu && params_off) gather_up += 2.0 * k * shard;  // up before each gather
-    if (world == 1) continue;                             // a one-rank engine runs no collective
+    std::vector<double> cost;                             // Muon: this unit's matrices
+    for (const Param& q : u.params) {
+      const OptimizerOptions& g = group_of(q.group);
+      const int64_t n = shape_numel(q.shape);
+      if (g.kind != OptimizerKind::muon || q.shape.size() < 2 || n == 0) continue;
+      cost.push_back(cpu::newton_schulz_cost(q.shape[0], n / q.shape[0], g.ns_steps));
+    }
+    if (!cost.empty()) {  // the unit waits for its busiest owner, then exchanges in f32
+      const std::vector<int> owner = cpu::assign_owners(cost, ns_load);
+      std::vector<double> busy(ns_load.size(), 0.0);
+      for (size_t i = 0; i < cost.size(); ++i)
+        busy[size_t(owner[i])] += newton_schulz_seconds(rates.newton_schulz, cost[i]);
+      ns += *std::max_element(busy.begin(), busy.end());
+      const double dir = double(L.shard_numel) * 4;
+      if (cfg.stage == 0 && world > 1)
+        after += timed(within_hops, 2.0 * (group - 1) / group * double(L.padded_numel) * 4,
+                       rates.all_reduce.seconds(double(L.padded_numel) * 4, Buffers::warm), 1,
+                       link.all_reduce, buffer_out);
+      else if (cfg.stage > 0 && group > 1)
+        after +=
+            timed(within_hops, (group - 1) * dir, rates.all_gather.seconds(dir, Buffers::warm), 1,
+                  link.all_gather, block_out) +
+            timed(within_hops, (group - 1) * dir, rates.reduce_scatter.seconds(dir, Buffers::warm),
+                  1, link.reduce_scatter, block_out);
+    }
+    if (world == 1) continue;  // a one-rank engine runs no collective
     // Stages 0-1 reduce each unit's own whole gradient buffer, all units' in flight at once
     // (queued), and stage 0 gathers the reduced shards back into it, one unit at a time as each
     // reduction lands (cold); stages 2-3 reduce from reused staging slots (warm). Stages 1-2
@@ -356,7 +423,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   };
   const double exposed = exposed_of(grads + gathers);
   p.comm_s = exposed + after;
-  (nvme ? p.nvme_s : p.optimizer_s) = updated / update_rate;
+  (nvme ? p.nvme_s : p.optimizer_s) = updated / update_rate + ns;
+  p.newton_schulz_s = ns;
   // The GPU's copies. Downloads of the reduced shards as the reductions land, beside them (hidden
   // with them). Stage 3's shards off the GPU go up just before their gathers, on the compute
   // stream, which the trainer's kernels share (ZeroOptimizer runs the engine on torch's stream):

@@ -1,11 +1,12 @@
-// time_pcie() and time_update() (zeroshard/calibration.hpp): a device measured through the
-// engine's own backend (src/compute): pinned host memory to and from a GPU as its staged tiers
-// copy it (Compute::copy up, Compute::download down), and the fused update alone as its state
-// tier issues it (Compute::update).
+// time_pcie(), time_update() and time_newton_schulz() (zeroshard/calibration.hpp): a device
+// measured through the engine's own backend (src/compute): pinned host memory to and from a GPU
+// as its staged tiers copy it (Compute::copy up, Compute::download down), the fused update alone
+// as its state tier issues it (Compute::update), and Muon's iteration as its owner runs it.
 #include <vector>
 
 #include "base/check.hpp"
 #include "base/ledger.hpp"
+#include "kernels/cpu/newton_schulz.hpp"
 #include "kernels/cpu/quant_code.hpp"
 #include "src/compute/compute.hpp"
 #include "src/planner/timing.hpp"
@@ -109,6 +110,23 @@ double time_update(const Config& cfg, int64_t n, int reps) {
     dev->synchronize();
     if (r > 0) t.push_back(now_s() - t0);
   }
+  return median(t);
+}
+
+double time_newton_schulz(int64_t rows, int64_t cols, int steps, int reps, double* madds) {
+  if (rows < 1 || cols < 1 || steps < 1 || reps < 1)
+    ZS_THROW(invalid_argument, "time_newton_schulz(): a " << rows << " x " << cols << " matrix, "
+                                                          << steps << " steps, " << reps
+                                                          << " repetitions");
+  std::vector<float> x(size_t(rows * cols)), scratch;
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float(int(i % 97) - 48) * 1e-3f;
+  std::vector<double> t;
+  for (int r = 0; r <= reps; ++r) {  // the first untimed: scratch grown, pages touched
+    const double t0 = now_s();
+    cpu::newton_schulz(x.data(), rows, cols, steps, 1e-7f, false, scratch);
+    if (r > 0) t.push_back(now_s() - t0);
+  }
+  if (madds) *madds = cpu::newton_schulz_cost(rows, cols, steps);
   return median(t);
 }
 

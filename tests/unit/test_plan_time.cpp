@@ -454,6 +454,7 @@ struct TempFile {
 
 const char* kGood = R"({"schema": "zeroshard-calibration/1",
   "optimizer": {"adamw": {"f32": {"params_per_s": 2e9}, "bf16": {"params_per_s": 3e9}}},
+  "newton_schulz": {"points_madds_per_s": [[1e7, 2e10], [3e9, 5e10]]},
   "collectives": {
     "reduce_scatter": {"latency_s": 1e-5, "bandwidth_gbs": 2, "points_bytes_s": [[4096, 1e-5], [8192, 3e-5]],
                        "cold": {"latency_s": 2e-5, "bandwidth_gbs": 1, "points_bytes_s": [[4096, 2e-5], [8192, 5e-5]]},
@@ -509,6 +510,18 @@ TEST(PlanTime, ReadsACalibrationFile) {
   EXPECT_EQ(b.reduce_scatter.queued[1].second, 7e-5);
   EXPECT_EQ(b.all_gather.bandwidth_gbs, 4);
   EXPECT_TRUE(b.all_gather.cold.empty());
+  ASSERT_EQ(b.newton_schulz.size(), 2u);
+  EXPECT_EQ(b.newton_schulz[1].first, 3e9);
+  EXPECT_EQ(b.newton_schulz[1].second, 5e10);
+  EXPECT_TRUE(  // files from before it was measured
+      read_calibration(
+          TempFile(
+              replace(kGood,
+                      R"("newton_schulz": {"points_madds_per_s": [[1e7, 2e10], [3e9, 5e10]]},)",
+                      ""))
+              .path,
+          with(DType::bf16))
+          .newton_schulz.empty());
   EXPECT_TRUE(b.all_gather.queued.empty());  // not in the file: as files from before it
   EXPECT_EQ(b.all_reduce.bandwidth_gbs, 3);
   EXPECT_EQ(b.nvme_step_params_per_s, 5e7);
@@ -641,5 +654,52 @@ TEST(PlanTime, ReadsEachMomentFormatsOwnRates) {
     EXPECT_NE(std::string(e.what()).find("f32 moments and a bf16 master is not measured"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// Muon: each unit's matrices are orthogonalised by their owners (the costliest first, to the
+// least busy rank) and the unit waits for the busiest; its f32 directions are all-gathered and
+// reduce-scattered after backward, hidden by nothing.
+TEST(PlanTime, MuonAddsItsBusiestOwnersIterationAndItsExchange) {
+  MachineRates r = rates();
+  r.newton_schulz = {{1e6, 1e9}, {1e8, 4e9}};  // multiply-adds per second, faster when larger
+  Config c = cfg(2);
+  c.optimizer.kind = OptimizerKind::muon;
+  OptimizerOptions adamw;
+  adamw.kind = OptimizerKind::adamw;
+  // One unit of two 64 x 64 matrices and a vector (AdamW, group 1), one of a 32 x 128 matrix.
+  const std::vector<PlanUnit> units = {
+      {"a", {Param{"w1", {64, 64}}, Param{"w2", {64, 64}}, Param{"b", {64}, 1}}},
+      {"b", {Param{"w3", {32, 128}}}}};
+  Config plain = c;
+  plain.optimizer.kind = OptimizerKind::adamw;
+  const StepPrediction base = predict_step(plain, units, 2, r, {adamw});
+  const StepPrediction p = predict_step(c, units, 2, r, {adamw});
+  // 5 steps of 2·m²·n + m³ multiply-adds (m ≤ n): 64 x 64 is 3 · 64³ · 5, at 1.59e9/s (log
+  // interpolation between the points); 32 x 128: (2 · 32² · 128 + 32³) · 5.
+  const double sq = 3.0 * 64 * 64 * 64 * 5, wide = (2.0 * 32 * 32 * 128 + 32.0 * 32 * 32) * 5;
+  auto secs = [](double madds) {  // the rate at madds, interpolated on a log scale
+    const double t = std::log(madds / 1e6) / std::log(1e8 / 1e6);
+    return madds / std::exp(std::log(1e9) + t * std::log(4.0));
+  };
+  // Unit a: one matrix per rank (in parallel); unit b: one matrix, on one rank.
+  EXPECT_NEAR(p.newton_schulz_s, secs(sq) + secs(wide), 1e-15);
+  EXPECT_NEAR(p.optimizer_s, base.optimizer_s + p.newton_schulz_s, 1e-15);
+  // Unit a: 4096·2 + 64 elements padded to 8448 (shards of 128-element multiples: 4224); unit
+  // b: 4096, shards of 2048. An all-gather and a reduce-scatter of each f32 shard.
+  auto f32 = [](double elements) { return 10e-6 + elements * 4 / 1e9; };
+  EXPECT_NEAR(p.comm_s - base.comm_s, 2 * (f32(4224) + f32(2048)), 1e-15);
+  // One rank: the iteration of every matrix, no exchange.
+  const StepPrediction one = predict_step(c, units, 1, r, {adamw});
+  EXPECT_NEAR(one.newton_schulz_s, 2 * secs(sq) + secs(wide), 1e-15);
+  EXPECT_DOUBLE_EQ(one.comm_s, 0);
+  // Not measured: refused by name.
+  MachineRates none = r;
+  none.newton_schulz.clear();
+  try {
+    (void)predict_step(c, units, 2, none, {adamw});
+    FAIL() << "Muon predicted without its iteration's rate";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--ns-gflops"), std::string::npos) << e.what();
   }
 }
