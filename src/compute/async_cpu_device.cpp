@@ -286,8 +286,9 @@ class AsyncCpuDevice final : public StreamDevice {
   Stream adopt_stream(void* trainer_stream) override {
     if (!is_trainer_stream(trainer_stream))
       ZS_THROW(invalid_argument,
-               "set_stream(): the engine runs on the asynchronous CPU device "
-               "(zeroshard.async_device), which takes only an AsyncTrainerStream's handle");
+               "set_stream(): the engine runs on the CPU (the asynchronous CPU device, "
+               "zeroshard.async_device); streams belong to the cuda device (the tests' "
+               "AsyncTrainerStream aside)");
     std::lock_guard<std::mutex> lock(mu_);
     if (std::find(adopted_.begin(), adopted_.end(), trainer_stream) == adopted_.end())
       adopted_.push_back(static_cast<CpuStream*>(trainer_stream));
