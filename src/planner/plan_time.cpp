@@ -358,7 +358,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     }
     if (gpu && params_off) gather_up += 2.0 * k * shard;  // up before each gather
     std::vector<double> cost;                             // Muon: this unit's matrices
-    for (const Param& q : u.params) {
+    for (size_t j = 0; muon && j < u.params.size(); ++j) {
+      const Param& q = u.params[j];
       const OptimizerOptions& g = group_of(q.group);
       const int64_t n = shape_numel(q.shape);
       if (g.kind != OptimizerKind::muon || q.shape.size() < 2 || n == 0) continue;
