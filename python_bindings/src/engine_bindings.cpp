@@ -777,7 +777,7 @@ void bind_plan(nb::module_& m) {
       [](const Config& cfg, const PyUnits& units, int world,
          const std::vector<OptimizerOptions>& groups, const std::string& calibration,
          double compute_s, double memory_gbs, double disk_gbs, double bus_gbs, double pcie_gbs,
-         double gpu_update_gps) {
+         double gpu_update_gps, double ns_gflops) {
         const std::vector<PlanUnit> us = plan_units(units);
         std::vector<PlanChoice> cs;
         MachineRates rates;
@@ -788,10 +788,11 @@ void bind_plan(nb::module_& m) {
         }
         // As `zeroshard plan` takes them: typed rates over the file's.
         const bool timed = !calibration.empty() || memory_gbs > 0 || disk_gbs > 0 || bus_gbs > 0 ||
-                           pcie_gbs > 0 || gpu_update_gps > 0;
+                           pcie_gbs > 0 || gpu_update_gps > 0 || ns_gflops > 0;
         rates.compute_s = compute_s;
         set_typed_rates(rates, cfg, world,
                         {memory_gbs, disk_gbs, bus_gbs, pcie_gbs, gpu_update_gps});
+        if (ns_gflops > 0) rates.newton_schulz = {{1.0, ns_gflops * 1e9 / 2}};  // multiply-adds/s
         nb::list out;
         for (const PlanChoice& c : cs) {
           nb::dict d;
@@ -829,6 +830,7 @@ void bind_plan(nb::module_& m) {
       nb::arg("groups") = std::vector<OptimizerOptions>{}, nb::arg("calibration") = "",
       nb::arg("compute_s") = 0.0, nb::arg("memory_gbs") = 0.0, nb::arg("disk_gbs") = 0.0,
       nb::arg("bus_gbs") = 0.0, nb::arg("pcie_gbs") = 0.0, nb::arg("gpu_update_gps") = 0.0,
+      nb::arg("ns_gflops") = 0.0,
       "plan_memory() for every stage and offload choice, with config's other settings: a list "
       "of dicts (stage, optimizer, params, bytes on device/host/nvme and model_states, of the "
       "rank that holds the most). With `calibration` (a file `zeroshard calibrate` wrote), each "
@@ -836,8 +838,9 @@ void bind_plan(nb::module_& m) {
       "compute_s as given, comm_s, optimizer_s with Muon's newton_schulz_s in it, pcie_s, "
       "nvme_s); where it cannot be predicted "
       "(a rate not given) `step` is None and `step_note` says why. Typed rates stand in for "
-      "the file's or override them (set_typed_rates()): memory_gbs, disk_gbs, bus_gbs, and a GPU "
-      "engine's pcie_gbs and gpu_update_gps.");
+      "the file's or override them (set_typed_rates()): memory_gbs, disk_gbs, bus_gbs, a GPU "
+      "engine's pcie_gbs and gpu_update_gps, and Muon's ns_gflops (its Newton-Schulz "
+      "iteration, GFLOP/s at every size).");
   m.def(
       "plan_memory",
       [](const Config& cfg, const PyUnits& units, int world, int rank,

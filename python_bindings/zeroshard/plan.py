@@ -53,15 +53,18 @@ class Estimate:
         return "\n".join(lines)
 
 
-def _units_of(model, unit_numel):
-    """(units, dtype) of a torch module as ZeroOptimizer registers it, or of a unit list."""
+def _units_of(model, unit_numel, muon=False):
+    """(units, dtype) of a torch module as ZeroOptimizer registers it, or of a unit list. With
+    muon, a module's matrices are in group 0 (Muon's) and the rest in group 1 (AdamW's), as
+    ZeroOptimizer(optimizer="muon") splits a model by default."""
     if isinstance(model, (list, tuple)):
         return list(model), None
     from .torch import _TORCH_DTYPES, partition_units  # torch only when given a torch model
     units = []
     dtypes = set()
     for name, _, named in partition_units(model, unit_numel):
-        units.append((name, [_core.Param(n, shape=list(p.shape)) for n, p in named]))
+        units.append((name, [_core.Param(n, shape=list(p.shape),
+                                         group=int(muon and p.dim() < 2)) for n, p in named]))
         dtypes.update(p.dtype for _, p in named)
     if len(dtypes) != 1 or next(iter(dtypes)) not in _TORCH_DTYPES:
         raise _core.InvalidArgumentError(
@@ -93,12 +96,15 @@ def _deepspeed(stage, opt, par, total, largest, world, per_node):
 def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adamw",
              optimizer_state="f32", bf16_master=False, unit_numel=1 << 25, device_gib=None,
              host_gib=None, nvme_gib=None, calibration=None, compute_s=0.0, device="cpu",
-             memory_gbs=None, disk_gbs=None, bus_gbs=None, pcie_gbs=None, gpu_update_gps=None):
+             memory_gbs=None, disk_gbs=None, bus_gbs=None, pcie_gbs=None, gpu_update_gps=None,
+             ns_gflops=None):
     """An Estimate of `model` (a torch.nn.Module, or a list of (name, [Param]) units) on `world`
     ranks: for every stage and offload choice, the bytes one rank holds on each tier once the
     engine is finalized, and whether they fit the GiB given per rank. dtype: the parameters'
-    (a module's own by default, else "bf16"); optimizer: "adamw", "adam", "lion" or "sgd";
-    optimizer_state ("f32", "bf16", "8bit") and bf16_master as Config takes them.
+    (a module's own by default, else "bf16"); optimizer: "adamw", "adam", "lion", "sgd" or
+    "muon" (a module's matrices Muon's, the rest AdamW's, as ZeroOptimizer splits it; in a unit
+    list, group 1 is AdamW's); optimizer_state ("f32", "bf16", "8bit") and bf16_master as
+    Config takes them.
     With rates, each row's "step" is the engine's predicted step in seconds, split
     (zeroshard::predict_step(); compute_s, the trainer's own forward and backward, is taken as
     given and hides what communication it can). The rates: calibration, a file
@@ -111,8 +117,12 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
     step takes the GPU's rates from a calibration made with `zeroshard calibrate --device cuda`,
     or typed: pcie_gbs (pinned copies, GB/s each way), gpu_update_gps (the update in GPU memory,
     G params/s); on more than one rank the collectives need bus_gbs (a calibration's
-    collectives are the host's). Each step then has pcie_s, the host-GPU copies it waits for."""
-    units, model_dtype = _units_of(model, unit_numel)
+    collectives are the host's). Each step then has pcie_s, the host-GPU copies it waits for.
+    With Muon, ns_gflops types its Newton-Schulz iteration's rate on one rank (GFLOP/s; a
+    calibration measures it), and each step's newton_schulz_s is the iteration, part of its
+    optimizer_s."""
+    muon = optimizer == "muon"
+    units, model_dtype = _units_of(model, unit_numel, muon)
     if not units:
         raise _core.InvalidArgumentError("estimate(): the model has no trainable parameters")
     per_node = ranks_per_node or world
@@ -127,14 +137,17 @@ def estimate(model, world=1, *, ranks_per_node=None, dtype=None, optimizer="adam
         raise _core.InvalidArgumentError(
             f"estimate(): {', '.join(k for k, v in gpu.items() if v is not None)} are a GPU's: "
             f"they need device=\"cuda\"")
-    typed = dict(gpu, memory_gbs=memory_gbs, disk_gbs=disk_gbs, bus_gbs=bus_gbs)
+    if ns_gflops is not None and not muon:
+        raise _core.InvalidArgumentError("estimate(): ns_gflops is Muon's: it needs optimizer=\"muon\"")
+    typed = dict(gpu, memory_gbs=memory_gbs, disk_gbs=disk_gbs, bus_gbs=bus_gbs, ns_gflops=ns_gflops)
     timed = bool(calibration) or any(v is not None for v in typed.values())
     if device == "cuda" and timed and world > 1 and not bus_gbs:
         raise _core.InvalidArgumentError(
             f"estimate(): device=\"cuda\" on {world} ranks times the GPUs' collectives at "
             f"bus_gbs (their bus bandwidth, as nccl-tests report it): a calibration's "
             f"collectives are the host's")
-    for r in _core.plan_choices(cfg, units, world, calibration=str(calibration or ""),
+    groups = [_core.OptimizerOptions(kind="adamw")] if muon else []
+    for r in _core.plan_choices(cfg, units, world, groups, calibration=str(calibration or ""),
                                 compute_s=float(compute_s),
                                 **{k: float(v or 0) for k, v in typed.items()}):
         over = [t for t in ("device", "host", "nvme") if limits[t] and r[t] / _GIB > limits[t]]

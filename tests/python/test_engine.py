@@ -247,6 +247,28 @@ def test_estimate_predicts_the_step_from_a_calibration_file(tmp_path):
         zs.estimate(units, world=2, calibration=cal)
 
 
+def test_estimate_times_muons_iteration_on_its_owners():
+    # optimizer="muon": a module's matrices are Muon's and its biases AdamW's (as ZeroOptimizer
+    # splits it); on 2 ranks each unit's one matrix is orthogonalised by one rank, so the step's
+    # iteration is the sum of both matrices' (5 steps of 2·m²·n + m³ multiply-adds, m <= n) at
+    # ns_gflops (2 flops a multiply-add). Without that rate the step is not predicted, and says so.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    est = zs.estimate(model, world=2, optimizer="muon", memory_gbs=10, bus_gbs=5, ns_gflops=2.0)
+    rows = {(r["stage"], r["optimizer"], r["params"]): r for r in est.rows}
+    st = rows[(2, "device", "device")]["step"]
+    madds = 5 * (3 * 64 ** 3) + 5 * (2 * 32 * 32 * 64 + 32 ** 3)
+    assert st["newton_schulz_s"] == pytest.approx(madds / 1e9)
+    assert st["optimizer_s"] > st["newton_schulz_s"]
+    plain = zs.estimate(model, world=2, memory_gbs=10, bus_gbs=5)
+    p = {(r["stage"], r["optimizer"], r["params"]): r for r in plain.rows}[(2, "device", "device")]
+    assert p["step"]["newton_schulz_s"] == 0 and p["step"]["comm_s"] < st["comm_s"]
+    untimed = zs.estimate(model, world=2, optimizer="muon", memory_gbs=10, bus_gbs=5)
+    assert all(r["step"] is None and "ns-gflops" in r["step_note"] for r in untimed.rows
+               if r["optimizer"] != "nvme")
+    with pytest.raises(zs.InvalidArgumentError, match="ns_gflops is Muon's"):
+        zs.estimate(model, world=2, ns_gflops=2.0)
+
+
 def test_estimate_plans_gpu_engines_without_a_gpu(tmp_path, monkeypatch):
     # device="cuda": the choices a GPU engine takes (no stage 0 with the optimizer off the GPU,
     # no parameters off it with the optimizer on it), each the CPU engine's bytes plus the GPU's
