@@ -146,6 +146,11 @@ bool is_trainer_stream(const void* s) {
   const auto& live = trainer_streams();
   return std::find(live.begin(), live.end(), s) != live.end();
 }
+// Every trainer's stream's queued work done.
+void drain_trainer_streams() noexcept {
+  std::lock_guard<std::mutex> lock(trainer_streams_mu);
+  for (CpuStream* s : trainer_streams()) s->drain();
+}
 
 // Host memory whose freeing first waits for the work queued on every stream, as cudaFree
 // does: Buffers the engine drops while a stream still reads them are not freed under it.
@@ -289,15 +294,9 @@ class AsyncCpuDevice final : public StreamDevice {
                "set_stream(): the engine runs on the CPU (the asynchronous CPU device, "
                "zeroshard.async_device); streams belong to the cuda device (the tests' "
                "AsyncTrainerStream aside)");
-    std::lock_guard<std::mutex> lock(mu_);
-    if (std::find(adopted_.begin(), adopted_.end(), trainer_stream) == adopted_.end())
-      adopted_.push_back(static_cast<CpuStream*>(trainer_stream));
     return trainer_stream;
   }
-  void* public_handle(Stream s) const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return std::find(adopted_.begin(), adopted_.end(), s) != adopted_.end() ? s : nullptr;
-  }
+  void* public_handle(Stream s) const override { return is_trainer_stream(s) ? s : nullptr; }
 
   void fill(void* p, unsigned char value, size_t bytes, Stream s) override {
     cs(s)->issue([=] { std::memset(p, value, bytes); });
@@ -333,21 +332,21 @@ class AsyncCpuDevice final : public StreamDevice {
 
  private:
   static CpuStream* cs(Stream s) { return static_cast<CpuStream*>(s); }
-  // Every stream's queued work done, a trainer's stream handed over too, as cudaFree waits for
-  // the whole device (failures stay for its next sync_stream()).
+  // Every stream's queued work done, the trainers' streams too, as cudaFree waits for the whole
+  // device (failures stay for each stream's next synchronisation).
   void wait_all() noexcept {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& s : streams_) s->drain();
-    for (CpuStream* s : adopted_)
-      if (is_trainer_stream(s)) s->drain();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& s : streams_) s->drain();
+    }
+    drain_trainer_streams();
   }
 
   cpu::Arena& arena_;
   const uint64_t seed_;
   const int jitter_us_;
-  mutable std::mutex mu_;  // guards the lists
+  std::mutex mu_;  // guards the list
   std::vector<std::unique_ptr<CpuStream>> streams_;
-  std::vector<CpuStream*> adopted_;    // trainers' streams set_stream() took (not owned)
   std::shared_ptr<WaitingHeap> heap_;  // device memory
   WaitingHeap pinned_;                 // pinned host memory
   double device_sums_[2] = {0, 0};
