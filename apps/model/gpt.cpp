@@ -58,6 +58,20 @@ int gpt_group(const UnitSpec& u, const ParamSpec& p, bool muon) {
   return muon && (u.name == "embed" || p.name == "lm.w") ? 2 : 0;
 }
 
+std::vector<zeroshard::OptimizerOptions> gpt_groups(const zeroshard::OptimizerOptions& first,
+                                                    float adamw_lr) {
+  zeroshard::OptimizerOptions no_decay = first;
+  no_decay.weight_decay = 0.0f;
+  if (first.kind != zeroshard::OptimizerKind::muon) return {no_decay};
+  zeroshard::OptimizerOptions adamw;
+  adamw.kind = zeroshard::OptimizerKind::adamw;
+  adamw.lr = adamw_lr;
+  adamw.weight_decay = first.weight_decay;
+  no_decay = adamw;
+  no_decay.weight_decay = 0.0f;
+  return {no_decay, adamw};
+}
+
 int64_t gpt_param_count(const GptShape& s) {
   int64_t n = 0;
   for (const UnitSpec& u : gpt_units(s))

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "zeroshard/config.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zsdemo {
@@ -48,6 +49,11 @@ std::vector<UnitSpec> gpt_units(const GptShape& s);
 /// weight decay); with Muon, 2 for the embeddings and the output head (AdamW beside Muon, as
 /// Muon's authors train them); else 0 (the blocks' matrices: Muon's with Muon).
 int gpt_group(const UnitSpec& u, const ParamSpec& p, bool muon);
+/// The groups after the first that gpt_group() names, for a first group `first`: group 1 is
+/// `first` without weight decay; with Muon, groups 1 and 2 are AdamW's at `adamw_lr`, group 1
+/// without weight decay and group 2 with first's.
+std::vector<zeroshard::OptimizerOptions> gpt_groups(const zeroshard::OptimizerOptions& first,
+                                                    float adamw_lr);
 /// Σ of every parameter's element count.
 int64_t gpt_param_count(const GptShape& s);
 /// GPT-2 style initial values of one unit, one vector per parameter: weights N(0, 0.02) (the

@@ -50,7 +50,8 @@ int run_plan(const std::vector<std::string>& args) {
       optimizer_name(o.optimizer), state_format_name(o.moments), o.bf16_master ? " bf16" : "n f32",
       o.ranks, o.device == Device::cuda ? ", a GPU each" : "");
   const Config cfg = plan_config(o);
-  const std::vector<OptimizerOptions> groups = plan_groups(cfg);
+  // The demo's groups (the units' group numbers are gpt_group()'s; a learning rate plays no part).
+  const std::vector<OptimizerOptions> groups = zsdemo::gpt_groups(cfg.optimizer, cfg.optimizer.lr);
   std::printf("%-5s %-9s %-9s %12s %12s %12s %14s  %-10s", "stage", "optimizer", "params",
               "device GiB", "host GiB", "nvme GiB", "model states", "fits");
   if (o.timed)

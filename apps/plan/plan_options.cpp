@@ -193,9 +193,9 @@ void set_rates(PlanOptions& o) {
     if (!o.calibration.empty()) r = read_calibration(o.calibration, plan_config(o));
     r.link = o.link_calibration.empty() ? LinkRates::uniform(o.inter_node_gbs)
                                         : read_link_calibration(o.link_calibration);
-    set_typed_rates(r, plan_config(o), o.ranks,
-                    {o.memory_gbs, o.disk_gbs, o.bus_gbs, o.pcie_gbs, o.gpu_update_gps});
-    if (o.ns_gflops > 0) r.newton_schulz = {{1.0, o.ns_gflops * 1e9 / 2}};  // multiply-adds/s
+    set_typed_rates(
+        r, plan_config(o), o.ranks,
+        {o.memory_gbs, o.disk_gbs, o.bus_gbs, o.pcie_gbs, o.gpu_update_gps, o.ns_gflops});
   } catch (const Error& e) {
     bad(e.what());
   }
@@ -238,20 +238,6 @@ PlanOptions parse_plan(const std::vector<std::string>& args) {
     bad("--compute-s, --inter-node-gbs and --link-calibration time the step: they need "
         "--calibration or a typed rate (--memory-gbs, --disk-gbs, --bus-gbs, ...)");
   return o;
-}
-
-std::vector<OptimizerOptions> plan_groups(const Config& cfg) {
-  OptimizerOptions no_decay = cfg.optimizer;
-  if (cfg.optimizer.kind != OptimizerKind::muon) {
-    no_decay.weight_decay = 0;
-    return {no_decay};
-  }
-  OptimizerOptions adamw;  // the demo's AdamW beside Muon (its learning rate plays no part here)
-  adamw.kind = OptimizerKind::adamw;
-  adamw.weight_decay = cfg.optimizer.weight_decay;
-  no_decay = adamw;
-  no_decay.weight_decay = 0;
-  return {no_decay, adamw};
 }
 
 Config plan_config(const PlanOptions& o) {

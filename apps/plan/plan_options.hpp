@@ -47,10 +47,6 @@ PlanOptions parse_plan(const std::vector<std::string>& args);
 /// The engine's settings the plan is made for (stage and tiers vary per row).
 zeroshard::Config plan_config(const PlanOptions& o);
 
-/// The parameter groups after the first: group 1 without weight decay; with Muon, groups 1
-/// and 2 are AdamW's (the demo's: vectors, and the embeddings and head).
-std::vector<zeroshard::OptimizerOptions> plan_groups(const zeroshard::Config& cfg);
-
 /// The model's units (a parameter whose "decay" is false in group 1, which the plan gives no
 /// weight decay; with --optimizer muon, the GPT's embeddings and head, and a units file's
 /// parameters whose "muon" is false, in group 2), and a line naming the model. Throws

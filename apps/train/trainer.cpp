@@ -41,23 +41,12 @@ struct Timed {
 constexpr float kMuonAdamLr = 2e-3f;
 
 void register_gpt(Engine& engine, const GptShape& shape, uint64_t seed, bool with_init) {
-  // Group 1: no weight decay (layer-norm gains, biases), as GPT trainers usually do.
-  zeroshard::OptimizerOptions no_decay = engine.config().optimizer;
-  no_decay.weight_decay = 0.0f;
-  // With Muon, the blocks' matrices are Muon's (group 0); the embeddings and the output head
-  // (group 2) and the vectors (group 1) are AdamW's, as Muon's authors train them.
-  const bool muon = no_decay.kind == zeroshard::OptimizerKind::muon;
-  zeroshard::OptimizerOptions adamw;
-  adamw.kind = zeroshard::OptimizerKind::adamw;
-  adamw.lr = kMuonAdamLr;
-  adamw.weight_decay = engine.config().optimizer.weight_decay;
-  if (muon) {
-    adamw.weight_decay = 0.0f;
-    no_decay = adamw;
-    adamw.weight_decay = engine.config().optimizer.weight_decay;
-  }
-  engine.add_group(no_decay);            // group 1
-  if (muon) engine.add_group(adamw);     // group 2 (gpt_group())
+  // Group 1: no weight decay (layer-norm gains, biases), as GPT trainers usually do. With Muon,
+  // the blocks' matrices are Muon's (group 0); the embeddings and the output head (group 2) and
+  // the vectors (group 1) are AdamW's, as Muon's authors train them (gpt_group()).
+  const bool muon = engine.config().optimizer.kind == zeroshard::OptimizerKind::muon;
+  for (const zeroshard::OptimizerOptions& g : gpt_groups(engine.config().optimizer, kMuonAdamLr))
+    engine.add_group(g);
   std::vector<std::vector<float>> keep;  // initial values must live until finalize()
   for (const UnitSpec& u : gpt_units(shape)) {
     std::vector<std::vector<float>> init;

@@ -171,11 +171,13 @@ struct TypedRates {
   double bus_gbs = 0;         ///< the collectives' bus bandwidth (set_bus_bandwidth())
   double pcie_gbs = 0;        ///< a GPU's pinned copies, each way
   double gpu_update_gps = 0;  ///< a GPU's update in its memory, G params/s
+  double ns_gflops = 0;       ///< Muon's Newton–Schulz iteration on one rank, GFLOP/s
 };
 /// `rates` with what `typed` gives over them, for an engine configured as `cfg` on `world`
 /// ranks: the CPU update at memory_gbs over update_bytes_per_param(); the nvme tier's step at
 /// disk_gbs over twice record_bytes_per_param(), and stage 3's shards on it read and written at
-/// disk_gbs; the collectives at bus_gbs (set_bus_bandwidth(), in cfg's shard groups). A GPU
+/// disk_gbs; the collectives at bus_gbs (set_bus_bandwidth(), in cfg's shard groups); Muon's
+/// iteration at ns_gflops for every matrix size (MachineRates::newton_schulz). A GPU
 /// engine also takes pcie_gbs and gpu_update_gps, and hides its collectives behind the
 /// trainer's compute as far as it lasts (comm_overlap 1: NCCL's own streams); a CPU engine
 /// ignores those two. Throws Error(invalid_argument) on a negative rate, or on shard groups

@@ -791,8 +791,7 @@ void bind_plan(nb::module_& m) {
                            pcie_gbs > 0 || gpu_update_gps > 0 || ns_gflops > 0;
         rates.compute_s = compute_s;
         set_typed_rates(rates, cfg, world,
-                        {memory_gbs, disk_gbs, bus_gbs, pcie_gbs, gpu_update_gps});
-        if (ns_gflops > 0) rates.newton_schulz = {{1.0, ns_gflops * 1e9 / 2}};  // multiply-adds/s
+                        {memory_gbs, disk_gbs, bus_gbs, pcie_gbs, gpu_update_gps, ns_gflops});
         nb::list out;
         for (const PlanChoice& c : cs) {
           nb::dict d;

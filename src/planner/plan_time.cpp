@@ -189,7 +189,7 @@ double update_bytes_per_param(const Config& cfg) {
 }
 
 void set_typed_rates(MachineRates& r, const Config& cfg, int world, const TypedRates& t) {
-  for (double x : {t.memory_gbs, t.disk_gbs, t.bus_gbs, t.pcie_gbs, t.gpu_update_gps})
+  for (double x : {t.memory_gbs, t.disk_gbs, t.bus_gbs, t.pcie_gbs, t.gpu_update_gps, t.ns_gflops})
     if (!(x >= 0)) ZS_THROW(invalid_argument, "set_typed_rates(): a rate of " << x);
   if (t.memory_gbs > 0) r.update_params_per_s = t.memory_gbs * 1e9 / update_bytes_per_param(cfg);
   if (t.disk_gbs > 0) {
@@ -197,6 +197,7 @@ void set_typed_rates(MachineRates& r, const Config& cfg, int world, const TypedR
     r.param_read_gbs = r.param_write_gbs = r.param_write_with_records_gbs = t.disk_gbs;
   }
   if (t.bus_gbs > 0) set_bus_bandwidth(r, t.bus_gbs, world, cfg.shard_group_size);
+  if (t.ns_gflops > 0) r.newton_schulz = {{1.0, t.ns_gflops * 1e9 / 2}};  // 2 flops a multiply-add
   if (cfg.device == Device::cpu) return;
   if (t.pcie_gbs > 0) r.h2d_gbs = r.d2h_gbs = t.pcie_gbs;
   if (t.gpu_update_gps > 0) r.gpu_update_params_per_s = t.gpu_update_gps * 1e9;

@@ -396,6 +396,10 @@ TEST(PlanTime, TypedBandwidthsOverTheBytesOfEachFormat) {
   EXPECT_DOUBLE_EQ(r.nvme_step_params_per_s, 1e8);
   EXPECT_EQ(r.param_read_gbs, 2.4);
   EXPECT_EQ(r.param_write_with_records_gbs, 2.4);
+  EXPECT_TRUE(r.newton_schulz.empty());
+  set_typed_rates(r, c, 1, {0, 0, 0, 0, 0, 3});  // Muon's iteration: 3 GFLOP/s at every size
+  ASSERT_EQ(r.newton_schulz.size(), 1u);
+  EXPECT_DOUBLE_EQ(r.newton_schulz[0].second, 1.5e9);  // multiply-adds per second
   EXPECT_THROW(set_typed_rates(r, c, 1, {-1, 0}), Error);
 }
 
