@@ -65,8 +65,14 @@ grep -q "step s" "$work/plan.txt" || { cat "$work/plan.txt"; echo "FAIL: no step
 awk '$1 ~ /^[0-3]$/ { rows++; if ($9 < 0.5) bad = 1; if ($2 == "nvme" && $12 <= 0) bad = 1 }
      END { exit bad || rows != 17 }' "$work/plan.txt" || { cat "$work/plan.txt"; echo "FAIL: step times"; exit 1; }
 # With 8-bit moments the planner takes their own rates (not f32's): the nvme column changes.
+# The measured rates of two formats can coincide on a noisy machine, so the formats' nvme
+# rates are set apart here: 8-bit at half f32's rate, 8-bit with a bf16 master at a quarter.
 # (A model of 16 M parameters, so that the nvme step shows in the table's milliseconds.)
-big=(--layers 4 --dim 256 --heads 4 --vocab 50000 --seq 16 --ranks "$np" --calibration "$work/c.json")
+/usr/bin/python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); n = c["nvme"]
+n["state_formats"]["8bit"]["step_params_per_s"] = n["step_params_per_s"] / 2
+n["state_formats"]["8bit/bf16"]["step_params_per_s"] = n["step_params_per_s"] / 4
+json.dump(c, open(sys.argv[2], "w"))' "$work/c.json" "$work/cfmt.json"
+big=(--layers 4 --dim 256 --heads 4 --vocab 50000 --seq 16 --ranks "$np" --calibration "$work/cfmt.json")
 "$bin" plan "${big[@]}" >"$work/plan.txt"
 # Parameters on the nvme tier: read and written, so an nvme step even with the state in memory.
 awk '$3 == "nvme" { rows++; if ($12 <= 0) bad = 1 } END { exit bad || rows != 3 }' "$work/plan.txt" ||
@@ -75,12 +81,12 @@ awk '$3 == "nvme" { rows++; if ($12 <= 0) bad = 1 } END { exit bad || rows != 3 
 grep -q "adamw with 8bit moments" "$work/plan8.txt" || { cat "$work/plan8.txt"; echo "FAIL: format"; exit 1; }
 a=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan.txt")
 b=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan8.txt")
-[[ -n "$a" && -n "$b" && "$a" != "$b" ]] || { echo "FAIL: 8-bit nvme step $b, f32 $a"; exit 1; }
+awk -v a="$a" -v b="$b" 'BEGIN { exit !(a > 0 && b > a) }' || { echo "FAIL: 8-bit nvme step $b, f32 $a"; exit 1; }
 # And a bf16 master its own: the nvme column changes again.
 "$bin" plan "${big[@]}" --optimizer-state 8bit --master bf16 >"$work/plan8m.txt"
 grep -q "8bit moments and a bf16 master" "$work/plan8m.txt" || { cat "$work/plan8m.txt"; echo "FAIL: master"; exit 1; }
 c=$(awk '$1 == "1" && $2 == "nvme" {print $12}' "$work/plan8m.txt")
-[[ -n "$c" && "$c" != "$b" ]] || { echo "FAIL: bf16-master nvme step $c, f32 master $b"; exit 1; }
+awk -v b="$b" -v c="$c" 'BEGIN { exit !(c > b) }' || { echo "FAIL: bf16-master nvme step $c, f32 master $b"; exit 1; }
 # Across nodes, the link taken per collective from a calibration of several ranks (here the
 # one just made): 4 ranks, 2 per node, flat, so every collective crosses and every row sends
 # bytes out of its node; typing the link as well is refused.
