@@ -128,6 +128,11 @@ void Engine::Impl::complete_reduction(int id) {
     if (!reductions.lost_grad) reductions.lost_grad = e;
   }
   ++u.micro_done;
+  // The speculative step: the unit's gradient is final, so its update may start now, beside
+  // backward, as if the step will neither overflow nor clip; step() keeps it where that held.
+  if (u.micro_done == cfg.gradient_accumulation_steps && state->speculates() &&
+      !reductions.lost_grad)
+    state->speculate(id, fold_hyper(grad_scale(), steps + 1), steps + 1);
 }
 
 // Hands the reductions that already finished to the state tier now, during backward, so that

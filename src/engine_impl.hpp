@@ -245,6 +245,7 @@ struct Engine::Impl {
 
   // engine_setup.cpp
   void make_tiers();
+  std::string speculation_off() const;
   void load_initial_values();
   void drop_tiers() noexcept;  // a failed finalize() leaves nothing behind (swap files too)
 
@@ -292,7 +293,8 @@ struct Engine::Impl {
   void finish_micro_steps();
   std::pair<double, bool> reduce_norm_and_flags();
   double grad_scale() const;
-  std::vector<cpu::UpdateHyper> fold_hyper(double grad_scale) const;
+  /// The update's hyperparameters for optimizer step `step` (1 for the first).
+  std::vector<cpu::UpdateHyper> fold_hyper(double grad_scale, int64_t step) const;
   void drop_prefetches();
   void update(const std::vector<cpu::UpdateHyper>& hyper);
 };

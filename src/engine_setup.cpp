@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <new>
 
 #include "base/agree.hpp"
@@ -96,7 +97,8 @@ void Engine::Impl::make_tiers() {
         std::make_unique<offload::NvmeStateTier>(c, res.arena, *res.swap, params->takes_writes());
   } else {
     Compute& work = topt == Tier::device ? *res.dev : *res.host;
-    state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->previews());
+    state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->previews(),
+                                              speculation_off().empty());
   }
   // A GPU with the optimizer on the CPU: gradients come down, parameters go up (unless their
   // shards live off the GPU too: the update then writes them where they are).
@@ -136,6 +138,18 @@ void Engine::Impl::load_initial_values() {
   }
   state->finish_load();
   params->finish_load();
+}
+
+// Why Config::speculative_step is off ("" when on); rank 0 says so once, at finalize().
+std::string Engine::Impl::speculation_off() const {
+  if (!cfg.speculative_step) return "not asked for";
+  if (cfg.offload_optimizer.tier != Tier::host)
+    return "the optimizer state is not on the host tier (offload_optimizer.device cpu)";
+  if (cfg.stage == 3 && cfg.offload_param.tier == Tier::nvme)
+    return "the parameters are on the nvme tier, which stores each new shard before the state "
+           "may change";
+  if (tier_ctx.direction) return "a group is Muon, whose update exchanges matrices between ranks";
+  return "";
 }
 
 void Engine::Impl::drop_tiers() noexcept {
@@ -197,6 +211,10 @@ void Engine::finalize() {
   }
   // No hand_to_trainer(): loading the initial values waited for their copies (mutate_waits.py).
   m.finalized = true;
+  if (m.cfg.speculative_step && m.rank == 0 && !m.res.ledger.counting_only()) {
+    const std::string off = m.speculation_off();
+    if (!off.empty()) std::fprintf(stderr, "zeroshard: speculative_step is off: %s\n", off.c_str());
+  }
   m.clock.interval_start =
       std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }

@@ -222,6 +222,7 @@ StepResult Engine::Impl::step() {
   }
   if (overflow) {
     state->forget_grads();
+    r.speculation_dropped = state->speculated().dropped;
     scaler.update(true);
     r.skipped = true;
     r.grad_norm = std::numeric_limits<double>::infinity();
@@ -239,7 +240,7 @@ StepResult Engine::Impl::step() {
   const double t_update = now_s(), waited = clock.exposed_s;
   try {
     mark_held_runs();
-    update(fold_hyper(inv * r.clip_factor));
+    update(fold_hyper(inv * r.clip_factor, steps));
   } catch (...) {
     --steps;
     throw;
@@ -248,6 +249,8 @@ StepResult Engine::Impl::step() {
   // are Muon's exchanges inside the update (wait_for() counted them).
   r.optimizer_s = now_s() - t_update - (clock.exposed_s - waited);
   r.newton_schulz_s = std::exchange(muon.ns_s, 0.0);
+  r.speculation_kept = state->speculated().kept;
+  r.speculation_dropped = state->speculated().dropped;
   // Stages 1–2 keep whole parameters: each rank contributes its updated shard.
   if (cfg.stage == 1 || cfg.stage == 2) {
     std::vector<std::shared_ptr<Work>> works;
@@ -268,7 +271,7 @@ StepResult Engine::Impl::step() {
 }
 
 // Hyperparameters per group, folded once in double.
-std::vector<cpu::UpdateHyper> Engine::Impl::fold_hyper(double grad_scale) const {
+std::vector<cpu::UpdateHyper> Engine::Impl::fold_hyper(double grad_scale, int64_t step) const {
   std::vector<cpu::UpdateHyper> hyper;
   for (const OptimizerOptions& g : groups) {
     cpu::UpdateHyper h;
@@ -280,8 +283,8 @@ std::vector<cpu::UpdateHyper> Engine::Impl::fold_hyper(double grad_scale) const 
     h.weight_decay = g.weight_decay;
     h.momentum = g.momentum;
     h.nesterov = g.nesterov;
-    h.bias_correction1 = float(1.0 - std::pow(double(g.beta1), double(steps)));
-    h.bias_correction2 = float(1.0 - std::pow(double(g.beta2), double(steps)));
+    h.bias_correction1 = float(1.0 - std::pow(double(g.beta1), double(step)));
+    h.bias_correction2 = float(1.0 - std::pow(double(g.beta2), double(step)));
     h.grad_scale = float(grad_scale);
     hyper.push_back(h);
   }

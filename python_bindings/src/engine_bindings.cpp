@@ -231,6 +231,8 @@ void bind_results(nb::module_& m) {
       .def_ro("step", &StepResult::step)
       .def_ro("optimizer_s", &StepResult::optimizer_s)
       .def_ro("newton_schulz_s", &StepResult::newton_schulz_s)
+      .def_ro("speculation_kept", &StepResult::speculation_kept)
+      .def_ro("speculation_dropped", &StepResult::speculation_dropped)
       .def_ro("comm_busy_s", &StepResult::comm_busy_s)
       .def_ro("comm_exposed_s", &StepResult::comm_exposed_s)
       .def_ro("interval_s", &StepResult::interval_s)

@@ -282,6 +282,11 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
       {.name = "overlap_comm",
        .member = &C::overlap_comm,
        .json = "zero_optimization.overlap_comm"},
+      // Bitwise the step without it, and it adds no collective: a local choice.
+      {.name = "speculative_step",
+       .member = &C::speculative_step,
+       .json = "zeroshard.speculative_step",
+       .fingerprint = false},
       // How long this rank waits: a local patience, not part of what the ranks compute.
       {.name = "collective_timeout_s",
        .member = &C::collective_timeout_s,

@@ -336,6 +336,16 @@ Node zero_optimization_layout() {
                {"pipeline_read", accept_bool},
                {"pipeline_write", accept_bool},
                {"fast_init", accept_bool},
+               // DeepSpeed's speculation-then-validation: zeroshard's speculative_step.
+               {"super_offload",
+                [](const JsonField& f, Ctx& x) { x.c.speculative_step = f.boolean(); }},
+               // [1.0] Share of the CPU's cores for SuperOffload's optimizer: the arena's
+               // threads are the engine's (ZEROSHARD_CPU_THREADS).
+               {"cpuadam_cores_perc",
+                [](const JsonField& f, Ctx&) {
+                  const double v = f.number();
+                  if (!(v > 0 && v <= 1)) f.bad("= " + show(v) + " must be in (0, 1]");
+                }},
                // [1.0] Fraction of the step run on the CPU (DeepSpeed "twin-flow").
                {"ratio",
                 [](const JsonField& f, Ctx&) {

@@ -2,10 +2,13 @@
 // reads the whole all-reduced gradient; the other stages keep this rank's shard.
 #include "src/tiers/memory_state_tier.hpp"
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <utility>
 
 #include "base/check.hpp"
 #include "kernels/cpu/grad_passes.hpp"
@@ -18,7 +21,7 @@ namespace zeroshard {
 MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute,
                                  cpu::Arena& arena,
                                  const std::vector<std::optional<float*>>& master_alias,
-                                 bool previews)
+                                 bool previews, bool speculative)
     : ctx_(ctx),
       compute_(compute),
       arena_(arena),
@@ -67,6 +70,29 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
   if (previews)
     scratch_ = ctx.buffer(Tier::host, MemKind::buffer, "update_scratch",
                           size_t(arena.threads()) * preview_slot_bytes(), false);
+  if (!speculative || !on_cpu_) return;
+  // The speculative step's second copy of every unit's state (none for a unit whose master is
+  // its parameters: their memory is the parameter tier's), counted as what it copies.
+  spec_.resize(units_.size());
+  for (size_t i = 0; i < units_.size(); ++i) {
+    if (master_alias[i]) continue;
+    Speculation& sp = spec_[i];
+    const Unit& s = units_[i];
+    const size_t ext = size_t(ctx.extent(int(i)));
+    auto twin = [&](const Buffer& b, MemKind kind, const char* name) {
+      return b.bytes() ? ctx.buffer(tier, kind, name, b.bytes(), pin) : Buffer();
+    };
+    sp.master = twin(s.master_buf, MemKind::master, "master_speculative");
+    sp.state0 = twin(s.state0_buf, MemKind::optim_state, "state0_speculative");
+    sp.state1 = twin(s.state1_buf, MemKind::optim_state, "state1_speculative");
+    sp.absmax0 = twin(s.absmax0_buf, MemKind::optim_state, "state0_absmax_speculative");
+    sp.absmax1 = twin(s.absmax1_buf, MemKind::optim_state, "state1_absmax_speculative");
+    if (format_ == StateFormat::q8 && !ctx.plan_only) {  // as the first copy starts
+      if (!sp.state0.empty()) compute_.fill(sp.state0.data(), cpu::dynamic_code(true).zero, ext);
+      if (!sp.state1.empty()) compute_.fill(sp.state1.data(), cpu::dynamic_code(false).zero, ext);
+    }
+    sp.out = ctx.buffer(tier, MemKind::buffer, "param_speculative", ext * ctx.pbytes, false);
+  }
 }
 
 // Initial values go through f32 once: the master is the extent of `whole` (a bf16 master
@@ -171,24 +197,167 @@ cpu::UnitUpdate MemoryStateTier::unit_update(int u, void* out, int64_t step) con
   return w;
 }
 
+namespace {
+bool same(const cpu::UpdateHyper& a, const cpu::UpdateHyper& b) {
+  auto bits = [](float x) { return std::bit_cast<uint32_t>(x); };
+  return a.kind == b.kind && bits(a.lr) == bits(b.lr) && bits(a.beta1) == bits(b.beta1) &&
+         bits(a.beta2) == bits(b.beta2) && bits(a.eps) == bits(b.eps) &&
+         bits(a.weight_decay) == bits(b.weight_decay) && bits(a.momentum) == bits(b.momentum) &&
+         a.nesterov == b.nesterov && bits(a.bias_correction1) == bits(b.bias_correction1) &&
+         bits(a.bias_correction2) == bits(b.bias_correction2) &&
+         bits(a.grad_scale) == bits(b.grad_scale) && a.hold == b.hold;
+}
+bool same(const std::vector<GroupRun>& a, const std::vector<GroupRun>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const GroupRun& x, const GroupRun& y) {
+    return x.begin == y.begin && x.end == y.end && x.group == y.group;
+  });
+}
+}  // namespace
+
 void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                              ParamSink& sink) {
-  std::vector<cpu::UnitUpdate> updates;
+  // A speculation is kept where this update would read exactly what it read: bitwise its result.
+  std::vector<bool> keep(units_.size(), false);
+  counted_ = {};
+  if (!spec_.empty()) {
+    thread_.settle();
+    for (size_t i = 0; i < spec_.size(); ++i) {
+      Speculation& sp = spec_[i];
+      if (!sp.ready) continue;
+      keep[i] = sp.step == step && sp.hyper.size() == hyper.size() &&
+                std::equal(hyper.begin(), hyper.end(), sp.hyper.begin(),
+                           [](const auto& a, const auto& b) { return same(a, b); }) &&
+                same(sp.runs, ctx_.runs(int(i)));
+      ++(keep[i] ? counted_.kept : counted_.dropped);
+      sp.ready = false;
+    }
+  }
+  std::vector<cpu::UnitUpdate> updates(units_.size());
   for (size_t i = 0; i < units_.size(); ++i)
-    updates.push_back(unit_update(int(i), sink.target(int(i)), step));
+    if (!keep[i]) updates[i] = unit_update(int(i), sink.target(int(i)), step);
   if (sink.per_unit() || ctx_.direction) {
     // Unit by unit: what done() starts (an upload) overlaps the next unit's update, and Muon's
     // direction is made just before its unit's update, in memory the next one reuses.
     for (size_t i = 0; i < units_.size(); ++i) {
-      if (ctx_.direction) updates[i].args.dir = ctx_.direction(int(i), updates[i].args);
-      compute_.update(hyper, {updates[i]});
+      if (keep[i]) {
+        keep_speculation(int(i), sink);
+      } else {
+        if (ctx_.direction) updates[i].args.dir = ctx_.direction(int(i), updates[i].args);
+        compute_.update(hyper, {updates[i]});
+      }
       sink.done(int(i));
     }
     return;
   }
+  std::erase_if(updates, [](const cpu::UnitUpdate& w) { return w.runs == nullptr; });
   compute_.update(hyper, updates);
-  for (size_t i = 0; i < units_.size(); ++i) sink.done(int(i));
+  for (size_t i = 0; i < units_.size(); ++i) {
+    if (keep[i]) keep_speculation(int(i), sink);
+    sink.done(int(i));
+  }
 }
+
+void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper,
+                                int64_t step) {
+  if (spec_.empty() || units_[size_t(u)].master_buf.empty()) return;
+  Speculation& sp = spec_[size_t(u)];
+  sp.ready = false;
+  sp.hyper = hyper;
+  sp.step = step;
+  sp.runs = ctx_.runs(u);  // the step's may differ (a parameter held): then it is dropped
+  thread_.post([this, u] { run_speculation(u); });
+}
+
+// preview()'s tasks, each copying its chunk of master, moments and absmax into the second copy
+// and updating it there. The elements no task covers (the padding) are never written: the two
+// copies hold the same there from the start (the constructor), so the second is the whole
+// state once it is swapped in.
+void MemoryStateTier::run_speculation(int u) {
+  const Unit& s = units_[size_t(u)];
+  Speculation& sp = spec_[size_t(u)];
+  cpu::UnitUpdate w = unit_update(u, sp.out.data(), sp.step);
+  w.runs = &sp.runs;
+  std::vector<cpu::UpdateTask> tasks;
+  cpu::append_update_tasks(sp.hyper, w, tasks);
+  const size_t mb = dtype_size(master_dtype_), sb = cpu::state_bytes(format_);
+  const int64_t block = ctx_.cfg->state_block;
+  struct Twin {
+    const void* live;
+    void* copy;
+    size_t bytes;     // per element, or per block (absmax)
+    bool per_block;
+  };
+  const Twin twins[] = {{s.master, sp.master.data(), mb, false},
+                        {s.state0, sp.state0.data(), sb, false},
+                        {s.state1, sp.state1.data(), sb, false},
+                        {s.absmax0, sp.absmax0.data(), 4, true},
+                        {s.absmax1, sp.absmax1.data(), 4, true}};
+  // Elements [b, e) of one array (absmax: their blocks) copied from the state to the twin.
+  auto copy = [&](const Twin& t, int64_t b, int64_t e) {
+    if (!t.live || !t.copy) return;
+    const size_t from = t.per_block ? size_t(b / block) * 4 : size_t(b) * t.bytes;
+    const size_t to = t.per_block ? size_t((e + block - 1) / block) * 4 : size_t(e) * t.bytes;
+    std::memcpy(static_cast<char*>(t.copy) + from, static_cast<const char*>(t.live) + from,
+                to - from);
+  };
+  auto first = [&](const cpu::UpdateTask& t) {
+    return int64_t((static_cast<const char*>(t.a.master) - static_cast<const char*>(s.master)) /
+                   std::ptrdiff_t(mb));
+  };
+  try {
+    arena_.parallel_for(int64_t(tasks.size()), [&](int64_t i) {
+      cpu::UpdateTask task = tasks[size_t(i)];
+      cpu::UpdateArgs& a = task.a;
+      const int64_t b = first(task);
+      for (const Twin& t : twins) copy(t, b, b + a.n);
+      auto moved = [&](auto* p, const Twin& t) {
+        using P = decltype(p);
+        if (!p) return p;
+        const auto off = static_cast<const char*>(static_cast<const void*>(p)) -
+                         static_cast<const char*>(t.live);
+        return static_cast<P>(static_cast<void*>(static_cast<char*>(t.copy) + off));
+      };
+      a.master = moved(a.master, twins[0]);
+      a.state0 = moved(a.state0, twins[1]);
+      a.state1 = moved(a.state1, twins[2]);
+      a.absmax0 = moved(a.absmax0, twins[3]);
+      a.absmax1 = moved(a.absmax1, twins[4]);
+      cpu::run_update_task(arena_.isa(), task);
+    });
+    sp.ready = true;
+  } catch (...) {
+    sp.ready = false;  // the step's update computes it
+  }
+}
+
+void MemoryStateTier::keep_speculation(int u, ParamSink& sink) {
+  Unit& s = units_[size_t(u)];
+  Speculation& sp = spec_[size_t(u)];
+  std::swap(s.master_buf, sp.master);
+  std::swap(s.state0_buf, sp.state0);
+  std::swap(s.state1_buf, sp.state1);
+  std::swap(s.absmax0_buf, sp.absmax0);
+  std::swap(s.absmax1_buf, sp.absmax1);
+  s.master = s.master_buf.data();
+  s.state0 = s.state0_buf.data();
+  s.state1 = s.state1_buf.data();
+  s.absmax0 = s.absmax0_buf.as<float>();
+  s.absmax1 = s.absmax1_buf.as<float>();
+  if (void* target = sink.target(u))
+    compute_.convert(sp.out.data(), ctx_.pdt, target, ctx_.pdt, ctx_.extent(u));
+}
+
+void MemoryStateTier::drop_speculation() {
+  if (spec_.empty()) return;
+  thread_.settle();
+  counted_ = {};
+  for (Speculation& sp : spec_) {
+    counted_.dropped += sp.ready;
+    sp.ready = false;
+  }
+}
+
+void MemoryStateTier::forget_grads() { drop_speculation(); }
 
 // The same tasks as update(), each on copies of its chunk of master and moments (and absmax):
 // the state is untouched, and the copy-out is bitwise what update() writes.
@@ -311,6 +480,7 @@ std::vector<float> MemoryStateTier::read_grad(int u) {
 
 StoredShard MemoryStateTier::stored(int u, StateKind kind) {
   if (compute_.streams()) return {};
+  if (!spec_.empty()) thread_.settle();  // a load may write it in place
   // A bf16 master is saved and loaded as f32 (read() and write() convert it).
   if (char* m = master_at(u, kind))
     return master_dtype_ == DType::f32 ? StoredShard{StateFormat::f32, m, nullptr} : StoredShard{};
@@ -326,6 +496,7 @@ StoredShard MemoryStateTier::stored(int u, StateKind kind) {
 
 void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& shard) {
   check_kind("write_shard()", u, kind);
+  drop_speculation();
   ZS_CHECK(int64_t(shard.size()) == ctx_.shard(u));
   Unit& s = units_[size_t(u)];
   const int64_t n = ctx_.shard(u), off = shard_offset(u);
@@ -360,6 +531,7 @@ void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& sha
 }
 
 void MemoryStateTier::commit(Communicator& comm, ParamSink& sink) {
+  drop_speculation();
   std::vector<std::shared_ptr<Work>> works;
   if (ctx_.cfg->stage == 0) {  // whole f32 state on every rank: gather the restored shards
     // No before_collective(): write() waited for the restored shards' copies (mutate_waits.py).

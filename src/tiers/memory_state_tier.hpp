@@ -10,6 +10,7 @@
 #include "base/ledger.hpp"
 #include "kernels/cpu/arena.hpp"
 #include "src/compute/compute.hpp"
+#include "src/tiers/speculation.hpp"
 #include "src/tiers/tier.hpp"
 
 namespace zeroshard {
@@ -21,14 +22,21 @@ class MemoryStateTier final : public StateTier {
   /// parameters in the same memory (null in a plan): they are the master weights, and no
   /// copy-out is made.
   /// `previews`: allocate the per-thread scratch preview() needs (CPU only, on `arena`).
+  /// `speculative`: take speculate() (the CPU's work only), with a second copy of the state of
+  /// every unit whose master is its own (not the parameters).
   MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute, cpu::Arena& arena,
-                  const std::vector<std::optional<float*>>& master_alias, bool previews);
+                  const std::vector<std::optional<float*>>& master_alias, bool previews,
+                  bool speculative);
 
   void load_initial(int u, const float* whole) override;
   void* grad_target(int u) override { return units_[size_t(u)].grad_shard.data(); }
   void grad_reduced(int u, int micro, const void* whole) override;
   double sum_squares() override;
+  void forget_grads() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
+  bool speculates() const override { return !spec_.empty(); }
+  void speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) override;
+  SpeculationCount speculated() const override { return counted_; }
   void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u, void* out) override;
   std::vector<float> read(int u, StateKind kind) const override;
   std::vector<float> read_grad(int u) override;
@@ -58,6 +66,12 @@ class MemoryStateTier final : public StateTier {
   /// This rank's shard of the master (master_dtype_) when `kind` is master, else null.
   char* master_at(int u, StateKind kind) const;
   void check_kind(const char* call, int u, StateKind kind) const;
+  /// On the speculation thread: unit u's update into its second copy (Speculation).
+  void run_speculation(int u);
+  /// update(): unit u's speculation becomes its state, its new values go to sink.target(u).
+  void keep_speculation(int u, ParamSink& sink);
+  /// Waits for the speculation thread, then forgets what it computed.
+  void drop_speculation();
 
   TierContext ctx_;
   Compute& compute_;
@@ -67,6 +81,20 @@ class MemoryStateTier final : public StateTier {
   const DType master_dtype_;  // f32, or bf16 (Config::bf16_master)
   std::vector<Unit> units_;
   Buffer scratch_;  // preview(): per-thread copies of one chunk of master and moments
+
+  /// The speculative step, per unit (none: the tier does not speculate): the second copy of
+  /// master, moments and absmax that run_speculation() writes and update() swaps in, the new
+  /// low-precision values, and what the update read (kept only if the step's would read it).
+  struct Speculation {
+    Buffer master, state0, state1, absmax0, absmax1, out;
+    bool ready = false;  // computed, and neither kept nor dropped yet
+    std::vector<cpu::UpdateHyper> hyper;
+    int64_t step = 0;
+    std::vector<GroupRun> runs;
+  };
+  std::vector<Speculation> spec_;
+  SpeculationCount counted_;
+  SpeculationThread thread_;  // last: joined before the memory it writes goes
 };
 
 }  // namespace zeroshard

@@ -33,6 +33,12 @@ class StagedStateTier final : public StateTier {
   double sum_squares() override { return inner_->sum_squares(); }
   void forget_grads() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
+  // The gradient came down in grad_reduced(): the inner tier speculates on the host.
+  bool speculates() const override { return inner_->speculates(); }
+  void speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) override {
+    inner_->speculate(u, hyper, step);
+  }
+  SpeculationCount speculated() const override { return inner_->speculated(); }
   void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u,
                void* out) override {
     inner_->preview(hyper, step, u, out);

@@ -179,6 +179,23 @@ class StateTier {
   /// keeps the state of the last step, and the parameters are restored through the sink.
   virtual void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                       ParamSink& sink) = 0;
+  /// The speculative step (Config::speculative_step, docs/tiers.md): whether this tier takes
+  /// speculate().
+  virtual bool speculates() const { return false; }
+  /// Unit u's gradient is final before step(): its update with `hyper` as step `step` may start
+  /// now, beside backward, on a thread of the tier's own, into a second copy of the unit's state
+  /// (what read(), stored() and a save see stays the last step's). The next update() keeps it
+  /// for every unit whose update would read exactly what it read (the same hyper, step, group
+  /// runs and gradient), and computes the others as usual: so the result is bitwise the step's
+  /// whatever the step finds (an overflow, a clip, a parameter held, a new learning rate).
+  /// forget_grads(), write() and commit() drop it.
+  virtual void speculate(int /*u*/, const std::vector<cpu::UpdateHyper>& /*hyper*/,
+                         int64_t /*step*/) {}
+  /// Units of the last update() whose speculation it kept, and those it had to drop.
+  struct SpeculationCount {
+    int kept = 0, dropped = 0;
+  };
+  virtual SpeculationCount speculated() const { return {}; }
   /// Unit u's new low-precision values written to `out` (host memory) without changing any
   /// state: the update() that follows computes bitwise the same values. For parameter tiers
   /// that must hold the new parameters before the state may change (ParamTier::previews()).

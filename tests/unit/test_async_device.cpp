@@ -149,7 +149,8 @@ TEST(AsyncDevice, StateTierLoadHasReadTheInitialValuesWhenItReturns) {
   ctx.buffer = [&](Tier t, MemKind k, const char* name, size_t bytes, bool) {
     return Buffer(&ledger, t, k, name, bytes, t == Tier::device ? dev->device_memory() : nullptr);
   };
-  MemoryStateTier tier(ctx, Tier::device, *dev, arena, {std::nullopt, std::nullopt}, false);
+  MemoryStateTier tier(ctx, Tier::device, *dev, arena, {std::nullopt, std::nullopt}, false,
+                       false);
   std::vector<float> whole(3017);
   std::vector<std::vector<float>> want;
   for (int u = 0; u < 2; ++u) {

@@ -1,0 +1,37 @@
+#pragma once
+// The speculative step's thread (Config::speculative_step, docs/tiers.md): a tier's work posted
+// during backward, run in the order posted on one thread of its own, beside the trainer's.
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace zeroshard {
+
+class SpeculationThread {
+ public:
+  SpeculationThread() = default;
+  SpeculationThread(const SpeculationThread&) = delete;
+  SpeculationThread& operator=(const SpeculationThread&) = delete;
+  /// Finishes the work posted, then ends the thread.
+  ~SpeculationThread();
+
+  /// Runs `job` after the jobs posted before it. A job must not throw (it records its own
+  /// failure); the thread starts with the first job.
+  void post(std::function<void()> job);
+  /// Returns once every job posted has run: what they wrote may be read.
+  void settle();
+
+ private:
+  void run();
+
+  std::mutex mu_;
+  std::condition_variable wake_, idle_;
+  std::deque<std::function<void()>> jobs_;
+  bool busy_ = false, stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,144 @@
+// The speculative step (Config::speculative_step): with the optimizer state on the host tier,
+// each unit's update runs during backward as if the step will neither overflow nor clip, and
+// step() keeps it only where its own update would have read the same. Whatever the step finds,
+// the result must be bitwise the step without speculation: here a schedule of steps that clip
+// (clip_grad_norm below the norm), that do not (above it), that change the learning rate
+// between backward and step(), that hold a parameter no rank gave a gradient, and (f16) that
+// overflow, at every stage, dtype, accumulation and moment format, on 1–4 ranks.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "tests/multirank/harness.hpp"
+
+using namespace zeroshard;
+using zs_test::world;
+
+namespace {
+
+struct Case {
+  int stage;
+  DType dtype;
+  int micro;
+  StateFormat state = StateFormat::f32;
+  bool bf16_master = false;
+};
+
+std::string name_of(const Case& c) {
+  return "stage" + std::to_string(c.stage) + "_" + dtype_name(c.dtype) + "_k" +
+         std::to_string(c.micro) + "_state_" + state_format_name(c.state) +
+         (c.bf16_master ? "_bf16master" : "");
+}
+
+struct Result {
+  std::vector<std::vector<float>> param, master, s0, s1;
+  int taken = 0, kept = 0, dropped = 0;
+  int64_t host_master = 0;  // the ledger's host-tier master bytes
+};
+
+constexpr int kSteps = 12;
+
+Result run(const Case& c, bool speculative) {
+  Config cfg;
+  cfg.stage = c.stage;
+  cfg.dtype = c.dtype;
+  cfg.gradient_accumulation_steps = c.micro;
+  cfg.loss_scale.initial_scale_power = 8;
+  cfg.optimizer.kind = OptimizerKind::adamw;
+  cfg.optimizer.lr = 1e-2f;
+  cfg.optimizer.weight_decay = 0.05f;
+  cfg.shard_alignment = 4;
+  cfg.collective_timeout_s = 120;
+  cfg.offload_optimizer.tier = Tier::host;
+  cfg.optimizer_state = c.state;
+  cfg.state_block = 64;
+  cfg.bf16_master = c.bf16_master;
+  cfg.speculative_step = speculative;
+  Engine e(cfg, world());
+  OptimizerOptions bias = e.config().optimizer;
+  bias.weight_decay = 0.0f;
+  bias.lr = 2e-2f;
+  e.add_group(bias);
+  zs_test::register_model(e, zs_test::uneven_model(), 1);
+  Result r;
+  r.host_master = e.memory().at(Tier::host, MemKind::master);
+
+  int64_t step = 0;
+  zs_test::TrainOptions opt;
+  opt.steps = kSteps;
+  opt.micro_batches = c.micro;
+  // Gradients written on the host and handed over by copy, so that one can be left out.
+  opt.download = [](void* host, const void* dev, size_t bytes) { std::memcpy(host, dev, bytes); };
+  opt.tamper = [&](Engine& en, int u, int micro, int64_t s, std::vector<TensorView>& g) {
+    // Step 4: the last parameter of unit 2 gets no gradient on any rank (held by the step).
+    if (s == 4 && u == 2) g.back().data = nullptr;
+    // Step 7 (f16): one rank's gradient overflows, so the step is skipped.
+    if (s == 7 && c.dtype == DType::f16 && en.rank() == 0 && micro == 0 && g[0].numel)
+      zs_test::store(g[0].data, g[0].dtype, 0, std::numeric_limits<float>::infinity());
+  };
+  opt.before_step = [&](Engine& en) {
+    if (step == 2) en.clip_grad_norm(1e-3);  // clips: every unit's speculation is dropped
+    if (step == 3) en.clip_grad_norm(1e6);   // does not clip: kept
+    if (step == 5) en.set_lr(0, 5e-3f);      // a scheduler between backward and step()
+    ++step;
+  };
+  for (const StepResult& s : zs_test::train(e, opt)) {
+    r.taken += !s.skipped;
+    r.kept += s.speculation_kept;
+    r.dropped += s.speculation_dropped;
+  }
+  for (int u = 0; u < e.num_units(); ++u) {
+    r.param.push_back(e.read_shard(u, StateKind::param));
+    r.master.push_back(e.read_shard(u, StateKind::master));
+    r.s0.push_back(e.read_shard(u, StateKind::state0));
+    r.s1.push_back(e.read_shard(u, StateKind::state1));
+  }
+  return r;
+}
+
+bool same(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+TEST(Speculation, EveryStepBitwiseTheStepWithout) {
+  // The asynchronous device is a GPU's shape, which keeps stage 0's gradients on the device.
+  const char* async = std::getenv("ZEROSHARD_ASYNC_DEVICE");
+  const int first = async && std::string(async) == "1" ? 1 : 0;
+  std::vector<Case> cases;
+  for (int stage = first; stage <= 3; ++stage) {
+    cases.push_back({stage, DType::f32, 1});
+    cases.push_back({stage, DType::bf16, 2});
+    cases.push_back({stage, DType::f16, 3});
+  }
+  cases.push_back({2, DType::bf16, 1, StateFormat::bf16});
+  cases.push_back({3, DType::bf16, 2, StateFormat::q8, true});
+  for (const Case& c : cases) {
+    const Result ref = run(c, false), spec = run(c, true);
+    const std::string what = name_of(c);
+    EXPECT_EQ(ref.kept + ref.dropped, 0) << what;
+    EXPECT_EQ(ref.taken, spec.taken) << what;
+    EXPECT_EQ(spec.taken, c.dtype == DType::f16 ? kSteps - 1 : kSteps) << what;
+    for (size_t u = 0; u < ref.param.size(); ++u) {
+      EXPECT_TRUE(same(ref.param[u], spec.param[u])) << what << " unit " << u << " param";
+      EXPECT_TRUE(same(ref.master[u], spec.master[u])) << what << " unit " << u << " master";
+      EXPECT_TRUE(same(ref.s0[u], spec.s0[u])) << what << " unit " << u << " m";
+      EXPECT_TRUE(same(ref.s1[u], spec.s1[u])) << what << " unit " << u << " v";
+    }
+    // Every unit speculated every step, kept or dropped. Dropped for certain: every unit at the
+    // clipped step and at the overflow (f16). Kept for certain: every unit at the steps that
+    // neither clip, overflow, hold a parameter nor change the learning rate. In between: a unit
+    // speculated after set_lr() (its reduction completed in step()) has the new rate and is
+    // kept; the held parameter drops its unit only on the rank whose shard holds it.
+    const int units = int(ref.param.size());
+    const int f16 = c.dtype == DType::f16;
+    EXPECT_EQ(spec.kept + spec.dropped, kSteps * units) << what;
+    EXPECT_GE(spec.dropped, (1 + f16) * units) << what;
+    EXPECT_GE(spec.kept, (kSteps - 3 - f16) * units) << what;
+    // The second copy of the master weights, in the ledger.
+    EXPECT_EQ(spec.host_master, 2 * ref.host_master) << what;
+  }
+}
+
+}  // namespace
