@@ -132,7 +132,7 @@ void Engine::Impl::complete_reduction(int id) {
   // backward, as if the step will neither overflow nor clip; step() keeps it where that held.
   if (u.micro_done == cfg.gradient_accumulation_steps && state->speculates() &&
       !reductions.lost_grad)
-    state->speculate(id, fold_hyper(grad_scale(), steps + 1), steps + 1);
+    state->speculate(id, fold_hyper(grad_scale(), steps + 1), steps + 1, nullptr);
 }
 
 // Hands the reductions that already finished to the state tier now, during backward, so that

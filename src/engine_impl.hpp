@@ -245,6 +245,7 @@ struct Engine::Impl {
 
   // engine_setup.cpp
   void make_tiers();
+  /// Why Config::speculative_step is not taken ("" when it is); after plan_muon().
   std::string speculation_off() const;
   void load_initial_values();
   void drop_tiers() noexcept;  // a failed finalize() leaves nothing behind (swap files too)

@@ -8,6 +8,7 @@
 
 #include "base/agree.hpp"
 #include "base/check.hpp"
+#include "src/config/internal.hpp"
 #include "src/engine_impl.hpp"
 #include "src/tiers/memory_param_tier.hpp"
 #include "src/tiers/memory_state_tier.hpp"
@@ -97,8 +98,13 @@ void Engine::Impl::make_tiers() {
         std::make_unique<offload::NvmeStateTier>(c, res.arena, *res.swap, params->takes_writes());
   } else {
     Compute& work = topt == Tier::device ? *res.dev : *res.host;
+    // Under a GPU's staged tier the new shards go straight to its upload buffers.
+    using S = MemoryStateTier::Speculative;
+    const S spec = !speculation_off().empty()                               ? S::off
+                   : on_gpu && topt != Tier::device && tpar == Tier::device ? S::caller_out
+                                                                            : S::own_out;
     state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->previews(),
-                                              speculation_off().empty());
+                                              spec);
   }
   // A GPU with the optimizer on the CPU: gradients come down, parameters go up (unless their
   // shards live off the GPU too: the update then writes them where they are).
@@ -140,16 +146,8 @@ void Engine::Impl::load_initial_values() {
   params->finish_load();
 }
 
-// Why Config::speculative_step is off ("" when on); rank 0 says so once, at finalize().
 std::string Engine::Impl::speculation_off() const {
-  if (!cfg.speculative_step) return "not asked for";
-  if (cfg.offload_optimizer.tier != Tier::host)
-    return "the optimizer state is not on the host tier (offload_optimizer.device cpu)";
-  if (cfg.stage == 3 && cfg.offload_param.tier == Tier::nvme)
-    return "the parameters are on the nvme tier, which stores each new shard before the state "
-           "may change";
-  if (tier_ctx.direction) return "a group is Muon, whose update exchanges matrices between ranks";
-  return "";
+  return config_detail::speculation_off(cfg, bool(tier_ctx.direction));
 }
 
 void Engine::Impl::drop_tiers() noexcept {

@@ -33,11 +33,6 @@ struct StepResult {
   /// Where the time since the previous step() went, in seconds, on this rank:
   double optimizer_s = 0;      ///< the optimizer update itself (communication excluded)
   double newton_schulz_s = 0;  ///< Muon: the part of optimizer_s in the Newton–Schulz iteration
-  /// Config::speculative_step: units whose update ran during backward and was kept, and units
-  /// whose speculation this step dropped (an overflow, a clip, a held parameter, a changed
-  /// hyperparameter) and updated again, or skipped.
-  int speculation_kept = 0;
-  int speculation_dropped = 0;
   double comm_busy_s = 0;      ///< wall time with at least one of the engine's collectives running
   double comm_exposed_s = 0;   ///< wall time the trainer's thread waited for collectives
   double interval_s = 0;       ///< wall time since the previous step() returned (or finalize())
@@ -49,6 +44,11 @@ struct StepResult {
   /// nodes.
   int64_t comm_bytes = 0;
   int64_t inter_node_bytes = 0;
+  /// Config::speculative_step: units whose update ran during backward and was kept, and units
+  /// whose speculation this step dropped (an overflow, a clip, a held parameter, a changed
+  /// hyperparameter) and updated again, or skipped.
+  int speculation_kept = 0;
+  int speculation_dropped = 0;
   /// Share of communication hidden behind the trainer's compute: 1 − exposed / busy (1 if none).
   double comm_hidden_fraction() const {
     return comm_busy_s > 0 ? 1.0 - std::min(1.0, comm_exposed_s / comm_busy_s) : 1.0;

@@ -233,6 +233,13 @@ struct StepPrediction {
   /// The nvme tier's step (its update included), and with parameters on the nvme tier their
   /// reads beyond what the gathers' collectives hide and their writes after the update.
   double nvme_s = 0;
+  /// Config::speculative_step (where the engine takes it): the update runs during backward,
+  /// each unit's as soon as its gradient has landed (backward taken as 2/3 of compute_s, each
+  /// unit's part of it by its parameters) and the unit before it is done; optimizer_s is then
+  /// what is left of the update after backward, and the new parameters all go up after it
+  /// (pcie_s). rollback_s: the update of a step that keeps no speculation (it clips or
+  /// overflows), all of it after backward; 0 without speculation.
+  double rollback_s = 0;
   double total_s = 0;  ///< compute_s + comm_s + optimizer_s + pcie_s + nvme_s
   /// Bytes the busiest node sends to other nodes per step (ring count, as the engine counts).
   double inter_node_bytes = 0;

@@ -821,6 +821,7 @@ void bind_plan(nb::module_& m) {
             st["newton_schulz_s"] = p.newton_schulz_s;
             st["nvme_s"] = p.nvme_s;
             st["pcie_s"] = p.pcie_s;
+            st["rollback_s"] = p.rollback_s;
             d["step"] = st;
           }
           out.append(d);
@@ -837,7 +838,8 @@ void bind_plan(nb::module_& m) {
       "rank that holds the most). With `calibration` (a file `zeroshard calibrate` wrote), each "
       "dict's `step` is predict_step()'s split of the engine's step in seconds (total_s, "
       "compute_s as given, comm_s, optimizer_s with Muon's newton_schulz_s in it, pcie_s, "
-      "nvme_s); where it cannot be predicted "
+      "nvme_s, and rollback_s: with speculative_step, the update of a step that keeps no "
+      "speculation, optimizer_s being what backward left of it); where it cannot be predicted "
       "(a rate not given) `step` is None and `step_note` says why. Typed rates stand in for "
       "the file's or override them (set_typed_rates()): memory_gbs, disk_gbs, bus_gbs, a GPU "
       "engine's pcie_gbs and gpu_update_gps, and Muon's ns_gflops (its Newton-Schulz "

@@ -21,6 +21,10 @@ inline constexpr const char* kPrefix = "config: ";
 /// Throws Error(invalid_config, "config: " + what).
 [[noreturn]] void fail(const std::string& what);
 
+/// Why Config::speculative_step is not taken ("" when it is), for the engine (whose rank 0 says
+/// so at finalize()) and the planner alike. `muon`: a parameter group is Muon.
+std::string speculation_off(const Config& c, bool muon);
+
 /// "a.b" from "a" and "b"; just "b" when the prefix is empty.
 inline std::string join(const std::string& prefix, std::string_view key) {
   return prefix.empty() ? std::string(key) : prefix + "." + std::string(key);

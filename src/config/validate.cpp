@@ -195,6 +195,17 @@ void check_cuda(const Config& c) {
 
 }  // namespace
 
+std::string config_detail::speculation_off(const Config& c, bool muon) {
+  if (!c.speculative_step) return "not asked for";
+  if (c.offload_optimizer.tier != Tier::host)
+    return "the optimizer state is not on the host tier (offload_optimizer.device cpu)";
+  if (c.stage == 3 && c.offload_param.tier == Tier::nvme)
+    return "the parameters are on the nvme tier, which stores each new shard before the state "
+           "may change";
+  if (muon) return "a group is Muon, whose update exchanges matrices between ranks";
+  return "";
+}
+
 void Config::validate() const {
   check_field_rules(*this);
   check_loss_scale_and_optimizer(*this);

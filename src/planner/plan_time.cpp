@@ -11,6 +11,7 @@
 #include "base/layout.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/newton_schulz.hpp"
+#include "src/config/internal.hpp"
 #include "zeroshard/planner.hpp"
 
 namespace zeroshard {
@@ -339,6 +340,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   double ns = 0;                                          // seconds of the iteration
   double param_read = 0, param_write = 0;                 // bytes of nvme parameter shards
   double down = 0, gather_up = 0;                         // bytes between the GPU and host memory
+  std::vector<double> shares, update_s;  // per unit: its share of the parameters, its update
   // Per unit, in the order the update takes them: its update's seconds and its new shard's
   // upload's (a GPU with the optimizer off it and the parameters on it).
   std::vector<std::pair<double, double>> update_then_up;
@@ -348,6 +350,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     const double ring = double(group - 1) * shard;  // a reduce-scatter or all-gather's hop
     const double mine = double(cfg.stage == 0 ? L.padded_numel : L.shard_numel);
     updated += mine;
+    shares.push_back(double(L.numel));
+    update_s.push_back(mine / update_rate);
     if (nvme_params) {  // a read per gather, forward and backward; one write of the new shard
       param_read += 2.0 * k * shard;
       param_write += shard;
@@ -427,6 +431,22 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   p.comm_s = exposed + after;
   (nvme ? p.nvme_s : p.optimizer_s) = updated / update_rate + ns;
   p.newton_schulz_s = ns;
+  // The speculative step: each unit's update starts once backward (2/3 of the compute, each
+  // unit's part by its parameters, the last unit's first) has handed its gradient over and the
+  // unit before it is done; the trainer waits for what is left after backward.
+  const bool speculating = config_detail::speculation_off(cfg, muon).empty();
+  if (speculating) {
+    p.rollback_s = p.optimizer_s;
+    const double backward = 2.0 / 3.0 * rates.compute_s;
+    double total = 0, landed = 0, done = 0;
+    for (double s : shares) total += s;
+    for (size_t i = units.size(); i-- > 0;) {
+      landed += total > 0 ? backward * shares[i] / total : 0;
+      done = std::max(done, landed) + update_s[i];
+    }
+    p.optimizer_s = std::max(0.0, done - backward);
+    for (auto& [update, upload] : update_then_up) update = 0;  // all uploads after backward
+  }
   // The GPU's copies. Downloads of the reduced shards as the reductions land, beside them (hidden
   // with them). Stage 3's shards off the GPU go up just before their gathers, on the compute
   // stream, which the trainer's kernels share (ZeroOptimizer runs the engine on torch's stream):

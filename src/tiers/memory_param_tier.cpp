@@ -1,6 +1,8 @@
 // The low-precision parameters in memory (see memory_param_tier.hpp).
 #include "src/tiers/memory_param_tier.hpp"
 
+#include <utility>
+
 namespace zeroshard {
 
 MemoryParamTier::MemoryParamTier(const TierContext& ctx, Tier tier, Compute& dev, Compute& host)
@@ -60,6 +62,17 @@ std::vector<float> MemoryParamTier::read(int u) const {
   std::vector<float> out(static_cast<size_t>(n));
   host_.convert(low.data(), ctx_.pdt, out.data(), DType::f32, n);
   return out;
+}
+
+// Stage 3's shard is a buffer of its own, read only by the gathers (none in flight during an
+// update); on a GPU it may be registered for DMA, so only a CPU engine's is swapped.
+bool MemoryParamTier::adopt(int u, Buffer& values) {
+  Buffer& mine = params_[size_t(u)];
+  if (ctx_.cfg->stage != 3 || dev_.streams() || shared_[size_t(u)] ||
+      values.bytes() != mine.bytes())
+    return false;
+  std::swap(mine, values);
+  return true;
 }
 
 void MemoryParamTier::restore(int u, const float* master) {

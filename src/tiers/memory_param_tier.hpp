@@ -23,6 +23,7 @@ class MemoryParamTier final : public ParamTier {
   void restore(int u, const float* master) override;
   std::optional<float*> share_as_master(int u) override;
   void* target(int u) override { return shared_[size_t(u)] ? nullptr : own(u); }
+  bool adopt(int u, Buffer& values) override;
 
  private:
   /// n low-precision values at dst (device memory) rounded from f32 values in host memory;

@@ -21,7 +21,7 @@ namespace zeroshard {
 MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute,
                                  cpu::Arena& arena,
                                  const std::vector<std::optional<float*>>& master_alias,
-                                 bool previews, bool speculative)
+                                 bool previews, Speculative speculative)
     : ctx_(ctx),
       compute_(compute),
       arena_(arena),
@@ -70,7 +70,7 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
   if (previews)
     scratch_ = ctx.buffer(Tier::host, MemKind::buffer, "update_scratch",
                           size_t(arena.threads()) * preview_slot_bytes(), false);
-  if (!speculative || !on_cpu_) return;
+  if (speculative == Speculative::off || !on_cpu_) return;
   // The speculative step's second copy of every unit's state (none for a unit whose master is
   // its parameters: their memory is the parameter tier's), counted as what it copies.
   spec_.resize(units_.size());
@@ -91,7 +91,8 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
       if (!sp.state0.empty()) compute_.fill(sp.state0.data(), cpu::dynamic_code(true).zero, ext);
       if (!sp.state1.empty()) compute_.fill(sp.state1.data(), cpu::dynamic_code(false).zero, ext);
     }
-    sp.out = ctx.buffer(tier, MemKind::buffer, "param_speculative", ext * ctx.pbytes, false);
+    if (speculative == Speculative::own_out)
+      sp.own_out = ctx.buffer(tier, MemKind::buffer, "param_speculative", ext * ctx.pbytes, false);
   }
 }
 
@@ -208,9 +209,10 @@ bool same(const cpu::UpdateHyper& a, const cpu::UpdateHyper& b) {
          bits(a.grad_scale) == bits(b.grad_scale) && a.hold == b.hold;
 }
 bool same(const std::vector<GroupRun>& a, const std::vector<GroupRun>& b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const GroupRun& x, const GroupRun& y) {
-    return x.begin == y.begin && x.end == y.end && x.group == y.group;
-  });
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const GroupRun& x, const GroupRun& y) {
+                      return x.begin == y.begin && x.end == y.end && x.group == y.group;
+                    });
 }
 }  // namespace
 
@@ -257,10 +259,12 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
   }
 }
 
-void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper,
-                                int64_t step) {
+void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                                void* out) {
   if (spec_.empty() || units_[size_t(u)].master_buf.empty()) return;
   Speculation& sp = spec_[size_t(u)];
+  sp.out = out ? out : sp.own_out.data();
+  ZS_CHECK(sp.out);
   sp.ready = false;
   sp.hyper = hyper;
   sp.step = step;
@@ -275,7 +279,7 @@ void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hype
 void MemoryStateTier::run_speculation(int u) {
   const Unit& s = units_[size_t(u)];
   Speculation& sp = spec_[size_t(u)];
-  cpu::UnitUpdate w = unit_update(u, sp.out.data(), sp.step);
+  cpu::UnitUpdate w = unit_update(u, sp.out, sp.step);
   w.runs = &sp.runs;
   std::vector<cpu::UpdateTask> tasks;
   cpu::append_update_tasks(sp.hyper, w, tasks);
@@ -284,7 +288,7 @@ void MemoryStateTier::run_speculation(int u) {
   struct Twin {
     const void* live;
     void* copy;
-    size_t bytes;     // per element, or per block (absmax)
+    size_t bytes;  // per element, or per block (absmax)
     bool per_block;
   };
   const Twin twins[] = {{s.master, sp.master.data(), mb, false},
@@ -343,8 +347,16 @@ void MemoryStateTier::keep_speculation(int u, ParamSink& sink) {
   s.state1 = s.state1_buf.data();
   s.absmax0 = s.absmax0_buf.as<float>();
   s.absmax1 = s.absmax1_buf.as<float>();
-  if (void* target = sink.target(u))
-    compute_.convert(sp.out.data(), ctx_.pdt, target, ctx_.pdt, ctx_.extent(u));
+  char* target = static_cast<char*>(sink.target(u));
+  if (!target || target == sp.out) return;
+  if (sp.out == sp.own_out.data() && sink.adopt(u, sp.own_out)) {  // a swap instead of a copy
+    sp.out = sp.own_out.data();
+    return;
+  }
+  const char* from = static_cast<const char*>(sp.out);
+  arena_.parallel_chunks(ctx_.extent(u) * int64_t(ctx_.pbytes), [&](int64_t b, int64_t e) {
+    std::memcpy(target + b, from + b, size_t(e - b));
+  });
 }
 
 void MemoryStateTier::drop_speculation() {
@@ -357,7 +369,9 @@ void MemoryStateTier::drop_speculation() {
   }
 }
 
-void MemoryStateTier::forget_grads() { drop_speculation(); }
+void MemoryStateTier::forget_grads() {
+  drop_speculation();
+}
 
 // The same tasks as update(), each on copies of its chunk of master and moments (and absmax):
 // the state is untouched, and the copy-out is bitwise what update() writes.

@@ -22,11 +22,13 @@ class MemoryStateTier final : public StateTier {
   /// parameters in the same memory (null in a plan): they are the master weights, and no
   /// copy-out is made.
   /// `previews`: allocate the per-thread scratch preview() needs (CPU only, on `arena`).
-  /// `speculative`: take speculate() (the CPU's work only), with a second copy of the state of
-  /// every unit whose master is its own (not the parameters).
+  /// `speculative`: whether to take speculate() (the CPU's work only), with a second copy of
+  /// the state of every unit whose master is its own (not the parameters), and whether its
+  /// caller brings the memory for the new low-precision values (StagedStateTier).
+  enum class Speculative { off, own_out, caller_out };
   MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute, cpu::Arena& arena,
                   const std::vector<std::optional<float*>>& master_alias, bool previews,
-                  bool speculative);
+                  Speculative speculative);
 
   void load_initial(int u, const float* whole) override;
   void* grad_target(int u) override { return units_[size_t(u)].grad_shard.data(); }
@@ -35,7 +37,8 @@ class MemoryStateTier final : public StateTier {
   void forget_grads() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
   bool speculates() const override { return !spec_.empty(); }
-  void speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) override;
+  void speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                 void* out) override;
   SpeculationCount speculated() const override { return counted_; }
   void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u, void* out) override;
   std::vector<float> read(int u, StateKind kind) const override;
@@ -86,8 +89,9 @@ class MemoryStateTier final : public StateTier {
   /// master, moments and absmax that run_speculation() writes and update() swaps in, the new
   /// low-precision values, and what the update read (kept only if the step's would read it).
   struct Speculation {
-    Buffer master, state0, state1, absmax0, absmax1, out;
-    bool ready = false;  // computed, and neither kept nor dropped yet
+    Buffer master, state0, state1, absmax0, absmax1, own_out;
+    void* out = nullptr;  // the new low-precision values: own_out, or the caller's
+    bool ready = false;   // computed, and neither kept nor dropped yet
     std::vector<cpu::UpdateHyper> hyper;
     int64_t step = 0;
     std::vector<GroupRun> runs;

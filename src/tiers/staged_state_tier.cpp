@@ -5,14 +5,15 @@
 
 namespace zeroshard {
 
-// The inner tier's update writes each unit's shard to its pinned upload buffer; done() sends
-// it up to where the parameters live on the GPU, on the device's stream.
+// The inner tier's update writes each unit's shard to its pinned upload buffer (`set` of the
+// two a speculating tier keeps, else the one); done() sends it up to where the parameters live
+// on the GPU, on the device's stream.
 class StagedStateTier::Uploads final : public ParamSink {
  public:
-  Uploads(StagedStateTier& t, ParamSink& gpu) : t_(t), gpu_(gpu) {}
-  void* target(int u) override { return t_.upload_[size_t(u)].data(); }
+  Uploads(StagedStateTier& t, ParamSink& gpu, int set) : t_(t), gpu_(gpu), set_(set) {}
+  void* target(int u) override { return t_.upload_[size_t(set_)][size_t(u)].data(); }
   void done(int u) override {
-    const Buffer& b = t_.upload_[size_t(u)];
+    const Buffer& b = t_.upload_[size_t(set_)][size_t(u)];
     t_.dev_.copy(gpu_.target(u), b.data(), b.bytes());
     t_.uploads_pending_ = true;
     gpu_.done(u);
@@ -26,6 +27,7 @@ class StagedStateTier::Uploads final : public ParamSink {
  private:
   StagedStateTier& t_;
   ParamSink& gpu_;
+  int set_;
 };
 
 StagedStateTier::StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTier> inner,
@@ -37,11 +39,15 @@ StagedStateTier::StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTi
       host_target_(ctx.units->size(), nullptr),
       params_on_device_(params_on_device) {
   int64_t largest_shard = 0;
+  // A speculating inner tier writes step t's shards during its backward, while step t − 1's
+  // may still be going up: two sets of upload buffers, one per step's parity.
+  const int sets = params_on_device ? (inner_->speculates() ? 2 : 1) : 0;
   for (size_t i = 0; i < ctx.units->size(); ++i) {
     largest_shard = std::max(largest_shard, ctx.shard(int(i)));
-    if (params_on_device)
-      upload_.push_back(ctx.buffer(Tier::host, MemKind::buffer, "param_upload",
-                                   size_t(ctx.shard(int(i))) * ctx.pbytes, true));
+    for (int k = 0; k < sets; ++k)
+      upload_[k].push_back(ctx.buffer(Tier::host, MemKind::buffer,
+                                      k ? "param_upload_speculative" : "param_upload",
+                                      size_t(ctx.shard(int(i))) * ctx.pbytes, true));
   }
   slots_.fill(ctx.cfg->grad_buffers, [&] {
     return ctx.buffer(Tier::device, MemKind::buffer, "grad_shard_staging",
@@ -95,14 +101,24 @@ void StagedStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
                              ParamSink& sink) {
   wait_uploads();
   if (!params_on_device_) return inner_->update(hyper, step, sink);
-  Uploads up(*this, sink);
+  Uploads up(*this, sink, upload_set(step));
   inner_->update(hyper, step, up);
+}
+
+// The gradient came down in grad_reduced(), so the inner tier speculates on the host, writing
+// the new shard straight into the upload buffer of the step's parity: the step before last
+// went up from it, and the last step's update() waited for that (wait_uploads()).
+void StagedStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                                void*) {
+  inner_->speculate(
+      u, hyper, step,
+      params_on_device_ ? upload_[size_t(upload_set(step))][size_t(u)].data() : nullptr);
 }
 
 void StagedStateTier::commit(Communicator& comm, ParamSink& sink) {
   wait_uploads();
   if (!params_on_device_) return inner_->commit(comm, sink);
-  Uploads up(*this, sink);
+  Uploads up(*this, sink, 0);  // waited for below, as the last step's were above
   inner_->commit(comm, up);
   wait_uploads();  // restore is off the step path: the parameters are in place on return
 }

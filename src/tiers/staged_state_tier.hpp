@@ -33,11 +33,9 @@ class StagedStateTier final : public StateTier {
   double sum_squares() override { return inner_->sum_squares(); }
   void forget_grads() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
-  // The gradient came down in grad_reduced(): the inner tier speculates on the host.
   bool speculates() const override { return inner_->speculates(); }
-  void speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) override {
-    inner_->speculate(u, hyper, step);
-  }
+  void speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                 void* out) override;
   SpeculationCount speculated() const override { return inner_->speculated(); }
   void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u,
                void* out) override {
@@ -66,7 +64,9 @@ class StagedStateTier final : public StateTier {
   BufferPool slots_;                // reduce-scatter outputs on the GPU
   std::vector<int> slot_of_;        // unit → slot in use, or -1
   std::vector<void*> host_target_;  // unit → the inner tier's grad_target()
-  std::vector<Buffer> upload_;      // unit → its new low-precision shard on its way up
+  std::vector<Buffer> upload_[2];   // unit → its new low-precision shard on its way up
+  /// The set of upload buffers step `step`'s update writes.
+  int upload_set(int64_t step) const { return upload_[1].empty() ? 0 : int(step % 2); }
   bool uploads_pending_ = false;
   bool params_on_device_;
 };

@@ -112,6 +112,11 @@ class ParamSink {
   /// Rebuilds unit u's low-precision values from `master` (extent elements of f32, host memory),
   /// off the step path: a restore after a failed step, or after write_shard().
   virtual void restore(int u, const float* master) = 0;
+  /// Takes `values` (unit u's new low-precision values, indexed and sized like target(u)) as
+  /// the memory target(u) points at from now on, instead of a copy, and gives its old memory
+  /// back in `values`: true where the sink keeps that memory in a buffer of its own that no one
+  /// else holds (stage 3's shards in a CPU engine's memory); false: the caller copies.
+  virtual bool adopt(int /*u*/, Buffer& /*values*/) { return false; }
 
   /// The route for shards kept on disk, taken by a state tier whose own records are on disk:
   /// the update computes unit u's new shard into `data` (in a slot of the caller's `pool`) and
@@ -188,9 +193,11 @@ class StateTier {
   /// for every unit whose update would read exactly what it read (the same hyper, step, group
   /// runs and gradient), and computes the others as usual: so the result is bitwise the step's
   /// whatever the step finds (an overflow, a clip, a parameter held, a new learning rate).
-  /// forget_grads(), write() and commit() drop it.
+  /// forget_grads(), write() and commit() drop it. `out`: where the new low-precision values
+  /// go, memory no one reads before update() and which is then its sink.target(u) (a GPU's
+  /// upload buffer); null: the tier's own, copied to the target by update().
   virtual void speculate(int /*u*/, const std::vector<cpu::UpdateHyper>& /*hyper*/,
-                         int64_t /*step*/) {}
+                         int64_t /*step*/, void* /*out*/) {}
   /// Units of the last update() whose speculation it kept, and those it had to drop.
   struct SpeculationCount {
     int kept = 0, dropped = 0;

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import zeroshard as zs  # noqa: E402
 import zeroshard.torch as zt  # noqa: E402
 from zs_testutil import (  # noqa: E402
-    CLIP, EPS, LR, batches, groups, make_model, max_abs_diff, no_decay, requantize,
+    CLIP, EPS, LR, batches, groups, loss_fn, make_model, max_abs_diff, no_decay, requantize,
     train_reference, train_zero)
 
 # See mpi/test_parity.py for the derivation of this bound; one rank sees the same sources of
@@ -719,3 +719,32 @@ def test_full_grad_is_the_reduced_gradient_after_backward(stage, offload):
         ropt.step()
     assert max_abs_diff(opt.model_state_dict(), ref.state_dict()) <= BOUND
     opt.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_speculative_step_is_bitwise_the_step_without(stage):
+    # DeepSpeed's super_offload key: each unit's update runs during backward and is kept where
+    # the step would compute the same. A learning rate changed between backward and step()
+    # (a scheduler stepped early) drops that step's; either way the model is bitwise the one
+    # without.
+    states, counts = [], []
+    for speculative in (False, True):
+        model, data = make_model(), batches(12)
+        opt = zero(model, stage, offload_optimizer="cpu", config={
+            "zero_optimization": {"offload_optimizer": {"super_offload": speculative}}})
+        kept = dropped = 0
+        for i, (tokens, labels) in enumerate(data):
+            opt.zero_grad()
+            loss_fn(model, tokens, labels).backward()
+            if i == 4:
+                opt.param_groups[0]["lr"] = LR / 2
+            opt.step()
+            kept += opt.last_result.speculation_kept
+            dropped += opt.last_result.speculation_dropped
+        states.append(opt.model_state_dict())
+        counts.append((kept, dropped))
+        opt.close()
+    assert counts[0] == (0, 0)
+    assert counts[1][0] > 0 and counts[1][1] > 0, counts
+    for name, value in states[0].items():
+        assert torch.equal(value, states[1][name]), name

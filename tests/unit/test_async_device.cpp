@@ -150,7 +150,7 @@ TEST(AsyncDevice, StateTierLoadHasReadTheInitialValuesWhenItReturns) {
     return Buffer(&ledger, t, k, name, bytes, t == Tier::device ? dev->device_memory() : nullptr);
   };
   MemoryStateTier tier(ctx, Tier::device, *dev, arena, {std::nullopt, std::nullopt}, false,
-                       false);
+                       MemoryStateTier::Speculative::off);
   std::vector<float> whole(3017);
   std::vector<std::vector<float>> want;
   for (int u = 0; u < 2; ++u) {

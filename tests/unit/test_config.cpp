@@ -385,6 +385,18 @@ TEST(Config, DeepSpeedValuesWithoutAnEquivalentAreErrorsThatSayWhy) {
       Config::from_json(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1}}})"));
 }
 
+// SuperOffload's speculation-then-validation is zeroshard's speculative_step, under either name.
+TEST(Config, SuperOffloadIsTheSpeculativeStep) {
+  EXPECT_FALSE(Config{}.speculative_step);
+  EXPECT_TRUE(Config::from_json(R"({"zero_optimization": {"offload_optimizer":
+      {"device": "cpu", "super_offload": true, "cpuadam_cores_perc": 0.9}}})")
+                  .speculative_step);
+  EXPECT_TRUE(Config::from_json(R"({"zeroshard": {"speculative_step": true}})").speculative_step);
+  EXPECT_THAT(parse_error(R"({"zero_optimization": {"offload_optimizer":
+      {"cpuadam_cores_perc": 0}}})"),
+              AllOf(HasSubstr("cpuadam_cores_perc"), HasSubstr("(0, 1]")));
+}
+
 // DeepSpeed keys of the fp16/bf16 sections in common use: taken with DeepSpeed's meaning, or
 // refused with the reason; and gradient clipping, absent, is off (DeepSpeed's default was 0.0
 // until its recent versions made it 1.0; README says so).

@@ -67,6 +67,35 @@ TEST(PlanTime, EachStageSumsItsCollectivesAndItsUpdate) {
   EXPECT_DOUBLE_EQ(p.optimizer_s, (4096 + 1024) / 1e9);
 }
 
+// The speculative step: unit "b" (1000 parameters, the last registered) lands first, after
+// 1000/5096 of backward; unit "a" lands at backward's end. On one rank the shards are the
+// padded units: a 4096 and b 1024 elements, updated at 1 G params/s.
+TEST(PlanTime, SpeculationLeavesTheUpdateBackwardDidNotHide) {
+  Config c = cfg(2);
+  c.speculative_step = true;
+  MachineRates r = rates();
+  const double a = 4096 / 1e9, b = 1024 / 1e9, full = a + b;
+  // Backward long enough: only unit a's update is left once its gradient lands.
+  r.compute_s = 1.5 * 1e-3;  // backward 1 ms
+  StepPrediction p = predict_step(c, model(), 1, r);
+  EXPECT_NEAR(p.optimizer_s, a, 1e-15);
+  EXPECT_NEAR(p.rollback_s, full, 1e-15);
+  EXPECT_NEAR(p.total_s, p.compute_s + p.optimizer_s, 1e-15);
+  // Backward shorter than b's update: a waits for b, then all of it is left after backward.
+  r.compute_s = 1.5 * 0.5e-6;  // backward 0.5 us; b lands after ~0.1 us and takes 1.024 us
+  p = predict_step(c, model(), 1, r);
+  EXPECT_NEAR(p.optimizer_s, 1000.0 / 5096 * 0.5e-6 + full - 0.5e-6, 1e-15);
+  // No compute given: nothing hides, the update is whole.
+  r.compute_s = 0;
+  EXPECT_NEAR(predict_step(c, model(), 1, r).optimizer_s, full, 1e-15);
+  // Not taken off the host tier: no speculation in the prediction either.
+  r.compute_s = 1.5e-3;
+  c.offload_optimizer.tier = Tier::device;
+  p = predict_step(c, model(), 1, r);
+  EXPECT_NEAR(p.optimizer_s, full, 1e-15);
+  EXPECT_EQ(p.rollback_s, 0);
+}
+
 TEST(PlanTime, ComputeHidesReductionsAndGathersButNotTheGatherAfterTheUpdate) {
   MachineRates r = rates();
   const double reduce = coll(2048) + coll(512);
