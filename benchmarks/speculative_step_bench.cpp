@@ -166,8 +166,8 @@ int main(int argc, char** argv) {
   std::printf(
       "speculative_step_bench: device %s, stage %d, n=%lld unit=%lld backward %.1f ms per "
       "unit, threads=%d rounds=%d, load average %.2f\n\n",
-      o.async ? "async" : "cpu", o.stage, (long long)o.n, (long long)o.unit, o.backward_ms, o.threads,
-      o.rounds, load[0]);
+      o.async ? "async" : "cpu", o.stage, (long long)o.n, (long long)o.unit, o.backward_ms,
+      o.threads, o.rounds, load[0]);
   std::vector<uint16_t> grad(size_t(o.n));
   for (int64_t i = 0; i < o.n; ++i)
     grad[size_t(i)] = zc::float_to_bf16(zs_bench::hashed(i, -1e-3f, 1e-3f));
