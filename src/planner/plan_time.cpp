@@ -433,16 +433,21 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   p.newton_schulz_s = ns;
   // The speculative step: each unit's update starts once backward (2/3 of the compute, each
   // unit's part by its parameters, the last unit's first) has handed its gradient over and the
-  // unit before it is done; the trainer waits for what is left after backward.
+  // unit before it is done; the trainer waits for what is left after backward. The update
+  // there moves more bytes than in place: the second copy of master and moments it writes is
+  // read for ownership first, and the gradient's pass for the norm runs in it.
   const bool speculating = config_detail::speculation_off(cfg, muon).empty();
   if (speculating) {
     p.rollback_s = p.optimizer_s;
     const double backward = 2.0 / 3.0 * rates.compute_s;
+    const double slower =
+        (update_bytes_per_param(cfg) + record_bytes_per_param(cfg) + pbytes) /
+        update_bytes_per_param(cfg);
     double total = 0, landed = 0, done = 0;
     for (double s : shares) total += s;
     for (size_t i = units.size(); i-- > 0;) {
       landed += total > 0 ? backward * shares[i] / total : 0;
-      done = std::max(done, landed) + update_s[i];
+      done = std::max(done, landed) + update_s[i] * slower;
     }
     p.optimizer_s = std::max(0.0, done - backward);
     for (auto& [update, upload] : update_then_up) update = 0;  // all uploads after backward

@@ -111,10 +111,23 @@ void MemoryStateTier::load_initial(int u, const float* whole) {
 // the CPU, the final micro-step also takes the unit's share of the norm, during backward and in
 // the pass that folds it when there is one, so that step() is the all-reduce and the update. A
 // GPU sums at step time instead, one launch per unit on its stream: a result waited for here
-// would stall the stream in the middle of backward.
+// would stall the stream in the middle of backward. With the speculative step the final
+// micro-step's pass runs on the speculation thread, ahead of the unit's update, so that the
+// trainer's thread (a GPU's, which must keep launching backward) does no CPU pass meanwhile.
 void MemoryStateTier::grad_reduced(int u, int micro, const void* whole) {
   Unit& s = units_[size_t(u)];
   s.whole_grad = whole;
+  const bool final = micro + 1 == ctx_.accumulation();
+  if (final && on_cpu_ && !spec_.empty() && !s.master_buf.empty()) {
+    thread_.post([this, u, micro] { take_grad(u, micro); });
+    return;
+  }
+  take_grad(u, micro);
+}
+
+void MemoryStateTier::take_grad(int u, int micro) {
+  Unit& s = units_[size_t(u)];
+  const void* whole = s.whole_grad;
   const int k = ctx_.accumulation();
   const bool final = micro + 1 == k;
   // This rank's share of the norm: its shard (stage 0 sums the same elements of its whole copy).
@@ -157,6 +170,7 @@ double MemoryStateTier::sum_squares() {
   double sum = 0.0;
   bool nonfinite = false;
   if (on_cpu_) {
+    if (!spec_.empty()) thread_.settle();  // the final micro-step's passes (grad_reduced())
     for (const Unit& s : units_) sum += s.sumsq;
   } else {
     std::vector<GradSpan> spans;
@@ -476,6 +490,7 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
 }
 
 std::vector<float> MemoryStateTier::read_grad(int u) {
+  if (!spec_.empty()) thread_.settle();  // the final micro-step's fold (grad_reduced())
   const int64_t n = ctx_.shard(u);
   std::vector<float> out(size_t(n), 0.0f);
   auto [g, dt] = grad(u);

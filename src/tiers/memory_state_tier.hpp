@@ -69,6 +69,8 @@ class MemoryStateTier final : public StateTier {
   /// This rank's shard of the master (master_dtype_) when `kind` is master, else null.
   char* master_at(int u, StateKind kind) const;
   void check_kind(const char* call, int u, StateKind kind) const;
+  /// grad_reduced()'s CPU pass: the fold into the accumulator, the share of the norm.
+  void take_grad(int u, int micro);
   /// On the speculation thread: unit u's update into its second copy (Speculation).
   void run_speculation(int u);
   /// update(): unit u's speculation becomes its state, its new values go to sink.target(u).
