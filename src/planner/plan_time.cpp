@@ -440,9 +440,8 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   if (speculating) {
     p.rollback_s = p.optimizer_s;
     const double backward = 2.0 / 3.0 * rates.compute_s;
-    const double slower =
-        (update_bytes_per_param(cfg) + record_bytes_per_param(cfg) + pbytes) /
-        update_bytes_per_param(cfg);
+    const double slower = (update_bytes_per_param(cfg) + record_bytes_per_param(cfg) + pbytes) /
+                          update_bytes_per_param(cfg);
     double total = 0, landed = 0, done = 0;
     for (double s : shares) total += s;
     for (size_t i = units.size(); i-- > 0;) {
