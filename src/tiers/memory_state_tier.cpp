@@ -165,6 +165,20 @@ std::pair<const void*, DType> MemoryStateTier::grad(int u) const {
   return {ctx_.cfg->stage == 0 ? s.whole_grad : s.grad_shard.data(), ctx_.pdt};
 }
 
+// A failure of a gradient's pass on the speculation thread, for the engine to agree on.
+std::optional<Error> MemoryStateTier::settle_grads() {
+  if (spec_.empty()) return std::nullopt;
+  try {
+    thread_.settle();
+  } catch (const Error& e) {
+    return e;
+  } catch (const std::exception& e) {
+    return Error(ErrorCode::internal,
+                 "rank " + std::to_string(ctx_.rank) + ": the speculation thread: " + e.what());
+  }
+  return std::nullopt;
+}
+
 // Summed in unit order either way: the CPU's shares taken in grad_reduced(), the GPU's here.
 double MemoryStateTier::sum_squares() {
   double sum = 0.0;
@@ -283,7 +297,13 @@ void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hype
   sp.hyper = hyper;
   sp.step = step;
   sp.runs = ctx_.runs(u);  // the step's may differ (a parameter held): then it is dropped
-  thread_.post([this, u] { run_speculation(u); });
+  thread_.post([this, u] {
+    try {
+      run_speculation(u);
+    } catch (...) {
+      spec_[size_t(u)].ready = false;  // the step's update computes it
+    }
+  });
 }
 
 // preview()'s tasks, each copying its chunk of master, moments and absmax into the second copy
@@ -322,30 +342,26 @@ void MemoryStateTier::run_speculation(int u) {
     return int64_t((static_cast<const char*>(t.a.master) - static_cast<const char*>(s.master)) /
                    std::ptrdiff_t(mb));
   };
-  try {
-    arena_.parallel_for(int64_t(tasks.size()), [&](int64_t i) {
-      cpu::UpdateTask task = tasks[size_t(i)];
-      cpu::UpdateArgs& a = task.a;
-      const int64_t b = first(task);
-      for (const Twin& t : twins) copy(t, b, b + a.n);
-      auto moved = [&](auto* p, const Twin& t) {
-        using P = decltype(p);
-        if (!p) return p;
-        const auto off = static_cast<const char*>(static_cast<const void*>(p)) -
-                         static_cast<const char*>(t.live);
-        return static_cast<P>(static_cast<void*>(static_cast<char*>(t.copy) + off));
-      };
-      a.master = moved(a.master, twins[0]);
-      a.state0 = moved(a.state0, twins[1]);
-      a.state1 = moved(a.state1, twins[2]);
-      a.absmax0 = moved(a.absmax0, twins[3]);
-      a.absmax1 = moved(a.absmax1, twins[4]);
-      cpu::run_update_task(arena_.isa(), task);
-    });
-    sp.ready = true;
-  } catch (...) {
-    sp.ready = false;  // the step's update computes it
-  }
+  arena_.parallel_for(int64_t(tasks.size()), [&](int64_t i) {
+    cpu::UpdateTask task = tasks[size_t(i)];
+    cpu::UpdateArgs& a = task.a;
+    const int64_t b = first(task);
+    for (const Twin& t : twins) copy(t, b, b + a.n);
+    auto moved = [&](auto* p, const Twin& t) {
+      using P = decltype(p);
+      if (!p) return p;
+      const auto off =
+          static_cast<const char*>(static_cast<const void*>(p)) - static_cast<const char*>(t.live);
+      return static_cast<P>(static_cast<void*>(static_cast<char*>(t.copy) + off));
+    };
+    a.master = moved(a.master, twins[0]);
+    a.state0 = moved(a.state0, twins[1]);
+    a.state1 = moved(a.state1, twins[2]);
+    a.absmax0 = moved(a.absmax0, twins[3]);
+    a.absmax1 = moved(a.absmax1, twins[4]);
+    cpu::run_update_task(arena_.isa(), task);
+  });
+  sp.ready = true;
 }
 
 void MemoryStateTier::keep_speculation(int u, ParamSink& sink) {

@@ -33,6 +33,7 @@ class MemoryStateTier final : public StateTier {
   void load_initial(int u, const float* whole) override;
   void* grad_target(int u) override { return units_[size_t(u)].grad_shard.data(); }
   void grad_reduced(int u, int micro, const void* whole) override;
+  std::optional<Error> settle_grads() override;
   double sum_squares() override;
   void forget_grads() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;

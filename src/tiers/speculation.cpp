@@ -26,6 +26,7 @@ void SpeculationThread::post(std::function<void()> job) {
 void SpeculationThread::settle() {
   std::unique_lock<std::mutex> lock(mu_);
   idle_.wait(lock, [this] { return jobs_.empty() && !busy_; });
+  if (failed_) std::rethrow_exception(std::exchange(failed_, nullptr));
 }
 
 void SpeculationThread::run() {
@@ -37,8 +38,14 @@ void SpeculationThread::run() {
     jobs_.pop_front();
     busy_ = true;
     lock.unlock();
-    job();
+    std::exception_ptr failed;
+    try {
+      job();
+    } catch (...) {
+      failed = std::current_exception();
+    }
     lock.lock();
+    if (failed && !failed_) failed_ = failed;
     busy_ = false;
     if (jobs_.empty()) idle_.notify_all();
   }

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -18,10 +19,10 @@ class SpeculationThread {
   /// Finishes the work posted, then ends the thread.
   ~SpeculationThread();
 
-  /// Runs `job` after the jobs posted before it. A job must not throw (it records its own
-  /// failure); the thread starts with the first job.
+  /// Runs `job` after the jobs posted before it; the thread starts with the first job.
   void post(std::function<void()> job);
-  /// Returns once every job posted has run: what they wrote may be read.
+  /// Returns once every job posted has run: what they wrote may be read. Rethrows (once) the
+  /// first exception a job threw since the last settle().
   void settle();
 
  private:
@@ -31,6 +32,7 @@ class SpeculationThread {
   std::condition_variable wake_, idle_;
   std::deque<std::function<void()>> jobs_;
   bool busy_ = false, stop_ = false;
+  std::exception_ptr failed_;
   std::thread thread_;
 };
 

@@ -1,0 +1,61 @@
+// The speculative step's thread (src/tiers/speculation.hpp): jobs run in the order posted, on
+// one thread that is not the caller's; settle() returns only once they all ran, and hands the
+// first failure back once.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "src/tiers/speculation.hpp"
+
+using zeroshard::SpeculationThread;
+
+TEST(SpeculationThread, RunsJobsInOrderOffTheCallersThread) {
+  SpeculationThread t;
+  std::vector<int> order;  // written by the thread only, read after settle()
+  std::atomic<bool> elsewhere{true};
+  const std::thread::id caller = std::this_thread::get_id();
+  for (int i = 0; i < 100; ++i)
+    t.post([&, i] {
+      if (i % 10 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (std::this_thread::get_id() == caller) elsewhere = false;
+      order.push_back(i);
+    });
+  t.settle();
+  ASSERT_EQ(order.size(), 100u);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(order[size_t(i)], i);
+  EXPECT_TRUE(elsewhere);
+  t.settle();  // nothing posted: returns at once
+}
+
+TEST(SpeculationThread, SettleRethrowsTheFirstFailureOnce) {
+  SpeculationThread t;
+  int ran = 0;
+  t.post([] { throw std::runtime_error("first"); });
+  t.post([] { throw std::runtime_error("second"); });
+  t.post([&] { ++ran; });  // a failure does not stop the jobs after it
+  try {
+    t.settle();
+    ADD_FAILURE() << "settle() did not rethrow";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "first");
+  }
+  EXPECT_EQ(ran, 1);
+  EXPECT_NO_THROW(t.settle());
+}
+
+TEST(SpeculationThread, DestructionRunsWhatWasPosted) {
+  std::atomic<int> ran{0};
+  {
+    SpeculationThread t;
+    for (int i = 0; i < 10; ++i)
+      t.post([&] {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        ++ran;
+      });
+  }
+  EXPECT_EQ(ran, 10);
+}
