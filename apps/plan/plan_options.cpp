@@ -17,6 +17,7 @@ const char* const kPlanHelp =
     "                      [--optimizer adamw|adam|lion|sgd|muon] [--optimizer-state "
     "f32|bf16|8bit]\n"
     "                      [--master f32|bf16] [--device cpu|cuda] [--shard-group N]\n"
+    "                      [--speculative-step off|on]\n"
     "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
     "                      [rates [--compute-s X] [--ranks-per-node N\n"
     "                              (--inter-node-gbs X | --link-calibration FILE)]]\n"
@@ -65,7 +66,10 @@ const char* const kPlanHelp =
     "wrote, or typed: --pcie-gbs (pinned copies, GB/s each way), --gpu-update-gps (its update in\n"
     "GPU memory, G params/s). On more than one rank its collectives need --bus-gbs (a\n"
     "calibration's collectives are the host's), hidden behind the trainer's compute as far as it\n"
-    "lasts (NCCL's own streams). A 'pcie s' column shows the host-GPU copies the step waits for.\n";
+    "lasts (NCCL's own streams). A 'pcie s' column shows the host-GPU copies the step waits for.\n\n"
+    "--speculative-step on plans Config::speculative_step: the host tier's rows hold a second\n"
+    "copy of the optimizer state, and their update runs during backward (2/3 of --compute-s):\n"
+    "'update s' is what is left of it after backward (docs/planner.md).\n";
 
 namespace {
 
@@ -182,6 +186,8 @@ void parse_flag(PlanOptions& o, const std::string& f, const std::string& v) {
         {{"f32", StateFormat::f32}, {"bf16", StateFormat::bf16}, {"8bit", StateFormat::q8}});
   else if (f == "--master")
     one_of<bool>(o.bf16_master, f, v, {{"f32", false}, {"bf16", true}});
+  else if (f == "--speculative-step")
+    one_of<bool>(o.speculative, f, v, {{"off", false}, {"on", true}});
   else
     bad("unknown flag " + f + " (zeroshard plan --help)");
 }
@@ -246,6 +252,7 @@ Config plan_config(const PlanOptions& o) {
   cfg.optimizer.kind = o.optimizer;
   cfg.optimizer_state = o.moments;
   cfg.bf16_master = o.bf16_master;
+  cfg.speculative_step = o.speculative;
   cfg.shard_group_size = o.shard_group;
   cfg.device = o.device;
   return cfg;

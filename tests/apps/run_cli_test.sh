@@ -95,6 +95,19 @@ echo '{"schema": "zeroshard-calibration/1", "optimizer": {"adamw": {"bf16": {"pa
 expect 2 "groups of 3 in 4 ranks" plan --ranks 4 --shard-group 3 --device cuda --calibration "$cal" --bus-gbs 100
 expect 2 "--bus-gbs" plan --ranks 4 --device cuda --calibration "$cal"
 expect 2 "--device must be cpu or cuda" calibrate --device gpu
+# The speculative step: the host rows' update hides behind a long enough backward, and their
+# host memory takes the second copy of the state; the other rows do not change.
+big=(--params 1G --largest-unit 40M --ranks 1 --memory-gbs 40 --compute-s 3)
+off="$("$bin" plan "${big[@]}" --speculative-step off | awk '$1 == 2 && $2 == "host" && $3 == "device"')"
+on="$("$bin" plan "${big[@]}" --speculative-step on | awk '$1 == 2 && $2 == "host" && $3 == "device"')"
+dev_off="$("$bin" plan "${big[@]}" --speculative-step off | awk '$1 == 2 && $2 == "device"')"
+dev_on="$("$bin" plan "${big[@]}" --speculative-step on | awk '$1 == 2 && $2 == "device"')"
+if ! awk -v a="$off" -v b="$on" 'BEGIN { split(a, x); split(b, y)
+       exit !(y[5] > 1.9 * x[5] && y[11] < x[11] / 5) }' || [[ "$dev_off" != "$dev_on" ]]; then
+  echo "FAIL: plan --speculative-step: off '$off' on '$on'; device rows '$dev_off' '$dev_on'"
+  fail=1
+fi
+expect 2 "--speculative-step must be one of" plan --speculative-step yes
 if [[ $("$bin" plan "${small[@]}" --device cuda | grep -c '^[0-3]     ') != 14 ]]; then
   echo "FAIL: plan --device cuda: not the 14 choices a GPU engine takes"
   fail=1
