@@ -66,7 +66,8 @@ const char* const kPlanHelp =
     "wrote, or typed: --pcie-gbs (pinned copies, GB/s each way), --gpu-update-gps (its update in\n"
     "GPU memory, G params/s). On more than one rank its collectives need --bus-gbs (a\n"
     "calibration's collectives are the host's), hidden behind the trainer's compute as far as it\n"
-    "lasts (NCCL's own streams). A 'pcie s' column shows the host-GPU copies the step waits for.\n\n"
+    "lasts (NCCL's own streams). A 'pcie s' column shows the host-GPU copies the step waits "
+    "for.\n\n"
     "--speculative-step on plans Config::speculative_step: the host tier's rows hold a second\n"
     "copy of the optimizer state, and their update runs during backward (2/3 of --compute-s):\n"
     "'update s' is what is left of it after backward (docs/planner.md).\n";
