@@ -436,7 +436,11 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   // unit before it is done; the trainer waits for what is left after backward. The update
   // there moves more bytes than in place: the second copy of master and moments it writes is
   // read for ownership first, and the gradient's pass for the norm runs in it.
-  const bool speculating = config_detail::speculation_off(cfg, muon).empty();
+  // (A CPU engine's f32 parameters on the host tier at stage 3 are the master weights: no
+  // second copy, no speculation.)
+  const bool aliased = !gpu && cfg.stage == 3 && cfg.dtype == DType::f32 &&
+                       cfg.offload_param.tier == cfg.offload_optimizer.tier;
+  const bool speculating = config_detail::speculation_off(cfg, muon).empty() && !aliased;
   if (speculating) {
     p.rollback_s = p.optimizer_s;
     const double backward = 2.0 / 3.0 * rates.compute_s;

@@ -168,8 +168,9 @@ std::pair<const void*, DType> MemoryStateTier::grad(int u) const {
 // A failure of a gradient's pass on the speculation thread, for the engine to agree on.
 std::optional<Error> MemoryStateTier::settle_grads() {
   if (spec_.empty()) return std::nullopt;
+  thread_.settle();
   try {
-    thread_.settle();
+    if (std::exception_ptr failed = thread_.take_failure()) std::rethrow_exception(failed);
   } catch (const Error& e) {
     return e;
   } catch (const std::exception& e) {
@@ -392,6 +393,7 @@ void MemoryStateTier::keep_speculation(int u, ParamSink& sink) {
 void MemoryStateTier::drop_speculation() {
   if (spec_.empty()) return;
   thread_.settle();
+  (void)thread_.take_failure();  // the gradients it concerns are dropped too
   counted_ = {};
   for (Speculation& sp : spec_) {
     counted_.dropped += sp.ready;
@@ -401,6 +403,12 @@ void MemoryStateTier::drop_speculation() {
 
 void MemoryStateTier::forget_grads() {
   drop_speculation();
+}
+
+void MemoryStateTier::drop_speculation(int u) {
+  if (spec_.empty()) return;
+  thread_.settle();
+  spec_[size_t(u)].ready = false;
 }
 
 // The same tasks as update(), each on copies of its chunk of master and moments (and absmax):
@@ -541,7 +549,7 @@ StoredShard MemoryStateTier::stored(int u, StateKind kind) {
 
 void MemoryStateTier::write(int u, StateKind kind, const std::vector<float>& shard) {
   check_kind("write_shard()", u, kind);
-  drop_speculation();
+  drop_speculation(u);
   ZS_CHECK(int64_t(shard.size()) == ctx_.shard(u));
   Unit& s = units_[size_t(u)];
   const int64_t n = ctx_.shard(u), off = shard_offset(u);

@@ -76,8 +76,9 @@ class MemoryStateTier final : public StateTier {
   void run_speculation(int u);
   /// update(): unit u's speculation becomes its state, its new values go to sink.target(u).
   void keep_speculation(int u, ParamSink& sink);
-  /// Waits for the speculation thread, then forgets what it computed.
+  /// Waits for the speculation thread, then forgets what it computed (of unit u only).
   void drop_speculation();
+  void drop_speculation(int u);
 
   TierContext ctx_;
   Compute& compute_;

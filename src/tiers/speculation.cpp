@@ -9,6 +9,7 @@ SpeculationThread::~SpeculationThread() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    jobs_.clear();  // what they would compute is not wanted any more
   }
   wake_.notify_one();
   if (thread_.joinable()) thread_.join();
@@ -26,7 +27,11 @@ void SpeculationThread::post(std::function<void()> job) {
 void SpeculationThread::settle() {
   std::unique_lock<std::mutex> lock(mu_);
   idle_.wait(lock, [this] { return jobs_.empty() && !busy_; });
-  if (failed_) std::rethrow_exception(std::exchange(failed_, nullptr));
+}
+
+std::exception_ptr SpeculationThread::take_failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(failed_, nullptr);
 }
 
 void SpeculationThread::run() {

@@ -16,14 +16,15 @@ class SpeculationThread {
   SpeculationThread() = default;
   SpeculationThread(const SpeculationThread&) = delete;
   SpeculationThread& operator=(const SpeculationThread&) = delete;
-  /// Finishes the work posted, then ends the thread.
+  /// Finishes the job running, drops the ones not started, and ends the thread.
   ~SpeculationThread();
 
   /// Runs `job` after the jobs posted before it; the thread starts with the first job.
   void post(std::function<void()> job);
-  /// Returns once every job posted has run: what they wrote may be read. Rethrows (once) the
-  /// first exception a job threw since the last settle().
+  /// Returns once every job posted has run: what they wrote may be read.
   void settle();
+  /// After settle(): the first exception a job threw since the last call, or null.
+  std::exception_ptr take_failure();
 
  private:
   void run();

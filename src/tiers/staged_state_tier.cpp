@@ -101,18 +101,19 @@ void StagedStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
                              ParamSink& sink) {
   wait_uploads();
   if (!params_on_device_) return inner_->update(hyper, step, sink);
-  Uploads up(*this, sink, upload_set(step));
+  const int set = upload_set();
+  last_set_ = set;
+  Uploads up(*this, sink, set);
   inner_->update(hyper, step, up);
 }
 
 // The gradient came down in grad_reduced(), so the inner tier speculates on the host, writing
-// the new shard straight into the upload buffer of the step's parity: the step before last
-// went up from it, and the last step's update() waited for that (wait_uploads()).
+// the new shard straight into the upload buffer the next update() sends: the update before
+// last went up from it, and the last update() waited for that (wait_uploads()).
 void StagedStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                                 void*) {
-  inner_->speculate(
-      u, hyper, step,
-      params_on_device_ ? upload_[size_t(upload_set(step))][size_t(u)].data() : nullptr);
+  inner_->speculate(u, hyper, step,
+                    params_on_device_ ? upload_[size_t(upload_set())][size_t(u)].data() : nullptr);
 }
 
 void StagedStateTier::commit(Communicator& comm, ParamSink& sink) {

@@ -23,6 +23,8 @@ class StagedStateTier final : public StateTier {
   /// buffers in pinned memory carry them up), else in host memory or on disk.
   StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTier> inner, Compute& dev,
                   bool params_on_device);
+  /// The inner tier first: its speculation thread may be writing an upload buffer.
+  ~StagedStateTier() override { inner_.reset(); }
 
   void load_initial(int u, const float* whole) override { inner_->load_initial(u, whole); }
   void finish_load() override { inner_->finish_load(); }
@@ -65,8 +67,10 @@ class StagedStateTier final : public StateTier {
   std::vector<int> slot_of_;        // unit → slot in use, or -1
   std::vector<void*> host_target_;  // unit → the inner tier's grad_target()
   std::vector<Buffer> upload_[2];   // unit → its new low-precision shard on its way up
-  /// The set of upload buffers step `step`'s update writes.
-  int upload_set(int64_t step) const { return upload_[1].empty() ? 0 : int(step % 2); }
+  /// The set of upload buffers the next update() writes (and its speculation): the one the
+  /// last update() did not (its uploads may still run; the one before's it waited for).
+  int upload_set() const { return upload_[1].empty() ? 0 : 1 - last_set_; }
+  int last_set_ = 1;
   bool uploads_pending_ = false;
   bool params_on_device_;
 };

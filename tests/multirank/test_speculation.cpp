@@ -40,6 +40,10 @@ struct Result {
 
 constexpr int kSteps = 12;
 
+bool same(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
 Result run(const Case& c, bool speculative) {
   Config cfg;
   cfg.stage = c.stage;
@@ -71,7 +75,12 @@ Result run(const Case& c, bool speculative) {
   opt.micro_batches = c.micro;
   // Gradients written on the host and handed over by copy, so that one can be left out.
   opt.download = [](void* host, const void* dev, size_t bytes) { std::memcpy(host, dev, bytes); };
+  std::vector<std::vector<float>> before;  // step 6: the masters before its backward
   opt.tamper = [&](Engine& en, int u, int micro, int64_t s, std::vector<TensorView>& g) {
+    if (s == 6 && micro == 0 && u == en.num_units() - 1) {
+      for (int v = 0; v < en.num_units(); ++v)
+        before.push_back(en.read_shard(v, StateKind::master));
+    }
     // Step 4: the last parameter of unit 2 gets no gradient on any rank (held by the step).
     if (s == 4 && u == 2) g.back().data = nullptr;
     // Step 7 (f16): one rank's gradient overflows, so the step is skipped.
@@ -82,6 +91,10 @@ Result run(const Case& c, bool speculative) {
     if (step == 2) en.clip_grad_norm(1e-3);  // clips: every unit's speculation is dropped
     if (step == 3) en.clip_grad_norm(1e6);   // does not clip: kept
     if (step == 5) en.set_lr(0, 5e-3f);      // a scheduler between backward and step()
+    if (step == 6) {  // what reads see between backward and step() is the last step's state
+      for (int v = 0; v < en.num_units(); ++v)
+        EXPECT_TRUE(same(en.read_shard(v, StateKind::master), before[size_t(v)])) << v;
+    }
     ++step;
   };
   for (const StepResult& s : zs_test::train(e, opt)) {
@@ -96,10 +109,6 @@ Result run(const Case& c, bool speculative) {
     r.s1.push_back(e.read_shard(u, StateKind::state1));
   }
   return r;
-}
-
-bool same(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
 TEST(Speculation, EveryStepBitwiseTheStepWithout) {
@@ -138,6 +147,26 @@ TEST(Speculation, EveryStepBitwiseTheStepWithout) {
     EXPECT_GE(spec.kept, (kSteps - 3 - f16) * units) << what;
     // The second copy of the master weights, in the ledger.
     EXPECT_EQ(spec.host_master, 2 * ref.host_master) << what;
+  }
+}
+
+// An engine destroyed between backward and step() (an exception, a stopped run) while its
+// speculation thread still has units to update: their memory (on the asynchronous device, the
+// pinned upload buffers) must outlive the thread's work.
+TEST(Speculation, EngineDestroyedBetweenBackwardAndStep) {
+  for (int stage : {2, 3}) {
+    Config cfg;
+    cfg.stage = stage;
+    cfg.dtype = DType::bf16;
+    cfg.offload_optimizer.tier = Tier::host;
+    cfg.speculative_step = true;
+    cfg.collective_timeout_s = 120;
+    auto e = std::make_unique<Engine>(cfg, world());
+    for (int u = 0; u < 6; ++u) e->add_unit("u" + std::to_string(u), {Param{"w", {1 << 20}}});
+    e->finalize();
+    std::vector<uint16_t> g(size_t(1) << 20, 0x3c00);  // bf16 1.0
+    for (int u = 5; u >= 0; --u) e->grads_ready(u, {TensorView{g.data(), 1 << 20, DType::bf16}});
+    e.reset();  // no step(): the thread may be anywhere in its six units
   }
 }
 

@@ -1,6 +1,6 @@
 // The speculative step's thread (src/tiers/speculation.hpp): jobs run in the order posted, on
-// one thread that is not the caller's; settle() returns only once they all ran, and hands the
-// first failure back once.
+// one thread that is not the caller's; settle() returns only once they all ran; the first
+// failure is kept for take_failure(); destruction drops the jobs not started.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -31,31 +31,38 @@ TEST(SpeculationThread, RunsJobsInOrderOffTheCallersThread) {
   t.settle();  // nothing posted: returns at once
 }
 
-TEST(SpeculationThread, SettleRethrowsTheFirstFailureOnce) {
+TEST(SpeculationThread, KeepsTheFirstFailureForWhoeverTakesIt) {
   SpeculationThread t;
   int ran = 0;
   t.post([] { throw std::runtime_error("first"); });
   t.post([] { throw std::runtime_error("second"); });
   t.post([&] { ++ran; });  // a failure does not stop the jobs after it
+  EXPECT_NO_THROW(t.settle());
+  t.settle();  // a second wait does not take it either
+  EXPECT_EQ(ran, 1);
+  std::exception_ptr failed = t.take_failure();
+  ASSERT_TRUE(failed);
   try {
-    t.settle();
-    ADD_FAILURE() << "settle() did not rethrow";
+    std::rethrow_exception(failed);
   } catch (const std::runtime_error& e) {
     EXPECT_STREQ(e.what(), "first");
   }
-  EXPECT_EQ(ran, 1);
-  EXPECT_NO_THROW(t.settle());
+  EXPECT_FALSE(t.take_failure());
 }
 
-TEST(SpeculationThread, DestructionRunsWhatWasPosted) {
+TEST(SpeculationThread, DestructionFinishesTheRunningJobAndDropsTheRest) {
   std::atomic<int> ran{0};
+  std::atomic<bool> started{false};
   {
     SpeculationThread t;
     for (int i = 0; i < 10; ++i)
       t.post([&] {
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        started = true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
         ++ran;
       });
+    while (!started) std::this_thread::yield();
   }
-  EXPECT_EQ(ran, 10);
+  EXPECT_GE(ran, 1);
+  EXPECT_LT(ran, 10);
 }
