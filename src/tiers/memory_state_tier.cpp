@@ -119,7 +119,7 @@ void MemoryStateTier::grad_reduced(int u, int micro, const void* whole) {
   s.whole_grad = whole;
   const bool final = micro + 1 == ctx_.accumulation();
   if (final && on_cpu_ && !spec_.empty() && !s.master_buf.empty()) {
-    thread_.post([this, u, micro] { take_grad(u, micro); });
+    thread_.post([this, u, micro] { take_grad(u, micro); }, true);  // before any update
     return;
   }
   take_grad(u, micro);
@@ -168,7 +168,7 @@ std::pair<const void*, DType> MemoryStateTier::grad(int u) const {
 // A failure of a gradient's pass on the speculation thread, for the engine to agree on.
 std::optional<Error> MemoryStateTier::settle_grads() {
   if (spec_.empty()) return std::nullopt;
-  thread_.settle();
+  thread_.settle_first();
   try {
     if (std::exception_ptr failed = thread_.take_failure()) std::rethrow_exception(failed);
   } catch (const Error& e) {
@@ -185,7 +185,7 @@ double MemoryStateTier::sum_squares() {
   double sum = 0.0;
   bool nonfinite = false;
   if (on_cpu_) {
-    if (!spec_.empty()) thread_.settle();  // the final micro-step's passes (grad_reduced())
+    if (!spec_.empty()) thread_.settle_first();  // the final micro-step's passes
     for (const Unit& s : units_) sum += s.sumsq;
   } else {
     std::vector<GradSpan> spans;
@@ -247,20 +247,23 @@ bool same(const std::vector<GroupRun>& a, const std::vector<GroupRun>& b) {
 
 void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                              ParamSink& sink) {
-  // A speculation is kept where this update would read exactly what it read: bitwise its result.
+  // A speculation is kept where this update would read exactly what it read: bitwise its
+  // result. The others are cancelled first, so that a step which keeps none (it clips) waits
+  // only for the one the thread is running.
   std::vector<bool> keep(units_.size(), false);
   counted_ = {};
   if (!spec_.empty()) {
+    for (size_t i = 0; i < spec_.size(); ++i)
+      if (spec_[i].posted) keep[i] = matches(int(i), hyper, step);
+    for (size_t i = 0; i < spec_.size(); ++i)
+      if (spec_[i].posted && !keep[i]) *spec_[i].cancel = true;
     thread_.settle();
     for (size_t i = 0; i < spec_.size(); ++i) {
       Speculation& sp = spec_[i];
-      if (!sp.ready) continue;
-      keep[i] = sp.step == step && sp.hyper.size() == hyper.size() &&
-                std::equal(hyper.begin(), hyper.end(), sp.hyper.begin(),
-                           [](const auto& a, const auto& b) { return same(a, b); }) &&
-                same(sp.runs, ctx_.runs(int(i)));
+      if (!sp.posted) continue;
+      keep[i] = keep[i] && sp.ready;
       ++(keep[i] ? counted_.kept : counted_.dropped);
-      sp.ready = false;
+      sp.posted = sp.ready = false;
     }
   }
   std::vector<cpu::UnitUpdate> updates(units_.size());
@@ -288,13 +291,24 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
   }
 }
 
+bool MemoryStateTier::matches(int u, const std::vector<cpu::UpdateHyper>& hyper,
+                              int64_t step) const {
+  const Speculation& sp = spec_[size_t(u)];
+  return sp.step == step && sp.hyper.size() == hyper.size() &&
+         std::equal(hyper.begin(), hyper.end(), sp.hyper.begin(),
+                    [](const auto& a, const auto& b) { return same(a, b); }) &&
+         same(sp.runs, ctx_.runs(u));
+}
+
 void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                                 void* out) {
   if (spec_.empty() || units_[size_t(u)].master_buf.empty()) return;
   Speculation& sp = spec_[size_t(u)];
   sp.out = out ? out : sp.own_out.data();
   ZS_CHECK(sp.out);
+  sp.posted = true;
   sp.ready = false;
+  *sp.cancel = false;
   sp.hyper = hyper;
   sp.step = step;
   sp.runs = ctx_.runs(u);  // the step's may differ (a parameter held): then it is dropped
@@ -314,6 +328,7 @@ void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hype
 void MemoryStateTier::run_speculation(int u) {
   const Unit& s = units_[size_t(u)];
   Speculation& sp = spec_[size_t(u)];
+  if (*sp.cancel) return;  // not kept by the step: not worth computing
   cpu::UnitUpdate w = unit_update(u, sp.out, sp.step);
   w.runs = &sp.runs;
   std::vector<cpu::UpdateTask> tasks;
@@ -392,12 +407,13 @@ void MemoryStateTier::keep_speculation(int u, ParamSink& sink) {
 
 void MemoryStateTier::drop_speculation() {
   if (spec_.empty()) return;
+  for (Speculation& sp : spec_) *sp.cancel = true;
   thread_.settle();
   (void)thread_.take_failure();  // the gradients it concerns are dropped too
   counted_ = {};
   for (Speculation& sp : spec_) {
-    counted_.dropped += sp.ready;
-    sp.ready = false;
+    counted_.dropped += sp.posted;
+    sp.posted = sp.ready = false;
   }
 }
 
@@ -407,8 +423,9 @@ void MemoryStateTier::forget_grads() {
 
 void MemoryStateTier::drop_speculation(int u) {
   if (spec_.empty()) return;
+  *spec_[size_t(u)].cancel = true;
   thread_.settle();
-  spec_[size_t(u)].ready = false;
+  spec_[size_t(u)].posted = spec_[size_t(u)].ready = false;
 }
 
 // The same tasks as update(), each on copies of its chunk of master and moments (and absmax):
@@ -514,7 +531,7 @@ std::vector<float> MemoryStateTier::read(int u, StateKind kind) const {
 }
 
 std::vector<float> MemoryStateTier::read_grad(int u) {
-  if (!spec_.empty()) thread_.settle();  // the final micro-step's fold (grad_reduced())
+  if (!spec_.empty()) thread_.settle_first();  // the final micro-step's fold
   const int64_t n = ctx_.shard(u);
   std::vector<float> out(size_t(n), 0.0f);
   auto [g, dt] = grad(u);

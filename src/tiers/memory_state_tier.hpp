@@ -3,6 +3,7 @@
 // memory on a CPU-only engine) or on the host tier (pinned host memory, updated by the CPU), with
 // the work done by the Compute backend that reaches it.
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -76,7 +77,10 @@ class MemoryStateTier final : public StateTier {
   void run_speculation(int u);
   /// update(): unit u's speculation becomes its state, its new values go to sink.target(u).
   void keep_speculation(int u, ParamSink& sink);
-  /// Waits for the speculation thread, then forgets what it computed (of unit u only).
+  /// Whether update(hyper, step) can keep unit u's speculation (what the update would read).
+  bool matches(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) const;
+  /// Cancels what the thread has not started, waits for it, then forgets what it computed
+  /// (of unit u only).
   void drop_speculation();
   void drop_speculation(int u);
 
@@ -95,7 +99,10 @@ class MemoryStateTier final : public StateTier {
   struct Speculation {
     Buffer master, state0, state1, absmax0, absmax1, own_out;
     void* out = nullptr;  // the new low-precision values: own_out, or the caller's
-    bool ready = false;   // computed, and neither kept nor dropped yet
+    bool posted = false;  // speculate() was called, and neither kept nor dropped yet
+    bool ready = false;   // computed (by the thread; read after a settle())
+    /// Set by the trainer's thread where the step will not keep it: the thread skips it.
+    std::unique_ptr<std::atomic<bool>> cancel = std::make_unique<std::atomic<bool>>(false);
     std::vector<cpu::UpdateHyper> hyper;
     int64_t step = 0;
     std::vector<GroupRun> runs;

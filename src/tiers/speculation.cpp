@@ -9,16 +9,17 @@ SpeculationThread::~SpeculationThread() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    jobs_.clear();  // what they would compute is not wanted any more
+    first_.clear();  // what they would compute is not wanted any more
+    jobs_.clear();
   }
   wake_.notify_one();
   if (thread_.joinable()) thread_.join();
 }
 
-void SpeculationThread::post(std::function<void()> job) {
+void SpeculationThread::post(std::function<void()> job, bool first) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(std::move(job));
+    (first ? first_ : jobs_).push_back(std::move(job));
     if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
   }
   wake_.notify_one();
@@ -26,7 +27,12 @@ void SpeculationThread::post(std::function<void()> job) {
 
 void SpeculationThread::settle() {
   std::unique_lock<std::mutex> lock(mu_);
-  idle_.wait(lock, [this] { return jobs_.empty() && !busy_; });
+  idle_.wait(lock, [this] { return first_.empty() && jobs_.empty() && !busy_; });
+}
+
+void SpeculationThread::settle_first() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.wait(lock, [this] { return first_.empty() && !busy_first_; });
 }
 
 std::exception_ptr SpeculationThread::take_failure() {
@@ -37,10 +43,12 @@ std::exception_ptr SpeculationThread::take_failure() {
 void SpeculationThread::run() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    wake_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stopped, and nothing left to run
-    std::function<void()> job = std::move(jobs_.front());
-    jobs_.pop_front();
+    wake_.wait(lock, [this] { return stop_ || !first_.empty() || !jobs_.empty(); });
+    if (first_.empty() && jobs_.empty()) return;  // stopped, and nothing left to run
+    busy_first_ = !first_.empty();
+    std::deque<std::function<void()>>& from = busy_first_ ? first_ : jobs_;
+    std::function<void()> job = std::move(from.front());
+    from.pop_front();
     busy_ = true;
     lock.unlock();
     std::exception_ptr failed;
@@ -51,8 +59,9 @@ void SpeculationThread::run() {
     }
     lock.lock();
     if (failed && !failed_) failed_ = failed;
-    busy_ = false;
-    if (jobs_.empty()) idle_.notify_all();
+    const bool was_first = busy_first_;
+    busy_ = busy_first_ = false;
+    if (first_.empty() && (was_first || jobs_.empty())) idle_.notify_all();
   }
 }
 

@@ -19,10 +19,13 @@ class SpeculationThread {
   /// Finishes the job running, drops the ones not started, and ends the thread.
   ~SpeculationThread();
 
-  /// Runs `job` after the jobs posted before it; the thread starts with the first job.
-  void post(std::function<void()> job);
+  /// Runs `job` after the jobs posted before it; with `first`, before every job posted
+  /// without it that has not started yet. The thread starts with the first job.
+  void post(std::function<void()> job, bool first = false);
   /// Returns once every job posted has run: what they wrote may be read.
   void settle();
+  /// Returns once every job posted with `first` has run.
+  void settle_first();
   /// After settle(): the first exception a job threw since the last call, or null.
   std::exception_ptr take_failure();
 
@@ -31,8 +34,8 @@ class SpeculationThread {
 
   std::mutex mu_;
   std::condition_variable wake_, idle_;
-  std::deque<std::function<void()>> jobs_;
-  bool busy_ = false, stop_ = false;
+  std::deque<std::function<void()>> first_, jobs_;
+  bool busy_ = false, busy_first_ = false, stop_ = false;
   std::exception_ptr failed_;
   std::thread thread_;
 };

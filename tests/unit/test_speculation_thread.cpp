@@ -31,6 +31,32 @@ TEST(SpeculationThread, RunsJobsInOrderOffTheCallersThread) {
   t.settle();  // nothing posted: returns at once
 }
 
+// Jobs posted `first` overtake the others not started yet, and settle_first() waits for them
+// alone: a gradient's pass ahead of the updates queued before it.
+TEST(SpeculationThread, FirstJobsOvertakeAndAreWaitedForAlone) {
+  SpeculationThread t;
+  std::vector<int> order;  // written by the thread only, read after settle()
+  std::atomic<bool> started{false}, release{false};
+  std::atomic<int> firsts{0};
+  t.post([&] {
+    started = true;
+    while (!release) std::this_thread::yield();  // holds the thread while the rest is posted
+    order.push_back(0);
+  });
+  while (!started) std::this_thread::yield();
+  t.post([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    order.push_back(1);
+  });
+  t.post([&] { order.push_back(2), ++firsts; }, true);
+  t.post([&] { order.push_back(3), ++firsts; }, true);
+  release = true;
+  t.settle_first();
+  EXPECT_EQ(firsts, 2);
+  t.settle();
+  EXPECT_EQ(order, (std::vector<int>{0, 2, 3, 1}));
+}
+
 TEST(SpeculationThread, KeepsTheFirstFailureForWhoeverTakesIt) {
   SpeculationThread t;
   int ran = 0;
