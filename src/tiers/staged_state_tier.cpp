@@ -39,8 +39,8 @@ StagedStateTier::StagedStateTier(const TierContext& ctx, std::unique_ptr<StateTi
       host_target_(ctx.units->size(), nullptr),
       params_on_device_(params_on_device) {
   int64_t largest_shard = 0;
-  // A speculating inner tier writes step t's shards during its backward, while step t − 1's
-  // may still be going up: two sets of upload buffers, one per step's parity.
+  // A speculating inner tier writes the next update's shards during backward, while the last
+  // update's may still be going up: two sets of upload buffers, taken in turn (upload_set()).
   const int sets = params_on_device ? (inner_->speculates() ? 2 : 1) : 0;
   for (size_t i = 0; i < ctx.units->size(); ++i) {
     largest_shard = std::max(largest_shard, ctx.shard(int(i)));
