@@ -69,11 +69,11 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
   }
   if (previews)
     scratch_ = ctx.buffer(Tier::host, MemKind::buffer, "update_scratch",
-                          size_t(arena.threads()) * preview_slot_bytes(), false);
+                          size_t(arena.threads()) * preview_layout()[5], false);
   if (speculative == Speculative::off || !on_cpu_) return;
   // The speculative step's second copy of every unit's state (none for a unit whose master is
   // its parameters: their memory is the parameter tier's), counted as what it copies.
-  spec_.resize(units_.size());
+  spec_ = std::vector<Speculation>(units_.size());  // built in place: they hold an atomic
   for (size_t i = 0; i < units_.size(); ++i) {
     if (master_alias[i]) continue;
     Speculation& sp = spec_[i];
@@ -253,10 +253,11 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
   std::vector<bool> keep(units_.size(), false);
   counted_ = {};
   if (!spec_.empty()) {
-    for (size_t i = 0; i < spec_.size(); ++i)
-      if (spec_[i].posted) keep[i] = matches(int(i), hyper, step);
-    for (size_t i = 0; i < spec_.size(); ++i)
-      if (spec_[i].posted && !keep[i]) *spec_[i].cancel = true;
+    for (size_t i = 0; i < spec_.size(); ++i) {
+      if (!spec_[i].posted) continue;
+      keep[i] = matches(int(i), hyper, step);
+      spec_[i].cancel = !keep[i];
+    }
     thread_.settle();
     for (size_t i = 0; i < spec_.size(); ++i) {
       Speculation& sp = spec_[i];
@@ -308,7 +309,7 @@ void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hype
   ZS_CHECK(sp.out);
   sp.posted = true;
   sp.ready = false;
-  *sp.cancel = false;
+  sp.cancel = false;
   sp.hyper = hyper;
   sp.step = step;
   sp.runs = ctx_.runs(u);  // the step's may differ (a parameter held): then it is dropped
@@ -321,61 +322,23 @@ void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hype
   });
 }
 
-// preview()'s tasks, each copying its chunk of master, moments and absmax into the second copy
-// and updating it there. The elements no task covers (the padding) are never written: the two
-// copies hold the same there from the start (the constructor), so the second is the whole
+// The update's tasks on copies of their chunks of master, moments and absmax, into the second
+// copy at the same offsets. The elements no task covers (the padding) are never written: the
+// two copies hold the same there from the start (the constructor), so the second is the whole
 // state once it is swapped in.
 void MemoryStateTier::run_speculation(int u) {
   const Unit& s = units_[size_t(u)];
   Speculation& sp = spec_[size_t(u)];
-  if (*sp.cancel) return;  // not kept by the step: not worth computing
+  if (sp.cancel) return;  // not kept by the step: not worth computing
   cpu::UnitUpdate w = unit_update(u, sp.out, sp.step);
   w.runs = &sp.runs;
   std::vector<cpu::UpdateTask> tasks;
   cpu::append_update_tasks(sp.hyper, w, tasks);
-  const size_t mb = dtype_size(master_dtype_), sb = cpu::state_bytes(format_);
-  const int64_t block = ctx_.cfg->state_block;
-  struct Twin {
-    const void* live;
-    void* copy;
-    size_t bytes;  // per element, or per block (absmax)
-    bool per_block;
-  };
-  const Twin twins[] = {{s.master, sp.master.data(), mb, false},
-                        {s.state0, sp.state0.data(), sb, false},
-                        {s.state1, sp.state1.data(), sb, false},
-                        {s.absmax0, sp.absmax0.data(), 4, true},
-                        {s.absmax1, sp.absmax1.data(), 4, true}};
-  // Elements [b, e) of one array (absmax: their blocks) copied from the state to the twin.
-  auto copy = [&](const Twin& t, int64_t b, int64_t e) {
-    if (!t.live || !t.copy) return;
-    const size_t from = t.per_block ? size_t(b / block) * 4 : size_t(b) * t.bytes;
-    const size_t to = t.per_block ? size_t((e + block - 1) / block) * 4 : size_t(e) * t.bytes;
-    std::memcpy(static_cast<char*>(t.copy) + from, static_cast<const char*>(t.live) + from,
-                to - from);
-  };
-  auto first = [&](const cpu::UpdateTask& t) {
-    return int64_t((static_cast<const char*>(t.a.master) - static_cast<const char*>(s.master)) /
-                   std::ptrdiff_t(mb));
-  };
-  arena_.parallel_for(int64_t(tasks.size()), [&](int64_t i) {
-    cpu::UpdateTask task = tasks[size_t(i)];
-    cpu::UpdateArgs& a = task.a;
-    const int64_t b = first(task);
-    for (const Twin& t : twins) copy(t, b, b + a.n);
-    auto moved = [&](auto* p, const Twin& t) {
-      using P = decltype(p);
-      if (!p) return p;
-      const auto off =
-          static_cast<const char*>(static_cast<const void*>(p)) - static_cast<const char*>(t.live);
-      return static_cast<P>(static_cast<void*>(static_cast<char*>(t.copy) + off));
-    };
-    a.master = moved(a.master, twins[0]);
-    a.state0 = moved(a.state0, twins[1]);
-    a.state1 = moved(a.state1, twins[2]);
-    a.absmax0 = moved(a.absmax0, twins[3]);
-    a.absmax1 = moved(a.absmax1, twins[4]);
-    cpu::run_update_task(arena_.isa(), task);
+  const void* live[] = {s.master, s.state0, s.state1, s.absmax0, s.absmax1};
+  char* twin[] = {sp.master.as<char>(), sp.state0.as<char>(), sp.state1.as<char>(),
+                  sp.absmax0.as<char>(), sp.absmax1.as<char>()};
+  run_on_copies(tasks, [&](int k, const void* p) {
+    return twin[k] + (static_cast<const char*>(p) - static_cast<const char*>(live[k]));
   });
   sp.ready = true;
 }
@@ -407,7 +370,7 @@ void MemoryStateTier::keep_speculation(int u, ParamSink& sink) {
 
 void MemoryStateTier::drop_speculation() {
   if (spec_.empty()) return;
-  for (Speculation& sp : spec_) *sp.cancel = true;
+  for (Speculation& sp : spec_) sp.cancel = true;
   thread_.settle();
   (void)thread_.take_failure();  // the gradients it concerns are dropped too
   counted_ = {};
@@ -423,13 +386,14 @@ void MemoryStateTier::forget_grads() {
 
 void MemoryStateTier::drop_speculation(int u) {
   if (spec_.empty()) return;
-  *spec_[size_t(u)].cancel = true;
+  spec_[size_t(u)].cancel = true;
   thread_.settle();
   spec_[size_t(u)].posted = spec_[size_t(u)].ready = false;
 }
 
-// The same tasks as update(), each on copies of its chunk of master and moments (and absmax):
-// the state is untouched, and the copy-out is bitwise what update() writes.
+// The same tasks as update(), each on copies of its chunk of master and moments (and absmax)
+// in this thread's scratch: the state is untouched, and the copy-out is bitwise what update()
+// writes.
 void MemoryStateTier::preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u,
                               void* out) {
   ZS_CHECK(!scratch_.empty());
@@ -437,35 +401,48 @@ void MemoryStateTier::preview(const std::vector<cpu::UpdateHyper>& hyper, int64_
   cpu::UnitUpdate w = unit_update(u, out, step);
   if (ctx_.direction) w.args.dir = ctx_.direction(u, w.args);
   cpu::append_update_tasks(hyper, w, tasks);
-  const size_t sb = cpu::state_bytes(format_);
+  const std::array<size_t, 6> at = preview_layout();
+  run_on_copies(tasks, [&](int k, const void*) {
+    return scratch_.as<char>() + size_t(arena_.slot()) * at[5] + at[size_t(k)];
+  });
+}
+
+// Each task on copies of its chunk of master, moments and absmax (arrays 0 to 4), made where
+// place(k, start of the chunk in array k) says, in the task's thread.
+void MemoryStateTier::run_on_copies(const std::vector<cpu::UpdateTask>& tasks,
+                                    const std::function<char*(int, const void*)>& place) {
+  const size_t mb = dtype_size(master_dtype_), sb = cpu::state_bytes(format_);
   arena_.parallel_for(int64_t(tasks.size()), [&](int64_t t) {
-    char* sc = scratch_.as<char>() + size_t(arena_.slot()) * preview_slot_bytes();
     cpu::UpdateTask task = tasks[size_t(t)];
     cpu::UpdateArgs& a = task.a;
     const size_t n = size_t(a.n);
+    const size_t blocks =
+        format_ == StateFormat::q8 ? (n + size_t(a.block) - 1) / size_t(a.block) : 0;
+    int k = 0;
     auto take = [&](auto*& p, size_t bytes) {
+      const int array = k++;
       if (!p) return;
       using P = std::remove_reference_t<decltype(p)>;
-      p = static_cast<P>(std::memcpy(sc, p, bytes));
-      sc += round_up(int64_t(bytes), 64);
+      p = static_cast<P>(std::memcpy(place(array, p), p, bytes));
     };
-    take(a.master, n * dtype_size(master_dtype_));
+    take(a.master, n * mb);
     take(a.state0, n * sb);
     take(a.state1, n * sb);
-    if (format_ == StateFormat::q8) {
-      const size_t blocks = (n + size_t(a.block) - 1) / size_t(a.block);
-      take(a.absmax0, blocks * 4);
-      take(a.absmax1, blocks * 4);
-    }
+    take(a.absmax0, blocks * 4);
+    take(a.absmax1, blocks * 4);
     cpu::run_update_task(arena_.isa(), task);
   });
 }
 
-// One thread's copies: master, two moments, two absmax arrays, each started on a cache line.
-size_t MemoryStateTier::preview_slot_bytes() const {
-  const size_t chunk = size_t(cpu::Arena::kChunk);
+// One thread's copies in preview()'s scratch: master, two moments, two absmax arrays, each
+// started on a cache line; [5] is the whole slot.
+std::array<size_t, 6> MemoryStateTier::preview_layout() const {
+  const size_t chunk = size_t(cpu::Arena::kChunk), sb = cpu::state_bytes(format_);
   const size_t blocks = chunk / size_t(ctx_.cfg->state_block) + 1;
-  return chunk * (4 + 2 * cpu::state_bytes(format_)) + 2 * blocks * 4 + 5 * 64;
+  const size_t bytes[] = {chunk * 4, chunk * sb, chunk * sb, blocks * 4, blocks * 4};
+  std::array<size_t, 6> at{};
+  for (size_t k = 0; k < 5; ++k) at[k + 1] = at[k] + size_t(round_up(int64_t(bytes[k]), 64));
+  return at;
 }
 
 // This rank's shard: the state is whole only in stage 0. A multiple of the q8 block, since

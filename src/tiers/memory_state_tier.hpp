@@ -3,13 +3,16 @@
 // memory on a CPU-only engine) or on the host tier (pinned host memory, updated by the CPU), with
 // the work done by the Compute backend that reaches it.
 
+#include <array>
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
 
 #include "base/ledger.hpp"
 #include "kernels/cpu/arena.hpp"
+#include "kernels/cpu/update_tasks.hpp"
 #include "src/compute/compute.hpp"
 #include "src/tiers/speculation.hpp"
 #include "src/tiers/tier.hpp"
@@ -67,7 +70,10 @@ class MemoryStateTier final : public StateTier {
   /// Where this rank's shard of one state starts: element `off` of the extent, so that the
   /// state and, for q8, its absmax (off / state_block) can be addressed alike.
   int64_t shard_offset(int u) const;
-  size_t preview_slot_bytes() const;
+  std::array<size_t, 6> preview_layout() const;
+  /// preview() and run_speculation(): each task on copies of its chunk of the state's arrays.
+  void run_on_copies(const std::vector<cpu::UpdateTask>& tasks,
+                     const std::function<char*(int, const void*)>& place);
   /// This rank's shard of the master (master_dtype_) when `kind` is master, else null.
   char* master_at(int u, StateKind kind) const;
   void check_kind(const char* call, int u, StateKind kind) const;
@@ -102,7 +108,7 @@ class MemoryStateTier final : public StateTier {
     bool posted = false;  // speculate() was called, and neither kept nor dropped yet
     bool ready = false;   // computed (by the thread; read after a settle())
     /// Set by the trainer's thread where the step will not keep it: the thread skips it.
-    std::unique_ptr<std::atomic<bool>> cancel = std::make_unique<std::atomic<bool>>(false);
+    std::atomic<bool> cancel{false};
     std::vector<cpu::UpdateHyper> hyper;
     int64_t step = 0;
     std::vector<GroupRun> runs;
