@@ -227,6 +227,15 @@ struct Engine::Impl {
   /// Waits for a collective. Every wait of the engine on its peers goes through here: with
   /// hierarchical sharding it keeps crossing the groups meanwhile (engine_step.cpp).
   void wait_crossing(Work& w);
+  /// A collective over host f32 memory on `on` (one of the engine's), waited for (wait_for()
+  /// where `exposed`, else wait_crossing()): given to a host communicator as it is; to NCCL's,
+  /// which moves device memory only, through device buffers that the input is copied into on
+  /// the compute stream (which the collective follows) and the output is downloaded from once
+  /// it completed (engine_host_collective.cpp). `count` is the collective's own: all_gather's
+  /// send count, reduce_scatter's recv count, all_reduce_sum's count (send == recv).
+  enum class HostOp { all_gather, reduce_scatter, all_reduce_sum };
+  void host_collective(Communicator& on, HostOp op, const float* send, float* recv,
+                       int64_t count, const std::string& what, bool exposed);
   /// How often a wait looks for landed reductions to cross (it wakes at once when its own
   /// collective completes): the most an all-reduce across groups starts late by.
   static constexpr double kCrossPollS = 200e-6;

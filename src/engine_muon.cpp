@@ -126,8 +126,8 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   float* whole = mine;
   if (sharded) {
     whole = muon.whole.as<float>();
-    wait_for(*topo.shard_comm->all_gather(mine, whole, L.shard_numel, DType::f32,
-                                          "unit '" + L.name + "' (Muon directions)"));
+    host_collective(*topo.shard_comm, HostOp::all_gather, mine, whole, L.shard_numel,
+                    "unit '" + L.name + "' (Muon directions)", true);
     count_sent(false, int64_t(topo.shard_world - 1) * L.shard_numel * 4);
   }
   // 3. This rank's matrices orthogonalised and scaled; 4. the rest zeroed, then summed.
@@ -149,13 +149,9 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   if (alone) return mine;
   const int64_t total = sharded ? L.padded_numel : n;
   std::fill(whole + kept, whole + total, 0.0f);
-  if (sharded) {
-    wait_for(*topo.shard_comm->reduce_scatter(whole, mine, L.shard_numel, DType::f32,
-                                              "unit '" + L.name + "' (Muon updates)"));
-  } else {
-    wait_for(*topo.shard_comm->all_reduce_sum(mine, n, DType::f32,
-                                              "unit '" + L.name + "' (Muon updates)"));
-  }
+  host_collective(*topo.shard_comm, sharded ? HostOp::reduce_scatter : HostOp::all_reduce_sum,
+                  sharded ? whole : mine, mine, sharded ? L.shard_numel : n,
+                  "unit '" + L.name + "' (Muon updates)", true);
   // A ring's reduce-scatter sends (n − 1)/n of the data; an all-reduce twice that.
   count_sent(false, (sharded ? 1 : 2) * int64_t(topo.shard_world - 1) * L.shard_numel * 4);
   return mine;

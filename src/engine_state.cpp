@@ -72,13 +72,9 @@ void Engine::commit_shards() {
   for (auto& w : works) m.wait_crossing(*w);
 }
 
-// Parameter `param` of unit `id`, and the shard group's communicator, which must move host
-// memory (not NCCL's).
+// Parameter `param` of unit `id`.
 const ParamSlot& Engine::Impl::full_access(UnitId id, int param, const char* call) {
   unit(id, call);
-  if (as_device_communicator(topo.shard_comm.get()))
-    ZS_THROW(invalid_argument, call << "(): the engine's communicator is NCCL's, which moves "
-                                       "device memory only; read the shards with read_shard()");
   const auto& ps = layout(id).params;
   if (param < 0 || size_t(param) >= ps.size())
     ZS_THROW(invalid_argument, call << "(): " << where(id) << " has " << ps.size()
@@ -93,9 +89,10 @@ static std::vector<float> whole_param(Impl& m, UnitId id, const ParamSlot& p,
                                       const std::vector<float>& shard, const char* call) {
   const int64_t n = m.layout(id).shard_numel;
   std::vector<float> unit(size_t(n) * size_t(m.topo.shard_world));
-  m.wait_crossing(*m.topo.shard_comm->all_gather(
-      shard.data(), unit.data(), n, DType::f32,
-      std::string(call) + "() of '" + p.name + "' in unit '" + m.layout(id).name + "'"));
+  m.host_collective(*m.topo.shard_comm, Impl::HostOp::all_gather, shard.data(),
+                    unit.data(), n,
+                    std::string(call) + "() of '" + p.name + "' in unit '" + m.layout(id).name + "'",
+                    false);
   return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
 }
 

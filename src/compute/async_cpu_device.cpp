@@ -17,123 +17,29 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "base/check.hpp"
+#include "src/compute/async_device_communicator.hpp"
 #include "src/compute/compute.hpp"
+#include "src/compute/cpu_stream.hpp"
 #include "src/compute/cpu_work.hpp"
 #include "src/compute/staged_communicator.hpp"
 #include "src/compute/stream_device.hpp"
 
 namespace zeroshard {
 namespace {
-
-// One stream: a thread that runs its queue in order, counting the work issued and done.
-class CpuStream {
- public:
-  CpuStream(uint64_t seed, int jitter_us) : rng_(seed), jitter_us_(jitter_us) {
-    thread_ = std::thread([this] { run(); });
-  }
-  // Finishes what was issued, then stops.
-  ~CpuStream() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    work_cv_.notify_one();
-    thread_.join();
-  }
-  CpuStream(const CpuStream&) = delete;
-  CpuStream& operator=(const CpuStream&) = delete;
-
-  void issue(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(fn));
-      ++issued_;
-    }
-    work_cv_.notify_one();
-  }
-  // Work issued and not yet done.
-  uint64_t pending() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return issued_ - done_;
-  }
-  // Blocks until everything issued so far is done, keeping any failure for synchronize().
-  void drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t target = issued_;
-    done_cv_.wait(lock, [&] { return done_ >= target; });
-  }
-  // Blocks until everything issued so far is done; throws the first failure of this stream's
-  // work (as a CUDA stream reports an asynchronous error at its synchronisation), once.
-  void synchronize() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t target = issued_;
-    done_cv_.wait(lock, [&] { return done_ >= target; });
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-  }
-
- private:
-  void run() {
-    std::uniform_int_distribution<int> delay(0, jitter_us_);
-    for (;;) {
-      std::function<void()> fn;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopped, and nothing left
-        fn = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      if (jitter_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay(rng_)));
-      // A failure is an Error, as CUDA's are, so that those who catch Error (a destructor's
-      // last wait) catch it.
-      std::exception_ptr failed;
-      try {
-        fn();
-      } catch (const Error&) {
-        failed = std::current_exception();
-      } catch (const std::exception& e) {
-        failed = std::make_exception_ptr(
-            Error(ErrorCode::internal, std::string("asynchronous CPU device: ") + e.what()));
-      } catch (...) {
-        failed = std::make_exception_ptr(
-            Error(ErrorCode::internal, "asynchronous CPU device: an unknown exception"));
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (failed && !error_) error_ = failed;
-        ++done_;
-      }
-      done_cv_.notify_all();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
-  std::deque<std::function<void()>> queue_;  // guarded by mu_, as are the four below
-  uint64_t issued_ = 0, done_ = 0;
-  std::exception_ptr error_;
-  bool stop_ = false;
-  std::mt19937_64 rng_;  // the stream thread's own
-  const int jitter_us_;
-  std::thread thread_;
-};
 
 // The trainers' streams alive now (AsyncTrainerStream): set_stream() takes only these.
 std::mutex trainer_streams_mu;
@@ -244,10 +150,11 @@ class AsyncStaging final : public StagingDevice {
 
 class AsyncCpuDevice final : public StreamDevice {
  public:
-  AsyncCpuDevice(cpu::Arena& arena, uint64_t seed, int jitter_us)
+  AsyncCpuDevice(cpu::Arena& arena, uint64_t seed, int jitter_us, AsyncComm comm)
       : arena_(arena),
         seed_(seed),
         jitter_us_(jitter_us),
+        comm_(comm),
         heap_(std::make_shared<WaitingHeap>([this] { wait_all(); })),
         pinned_([this] { wait_all(); }) {
     ZS_CHECK(jitter_us >= 0);
@@ -274,10 +181,15 @@ class AsyncCpuDevice final : public StreamDevice {
   Allocator* pinned_memory() override { return &pinned_; }
   std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
   // A host communicator could read its device memory as it is, but a GPU's cannot: the device
-  // buffers go through pinned staging, as on CUDA. The engine drops its staged communicators
-  // after the device: they keep the heap's block list, which they classify pointers by.
-  std::shared_ptr<Communicator> stage(std::shared_ptr<Communicator> comm) override {
-    return stage_through(std::move(comm), std::make_shared<AsyncStaging>(heap_));
+  // buffers go through pinned staging, as on CUDA with MPI, or the collectives are ordered on the
+  // device, as on CUDA with NCCL (AsyncComm). The engine drops its communicators after the
+  // device: the staged ones keep the heap's block list, which they classify pointers by.
+  std::shared_ptr<Communicator> carry(std::shared_ptr<Communicator> comm) override {
+    if (comm_ == AsyncComm::staged)
+      return stage_through(std::move(comm), std::make_shared<AsyncStaging>(heap_));
+    return order_like_nccl(
+        std::move(comm), [heap = heap_](const void* p) { return p && heap->contains(p); },
+        seed_ + 104729, jitter_us_);
   }
 
   Stream create_stream() override {
@@ -345,6 +257,7 @@ class AsyncCpuDevice final : public StreamDevice {
   cpu::Arena& arena_;
   const uint64_t seed_;
   const int jitter_us_;
+  const AsyncComm comm_;
   std::mutex mu_;  // guards the list
   std::vector<std::unique_ptr<CpuStream>> streams_;
   std::shared_ptr<WaitingHeap> heap_;  // device memory
@@ -378,8 +291,9 @@ void AsyncTrainerStream::synchronize() {
   static_cast<CpuStream*>(handle_)->synchronize();
 }
 
-std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us) {
-  return make_stream_compute(std::make_unique<AsyncCpuDevice>(arena, seed, jitter_us));
+std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us,
+                                                AsyncComm comm) {
+  return make_stream_compute(std::make_unique<AsyncCpuDevice>(arena, seed, jitter_us, comm));
 }
 
 }  // namespace zeroshard

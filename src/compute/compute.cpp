@@ -149,9 +149,14 @@ std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena) {
     // Each rank draws its own delays, reproducibly for a given seed.
     const uint64_t seed = uint64_t(env_int("ZEROSHARD_ASYNC_SEED", 1, INT64_MAX)) * 1000003u +
                           uint64_t(launch_info().rank);
+    const char* comm = std::getenv("ZEROSHARD_ASYNC_COMM");
+    const std::string c = comm ? comm : "";
+    if (!c.empty() && c != "nccl" && c != "staged")
+      ZS_THROW(invalid_config, "ZEROSHARD_ASYNC_COMM=" << c << ": expected nccl or staged");
     // At most 10 s before each piece of work: longer would only make a test time out.
     return make_async_cpu_compute(arena, seed,
-                                  int(env_int("ZEROSHARD_ASYNC_JITTER_US", 50, 10'000'000)));
+                                  int(env_int("ZEROSHARD_ASYNC_JITTER_US", 50, 10'000'000)),
+                                  c == "staged" ? AsyncComm::staged : AsyncComm::nccl);
   }
   if (cfg.device == Device::cpu) return make_cpu_compute(arena);
 #ifdef ZEROSHARD_HAVE_CUDA

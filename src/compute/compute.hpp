@@ -100,10 +100,16 @@ class Compute {
 std::unique_ptr<Compute> make_cpu_compute(cpu::Arena& arena);
 /// The GPU's ordering (stream_compute.cpp) over `device`.
 std::unique_ptr<Compute> make_stream_compute(std::unique_ptr<StreamDevice> device);
+/// How the asynchronous CPU device carries a host communicator's collectives on its memory: as a
+/// GPU job with NCCL (nccl: on a stream of their own that follows the compute stream, with no
+/// host wait; async_device_communicator.hpp) or with MPI (staged: through pinned staging after
+/// the host waited for the compute stream; staged_communicator.hpp).
+enum class AsyncComm { nccl, staged };
 /// The asynchronous CPU device (async_cpu_device.cpp): kernels on `arena`, run by stream
 /// threads; before each piece of work a stream sleeps a random 0..jitter_us microseconds drawn
 /// from `seed`.
-std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us);
+std::unique_ptr<Compute> make_async_cpu_compute(cpu::Arena& arena, uint64_t seed, int jitter_us,
+                                                AsyncComm comm = AsyncComm::nccl);
 /// A trainer's own stream on the asynchronous CPU device, for tests: work issued here runs on
 /// a thread of its own, in issue order, after a seeded random delay of 0..jitter_us
 /// microseconds, as a trainer's kernels run on its CUDA stream. handle() is what
@@ -133,7 +139,8 @@ std::unique_ptr<Compute> make_compute(const Config& cfg, cpu::Arena& arena);
 /// by ZEROSHARD_ASYNC_DEVICE=1 or 0 (the test suite's switch: 1 takes every configuration a GPU
 /// takes, the others stay on the synchronous CPU device); false for device cuda. Its
 /// delays: ZEROSHARD_ASYNC_JITTER_US (most microseconds before each piece of work, default 50)
-/// and ZEROSHARD_ASYNC_SEED (default 1; each rank adds its own).
+/// and ZEROSHARD_ASYNC_SEED (default 1; each rank adds its own); its collectives:
+/// ZEROSHARD_ASYNC_COMM, nccl (default) or staged (AsyncComm).
 bool async_device_selected(const Config& cfg);
 #ifdef ZEROSHARD_HAVE_CUDA
 /// GPU `device`, or (device < 0) GPU local_rank modulo the number of GPUs.

@@ -104,17 +104,22 @@ class StreamCompute final : public Compute {
 
   std::shared_ptr<Communicator> adapt(std::shared_ptr<Communicator> comm) override {
     // A communicator that moves device memory itself (NCCL) is ordered with the compute stream on
-    // the device; any other is made to take device memory (staged through host memory). An
-    // engine with hierarchical sharding adapts its group communicators too.
+    // the device; any other is made to take device memory (carry(): staged through host memory,
+    // or on the asynchronous CPU device ordered as NCCL's). An engine with hierarchical sharding
+    // adapts its group communicators too.
     DeviceCommunicator* dc = as_device_communicator(comm.get());
-    if (!dc) return d_->stage(std::move(comm));
-    if (d_->device() != Device::cuda || dc->device() != d_->device_index())
+    if (!dc) {
+      comm = d_->carry(std::move(comm));
+      dc = as_device_communicator(comm.get());
+      if (!dc) return comm;
+    } else if (d_->device() != Device::cuda || dc->device() != d_->device_index()) {
       ZS_THROW(invalid_argument,
                "Engine: the NCCL communicator is on GPU "
                    << dc->device() << " but the engine on "
                    << (d_->device() == Device::cuda ? "GPU " + std::to_string(d_->device_index())
                                                     : std::string("the CPU"))
                    << " (zeroshard.device_index)");
+    }
     device_comms_.push_back(dc);
     return comm;
   }
@@ -123,7 +128,7 @@ class StreamCompute final : public Compute {
     // communicator); any other backend reads device memory from the host (staged copies), so
     // the work that wrote it must be done.
     if (device_comms_.empty()) synchronize();
-    for (DeviceCommunicator* c : device_comms_) c->set_input_stream(d_->public_handle(stream_));
+    for (DeviceCommunicator* c : device_comms_) c->set_input_stream(stream_);
   }
 
   void* stream() const override { return d_->public_handle(stream_); }

@@ -51,9 +51,11 @@ class StreamDevice {
   virtual Allocator* pinned_memory() = 0;
   /// See Compute::register_host().
   virtual std::shared_ptr<void> register_host(void* p, size_t bytes) = 0;
-  /// `comm` made to carry this device's buffers when it moves host memory only (see
-  /// Compute::adapt()).
-  virtual std::shared_ptr<Communicator> stage(std::shared_ptr<Communicator> comm) = 0;
+  /// `comm`, which moves host memory only, made to carry this device's buffers (see
+  /// Compute::adapt()): staged through pinned host memory (staged_communicator.hpp), or, on the
+  /// asynchronous CPU device by default, ordered on the device as NCCL orders collectives
+  /// (async_device_communicator.hpp; the result is then a DeviceCommunicator).
+  virtual std::shared_ptr<Communicator> carry(std::shared_ptr<Communicator> comm) = 0;
 
   virtual Stream create_stream() = 0;
   /// Blocks the host until the work issued on `s` is done; throws the first failure of it.

@@ -97,7 +97,7 @@ class CudaStreamDevice final : public StreamDevice {
                       "registering " << mib(bytes) << " of staging memory with CUDA");
     return std::shared_ptr<void>(p, [](void* q) { (void)cudaHostUnregister(q); });
   }
-  std::shared_ptr<Communicator> stage(std::shared_ptr<Communicator> comm) override {
+  std::shared_ptr<Communicator> carry(std::shared_ptr<Communicator> comm) override {
     return stage_device_buffers(std::move(comm));
   }
 

@@ -41,9 +41,7 @@ std::filesystem::path shared_dir(const char* name) {
 std::vector<float> whole(Engine& e, int u, StateKind k) {
   ShardInfo s = e.shard_info(u);
   std::vector<float> shard = e.read_shard(u, k), all(size_t(s.padded_numel));
-  e.communicator()
-      ->all_gather(shard.data(), all.data(), s.shard_numel, DType::f32, "test gather")
-      ->wait();
+  world()->all_gather(shard.data(), all.data(), s.shard_numel, DType::f32, "test gather")->wait();
   all.resize(size_t(s.numel));
   return all;
 }
