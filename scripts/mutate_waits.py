@@ -7,7 +7,9 @@ hand_to_trainer(), sync_stream(...) or wait_event(...) on a Compute or StreamDev
 NCCL's code aside: the asynchronous device does not run them). One at a time, the statement is
 removed (a download becomes a copy on the compute stream, which does not wait), the library and
 the tests are rebuilt, and the asynchronous device's unit tests (test_async_device) and the
-multi-rank groups on the asynchronous device (ZEROSHARD_ASYNC_DEVICE=1) run. A removal is caught when a test fails (or the run crashes or hangs
+multi-rank groups on the asynchronous device (ZEROSHARD_ASYNC_DEVICE=1) run, with collectives
+ordered as NCCL orders them, except at 3 ranks, where they are staged as MPI's are
+(ZEROSHARD_ASYNC_COMM, as ctest's async groups run them). A removal is caught when a test fails (or the run crashes or hangs
 past its limit). Definitions and comments are not mutated; a wait whose removal no test notices
 is listed as missed: either a test is missing or the wait is not needed.
 
@@ -37,7 +39,8 @@ WAIT = re.compile(r"(->|\.)(synchronize\(\)|download\(|before_collective\(\)|"
 SKIP_FILES = ("src/compute/compute.hpp", "src/compute/stream_device.hpp",
               "src/compute/async_cpu_device.cpp", "src/planner/plan_memory.cpp",
               "src/planner/time_device.cpp")
-GROUPS = "Parity,Accumulation,Restore,Checkpoint,Reference,LossScale,Clipping,Offload,Order,Hybrid"
+GROUPS = ("Parity,Accumulation,Restore,Checkpoint,Reference,LossScale,Clipping,Offload,Order,Hybrid,"
+          "Muon,Speculation")
 
 
 def sites(root):
@@ -141,13 +144,15 @@ def main():
                 return "test_async_device: " + (failed[0] if failed else f"exit {r.returncode}")
             for np_ in a.np.split(","):
                 try:
-                    r = run(["mpirun", "-x", "ZEROSHARD_ASYNC_DEVICE", "-np", np_, binary,
-                             f"--gtest_filter={filt}", "--gtest_color=no"], tree, env, a.timeout)
+                    comm = "staged" if np_ == "3" else "nccl"
+                    r = run(["mpirun", "-x", "ZEROSHARD_ASYNC_DEVICE", "-x", "ZEROSHARD_ASYNC_COMM",
+                             "-np", np_, binary, f"--gtest_filter={filt}", "--gtest_color=no"],
+                            tree, dict(env, ZEROSHARD_ASYNC_COMM=comm), a.timeout)
                 except subprocess.TimeoutExpired:
-                    return f"np{np_}: hung past {a.timeout} s"
+                    return f"np{np_} ({comm}): hung past {a.timeout} s"
                 if r.returncode != 0:
                     failed = re.findall(r"\[  FAILED  \] (\S+)", r.stdout)
-                    return f"np{np_}: " + (failed[0] if failed else f"exit {r.returncode}")
+                    return f"np{np_} ({comm}): " + (failed[0] if failed else f"exit {r.returncode}")
             return None
 
         base = suite()

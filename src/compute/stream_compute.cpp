@@ -26,8 +26,9 @@ class StreamCompute final : public Compute {
     stream_ = own_;
   }
   ~StreamCompute() override {
-    // The engine synchronised its stream before freeing its buffers (Engine::~Engine); the
-    // communicator outlives this, so it must not keep waiting on a stream about to go.
+    // The engine's buffers were freed before this, each free waiting for the streams
+    // (Engine::~Engine); the communicator outlives this, so it must not keep waiting on a
+    // stream about to go.
     for (DeviceCommunicator* c : device_comms_) c->set_input_stream(nullptr);
   }
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include "kernels/cpu/arena.hpp"
 #include "src/compute/compute.hpp"
 #include "src/tiers/memory_state_tier.hpp"
+#include "src/tiers/staged_state_tier.hpp"
 #include "zeroshard/zeroshard.hpp"
 
 namespace zeroshard {
@@ -166,6 +168,94 @@ TEST(AsyncDevice, StateTierLoadHasReadTheInitialValuesWhenItReturns) {
   }
 }
 
+// A parameter shard as the trainer reads it after each update (bf16 bits), per update and unit.
+using Reads = std::vector<std::vector<std::vector<uint16_t>>>;
+
+// Three updates of two units by a staged state tier (the host tier under a GPU) on the
+// asynchronous device. The gradients are written straight into the tier's device slots (as a
+// finished collective leaves them), and after each update the trainer reads the parameters by
+// a copy queued on the stream. `wait`: the host waits for the stream after each update.
+Reads staged_updates(bool wait) {
+  cpu::Arena arena(1);
+  const std::unique_ptr<Compute> dev = make_async_cpu_compute(arena, 9, 2000);
+  const std::unique_ptr<Compute> host = make_cpu_compute(arena);
+  Config cfg;
+  cfg.stage = 2;
+  cfg.dtype = DType::bf16;
+  std::vector<UnitShape> units(2);
+  for (int i = 0; i < 2; ++i) {
+    UnitShape& u = units[size_t(i)];
+    u.layout.name = "u" + std::to_string(i);
+    u.layout.numel = u.layout.padded_numel = u.layout.shard_numel = 3000 + 17 * i;
+    u.whole_runs = u.shard_runs = {{0, u.layout.shard_numel, 0}};
+  }
+  Ledger ledger;
+  TierContext ctx;
+  ctx.cfg = &cfg;
+  ctx.units = &units;
+  ctx.pdt = DType::bf16;
+  ctx.pbytes = 2;
+  ctx.num_states = 2;
+  ctx.ledger = &ledger;
+  ctx.buffer = [&](Tier t, MemKind k, const char* name, size_t bytes, bool pin) {
+    return Buffer(&ledger, t, k, name, bytes,
+                  t == Tier::device ? dev->device_memory() : pin ? dev->pinned_memory() : nullptr);
+  };
+  ctx.finish_reduction = [](int) {};
+  StagedStateTier tier(ctx,
+                       std::make_unique<MemoryStateTier>(
+                           ctx, Tier::host, *host, arena,
+                           std::vector<std::optional<float*>>{std::nullopt, std::nullopt}, false,
+                           MemoryStateTier::Speculative::off),
+                       *dev, true);
+  std::vector<Buffer> params;  // the parameter shards on the device
+  for (int u = 0; u < 2; ++u) {
+    tier.load_initial(u, random_floats(size_t(ctx.shard(u)), uint32_t(50 + u)).data());
+    params.push_back(ctx.buffer(Tier::device, MemKind::buffer, "p", size_t(ctx.shard(u)) * 2, 0));
+  }
+  tier.finish_load();
+  struct Sink final : ParamSink {
+    std::vector<Buffer>& p;
+    explicit Sink(std::vector<Buffer>& params) : p(params) {}
+    void* target(int u) override { return p[size_t(u)].data(); }
+    void done(int) override {}
+    void restore(int, const float*) override {}
+  } sink(params);
+  cpu::UpdateHyper h;
+  h.lr = 1e-2f, h.beta1 = 0.9f, h.beta2 = 0.999f, h.eps = 1e-8f;
+  Reads reads(3, std::vector<std::vector<uint16_t>>(2));
+  for (int step = 1; step <= 3; ++step) {
+    for (int u = 0; u < 2; ++u) {
+      const std::vector<float> g = random_floats(size_t(ctx.shard(u)), uint32_t(step * 10 + u));
+      uint16_t* slot = static_cast<uint16_t*>(tier.grad_target(u));
+      for (size_t i = 0; i < g.size(); ++i) slot[i] = uint16_t(std::bit_cast<uint32_t>(g[i]) >> 16);
+      tier.grad_reduced(u, 0, nullptr);
+    }
+    EXPECT_FALSE(tier.settle_grads().has_value());
+    h.bias_correction1 = 1 - std::pow(h.beta1, float(step));
+    h.bias_correction2 = 1 - std::pow(h.beta2, float(step));
+    tier.update({h}, step, sink);
+    for (int u = 0; u < 2; ++u) {
+      std::vector<uint16_t>& r = reads[size_t(step - 1)][size_t(u)];
+      r.resize(size_t(ctx.shard(u)));
+      dev->copy(r.data(), params[size_t(u)].data(), r.size() * 2);
+    }
+    if (wait) dev->synchronize();
+  }
+  dev->synchronize();
+  return reads;
+}
+
+// A state tier's own contract, whatever the engine waits for around it: update() may be called
+// as soon as the gradients are down, and the last update's uploads, which read the upload
+// buffers on the stream, must have read them before this update rewrites them.
+TEST(AsyncDevice, StagedStateTierUpdateWaitsForTheUploadsItOverwrites) {
+  const Reads want = staged_updates(true), got = staged_updates(false);
+  for (size_t step = 0; step < want.size(); ++step)
+    for (size_t u = 0; u < 2; ++u)
+      EXPECT_TRUE(got[step][u] == want[step][u]) << "update " << step + 1 << ", unit " << u;
+}
+
 // How the trainer passes gradients and reads parameters.
 enum class Trainer {
   host,     // writes into grads()'s views and reads params() on the host
@@ -256,9 +346,12 @@ bool has_buffer(const MemoryReport& m, const std::string& name) {
   return false;
 }
 
-TEST(AsyncDevice, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
+class AsyncComms : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(AsyncComms, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
   EnvVar config_decides("ZEROSHARD_ASYNC_DEVICE", "");
   EnvVar late("ZEROSHARD_ASYNC_JITTER_US", "2000");  // work late enough to lose any race
+  EnvVar comm("ZEROSHARD_ASYNC_COMM", GetParam());   // collectives as NCCL's, or staged
   // Stage 0 updates the whole parameters in device memory, which the trainer reads right after
   // step(); stage 2 all-gathers them; the host tier updates on the CPU and copies them up.
   for (auto [stage, tier] :
@@ -291,6 +384,8 @@ TEST(AsyncDevice, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(AsyncDevice, AsyncComms, ::testing::Values("nccl", "staged"));
+
 TEST(AsyncDevice, SelectedByConfigOrEnvironmentAndTakesWhatAGpuTakes) {
   cpu::Arena arena(1);
   Config cfg;
@@ -315,6 +410,11 @@ TEST(AsyncDevice, SelectedByConfigOrEnvironmentAndTakesWhatAGpuTakes) {
   {
     EnvVar bad("ZEROSHARD_ASYNC_DEVICE", "yes");
     EXPECT_THROW(async_device_selected(cfg), Error);
+  }
+  {
+    EnvVar on("ZEROSHARD_ASYNC_DEVICE", "1");
+    EnvVar bad("ZEROSHARD_ASYNC_COMM", "mpi");
+    EXPECT_THROW(make_compute(cfg, arena), Error);
   }
   // Asked for in the config, a configuration a GPU refuses is refused by name.
   Config s0;
