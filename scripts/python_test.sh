@@ -56,12 +56,13 @@ run "$venv/bin/python" -m pytest tests/python --ignore=tests/python/mpi -q --col
 echo "python: 2-rank tests (mpirun -np 2)"
 run timeout 900 mpirun -np 2 "$venv/bin/python" -m pytest tests/python/mpi -q --color=no
 # The torch integration again on the asynchronous CPU device (ZEROSHARD_ASYNC_DEVICE=1): the
-# GPU's staged tiers, copies and waits on stream threads, with the same assertions.
-echo "python: torch and engine tests on the asynchronous CPU device"
+# GPU's staged tiers, copies and waits on stream threads, collectives ordered as NCCL orders
+# them, with the same assertions.
+echo "python: torch, engine and Muon tests on the asynchronous CPU device"
 ZEROSHARD_ASYNC_DEVICE=1 run "$venv/bin/python" -m pytest tests/python/test_torch.py \
-  tests/python/test_engine.py -q --color=no
+  tests/python/test_engine.py tests/python/test_muon.py -q --color=no
 ZEROSHARD_ASYNC_DEVICE=1 run timeout 900 mpirun -x ZEROSHARD_ASYNC_DEVICE -np 2 \
-  "$venv/bin/python" -m pytest tests/python/mpi/test_parity.py -q --color=no
+  "$venv/bin/python" -m pytest tests/python/mpi -q --color=no
 echo "python: under Slurm's srun (tests/launch)"
 rc=0
 bash tests/launch/run_slurm_test.sh --python "$venv/bin/python" || rc=$?
