@@ -230,7 +230,7 @@ struct Engine::Impl {
   /// A collective over host f32 memory on `on` (one of the engine's), waited for (wait_for()
   /// where `exposed`, else wait_crossing()): given to a host communicator as it is; to NCCL's,
   /// which moves device memory only, through device buffers that the input is copied into on
-  /// the compute stream (which the collective follows) and the output is downloaded from once
+  /// the compute stream (which the collective follows) and the output is copied out of once
   /// it completed (engine_host_collective.cpp). `count` is the collective's own: all_gather's
   /// send count, reduce_scatter's recv count, all_reduce_sum's count (send == recv).
   enum class HostOp { all_gather, reduce_scatter, all_reduce_sum };

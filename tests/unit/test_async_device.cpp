@@ -121,6 +121,7 @@ TEST(AsyncDeviceDeathTest, DestroyedWithWorkInFlightAborts) {
 // One unit of three parameters trained for a few steps on a one-rank engine.
 struct Trained {
   std::vector<float> params;
+  std::vector<float> full;  // every parameter's master weights whole, read after the last step
   MemoryReport memory;
 };
 
@@ -270,7 +271,8 @@ enum class Trainer {
 // Two units, trained for four steps on a one-rank engine: the parameters as the trainer reads
 // them after every step.
 Trained train(Config cfg, Trainer trainer = Trainer::host) {
-  AsyncTrainerStream first(101, 2000), second(202, 2000);  // outlive the engine, as CUDA's must
+  // They outlive the engine, as CUDA's must.
+  AsyncTrainerStream first(101, 2000), second(202, 2000), third(303, 2000);
   Trained t;
   std::vector<std::shared_ptr<std::vector<float>>> reads;  // filled by the trainer's streams
   {
@@ -332,10 +334,19 @@ Trained train(Config cfg, Trainer trainer = Trainer::host) {
         }
       e.zero_grad();
     }
+    // Full-state access (DeepSpeed's safe_get_full_fp32_param) goes through the device where
+    // the communicator is NCCL's: on a stream the trainer just moved to, too.
+    if (trainer == Trainer::streams) e.set_stream(third.handle());
+    for (UnitId u : {layer, head})
+      for (int p = 0; p < int(e.unit_params(u).size()); ++p) {
+        const std::vector<float> f = e.read_full(u, p, StateKind::master);
+        t.full.insert(t.full.end(), f.begin(), f.end());
+      }
     t.memory = e.memory();
   }
   first.synchronize();
   second.synchronize();
+  third.synchronize();
   for (const auto& r : reads) t.params.insert(t.params.end(), r->begin(), r->end());
   return t;
 }
@@ -377,6 +388,9 @@ TEST_P(AsyncComms, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
     const Trained streamed = train(cfg, Trainer::streams);
     EXPECT_TRUE(same_bits(ref.params.data(), streamed.params.data(), ref.params.size() * 4))
         << "stage " << stage << ", " << tier_name(tier) << ", on the trainer's streams";
+    ASSERT_EQ(ref.full.size(), 1000u + 37 + 4099 + 515);
+    for (const Trained* t : {&got, &handed, &streamed})
+      EXPECT_TRUE(t->full == ref.full) << "stage " << stage << ", " << tier_name(tier);
     if (tier == Tier::host) {
       EXPECT_TRUE(has_buffer(got.memory, "grad_shard_staging")) << got.memory.to_string();
       EXPECT_FALSE(has_buffer(ref.memory, "grad_shard_staging")) << ref.memory.to_string();
