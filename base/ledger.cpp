@@ -2,7 +2,6 @@
 
 #include <sys/mman.h>
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iomanip>
@@ -112,31 +111,19 @@ Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t
   const bool huge = huge_pages && bytes >= kHugeAlign;
   const size_t align = huge ? kHugeAlign : kAlign;
   size_t rounded = (bytes + align - 1) / align * align;
-  if (rounded >= kMapped) {
+  if (!huge && rounded >= kMapped) {
     // Fresh anonymous pages read as zeros and take memory only when first written: the state
     // a finalize() allocates grows as it is filled, unit by unit, and the moments and gradients
     // only when a step first writes them (so a trainer's own copy of the model, freed after
-    // finalize(), and the engine's untouched buffers never peak together). A huge buffer is
-    // mapped 2 MiB more and its ends unmapped, so that it starts on a huge page's boundary and
-    // is faulted in 2 MiB at a time (a fault per 4 KiB page costs more than the copy into it).
-    const size_t slack = huge ? kHugeAlign : 0;
-    void* p = mmap(nullptr, rounded + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+    // finalize(), and the engine's untouched buffers never peak together).
+    void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) ZS_THROW(no_space, "cannot map " << bytes << " bytes for " << name_);
-    char* c = static_cast<char*>(p);
-    if (huge) {
-      char* a = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(c) + kHugeAlign - 1) /
-                                        kHugeAlign * kHugeAlign);
-      if (a > c) munmap(c, size_t(a - c));
-      if (c + slack > a) munmap(a + rounded, size_t(c + slack - a));
-      c = a;
-      (void)madvise(c, rounded, MADV_HUGEPAGE);  // a hint: fine if refused
-    }
-    data_ = c;
+    data_ = p;
     mapped_ = true;
   } else {
     data_ = std::aligned_alloc(align, rounded);
     if (!data_) ZS_THROW(no_space, "cannot allocate " << bytes << " bytes for " << name_);
+    if (huge) (void)madvise(data_, rounded, MADV_HUGEPAGE);  // a hint: fine if refused
     std::memset(data_, 0, rounded);
   }
   bytes_ = bytes;

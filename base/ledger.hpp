@@ -43,11 +43,11 @@ class Allocator {
 };
 
 /// Move-only, zero-filled, aligned host memory counted in a Ledger for its lifetime. Buffers
-/// of 1 MiB or more are anonymous mappings whose pages take memory when first written; the
-/// ledger counts their whole size from the start.
+/// of 1 MiB or more (except huge-page staging) are anonymous mappings whose pages take memory
+/// when first written; the ledger counts their whole size from the start.
 /// Tier::host buffers are page-locked (mlock) when `pin` is set, as the offload tier needs.
-/// With `huge_pages` (I/O staging, snapshots), buffers of 2 MiB or more are 2 MiB-aligned and
-/// backed by transparent huge pages where the kernel allows.
+/// With `huge_pages` (I/O staging), buffers of 2 MiB or more are 2 MiB-aligned and backed by
+/// transparent huge pages where the kernel allows.
 class Buffer {
  public:
   Buffer() = default;

@@ -393,10 +393,8 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
       }
       if (impl_->save.snapshot.bytes() != total) {
         impl_->save.snapshot = Buffer();
-        // Huge pages: the copy thread faults it in 2 MiB at a time (4 KiB faults ran at
-        // 0.5–2 GB/s here, slower than the copy, and the next step waits for the copy).
-        impl_->save.snapshot = Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer,
-                                      "checkpoint_snapshot", total, false, true);
+        impl_->save.snapshot =
+            Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
       }
       copied = impl_->save.snapshot.as<char>();
       if (!in_thread) copy(copied, starts);
