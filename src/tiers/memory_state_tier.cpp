@@ -252,6 +252,7 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
   // only for the one the thread is running.
   std::vector<bool> keep(units_.size(), false);
   counted_ = {};
+  counted_.dropped = std::exchange(dropped_early_, 0);
   if (!spec_.empty()) {
     for (size_t i = 0; i < spec_.size(); ++i) {
       if (!spec_[i].posted) continue;
@@ -373,21 +374,23 @@ void MemoryStateTier::drop_speculation() {
   for (Speculation& sp : spec_) sp.cancel = true;
   thread_.settle();
   (void)thread_.take_failure();  // the gradients it concerns are dropped too
-  counted_ = {};
   for (Speculation& sp : spec_) {
-    counted_.dropped += sp.posted;
+    dropped_early_ += sp.posted;
     sp.posted = sp.ready = false;
   }
 }
 
 void MemoryStateTier::forget_grads() {
   drop_speculation();
+  counted_ = {};  // the step ends here (skipped)
+  counted_.dropped = std::exchange(dropped_early_, 0);
 }
 
 void MemoryStateTier::drop_speculation(int u) {
   if (spec_.empty()) return;
   spec_[size_t(u)].cancel = true;
   thread_.settle();
+  dropped_early_ += spec_[size_t(u)].posted;  // counted with the step it was for
   spec_[size_t(u)].posted = spec_[size_t(u)].ready = false;
 }
 
