@@ -87,6 +87,8 @@ void print_progress(const RunSummary& s, const StepLog& log, double window_s, in
   if (s.options->config.dtype == zeroshard::DType::f16)
     std::printf("  loss scale %g", double(r.loss_scale));
   if (r.skipped) std::printf("  (overflow: step skipped)");
+  if (s.options->config.speculative_step)  // this rank's units updated during backward, or again
+    std::printf("  speculated: %d kept, %d dropped", r.speculation_kept, r.speculation_dropped);
   std::printf("  %6.1f s\n", elapsed_s);
   std::fflush(stdout);
 }
@@ -258,6 +260,8 @@ void write_json(const RunSummary& s, const std::string& path) {
                           {"grad_norm", l.result.skipped ? -1.0 : l.result.grad_norm},
                           {"skipped", l.result.skipped},
                           {"loss_scale", l.result.loss_scale},
+                          {"speculation_kept", l.result.speculation_kept},
+                          {"speculation_dropped", l.result.speculation_dropped},
                           {"lr", l.lr}});
   }
   j["validation_loss"] = {{"before", s.val_before}, {"after", s.val_after}};
