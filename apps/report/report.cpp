@@ -87,7 +87,7 @@ void print_progress(const RunSummary& s, const StepLog& log, double window_s, in
   if (s.options->config.dtype == zeroshard::DType::f16)
     std::printf("  loss scale %g", double(r.loss_scale));
   if (r.skipped) std::printf("  (overflow: step skipped)");
-  if (s.options->config.speculative_step)  // this rank's units updated during backward, or again
+  if (r.speculation_kept + r.speculation_dropped > 0)  // rank 0's units updated during backward
     std::printf("  speculated: %d kept, %d dropped", r.speculation_kept, r.speculation_dropped);
   std::printf("  %6.1f s\n", elapsed_s);
   std::fflush(stdout);

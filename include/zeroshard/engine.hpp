@@ -249,8 +249,8 @@ class ZS_API Engine {
   /// Parameter `param` (its index in the unit) whole, as f32 (its shape's element count, in
   /// order): the master weights, the low-precision parameter, or a moment (DeepSpeed's
   /// safe_get_full_fp32_param and safe_get_full_optimizer_state), at any stage and tier.
-  /// Collective over the shard group (an all-gather of the unit's shards in host memory; an
-  /// engine over NCCL throws), between steps.
+  /// Collective over the shard group (an all-gather of the unit's shards; over NCCL through
+  /// device buffers), between steps.
   std::vector<float> read_full(UnitId unit, int param, StateKind kind);
   /// The reduced gradient of one parameter, whole, in f32 (DeepSpeed's safe_get_full_grad): the
   /// mean over the ranks and micro-steps, unscaled by the loss scale, before clipping — what the

@@ -160,9 +160,10 @@ class AsyncCpuDevice final : public StreamDevice {
     ZS_CHECK(jitter_us >= 0);
   }
   ~AsyncCpuDevice() override {
-    // The device goes after every buffer it worked on (Resources): work still queued now would
-    // touch freed memory, which on a GPU is a silent corruption or a fault much later. Its owner
-    // must have waited (Engine::~Engine synchronizes); a testing device says so loudly.
+    // The device goes after every buffer it worked on (Resources), and each free waited for the
+    // streams: work still queued now was issued after the last free and may touch memory freed
+    // since, which on a GPU is a silent corruption or a fault much later. A testing device says
+    // so loudly.
     for (auto& s : streams_) {
       if (s->pending() > 0) {
         std::fprintf(stderr,
@@ -179,7 +180,11 @@ class AsyncCpuDevice final : public StreamDevice {
   int device_index() const override { return 0; }
   Allocator* device_memory() override { return heap_.get(); }
   Allocator* pinned_memory() override { return &pinned_; }
-  std::shared_ptr<void> register_host(void*, size_t) override { return nullptr; }
+  // Its memory needs no registration; the handle's end waits for every stream, as the end of
+  // a CUDA registration must (a copy queued from that memory may still run).
+  std::shared_ptr<void> register_host(void* p, size_t) override {
+    return std::shared_ptr<void>(p, [this](void*) { wait_all(); });
+  }
   // A host communicator could read its device memory as it is, but a GPU's cannot: the device
   // buffers go through pinned staging, as on CUDA with MPI, or the collectives are ordered on the
   // device, as on CUDA with NCCL (AsyncComm). The engine drops its communicators after the
@@ -187,9 +192,13 @@ class AsyncCpuDevice final : public StreamDevice {
   std::shared_ptr<Communicator> carry(std::shared_ptr<Communicator> comm) override {
     if (comm_ == AsyncComm::staged)
       return stage_through(std::move(comm), std::make_shared<AsyncStaging>(heap_));
-    return order_like_nccl(
-        std::move(comm), [heap = heap_](const void* p) { return p && heap->contains(p); },
-        seed_ + 104729, jitter_us_);
+    AsyncCommHooks hooks;
+    hooks.is_device = [heap = heap_](const void* p) { return p && heap->contains(p); };
+    hooks.enroll = [this](const std::shared_ptr<CpuStream>& s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      comm_streams_.push_back(s);
+    };
+    return order_like_nccl(std::move(comm), std::move(hooks), seed_ + 104729, jitter_us_);
   }
 
   Stream create_stream() override {
@@ -247,19 +256,25 @@ class AsyncCpuDevice final : public StreamDevice {
   // Every stream's queued work done, the trainers' streams too, as cudaFree waits for the whole
   // device (failures stay for each stream's next synchronisation).
   void wait_all() noexcept {
+    std::vector<std::shared_ptr<CpuStream>> comms;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& s : streams_) s->drain();
+      for (const auto& w : comm_streams_)
+        if (auto c = w.lock()) comms.push_back(std::move(c));
     }
     drain_trainer_streams();
+    // The communicators' streams last: their collectives wait for markers on the streams above.
+    for (const auto& c : comms) c->drain();
   }
 
   cpu::Arena& arena_;
   const uint64_t seed_;
   const int jitter_us_;
   const AsyncComm comm_;
-  std::mutex mu_;  // guards the list
+  std::mutex mu_;  // guards the lists
   std::vector<std::unique_ptr<CpuStream>> streams_;
+  std::vector<std::weak_ptr<CpuStream>> comm_streams_;  // of the communicators it made (carry())
   std::shared_ptr<WaitingHeap> heap_;  // device memory
   WaitingHeap pinned_;                 // pinned host memory
   double device_sums_[2] = {0, 0};

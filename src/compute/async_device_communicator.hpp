@@ -14,10 +14,14 @@
 //   - reduce_scatter, all_gather and all_reduce_sum take device memory only (invalid_argument
 //     otherwise, as NCCL's do); all_reduce and broadcast also take host memory, copied in at the
 //     call and back when the collective completes;
+//   - a count of zero is no collective (an empty Work), a negative one is refused;
 //   - Work::done() is true once the collective ran (the results are then visible everywhere);
-//   - order_before(stream) makes that stream wait for every collective called so far.
-// The host communicator's errors fail the Work (timeout, comm_failure); the communicator is
-// unusable after a timeout, as the host one is.
+//     its timeout runs from the call, queued time included;
+//   - order_before(stream) makes that stream wait for every collective called so far;
+//   - split() waits for the collectives called before it.
+// The host communicator's errors fail the Work (timeout, comm_failure); after a timeout the
+// communicator is unusable (later collectives fail with comm_failure), as NCCL's is once
+// aborted.
 
 #include <cstdint>
 #include <functional>
@@ -27,12 +31,21 @@
 
 namespace zeroshard {
 
-/// `host` (non-null) ordered as NCCL orders collectives, for the asynchronous CPU device:
-/// `is_device` says which pointers are its device memory; the communication stream draws its
-/// delays from `seed` (0..jitter_us microseconds before each collective). Collective over
-/// `host` (it splits off a communicator of the same ranks).
+class CpuStream;
+
+/// What the communicator needs of the asynchronous CPU device.
+struct AsyncCommHooks {
+  /// Whether a pointer is the device's memory.
+  std::function<bool(const void*)> is_device;
+  /// Called with each communication stream made (split() makes more): the device's frees wait
+  /// for them too, as cudaFree waits for NCCL's kernels.
+  std::function<void(const std::shared_ptr<CpuStream>&)> enroll;
+};
+
+/// `host` (non-null) ordered as NCCL orders collectives, for the asynchronous CPU device; the
+/// communication stream draws its delays from `seed` (0..jitter_us microseconds before each
+/// collective). Collective over `host` (it splits off a communicator of the same ranks).
 std::shared_ptr<Communicator> order_like_nccl(std::shared_ptr<Communicator> host,
-                                              std::function<bool(const void*)> is_device,
-                                              uint64_t seed, int jitter_us);
+                                              AsyncCommHooks hooks, uint64_t seed, int jitter_us);
 
 }  // namespace zeroshard

@@ -78,7 +78,8 @@ class Compute {
   /// trainer is the host thread, which waits here.
   virtual void hand_to_trainer() = 0;
   /// Makes host memory the device copies to and from by DMA (page-locked for the device) for as
-  /// long as the returned handle lives; the memory must outlive the handle. Null on the CPU.
+  /// long as the returned handle lives; the memory must outlive the handle, whose end waits for
+  /// the device's streams (a copy from the memory may still be queued). Null on the CPU.
   virtual std::shared_ptr<void> register_host(void* p, size_t bytes) = 0;
 
   /// The communicator the engine uses with this backend: `comm` itself, or on a GPU, `comm`

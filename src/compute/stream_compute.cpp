@@ -137,6 +137,9 @@ class StreamCompute final : public Compute {
     StreamDevice::Stream next = s ? d_->adopt_stream(s) : own_;
     synchronize();
     stream_ = next;
+    // NCCL follows the new stream from now on, also in collectives no before_collective() precedes
+    // (the old stream may be gone by then).
+    for (DeviceCommunicator* c : device_comms_) c->set_input_stream(stream_);
   }
 
  private:

@@ -95,7 +95,16 @@ class CudaStreamDevice final : public StreamDevice {
   std::shared_ptr<void> register_host(void* p, size_t bytes) override {
     ZS_CUDA_CHECK_CTX(cudaHostRegister(p, bytes, cudaHostRegisterPortable),
                       "registering " << mib(bytes) << " of staging memory with CUDA");
-    return std::shared_ptr<void>(p, [](void* q) { (void)cudaHostUnregister(q); });
+    // The registration ends once the device is idle: a copy queued from the memory may still
+    // run (cudaFree waits so for device memory; cudaHostUnregister does not promise it).
+    return std::shared_ptr<void>(p, [device = device_](void* q) {
+      int prev = -1;
+      (void)cudaGetDevice(&prev);
+      (void)cudaSetDevice(device);
+      (void)cudaDeviceSynchronize();
+      (void)cudaHostUnregister(q);
+      if (prev >= 0) (void)cudaSetDevice(prev);
+    });
   }
   std::shared_ptr<Communicator> carry(std::shared_ptr<Communicator> comm) override {
     return stage_device_buffers(std::move(comm));
