@@ -26,8 +26,7 @@ void Engine::Impl::host_collective(Communicator& on, HostOp op, const float* sen
     return on.all_reduce_sum(out, count, DType::f32, what);
   };
   if (!as_device_communicator(&on)) {
-    if (op == HostOp::all_reduce_sum && send != recv)
-      std::copy(send, send + count, recv);
+    if (op == HostOp::all_reduce_sum && send != recv) std::copy(send, send + count, recv);
     wait(*start(send, recv));
     return;
   }
@@ -35,10 +34,9 @@ void Engine::Impl::host_collective(Communicator& on, HostOp op, const float* sen
   const size_t in = size_t(op == HostOp::reduce_scatter ? count * ranks : count) * 4;
   const size_t out = size_t(op == HostOp::all_gather ? count * ranks : count) * 4;
   Buffer up = tier_ctx.buffer(Tier::device, MemKind::buffer, "host_collective_in", in, false);
-  Buffer down = op == HostOp::all_reduce_sum
-                    ? Buffer()
-                    : tier_ctx.buffer(Tier::device, MemKind::buffer, "host_collective_out", out,
-                                      false);
+  Buffer down = op == HostOp::all_reduce_sum ? Buffer()
+                                             : tier_ctx.buffer(Tier::device, MemKind::buffer,
+                                                               "host_collective_out", out, false);
   float* dev_out = op == HostOp::all_reduce_sum ? up.as<float>() : down.as<float>();
   res.dev->copy(up.data(), send, in);  // `send` stays untouched until the collective completed
   res.dev->before_collective();        // NCCL follows the stream the copy is on, the trainer's too

@@ -234,8 +234,8 @@ struct Engine::Impl {
   /// it completed (engine_host_collective.cpp). `count` is the collective's own: all_gather's
   /// send count, reduce_scatter's recv count, all_reduce_sum's count (send == recv).
   enum class HostOp { all_gather, reduce_scatter, all_reduce_sum };
-  void host_collective(Communicator& on, HostOp op, const float* send, float* recv,
-                       int64_t count, const std::string& what, bool exposed);
+  void host_collective(Communicator& on, HostOp op, const float* send, float* recv, int64_t count,
+                       const std::string& what, bool exposed);
   /// How often a wait looks for landed reductions to cross (it wakes at once when its own
   /// collective completes): the most an all-reduce across groups starts late by.
   static constexpr double kCrossPollS = 200e-6;

@@ -275,8 +275,8 @@ class AsyncCpuDevice final : public StreamDevice {
   std::mutex mu_;  // guards the lists
   std::vector<std::unique_ptr<CpuStream>> streams_;
   std::vector<std::weak_ptr<CpuStream>> comm_streams_;  // of the communicators it made (carry())
-  std::shared_ptr<WaitingHeap> heap_;  // device memory
-  WaitingHeap pinned_;                 // pinned host memory
+  std::shared_ptr<WaitingHeap> heap_;                   // device memory
+  WaitingHeap pinned_;                                  // pinned host memory
   double device_sums_[2] = {0, 0};
   double host_sums_[2] = {0, 0};
 };

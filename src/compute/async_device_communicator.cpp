@@ -23,8 +23,7 @@ namespace zeroshard {
 namespace {
 
 double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // A one-shot flag one thread opens and another waits for: an event recorded on the input stream.
@@ -82,8 +81,9 @@ class StreamWork final : public Work {
     return done_;
   }
   bool wait_settled(double max_seconds) override {
-    const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                          std::chrono::duration<double>(std::min(max_seconds, 1e7)));
+    const auto until =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(std::min(max_seconds, 1e7)));
     std::shared_ptr<Work> inner;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -184,9 +184,8 @@ class AsyncDeviceCommunicator final : public DeviceCommunicator {
     if (empty(recv_count, name)) return finished(name);
     require_device(send, name, "send");
     require_device(recv, name, "recv");
-    return submit(name, [=, this] {
-      return host_->reduce_scatter(send, recv, recv_count, dtype, what);
-    });
+    return submit(name,
+                  [=, this] { return host_->reduce_scatter(send, recv, recv_count, dtype, what); });
   }
   std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t send_count, DType dtype,
                                    std::string what) override {
@@ -264,8 +263,7 @@ class AsyncDeviceCommunicator final : public DeviceCommunicator {
   // refused, as NCCL refuses it.
   bool empty(int64_t count, const std::string& name) const {
     if (count < 0)
-      ZS_THROW(invalid_argument,
-               "rank " << rank() << ": " << name << ": negative count " << count);
+      ZS_THROW(invalid_argument, "rank " << rank() << ": " << name << ": negative count " << count);
     return count == 0;
   }
   std::shared_ptr<Work> finished(const std::string& name) const {
@@ -278,8 +276,7 @@ class AsyncDeviceCommunicator final : public DeviceCommunicator {
   // memory, which `keep` holds).
   std::shared_ptr<Work> submit(const std::string& name,
                                std::function<std::shared_ptr<Work>()> start,
-                               std::function<void()> after = {},
-                               std::shared_ptr<void> keep = {}) {
+                               std::function<void()> after = {}, std::shared_ptr<void> keep = {}) {
     const std::string what = "rank " + std::to_string(rank()) + ": " + name;
     auto work = std::make_shared<StreamWork>(what, timeout_s_.load());
     work->keep(keep);

@@ -14,9 +14,9 @@ class DeviceCommunicator : public Communicator {
   /// The CUDA device every buffer must live on.
   virtual int device() const = 0;
   /// Collectives called from now on first wait (on the device) for the work queued on `stream`
-  /// (the device's stream: a cudaStream_t, or a stream of the asynchronous CPU device) at their call, instead of the legacy default stream's; nullptr restores
-  /// that default. The engine sets its compute stream here so gradients are reduced once
-  /// backward wrote them.
+  /// (the device's stream: a cudaStream_t, or a stream of the asynchronous CPU device) at their
+  /// call, instead of the legacy default stream's; nullptr restores that default. The engine sets
+  /// its compute stream here so gradients are reduced once backward wrote them.
   virtual void set_input_stream(void* stream) = 0;
   /// Makes `stream` (as above) wait, on the device, for every collective called so far,
   /// so kernels that consume gathered parameters can be queued without waiting on the host.

@@ -115,7 +115,7 @@ class MemoryStateTier final : public StateTier {
   };
   std::vector<Speculation> spec_;
   SpeculationCount counted_;
-  int dropped_early_ = 0;  // by drop_speculation() (a write) since the last update or forget
+  int dropped_early_ = 0;     // by drop_speculation() (a write) since the last update or forget
   SpeculationThread thread_;  // last: joined before the memory it writes goes
 };
 

@@ -141,8 +141,8 @@ TEST(Speculation, EveryStepBitwiseTheStepWithout) {
     }
     // Every unit speculated every step, kept or dropped. Dropped for certain: every unit at the
     // clipped step and at the overflow (f16). Kept for certain: every unit at the steps that
-    // neither clip, overflow, hold a parameter, change the learning rate nor write. In between: a unit
-    // speculated after set_lr() (its reduction completed in step()) has the new rate and is
+    // neither clip, overflow, hold a parameter, change the learning rate nor write. In between: a
+    // unit speculated after set_lr() (its reduction completed in step()) has the new rate and is
     // kept; the held parameter drops its unit only on the rank whose shard holds it; the write
     // of step 8 drops its unit where it had speculated already.
     const int units = int(ref.param.size());

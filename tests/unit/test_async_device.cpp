@@ -200,7 +200,9 @@ Reads staged_updates(bool wait) {
   ctx.ledger = &ledger;
   ctx.buffer = [&](Tier t, MemKind k, const char* name, size_t bytes, bool pin) {
     return Buffer(&ledger, t, k, name, bytes,
-                  t == Tier::device ? dev->device_memory() : pin ? dev->pinned_memory() : nullptr);
+                  t == Tier::device ? dev->device_memory()
+                  : pin             ? dev->pinned_memory()
+                                    : nullptr);
   };
   ctx.finish_reduction = [](int) {};
   StagedStateTier tier(ctx,
