@@ -11,15 +11,14 @@
 //   engine_muon.cpp         Muon: each matrix's direction, orthogonalised by one rank
 // The stage logic never asks which tier holds a unit's state: src/tiers/tier.hpp.
 
-#include <condition_variable>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "base/gate.hpp"
 #include "base/layout.hpp"
 #include "base/ledger.hpp"
 #include "src/precision/loss_scaler.hpp"
@@ -113,25 +112,7 @@ struct StepClock {
 
 /// Closed while a save's thread copies the state into its snapshot: nothing may change the
 /// state meanwhile (Engine::Impl::before_state_change() waits for open()).
-class CopyGate {
- public:
-  void open() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
+using CopyGate = Gate;
 
 /// Muon (src/engine_muon.cpp): each unit's Muon matrices, which rank of the shard group
 /// orthogonalises each (fixed at finalize(), balanced by the iteration's cost), and the f32

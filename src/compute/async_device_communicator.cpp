@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "base/check.hpp"
+#include "base/gate.hpp"
 #include "src/compute/cpu_stream.hpp"
 #include "src/compute/device_communicator.hpp"
 
@@ -25,27 +26,6 @@ namespace {
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
-
-// A one-shot flag one thread opens and another waits for: an event recorded on the input stream.
-class Gate {
- public:
-  void open() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
 
 using Clock = std::chrono::steady_clock;
 

@@ -125,33 +125,46 @@ struct Trained {
   MemoryReport memory;
 };
 
+// Two units of a stage-2 bf16 model (3000 and 3017 elements), as the state tiers take them,
+// their buffers in `dev`'s memory (pinned host buffers in its pinned memory).
+struct TwoUnits {
+  Config cfg;
+  std::vector<UnitShape> units = std::vector<UnitShape>(2);
+  Ledger ledger;
+  TierContext ctx;
+  explicit TwoUnits(Compute& dev) {
+    cfg.stage = 2;
+    cfg.dtype = DType::bf16;  // the master weights are a buffer of their own
+    for (int i = 0; i < 2; ++i) {
+      UnitShape& u = units[size_t(i)];
+      u.layout.name = "u" + std::to_string(i);
+      u.layout.numel = u.layout.padded_numel = u.layout.shard_numel = 3000 + 17 * i;
+      u.whole_runs = u.shard_runs = {{0, u.layout.shard_numel, 0}};
+    }
+    ctx.cfg = &cfg;
+    ctx.units = &units;
+    ctx.pdt = DType::bf16;
+    ctx.pbytes = 2;
+    ctx.num_states = 2;
+    ctx.ledger = &ledger;
+    ctx.buffer = [this, &dev](Tier t, MemKind k, const char* name, size_t bytes, bool pin) {
+      return Buffer(&ledger, t, k, name, bytes,
+                    t == Tier::device ? dev.device_memory()
+                    : pin             ? dev.pinned_memory()
+                                      : nullptr);
+    };
+    ctx.finish_reduction = [](int) {};
+  }
+};
+
 // A state tier's own contract, whatever the tier after it does: once load_initial(u, whole)
 // returns, the caller may refill `whole` (the engine reuses one array for every unit), so the
 // copy into the device's master weights must have read it by then.
 TEST(AsyncDevice, StateTierLoadHasReadTheInitialValuesWhenItReturns) {
   cpu::Arena arena(1);
   const std::unique_ptr<Compute> dev = make_async_cpu_compute(arena, 7, 2000);
-  Config cfg;
-  cfg.stage = 2;
-  cfg.dtype = DType::bf16;  // the master weights are a buffer of their own
-  std::vector<UnitShape> units(2);
-  for (int i = 0; i < 2; ++i) {
-    UnitShape& u = units[size_t(i)];
-    u.layout.name = "u" + std::to_string(i);
-    u.layout.numel = u.layout.padded_numel = u.layout.shard_numel = 3000 + 17 * i;
-    u.whole_runs = u.shard_runs = {{0, u.layout.shard_numel, 0}};
-  }
-  Ledger ledger;
-  TierContext ctx;
-  ctx.cfg = &cfg;
-  ctx.units = &units;
-  ctx.pdt = DType::bf16;
-  ctx.pbytes = 2;
-  ctx.num_states = 2;
-  ctx.ledger = &ledger;
-  ctx.buffer = [&](Tier t, MemKind k, const char* name, size_t bytes, bool) {
-    return Buffer(&ledger, t, k, name, bytes, t == Tier::device ? dev->device_memory() : nullptr);
-  };
+  TwoUnits m(*dev);
+  const TierContext& ctx = m.ctx;
   MemoryStateTier tier(ctx, Tier::device, *dev, arena, {std::nullopt, std::nullopt}, false,
                        MemoryStateTier::Speculative::off);
   std::vector<float> whole(3017);
@@ -180,31 +193,8 @@ Reads staged_updates(bool wait) {
   cpu::Arena arena(1);
   const std::unique_ptr<Compute> dev = make_async_cpu_compute(arena, 9, 2000);
   const std::unique_ptr<Compute> host = make_cpu_compute(arena);
-  Config cfg;
-  cfg.stage = 2;
-  cfg.dtype = DType::bf16;
-  std::vector<UnitShape> units(2);
-  for (int i = 0; i < 2; ++i) {
-    UnitShape& u = units[size_t(i)];
-    u.layout.name = "u" + std::to_string(i);
-    u.layout.numel = u.layout.padded_numel = u.layout.shard_numel = 3000 + 17 * i;
-    u.whole_runs = u.shard_runs = {{0, u.layout.shard_numel, 0}};
-  }
-  Ledger ledger;
-  TierContext ctx;
-  ctx.cfg = &cfg;
-  ctx.units = &units;
-  ctx.pdt = DType::bf16;
-  ctx.pbytes = 2;
-  ctx.num_states = 2;
-  ctx.ledger = &ledger;
-  ctx.buffer = [&](Tier t, MemKind k, const char* name, size_t bytes, bool pin) {
-    return Buffer(&ledger, t, k, name, bytes,
-                  t == Tier::device ? dev->device_memory()
-                  : pin             ? dev->pinned_memory()
-                                    : nullptr);
-  };
-  ctx.finish_reduction = [](int) {};
+  TwoUnits m(*dev);
+  const TierContext& ctx = m.ctx;
   StagedStateTier tier(ctx,
                        std::make_unique<MemoryStateTier>(
                            ctx, Tier::host, *host, arena,
