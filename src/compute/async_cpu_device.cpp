@@ -35,6 +35,7 @@
 #include "src/compute/compute.hpp"
 #include "src/compute/cpu_stream.hpp"
 #include "src/compute/cpu_work.hpp"
+#include "src/compute/device_communicator.hpp"
 #include "src/compute/staged_communicator.hpp"
 #include "src/compute/stream_device.hpp"
 
@@ -148,6 +149,21 @@ class AsyncStaging final : public StagingDevice {
   std::shared_ptr<const WaitingHeap> heap_;
 };
 
+class AsyncCpuDevice;
+
+// Every asynchronous CPU device of the process plays the same GPU: each one's memory is device
+// memory to every communicator (engines may share one, as they share NCCL's), and a free waits
+// for the streams of them all and of their communicators, as cudaFree waits for the device.
+struct Gpu {
+  std::mutex mu;
+  std::vector<AsyncCpuDevice*> devices;                // guarded by mu, as is the list below
+  std::vector<std::weak_ptr<CpuStream>> comm_streams;  // of the communicators they made
+};
+Gpu& gpu() {
+  static Gpu g;
+  return g;
+}
+
 class AsyncCpuDevice final : public StreamDevice {
  public:
   AsyncCpuDevice(cpu::Arena& arena, uint64_t seed, int jitter_us, AsyncComm comm)
@@ -155,11 +171,18 @@ class AsyncCpuDevice final : public StreamDevice {
         seed_(seed),
         jitter_us_(jitter_us),
         comm_(comm),
-        heap_(std::make_shared<WaitingHeap>([this] { wait_all(); })),
-        pinned_([this] { wait_all(); }) {
+        heap_(std::make_shared<WaitingHeap>([] { wait_all(); })),
+        pinned_([] { wait_all(); }) {
     ZS_CHECK(jitter_us >= 0);
+    std::lock_guard<std::mutex> lock(gpu().mu);
+    gpu().devices.push_back(this);
   }
   ~AsyncCpuDevice() override {
+    {
+      std::lock_guard<std::mutex> lock(gpu().mu);
+      auto& d = gpu().devices;
+      d.erase(std::find(d.begin(), d.end(), this));
+    }
     // The device goes after every buffer it worked on (Resources), and each free waited for the
     // streams: work still queued now was issued after the last free and may touch memory freed
     // since, which on a GPU is a silent corruption or a fault much later. A testing device says
@@ -183,7 +206,7 @@ class AsyncCpuDevice final : public StreamDevice {
   // Its memory needs no registration; the handle's end waits for every stream, as the end of
   // a CUDA registration must (a copy queued from that memory may still run).
   std::shared_ptr<void> register_host(void* p, size_t) override {
-    return std::shared_ptr<void>(p, [this](void*) { wait_all(); });
+    return std::shared_ptr<void>(p, [](void*) { wait_all(); });
   }
   // A host communicator could read its device memory as it is, but a GPU's cannot: the device
   // buffers go through pinned staging, as on CUDA with MPI, or the collectives are ordered on the
@@ -193,13 +216,21 @@ class AsyncCpuDevice final : public StreamDevice {
     if (comm_ == AsyncComm::staged)
       return stage_through(std::move(comm), std::make_shared<AsyncStaging>(heap_));
     AsyncCommHooks hooks;
-    hooks.is_device = [heap = heap_](const void* p) { return p && heap->contains(p); };
-    hooks.enroll = [this](const std::shared_ptr<CpuStream>& s) {
-      std::lock_guard<std::mutex> lock(mu_);
-      comm_streams_.push_back(s);
+    hooks.is_device = [](const void* p) {
+      std::lock_guard<std::mutex> lock(gpu().mu);
+      for (const AsyncCpuDevice* d : gpu().devices)
+        if (p && d->heap_->contains(p)) return true;
+      return false;
+    };
+    hooks.enroll = [](const std::shared_ptr<CpuStream>& s) {
+      std::lock_guard<std::mutex> lock(gpu().mu);
+      gpu().comm_streams.push_back(s);
     };
     return order_like_nccl(std::move(comm), std::move(hooks), seed_ + 104729, jitter_us_);
   }
+
+  // NCCL's ordering played by a communicator of an asynchronous CPU device (device() −1).
+  bool takes(const DeviceCommunicator& c) const override { return c.device() == -1; }
 
   Stream create_stream() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -253,14 +284,20 @@ class AsyncCpuDevice final : public StreamDevice {
 
  private:
   static CpuStream* cs(Stream s) { return static_cast<CpuStream*>(s); }
-  // Every stream's queued work done, the trainers' streams too, as cudaFree waits for the whole
-  // device (failures stay for each stream's next synchronisation).
-  void wait_all() noexcept {
+  // Every stream's queued work done, every device's and the trainers' streams too, as cudaFree
+  // waits for the whole device (failures stay for each stream's next synchronisation).
+  static void wait_all() noexcept {
     std::vector<std::shared_ptr<CpuStream>> comms;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& s : streams_) s->drain();
-      for (const auto& w : comm_streams_)
+      std::lock_guard<std::mutex> lock(gpu().mu);
+      for (AsyncCpuDevice* d : gpu().devices) {
+        std::lock_guard<std::mutex> own(d->mu_);
+        for (auto& s : d->streams_) s->drain();
+      }
+      auto& cs = gpu().comm_streams;
+      cs.erase(std::remove_if(cs.begin(), cs.end(), [](const auto& w) { return w.expired(); }),
+               cs.end());
+      for (const auto& w : cs)
         if (auto c = w.lock()) comms.push_back(std::move(c));
     }
     drain_trainer_streams();
@@ -272,9 +309,8 @@ class AsyncCpuDevice final : public StreamDevice {
   const uint64_t seed_;
   const int jitter_us_;
   const AsyncComm comm_;
-  std::mutex mu_;  // guards the lists
+  std::mutex mu_;  // guards the list
   std::vector<std::unique_ptr<CpuStream>> streams_;
-  std::vector<std::weak_ptr<CpuStream>> comm_streams_;  // of the communicators it made (carry())
   std::shared_ptr<WaitingHeap> heap_;                   // device memory
   WaitingHeap pinned_;                                  // pinned host memory
   double device_sums_[2] = {0, 0};

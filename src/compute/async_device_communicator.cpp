@@ -152,7 +152,7 @@ class AsyncDeviceCommunicator final : public DeviceCommunicator {
 
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
-  int device() const override { return 0; }
+  int device() const override { return -1; }  // the asynchronous CPU device
   void set_timeout(double seconds) override {
     timeout_s_.store(seconds);
     host_->set_timeout(seconds);

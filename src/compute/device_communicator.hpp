@@ -11,7 +11,8 @@ namespace zeroshard {
 
 class DeviceCommunicator : public Communicator {
  public:
-  /// The CUDA device every buffer must live on.
+  /// The CUDA device every buffer must live on (−1: the asynchronous CPU device, which plays
+  /// NCCL's ordering on the CPU; src/compute/async_device_communicator.hpp).
   virtual int device() const = 0;
   /// Collectives called from now on first wait (on the device) for the work queued on `stream`
   /// (the device's stream: a cudaStream_t, or a stream of the asynchronous CPU device) at their

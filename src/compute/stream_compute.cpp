@@ -113,13 +113,15 @@ class StreamCompute final : public Compute {
       comm = d_->carry(std::move(comm));
       dc = as_device_communicator(comm.get());
       if (!dc) return comm;
-    } else if (d_->device() != Device::cuda || dc->device() != d_->device_index()) {
-      ZS_THROW(invalid_argument,
-               "Engine: the NCCL communicator is on GPU "
-                   << dc->device() << " but the engine on "
-                   << (d_->device() == Device::cuda ? "GPU " + std::to_string(d_->device_index())
-                                                    : std::string("the CPU"))
-                   << " (zeroshard.device_index)");
+    } else if (!d_->takes(*dc)) {
+      const auto on = [](bool cuda, int index) {
+        return cuda && index >= 0 ? "GPU " + std::to_string(index)
+                                  : std::string("the asynchronous CPU device");
+      };
+      ZS_THROW(invalid_argument, "Engine: the NCCL communicator is on "
+                                     << on(true, dc->device()) << " but the engine on "
+                                     << on(d_->device() == Device::cuda, d_->device_index())
+                                     << " (zeroshard.device_index)");
     }
     device_comms_.push_back(dc);
     return comm;

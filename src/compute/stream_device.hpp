@@ -28,6 +28,7 @@
 namespace zeroshard {
 
 class Communicator;
+class DeviceCommunicator;
 
 /// A stretch of gradient whose squares the step's norm sums.
 struct GradSpan {
@@ -56,6 +57,9 @@ class StreamDevice {
   /// asynchronous CPU device by default, ordered on the device as NCCL orders collectives
   /// (async_device_communicator.hpp; the result is then a DeviceCommunicator).
   virtual std::shared_ptr<Communicator> carry(std::shared_ptr<Communicator> comm) = 0;
+  /// Whether a communicator that moves device memory itself (an engine's NCCL communicator,
+  /// handed to another engine too) moves this device's.
+  virtual bool takes(const DeviceCommunicator& comm) const = 0;
 
   virtual Stream create_stream() = 0;
   /// Blocks the host until the work issued on `s` is done; throws the first failure of it.

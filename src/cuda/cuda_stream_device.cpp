@@ -15,6 +15,7 @@
 #include "base/cuda_check.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "src/compute/compute.hpp"
+#include "src/compute/device_communicator.hpp"
 #include "src/compute/stream_device.hpp"
 #include "src/cuda/cuda_resources.hpp"
 #include "zeroshard/communicator.hpp"
@@ -106,6 +107,7 @@ class CudaStreamDevice final : public StreamDevice {
       if (prev >= 0) (void)cudaSetDevice(prev);
     });
   }
+  bool takes(const DeviceCommunicator& c) const override { return c.device() == device_; }
   std::shared_ptr<Communicator> carry(std::shared_ptr<Communicator> comm) override {
     return stage_device_buffers(std::move(comm));
   }

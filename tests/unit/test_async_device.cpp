@@ -392,6 +392,32 @@ TEST_P(AsyncComms, EngineTakesTheGpuPathsAndTrainsBitwiseTheSame) {
 
 INSTANTIATE_TEST_SUITE_P(AsyncDevice, AsyncComms, ::testing::Values("nccl", "staged"));
 
+// Two engines on one NCCL communicator (a GAN's two models, say): each one's collectives follow
+// its own stream, whichever engine called one last. Read here by the full-state access, which
+// copies the shards up on the engine's stream and gathers them on the shared communicator.
+TEST(AsyncDevice, EnginesSharingTheCommunicatorFollowTheirOwnStreams) {
+  EnvVar config_decides("ZEROSHARD_ASYNC_DEVICE", "");
+  EnvVar late("ZEROSHARD_ASYNC_JITTER_US", "2000");
+  EnvVar comm("ZEROSHARD_ASYNC_COMM", "nccl");
+  Config cfg;
+  cfg.stage = 2;
+  cfg.async_device = true;
+  Engine a(cfg, make_self_communicator());
+  Engine b(cfg, a.communicator());  // NCCL's, as the first engine made it
+  std::vector<std::vector<float>> init;
+  for (Engine* e : {&a, &b}) {
+    init.push_back(random_floats(5000, uint32_t(init.size() + 70)));
+    e->add_unit("u", {{"w", {5000}, 0, {init.back().data(), 5000, DType::f32}}});
+    e->finalize();
+  }
+  for (int round = 0; round < 6; ++round)
+    for (int k = 0; k < 2; ++k) {
+      Engine& e = k ? a : b;  // b, then a: a's gather comes right after b's
+      EXPECT_TRUE(e.read_full(0, 0, StateKind::master) == init[size_t(k ? 0 : 1)])
+          << "round " << round << (k ? ", first engine" : ", second engine");
+    }
+}
+
 TEST(AsyncDevice, SelectedByConfigOrEnvironmentAndTakesWhatAGpuTakes) {
   cpu::Arena arena(1);
   Config cfg;
