@@ -311,8 +311,8 @@ class AsyncCpuDevice final : public StreamDevice {
   const AsyncComm comm_;
   std::mutex mu_;  // guards the list
   std::vector<std::unique_ptr<CpuStream>> streams_;
-  std::shared_ptr<WaitingHeap> heap_;                   // device memory
-  WaitingHeap pinned_;                                  // pinned host memory
+  std::shared_ptr<WaitingHeap> heap_;  // device memory
+  WaitingHeap pinned_;                 // pinned host memory
   double device_sums_[2] = {0, 0};
   double host_sums_[2] = {0, 0};
 };
