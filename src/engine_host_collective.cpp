@@ -39,7 +39,7 @@ void Engine::Impl::host_collective(Communicator& on, HostOp op, const float* sen
                                                                "host_collective_out", out, false);
   float* dev_out = op == HostOp::all_reduce_sum ? up.as<float>() : down.as<float>();
   res.dev->copy(up.data(), send, in);  // `send` stays untouched until the collective completed
-  res.dev->before_collective();        // NCCL follows the stream the copy is on, the trainer's too
+  res.dev->before_collective();        // NCCL follows this engine's stream, not the last caller's
   wait(*start(up.as<float>(), dev_out));
   res.dev->copy(recv, dev_out, out);
   // No wait here: freeing the staging buffers (on return) waits for every stream, as cudaFree
