@@ -158,11 +158,12 @@ Engine::~Engine() {
             std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count()));
   // The device's queued work (updates, uploads) needs no wait here: it touches only memory the
   // engine took from the device's allocators, which wait for every stream when they free it
-  // (cudaFree, cudaFreeHost; the asynchronous CPU device's heaps likewise), and the device
-  // outlives every buffer (Resources). A failure of that work stays with its stream, as CUDA's
-  // do. scripts/mutate_waits.py found this wait unneeded; the asynchronous CPU device aborts
-  // where it is destroyed with work in flight, so a teardown that frees memory without waiting
-  // fails the suite.
+  // (cudaFree, cudaFreeHost; the asynchronous CPU device's heaps likewise), or host memory
+  // registered with the device, whose registration ends by waiting for it (register_host()),
+  // and the device outlives every buffer (Resources). A failure of that work stays with its
+  // stream, as CUDA's do. scripts/mutate_waits.py found this wait unneeded; the asynchronous CPU
+  // device aborts where it is destroyed with work in flight, so a teardown that frees memory
+  // without waiting fails the suite.
 }
 
 int Engine::add_group(const OptimizerOptions& o) {
