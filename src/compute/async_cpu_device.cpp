@@ -42,21 +42,26 @@
 namespace zeroshard {
 namespace {
 
-// The trainers' streams alive now (AsyncTrainerStream): set_stream() takes only these.
-std::mutex trainer_streams_mu;
-std::vector<CpuStream*>& trainer_streams() {
-  static std::vector<CpuStream*> live;  // guarded by trainer_streams_mu
-  return live;
+class AsyncCpuDevice;
+
+// Every asynchronous CPU device of the process plays the same GPU: each one's memory is device
+// memory to every communicator (engines may share one, as they share NCCL's), and a free waits
+// for the streams of them all, of their communicators and of the trainers, as cudaFree waits
+// for the device.
+struct Gpu {
+  std::mutex mu;
+  std::vector<AsyncCpuDevice*> devices;                // guarded by mu, as are the lists below
+  std::vector<std::weak_ptr<CpuStream>> comm_streams;  // of the communicators they made
+  std::vector<CpuStream*> trainer_streams;  // AsyncTrainerStream's: set_stream() takes only these
+};
+Gpu& gpu() {
+  static Gpu g;
+  return g;
 }
 bool is_trainer_stream(const void* s) {
-  std::lock_guard<std::mutex> lock(trainer_streams_mu);
-  const auto& live = trainer_streams();
+  std::lock_guard<std::mutex> lock(gpu().mu);
+  const auto& live = gpu().trainer_streams;
   return std::find(live.begin(), live.end(), s) != live.end();
-}
-// Every trainer's stream's queued work done.
-void drain_trainer_streams() noexcept {
-  std::lock_guard<std::mutex> lock(trainer_streams_mu);
-  for (CpuStream* s : trainer_streams()) s->drain();
 }
 
 // Host memory whose freeing first waits for the work queued on every stream, as cudaFree
@@ -148,21 +153,6 @@ class AsyncStaging final : public StagingDevice {
  private:
   std::shared_ptr<const WaitingHeap> heap_;
 };
-
-class AsyncCpuDevice;
-
-// Every asynchronous CPU device of the process plays the same GPU: each one's memory is device
-// memory to every communicator (engines may share one, as they share NCCL's), and a free waits
-// for the streams of them all and of their communicators, as cudaFree waits for the device.
-struct Gpu {
-  std::mutex mu;
-  std::vector<AsyncCpuDevice*> devices;                // guarded by mu, as is the list below
-  std::vector<std::weak_ptr<CpuStream>> comm_streams;  // of the communicators they made
-};
-Gpu& gpu() {
-  static Gpu g;
-  return g;
-}
 
 class AsyncCpuDevice final : public StreamDevice {
  public:
@@ -299,8 +289,8 @@ class AsyncCpuDevice final : public StreamDevice {
                cs.end());
       for (const auto& w : cs)
         if (auto c = w.lock()) comms.push_back(std::move(c));
+      for (CpuStream* t : gpu().trainer_streams) t->drain();
     }
-    drain_trainer_streams();
     // The communicators' streams last: their collectives wait for markers on the streams above.
     for (const auto& c : comms) c->drain();
   }
@@ -321,14 +311,14 @@ class AsyncCpuDevice final : public StreamDevice {
 
 AsyncTrainerStream::AsyncTrainerStream(uint64_t seed, int jitter_us)
     : handle_(new CpuStream(seed, jitter_us)) {
-  std::lock_guard<std::mutex> lock(trainer_streams_mu);
-  trainer_streams().push_back(static_cast<CpuStream*>(handle_));
+  std::lock_guard<std::mutex> lock(gpu().mu);
+  gpu().trainer_streams.push_back(static_cast<CpuStream*>(handle_));
 }
 
 AsyncTrainerStream::~AsyncTrainerStream() {
   {
-    std::lock_guard<std::mutex> lock(trainer_streams_mu);
-    auto& live = trainer_streams();
+    std::lock_guard<std::mutex> lock(gpu().mu);
+    auto& live = gpu().trainer_streams;
     live.erase(std::find(live.begin(), live.end(), handle_));
   }
   delete static_cast<CpuStream*>(handle_);  // finishes what was issued
