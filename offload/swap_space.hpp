@@ -8,9 +8,11 @@
 // files in them) are removed when the SwapSpace dies, after the tiers closed their files.
 
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "offload/io_queue.hpp"
@@ -35,8 +37,14 @@ class SwapSpace {
   void add(PinnedPool* pool) { pools_.push_back(pool); }
   /// Opens the ring with every added file and slot registered once.
   void start(const AioOptions& aio);
+  /// What a tier whose own thread submits I/O (the speculative step's) runs before the ring
+  /// closes: it stops that thread's work and waits for its I/O. Once; must not throw.
+  void before_stop(std::function<void()> quiesce) { quiesce_.push_back(std::move(quiesce)); }
   /// Waits for the I/O in flight and closes the ring. Idempotent.
-  void stop() noexcept { io_.reset(); }
+  void stop() noexcept {
+    for (auto& q : std::exchange(quiesce_, {})) q();
+    io_.reset();
+  }
 
   IoQueue& io() const { return *io_; }
   /// Every swap file of the registered stores.
@@ -50,6 +58,7 @@ class SwapSpace {
   std::vector<SwapStore*> stores_;
   std::vector<PinnedPool*> pools_;
   std::unique_ptr<IoQueue> io_;
+  std::vector<std::function<void()>> quiesce_;
 };
 
 }  // namespace zeroshard::offload

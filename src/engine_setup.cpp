@@ -93,16 +93,16 @@ void Engine::Impl::make_tiers() {
   std::vector<std::optional<float*>> alias(units.size());
   for (size_t i = 0; i < units.size() && topt == tpar && topt != Tier::nvme; ++i)
     alias[i] = params->share_as_master(int(i));
+  // Under a GPU's staged tier the new shards go straight to its upload buffers.
+  using S = Speculative;
+  const S spec = !speculation_off().empty()                               ? S::off
+                 : on_gpu && topt != Tier::device && tpar == Tier::device ? S::caller_out
+                                                                          : S::own_out;
   if (topt == Tier::nvme) {
-    state =
-        std::make_unique<offload::NvmeStateTier>(c, res.arena, *res.swap, params->takes_writes());
+    state = std::make_unique<offload::NvmeStateTier>(c, res.arena, *res.swap,
+                                                     params->takes_writes(), spec);
   } else {
     Compute& work = topt == Tier::device ? *res.dev : *res.host;
-    // Under a GPU's staged tier the new shards go straight to its upload buffers.
-    using S = MemoryStateTier::Speculative;
-    const S spec = !speculation_off().empty()                               ? S::off
-                   : on_gpu && topt != Tier::device && tpar == Tier::device ? S::caller_out
-                                                                            : S::own_out;
     state = std::make_unique<MemoryStateTier>(c, topt, work, res.arena, alias, params->previews(),
                                               spec);
   }

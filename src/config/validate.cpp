@@ -197,8 +197,9 @@ void check_cuda(const Config& c) {
 
 std::string config_detail::speculation_off(const Config& c, bool muon) {
   if (!c.speculative_step) return "not asked for";
-  if (c.offload_optimizer.tier != Tier::host)
-    return "the optimizer state is not on the host tier (offload_optimizer.device cpu)";
+  if (c.offload_optimizer.tier == Tier::device)
+    return "the optimizer state is on the device tier (offload_optimizer.device cpu or nvme "
+           "takes it)";
   if (c.stage == 3 && c.offload_param.tier == Tier::nvme)
     return "the parameters are on the nvme tier, which stores each new shard before the state "
            "may change";

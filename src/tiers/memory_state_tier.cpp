@@ -227,23 +227,6 @@ cpu::UnitUpdate MemoryStateTier::unit_update(int u, void* out, int64_t step) con
   return w;
 }
 
-namespace {
-bool same(const cpu::UpdateHyper& a, const cpu::UpdateHyper& b) {
-  auto bits = [](float x) { return std::bit_cast<uint32_t>(x); };
-  return a.kind == b.kind && bits(a.lr) == bits(b.lr) && bits(a.beta1) == bits(b.beta1) &&
-         bits(a.beta2) == bits(b.beta2) && bits(a.eps) == bits(b.eps) &&
-         bits(a.weight_decay) == bits(b.weight_decay) && bits(a.momentum) == bits(b.momentum) &&
-         a.nesterov == b.nesterov && bits(a.bias_correction1) == bits(b.bias_correction1) &&
-         bits(a.bias_correction2) == bits(b.bias_correction2) &&
-         bits(a.grad_scale) == bits(b.grad_scale) && a.hold == b.hold;
-}
-bool same(const std::vector<GroupRun>& a, const std::vector<GroupRun>& b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
-                    [](const GroupRun& x, const GroupRun& y) {
-                      return x.begin == y.begin && x.end == y.end && x.group == y.group;
-                    });
-}
-}  // namespace
 
 void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                              ParamSink& sink) {
@@ -296,10 +279,7 @@ void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t
 bool MemoryStateTier::matches(int u, const std::vector<cpu::UpdateHyper>& hyper,
                               int64_t step) const {
   const Speculation& sp = spec_[size_t(u)];
-  return sp.step == step && sp.hyper.size() == hyper.size() &&
-         std::equal(hyper.begin(), hyper.end(), sp.hyper.begin(),
-                    [](const auto& a, const auto& b) { return same(a, b); }) &&
-         same(sp.runs, ctx_.runs(u));
+  return sp.step == step && same_update(sp.hyper, sp.runs, hyper, ctx_.runs(u));
 }
 
 void MemoryStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,

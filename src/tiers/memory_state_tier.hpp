@@ -29,7 +29,6 @@ class MemoryStateTier final : public StateTier {
   /// `speculative`: whether to take speculate() (the CPU's work only), with a second copy of
   /// the state of every unit whose master is its own (not the parameters), and whether its
   /// caller brings the memory for the new low-precision values (StagedStateTier).
-  enum class Speculative { off, own_out, caller_out };
   MemoryStateTier(const TierContext& ctx, Tier tier, Compute& compute, cpu::Arena& arena,
                   const std::vector<std::optional<float*>>& master_alias, bool previews,
                   Speculative speculative);

@@ -52,7 +52,7 @@ std::string NvmeStateTier::who() const {
 }
 
 NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space,
-                             bool writes_params)
+                             bool writes_params, Speculative speculative)
     : ctx_(ctx),
       arena_(arena),
       space_(space),
@@ -101,6 +101,19 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
   space.add(&store_);
   space.add(&swap_pool_);
   space.add(&grad_cache_);
+  if (speculative == Speculative::off) return;
+  // The parameters' shards on disk are stored before the state may change: no speculation.
+  ZS_CHECK(!writes_params);
+  spec_ = std::vector<Speculation>(units_.size());  // built in place: they hold an atomic
+  if (speculative == Speculative::own_out)
+    for (size_t i = 0; i < units_.size(); ++i)
+      spec_[i].own_out = ctx.buffer(Tier::host, MemKind::buffer, "param_speculative",
+                                    size_t(ctx.shard(int(i))) * ctx.pbytes, false);
+  space.before_stop([this] { drop_speculation(); });  // its thread's I/O is in the ring
+}
+
+NvmeStateTier::~NvmeStateTier() {
+  drop_speculation();  // done already where the swap space stopped (its before_stop())
 }
 
 std::vector<std::pair<void*, size_t>> NvmeStateTier::dma_regions() const {
@@ -153,9 +166,20 @@ void NvmeStateTier::reap(bool block) {
   }
 }
 
+// The oldest cached gradient no speculation is about to read goes first; then one whose
+// speculation has not started (that speculation is dropped); never one being read.
 bool NvmeStateTier::evict(int keep) {
+  int victim = -1;
+  for (int pass = 0; pass < 2 && victim < 0; ++pass)
+    for (int v : grad_fifo_) {
+      const int st = spec_.empty() ? kNone : spec_[size_t(v)].state.load();
+      if (v != keep && (st == kNone || st == kDone || (pass == 1 && evictable(v)))) {
+        victim = v;
+        break;
+      }
+    }
   for (int v : grad_fifo_) {
-    if (v == keep) continue;
+    if (v != victim) continue;
     ctx_.finish_reduction(v);  // its reduction must have landed (it usually has, long ago)
     Unit& w = units_[size_t(v)];
     char* slot = grad_cache_.data(w.gslot);
@@ -183,10 +207,17 @@ void* NvmeStateTier::grad_target(int u) {
     for (;;) {
       w.gslot = grad_cache_.try_acquire();
       if (w.gslot >= 0) break;
-      if (!evicting_.empty())
+      if (!evicting_.empty()) {
         reap(true);
-      else
+      } else if (!evict(u)) {  // the one other slot is being read by a speculation
+        std::unique_lock<std::mutex> lock(spec_mu_);
+        spec_cv_.wait(lock, [&] {
+          return std::none_of(spec_.begin(), spec_.end(),
+                              [](const Speculation& sp) { return sp.state == kRunning; });
+        });
+        lock.unlock();
         ZS_CHECK(evict(u));
+      }
     }
     grad_fifo_.push_back(u);
   }
@@ -254,6 +285,13 @@ void NvmeStateTier::settle_evictions() {
 }
 
 void NvmeStateTier::forget_grads() {
+  drop_speculation();
+  counted_ = {};  // the step ends here (skipped)
+  counted_.dropped = std::exchange(dropped_early_, 0);
+  forget();
+}
+
+void NvmeStateTier::forget() {
   settle_grads();
   for (Unit& w : units_) {
     if (w.gslot >= 0) grad_cache_.release(w.gslot);
@@ -272,18 +310,91 @@ double NvmeStateTier::sum_squares() {
 
 // ---- the optimizer step ------------------------------------------------------------------------
 
+char* NvmeStateTier::cached_grad(int u) const {
+  const Unit& w = units_[size_t(u)];
+  ZS_CHECK(w.gslot >= 0);
+  return grad_cache_.data(w.gslot) + (ctx_.accumulation() > 1 ? grad_acc_off_ : 0);
+}
+
+cpu::UnitUpdate NvmeStateTier::unit_update(int u, char* base, const void* grad, void* out,
+                                           int64_t step) const {
+  const Record L = record(u);
+  cpu::UnitUpdate uu;
+  uu.runs = &ctx_.unit(u).shard_runs;
+  uu.args.master = base;
+  uu.args.master_dtype = ctx_.master_dtype();
+  uu.args.round_key = cpu::rounding_key(step, u);
+  uu.args.index = ctx_.extent_start(u);
+  uu.args.state_format = ctx_.cfg->optimizer_state;
+  uu.args.block = ctx_.cfg->state_block;
+  const bool q8 = uu.args.state_format == StateFormat::q8;
+  if (ctx_.num_states >= 1) {
+    char* m = base + L.offset(StateKind::state0);
+    uu.args.state0 = m;
+    if (q8) uu.args.absmax0 = reinterpret_cast<float*>(m + L.absmax_off);
+  }
+  if (ctx_.num_states >= 2) {
+    char* m = base + L.offset(StateKind::state1);
+    uu.args.state1 = m;
+    if (q8) uu.args.absmax1 = reinterpret_cast<float*>(m + L.absmax_off);
+  }
+  uu.args.grad = grad;
+  uu.args.grad_dtype = grad_dtype();
+  if (out) {
+    uu.args.out = out;
+    uu.args.out_dtype = ctx_.pdt;
+  }
+  uu.args.n = ctx_.shard(u);
+  return uu;
+}
+
 // Reads unit k+1 … k+read_ahead while unit k is updated in its slot and unit k−1 is written back
 // to the other record slot. Commits (flips every unit's slot) only when every rank wrote every
-// unit; otherwise restores the low-precision parameters it changed in memory and throws.
+// unit; otherwise restores the low-precision parameters it changed in memory and throws. A unit
+// whose speculation is kept is not read, updated or written: its record is in the other slot
+// already, and its new values go to the sink in unit order with the others'.
 void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                            ParamSink& sink) {
   ZS_CHECK(sink.takes_writes() == writes_params_);
-  const DType gdt = ctx_.accumulation() > 1 ? DType::f32 : ctx_.pdt;
   const std::string in_step = " in step " + std::to_string(step);
+  std::vector<bool> keep(units_.size(), false);
+  counted_ = {};
+  counted_.dropped = std::exchange(dropped_early_, 0);
+  if (!spec_.empty()) {
+    // Those the step will not keep are cancelled first: a step that keeps none (it clips)
+    // waits only for the one the thread is running.
+    for (size_t i = 0; i < spec_.size(); ++i) {
+      Speculation& sp = spec_[i];
+      if (sp.state == kNone) continue;
+      keep[i] = matches(int(i), hyper, step);
+      int queued = kQueued;
+      if (!keep[i] && sp.state.compare_exchange_strong(queued, kNone)) ++counted_.dropped;
+    }
+    thread_.settle();
+    (void)thread_.take_failure();  // a failed speculation is not written: updated below
+    drain_spec_writes();
+    for (size_t i = 0; i < spec_.size(); ++i) {
+      Speculation& sp = spec_[i];
+      if (sp.state == kNone) continue;
+      keep[i] = keep[i] && sp.written;
+      ++(keep[i] ? counted_.kept : counted_.dropped);
+      sp.state = kNone;
+      sp.written = false;
+    }
+  }
+  std::vector<int> todo;  // the units the pipeline updates
+  for (size_t i = 0; i < units_.size(); ++i)
+    if (!keep[i]) todo.push_back(int(i));
+  int handed = 0;  // units below it went to the sink (their new values in its memory)
+  auto hand_kept = [&](int end) {
+    for (; handed < end; ++handed)
+      if (keep[size_t(handed)]) keep_speculation(handed, sink);
+  };
   std::vector<cpu::UpdateTask> tasks;
   int exchanged = 0;  // units whose Muon direction was made (TierContext::direction)
   PipelineHooks h;
-  h.read = [&](int i, int slot) {
+  h.read = [&](int k, int slot) {
+    const int i = todo[size_t(k)];
     Unit& w = units_[size_t(i)];
     char* base = swap_pool_.data(slot);
     std::vector<Piece> ps;
@@ -297,40 +408,16 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
                                               "' (optimizer state, slot " + std::to_string(w.cur) +
                                               ", and gradient)" + in_step)};
   };
-  h.update = [&](int i, int slot) {
+  h.update = [&](int k, int slot) {
+    const int i = todo[size_t(k)];
+    hand_kept(i);
     Unit& w = units_[size_t(i)];
     const Record L = record(i);
     char* base = swap_pool_.data(slot);
-    cpu::UnitUpdate uu;
-    uu.runs = &ctx_.unit(i).shard_runs;
-    uu.args.master = base;
-    uu.args.master_dtype = ctx_.master_dtype();
-    uu.args.round_key = cpu::rounding_key(step, i);
-    uu.args.index = ctx_.extent_start(i);
-    uu.args.state_format = ctx_.cfg->optimizer_state;
-    uu.args.block = ctx_.cfg->state_block;
-    const bool q8 = uu.args.state_format == StateFormat::q8;
-    if (ctx_.num_states >= 1) {
-      char* m = base + L.offset(StateKind::state0);
-      uu.args.state0 = m;
-      if (q8) uu.args.absmax0 = reinterpret_cast<float*>(m + L.absmax_off);
-    }
-    if (ctx_.num_states >= 2) {
-      char* m = base + L.offset(StateKind::state1);
-      uu.args.state1 = m;
-      if (q8) uu.args.absmax1 = reinterpret_cast<float*>(m + L.absmax_off);
-    }
-    uu.args.grad = w.gslot >= 0
-                       ? grad_cache_.data(w.gslot) + (ctx_.accumulation() > 1 ? grad_acc_off_ : 0)
-                       : base + L.grad_off;
-    uu.args.grad_dtype = gdt;
     void* out = writes_params_ ? base + L.lowp_off : sink.target(i);
     if (writes_params_) zero_padding(ctx_.unit(i), base + L.lowp_off, ctx_.pbytes);
-    if (out) {
-      uu.args.out = out;
-      uu.args.out_dtype = ctx_.pdt;
-    }
-    uu.args.n = ctx_.shard(i);
+    cpu::UnitUpdate uu =
+        unit_update(i, base, w.gslot >= 0 ? cached_grad(i) : base + L.grad_off, out, step);
     if (ctx_.direction) {
       uu.args.dir = ctx_.direction(i, uu.args);
       ++exchanged;
@@ -339,13 +426,15 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     cpu::append_update_tasks(hyper, uu, tasks);
     cpu::run_update_tasks(arena_, tasks);
     if (!writes_params_) sink.done(i);
+    handed = i + 1;
     if (w.gslot >= 0) {  // the cached gradient is spent
       grad_cache_.release(w.gslot);
       w.gslot = -1;
       erase_id(grad_fifo_, i);
     }
   };
-  h.write = [&](int i, int slot) {
+  h.write = [&](int k, int slot) {
+    const int i = todo[size_t(k)];
     Unit& w = units_[size_t(i)];
     char* base = swap_pool_.data(slot);
     std::vector<Piece> ps;
@@ -358,25 +447,27 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     if (writes_params_) out.push_back(sink.write(i, base + record(i).lowp_off, &swap_pool_, step));
     return out;
   };
-  const PipelineResult pr =
-      run_pipeline(space_.io(), swap_pool_, int(units_.size()), read_ahead_, h);
+  const PipelineResult pr = run_pipeline(space_.io(), swap_pool_, int(todo.size()), read_ahead_, h);
+  if (!pr.error) hand_kept(int(units_.size()));
   // A pipeline stopped by this rank's I/O error still takes part in the other units' Muon
   // exchanges (with nothing to contribute), which the other ranks are in: then all agree.
-  for (int i = exchanged; ctx_.direction && pr.error && i < int(units_.size()); ++i) {
+  // (Muon takes no speculation: todo holds every unit.)
+  for (int k = exchanged; ctx_.direction && pr.error && k < int(todo.size()); ++k) {
+    const int i = todo[size_t(k)];
     cpu::UpdateArgs none;
     none.n = ctx_.shard(i);
     ctx_.direction(i, none);
   }
   std::optional<Error> failed =
       agree(*ctx_.comm, pr.error, "step " + std::to_string(step) + " (nvme swap)");
-  forget_grads();
+  forget();
   if (!failed) {
     for (Unit& w : units_) w.cur = 1 - w.cur;
     if (writes_params_) sink.commit_writes();
     return;
   }
   std::string restore_error;
-  if (!writes_params_) restore_params(pr.updated, sink, restore_error);
+  if (!writes_params_) restore_params(handed, sink, restore_error);
   throw Error(failed->code(), std::string(failed->what()) + not_applied(step) + restore_error);
 }
 
@@ -399,6 +490,128 @@ void NvmeStateTier::preview(const std::vector<cpu::UpdateHyper>&, int64_t, int, 
   // The parameters' two-phase store is for state in memory; on nvme the new shards are written
   // with the records (see update()).
   ZS_THROW(internal, "preview() of the nvme state tier");
+}
+
+// ---- the speculative step ----------------------------------------------------------------------
+
+bool NvmeStateTier::matches(int u, const std::vector<cpu::UpdateHyper>& hyper,
+                            int64_t step) const {
+  const Speculation& sp = spec_[size_t(u)];
+  return sp.step == step && same_update(sp.hyper, sp.runs, hyper, ctx_.unit(u).shard_runs);
+}
+
+// Unit u's gradient is final and in its cache slot (grad_reduced() just took it).
+void NvmeStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                              void* out) {
+  if (spec_.empty()) return;
+  Speculation& sp = spec_[size_t(u)];
+  if (sp.state != kNone) drop_speculation(u);  // a second hand-over of the unit this step
+  sp.out = out ? out : sp.own_out.data();
+  ZS_CHECK(sp.out);
+  sp.grad = cached_grad(u);
+  sp.hyper = hyper;
+  sp.step = step;
+  sp.runs = ctx_.unit(u).shard_runs;  // the step's may differ (a parameter held): then dropped
+  sp.written = false;
+  sp.state = kQueued;
+  thread_.post([this, u] { run_speculation(u); });
+}
+
+// The committed record into a free swap slot, the update there (the gradient read from its
+// cache slot, which stays until the state says done), then the write to the other slot, left in
+// flight: the next speculation's read and update overlap it.
+void NvmeStateTier::run_speculation(int u) {
+  Speculation& sp = spec_[size_t(u)];
+  int queued = kQueued;
+  if (!sp.state.compare_exchange_strong(queued, kRunning)) return;  // dropped meanwhile
+  auto finished_reading = [&] {
+    {
+      std::lock_guard<std::mutex> lock(spec_mu_);
+      sp.state = kDone;
+    }
+    spec_cv_.notify_all();
+  };
+  int slot = -1;  // held here until its write is in flight
+  try {
+    while ((slot = swap_pool_.try_acquire()) < 0) reap_spec_write();
+    const Unit& w = units_[size_t(u)];  // cur and rec change only while no speculation runs
+    const std::string name = "'" + ctx_.unit(u).layout.name + "'";
+    char* base = swap_pool_.data(slot);
+    std::vector<Piece> ps;
+    store_.pieces(w.rec[w.cur], base, &swap_pool_, false, ps);
+    auto rd = space_.io().submit(std::move(ps), who() + "speculative read of unit " + name);
+    space_.io().wait(*rd);
+    cpu::UnitUpdate uu = unit_update(u, base, sp.grad, sp.out, sp.step);
+    uu.runs = &sp.runs;
+    std::vector<cpu::UpdateTask> tasks;
+    cpu::append_update_tasks(sp.hyper, uu, tasks);
+    cpu::run_update_tasks(arena_, tasks);
+    finished_reading();
+    wait_unpinned(u, 1 - w.cur);
+    ps.clear();
+    store_.pieces(w.rec[1 - w.cur], base, &swap_pool_, true, ps);
+    spec_writes_.push_back(
+        {u, slot, space_.io().submit(std::move(ps), who() + "speculative write of unit " + name)});
+    slot = -1;
+  } catch (...) {
+    // Speculation is only ahead of time: the step updates the unit as usual.
+    if (slot >= 0) swap_pool_.release(slot);
+    if (sp.state == kRunning) finished_reading();
+    throw;
+  }
+}
+
+void NvmeStateTier::reap_spec_write() {
+  ZS_CHECK(!spec_writes_.empty());
+  const SpecWrite wr = std::move(spec_writes_.front());
+  spec_writes_.pop_front();
+  space_.io().settle(*wr.io);
+  spec_[size_t(wr.unit)].written = !wr.io->error();
+  swap_pool_.release(wr.slot);
+}
+
+void NvmeStateTier::drain_spec_writes() {
+  while (!spec_writes_.empty()) reap_spec_write();
+}
+
+bool NvmeStateTier::evictable(int u) {
+  int queued = kQueued;
+  if (spec_[size_t(u)].state.compare_exchange_strong(queued, kNone)) {
+    ++dropped_early_;  // counted with the step it was for
+    return true;
+  }
+  return queued != kRunning;
+}
+
+void NvmeStateTier::keep_speculation(int u, ParamSink& sink) {
+  const Speculation& sp = spec_[size_t(u)];
+  char* target = static_cast<char*>(sink.target(u));
+  if (target && target != sp.out) {
+    const char* from = static_cast<const char*>(sp.out);
+    arena_.parallel_chunks(ctx_.shard(u) * int64_t(ctx_.pbytes), [&](int64_t b, int64_t e) {
+      std::memcpy(target + b, from + b, size_t(e - b));
+    });
+  }
+  sink.done(u);
+}
+
+void NvmeStateTier::drop_speculation(int only) {
+  if (spec_.empty()) return;
+  auto chosen = [&](size_t i) { return only < 0 || size_t(only) == i; };
+  for (size_t i = 0; i < spec_.size(); ++i) {
+    int queued = kQueued;
+    if (chosen(i) && spec_[i].state.compare_exchange_strong(queued, kNone)) ++dropped_early_;
+  }
+  thread_.settle();
+  (void)thread_.take_failure();
+  drain_spec_writes();
+  for (size_t i = 0; i < spec_.size(); ++i) {
+    Speculation& sp = spec_[i];
+    if (!chosen(i) || sp.state == kNone) continue;
+    ++dropped_early_;
+    sp.state = kNone;
+    sp.written = false;
+  }
 }
 
 // ---- state access ------------------------------------------------------------------------------
@@ -471,6 +684,7 @@ std::vector<float> NvmeStateTier::read_grad(int u) {
 // format (q8: the shard's blocks requantized, which gives a read_shard()'s bits back).
 void NvmeStateTier::write(int u, StateKind kind, const std::vector<float>& v) {
   check_kind("write_shard()", u, kind);
+  drop_speculation(u);  // it wrote the slot this write takes
   ZS_CHECK(int64_t(v.size()) == ctx_.shard(u));
   Unit& w = units_[size_t(u)];
   const Record L = record(u);
@@ -576,6 +790,7 @@ void NvmeStateTier::wait_unpinned(int u, int slot) {
 
 // The low-precision parameters rebuilt from the master weights on disk.
 void NvmeStateTier::commit(Communicator&, ParamSink& sink) {
+  drop_speculation();
   for (size_t i = 0; i < units_.size(); ++i)
     sink.restore(int(i), read(int(i), StateKind::master).data());
 }

@@ -17,7 +17,14 @@
 // - With the parameters on nvme too (stage 3), the update writes each unit's new
 //   low-precision shard into its record's slot, and it is written with the record.
 // - An asynchronous checkpoint reads the committed slots while the next steps run (snapshot()).
+// - The speculative step (Config::speculative_step): as each unit's gradient is final during
+//   backward, a thread of the tier's own reads the unit's committed record, updates it and writes
+//   it to the other slot, the one the step would write. update() keeps the units whose update
+//   would read exactly what that one read (their record is already written) and runs the
+//   pipeline over the others, which write the same slot again. The other slot is the rollback:
+//   no disk space is added, only the new low-precision values of every unit in memory.
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -28,10 +35,12 @@
 
 #include "base/ledger.hpp"
 #include "kernels/cpu/arena.hpp"
+#include "kernels/cpu/update_tasks.hpp"
 #include "offload/pinned_pool.hpp"
 #include "offload/swap_space.hpp"
 #include "offload/swap_store.hpp"
 #include "src/tiers/initial_writes.hpp"
+#include "src/tiers/speculation.hpp"
 #include "src/tiers/tier.hpp"
 
 namespace zeroshard::offload {
@@ -40,8 +49,12 @@ class NvmeStateTier final : public StateTier {
  public:
   /// `writes_params`: the parameter tier takes each unit's new shard as a write beside the
   /// state's records (ParamSink::takes_writes(), the parameters on nvme too), so each record
-  /// keeps room for it. Registers its file and pools with `space`.
-  NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space, bool writes_params);
+  /// keeps room for it. Registers its file and pools with `space`. `speculative`: whether to
+  /// take speculate(), and where its new low-precision values go (never with writes_params).
+  NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpace& space, bool writes_params,
+                Speculative speculative = Speculative::off);
+  /// Waits for the speculation in progress and its writes (their memory goes with the tier).
+  ~NvmeStateTier() override;
 
   void load_initial(int u, const float* whole) override;
   void finish_load() override;
@@ -51,6 +64,10 @@ class NvmeStateTier final : public StateTier {
   double sum_squares() override;
   void forget_grads() override;
   void update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, ParamSink& sink) override;
+  bool speculates() const override { return !spec_.empty(); }
+  void speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
+                 void* out) override;
+  SpeculationCount speculated() const override { return counted_; }
   void preview(const std::vector<cpu::UpdateHyper>& hyper, int64_t step, int u, void* out) override;
   std::vector<float> read(int u, StateKind kind) const override;
   std::vector<float> read_grad(int u) override;
@@ -106,12 +123,52 @@ class NvmeStateTier final : public StateTier {
     double sumsq = 0;  // Σ g² of the final gradient shard, for the norm
   };
   Record record(int u) const;
+  /// Unit u's update as step `step` on the record in `base` (a swap_pool_ slot), reading the
+  /// gradient at `grad` (grad_dtype()) and writing its new low-precision values to `out`.
+  cpu::UnitUpdate unit_update(int u, char* base, const void* grad, void* out, int64_t step) const;
+  DType grad_dtype() const { return ctx_.accumulation() > 1 ? DType::f32 : ctx_.pdt; }
+  /// The gradient in unit u's cache slot (w.gslot >= 0).
+  char* cached_grad(int u) const;
   std::string who() const;            // "rank 1: nvme swap "
   void reap(bool block);              // evictions that finished give their slots back
   bool evict(int keep);               // writes the oldest cached gradient other than `keep`
   void read_back(int u, float* acc);  // an evicted partial sum comes back
   void settle_evictions();
+  void forget();  // forget_grads() but the speculations (update() settled them)
   void restore_params(int updated, ParamSink& sink, std::string& errors);
+
+  // ---- the speculative step ----
+  /// Unit u's speculation: none; posted, not started; running (it reads the gradient's cache
+  /// slot); done with the gradient (computed and its record written or being written, or failed).
+  enum SpecState : int { kNone, kQueued, kRunning, kDone };
+  struct Speculation {
+    Buffer own_out;
+    void* out = nullptr;          // the new low-precision values: own_out, or the caller's
+    const char* grad = nullptr;   // its gradient, in the unit's cache slot
+    std::atomic<int> state{kNone};
+    bool written = false;  // its record reached the other slot (after drain_spec_writes())
+    std::vector<cpu::UpdateHyper> hyper;
+    int64_t step = 0;
+    std::vector<GroupRun> runs;
+  };
+  struct SpecWrite {  // a speculation's record on its way to disk, from a swap_pool_ slot
+    int unit, slot;
+    std::shared_ptr<IoBatch> io;
+  };
+  /// On the speculation thread: unit u's record read, updated and its write started.
+  void run_speculation(int u);
+  /// update(): unit u's kept speculation's new values to sink.target(u), then sink.done(u).
+  void keep_speculation(int u, ParamSink& sink);
+  /// Settles the oldest speculation write (the thread's, or the trainer's after a settle()).
+  void reap_spec_write();
+  /// The trainer's thread, after thread_.settle(): every speculation write settled.
+  void drain_spec_writes();
+  bool matches(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) const;
+  /// Whether unit u's gradient slot may be evicted: its speculation does not read it (one not
+  /// started is dropped). Trainer's thread.
+  bool evictable(int u);
+  /// Drops every speculation (or unit u's): cancels what has not started, waits for the rest.
+  void drop_speculation(int only = -1);
 
   TierContext ctx_;
   cpu::Arena& arena_;
@@ -129,6 +186,13 @@ class NvmeStateTier final : public StateTier {
   InitialWrites init_writes_{swap_pool_};  // finalize()'s writes
   std::vector<std::unique_ptr<DiskCharge>> charges_;
   std::shared_ptr<Pins> pins_ = std::make_shared<Pins>();
+  std::vector<Speculation> spec_;  // empty: the tier does not speculate
+  std::deque<SpecWrite> spec_writes_;
+  std::mutex spec_mu_;  // with spec_cv_: a running speculation finished reading its gradient
+  std::condition_variable spec_cv_;
+  SpeculationCount counted_;
+  int dropped_early_ = 0;     // dropped by a write, forget_grads() or an eviction meanwhile
+  SpeculationThread thread_;  // last: joined before the memory it uses goes
 };
 
 }  // namespace zeroshard::offload

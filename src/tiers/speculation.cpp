@@ -1,9 +1,32 @@
 // The speculative step's thread (see speculation.hpp).
 #include "src/tiers/speculation.hpp"
 
+#include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <utility>
 
 namespace zeroshard {
+
+bool same_update(const std::vector<cpu::UpdateHyper>& spec_hyper,
+                 const std::vector<GroupRun>& spec_runs,
+                 const std::vector<cpu::UpdateHyper>& hyper, const std::vector<GroupRun>& runs) {
+  auto bits = [](float x) { return std::bit_cast<uint32_t>(x); };
+  auto same_hyper = [&](const cpu::UpdateHyper& a, const cpu::UpdateHyper& b) {
+    return a.kind == b.kind && bits(a.lr) == bits(b.lr) && bits(a.beta1) == bits(b.beta1) &&
+           bits(a.beta2) == bits(b.beta2) && bits(a.eps) == bits(b.eps) &&
+           bits(a.weight_decay) == bits(b.weight_decay) && bits(a.momentum) == bits(b.momentum) &&
+           a.nesterov == b.nesterov && bits(a.bias_correction1) == bits(b.bias_correction1) &&
+           bits(a.bias_correction2) == bits(b.bias_correction2) &&
+           bits(a.grad_scale) == bits(b.grad_scale) && a.hold == b.hold;
+  };
+  auto same_run = [](const GroupRun& x, const GroupRun& y) {
+    return x.begin == y.begin && x.end == y.end && x.group == y.group;
+  };
+  return std::equal(spec_hyper.begin(), spec_hyper.end(), hyper.begin(), hyper.end(),
+                    same_hyper) &&
+         std::equal(spec_runs.begin(), spec_runs.end(), runs.begin(), runs.end(), same_run);
+}
 
 SpeculationThread::~SpeculationThread() {
   {

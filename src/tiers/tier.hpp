@@ -45,6 +45,11 @@ class Buffer;
 class Communicator;
 class Ledger;
 
+/// How a state tier takes StateTier::speculate() (Config::speculative_step): not at all; into
+/// memory of its own for the new low-precision values; or into memory its caller brings
+/// (StagedStateTier's upload buffers).
+enum class Speculative { off, own_out, caller_out };
+
 /// What every tier is told about the engine it serves. The pointers outlive the tier.
 struct TierContext {
   const Config* cfg = nullptr;

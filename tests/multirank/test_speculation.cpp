@@ -1,14 +1,17 @@
-// The speculative step (Config::speculative_step): with the optimizer state on the host tier,
-// each unit's update runs during backward as if the step will neither overflow nor clip, and
-// step() keeps it only where its own update would have read the same. Whatever the step finds,
-// the result must be bitwise the step without speculation: here a schedule of steps that clip
-// (clip_grad_norm below the norm), that do not (above it), that change the learning rate
+// The speculative step (Config::speculative_step): with the optimizer state on the host or nvme
+// tier, each unit's update runs during backward as if the step will neither overflow nor clip,
+// and step() keeps it only where its own update would have read the same. Whatever the step
+// finds, the result must be bitwise the step without speculation: here a schedule of steps that
+// clip (clip_grad_norm below the norm), that do not (above it), that change the learning rate
 // between backward and step(), that hold a parameter no rank gave a gradient, and (f16) that
-// overflow, at every stage, dtype, accumulation and moment format, on 1–4 ranks.
+// overflow, at every stage, dtype, accumulation and moment format, on both tiers, on 1–4 ranks.
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 
 #include "tests/multirank/harness.hpp"
@@ -24,21 +27,36 @@ struct Case {
   int micro;
   StateFormat state = StateFormat::f32;
   bool bf16_master = false;
+  Tier tier = Tier::host;
+  /// nvme: the gradient cache's slots, less one. 8 caches every unit (no eviction); 1 makes
+  /// backward evict gradients that speculations read or are about to.
+  int grad_buffers = 8;
 };
 
 std::string name_of(const Case& c) {
   return "stage" + std::to_string(c.stage) + "_" + dtype_name(c.dtype) + "_k" +
          std::to_string(c.micro) + "_state_" + state_format_name(c.state) +
-         (c.bf16_master ? "_bf16master" : "");
+         (c.bf16_master ? "_bf16master" : "") + "_" + tier_name(c.tier) +
+         (c.tier == Tier::nvme ? "_cache" + std::to_string(c.grad_buffers + 1) : "");
 }
 
 struct Result {
   std::vector<std::vector<float>> param, master, s0, s1;
   int taken = 0, kept = 0, dropped = 0;
-  int64_t host_master = 0;  // the ledger's host-tier master bytes
+  int64_t master_bytes = 0;  // the ledger's master bytes on the state's tier
 };
 
 constexpr int kSteps = 12;
+
+// The optimizer state on the nvme tier, in a directory of this process's.
+void swap_to_disk(Config& cfg) {
+  const auto swap = std::filesystem::temp_directory_path() /
+                    ("zeroshard-spec-swap-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(swap);  // the engine removes its run directory in it
+  cfg.offload_optimizer.tier = Tier::nvme;
+  cfg.offload_optimizer.nvme_paths = {swap.string()};
+  cfg.aio.block_size = 4096;
+}
 
 bool same(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
@@ -55,7 +73,11 @@ Result run(const Case& c, bool speculative) {
   cfg.optimizer.weight_decay = 0.05f;
   cfg.shard_alignment = 4;
   cfg.collective_timeout_s = 120;
-  cfg.offload_optimizer.tier = Tier::host;
+  cfg.offload_optimizer.tier = c.tier;
+  if (c.tier == Tier::nvme) {
+    swap_to_disk(cfg);
+    cfg.grad_buffers = c.grad_buffers;
+  }
   cfg.optimizer_state = c.state;
   cfg.state_block = 64;
   cfg.bf16_master = c.bf16_master;
@@ -67,7 +89,7 @@ Result run(const Case& c, bool speculative) {
   e.add_group(bias);
   zs_test::register_model(e, zs_test::uneven_model(), 1);
   Result r;
-  r.host_master = e.memory().at(Tier::host, MemKind::master);
+  r.master_bytes = e.memory().at(c.tier, MemKind::master);
 
   int64_t step = 0;
   zs_test::TrainOptions opt;
@@ -127,6 +149,12 @@ TEST(Speculation, EveryStepBitwiseTheStepWithout) {
   }
   cases.push_back({2, DType::bf16, 1, StateFormat::bf16});
   cases.push_back({3, DType::bf16, 2, StateFormat::q8, true});
+  for (int stage = 1; stage <= 3; ++stage)  // the nvme tier needs stage >= 1
+    cases.push_back({stage, stage == 3 ? DType::f16 : DType::bf16, stage, StateFormat::f32, false,
+                     Tier::nvme});
+  cases.push_back({3, DType::bf16, 2, StateFormat::q8, true, Tier::nvme});
+  cases.push_back({2, DType::f16, 1, StateFormat::f32, false, Tier::nvme, 1});
+  cases.push_back({3, DType::bf16, 3, StateFormat::bf16, false, Tier::nvme, 1});
   for (const Case& c : cases) {
     const Result ref = run(c, false), spec = run(c, true);
     const std::string what = name_of(c);
@@ -144,26 +172,33 @@ TEST(Speculation, EveryStepBitwiseTheStepWithout) {
     // neither clip, overflow, hold a parameter, change the learning rate nor write. In between: a
     // unit speculated after set_lr() (its reduction completed in step()) has the new rate and is
     // kept; the held parameter drops its unit only on the rank whose shard holds it; the write
-    // of step 8 drops its unit where it had speculated already.
+    // of step 8 drops its unit where it had speculated already. With a gradient cache smaller
+    // than the model (nvme), backward also drops the speculations that have not started when
+    // their gradient must make room: how many depends on timing.
     const int units = int(ref.param.size());
     const int f16 = c.dtype == DType::f16;
+    const bool evicting = c.tier == Tier::nvme && c.grad_buffers + 1 < units;
     EXPECT_EQ(spec.kept + spec.dropped, kSteps * units) << what;
     EXPECT_GE(spec.dropped, (1 + f16) * units) << what;
-    EXPECT_GE(spec.kept, (kSteps - 4 - f16) * units) << what;
-    // The second copy of the master weights, in the ledger.
-    EXPECT_EQ(spec.host_master, 2 * ref.host_master) << what;
+    EXPECT_GE(spec.kept, evicting ? 1 : (kSteps - 4 - f16) * units) << what;
+    // The host tier holds a second copy of the master weights, in the ledger; the nvme tier
+    // writes the slot the step would write, and adds no disk space.
+    EXPECT_GT(ref.master_bytes, 0) << what;
+    EXPECT_EQ(spec.master_bytes, (c.tier == Tier::host ? 2 : 1) * ref.master_bytes) << what;
   }
 }
 
 // An engine destroyed between backward and step() (an exception, a stopped run) while its
 // speculation thread still has units to update: their memory (on the asynchronous device, the
-// pinned upload buffers) must outlive the thread's work.
+// pinned upload buffers; on the nvme tier, the swap slots its writes go from) must outlive the
+// thread's work.
 TEST(Speculation, EngineDestroyedBetweenBackwardAndStep) {
-  for (int stage : {2, 3}) {
+  for (int stage : {2, 3, -2, -3}) {  // negative: on the nvme tier (its writes still in flight)
     Config cfg;
-    cfg.stage = stage;
+    cfg.stage = std::abs(stage);
     cfg.dtype = DType::bf16;
     cfg.offload_optimizer.tier = Tier::host;
+    if (stage < 0) swap_to_disk(cfg);
     cfg.speculative_step = true;
     cfg.collective_timeout_s = 120;
     auto e = std::make_unique<Engine>(cfg, world());

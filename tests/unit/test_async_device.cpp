@@ -166,7 +166,7 @@ TEST(AsyncDevice, StateTierLoadHasReadTheInitialValuesWhenItReturns) {
   TwoUnits m(*dev);
   const TierContext& ctx = m.ctx;
   MemoryStateTier tier(ctx, Tier::device, *dev, arena, {std::nullopt, std::nullopt}, false,
-                       MemoryStateTier::Speculative::off);
+                       Speculative::off);
   std::vector<float> whole(3017);
   std::vector<std::vector<float>> want;
   for (int u = 0; u < 2; ++u) {
@@ -199,7 +199,7 @@ Reads staged_updates(bool wait) {
                        std::make_unique<MemoryStateTier>(
                            ctx, Tier::host, *host, arena,
                            std::vector<std::optional<float*>>{std::nullopt, std::nullopt}, false,
-                           MemoryStateTier::Speculative::off),
+                           Speculative::off),
                        *dev, true);
   std::vector<Buffer> params;  // the parameter shards on the device
   for (int u = 0; u < 2; ++u) {
