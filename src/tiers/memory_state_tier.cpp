@@ -227,7 +227,6 @@ cpu::UnitUpdate MemoryStateTier::unit_update(int u, void* out, int64_t step) con
   return w;
 }
 
-
 void MemoryStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
                              ParamSink& sink) {
   // A speculation is kept where this update would read exactly what it read: bitwise its

@@ -494,8 +494,7 @@ void NvmeStateTier::preview(const std::vector<cpu::UpdateHyper>&, int64_t, int, 
 
 // ---- the speculative step ----------------------------------------------------------------------
 
-bool NvmeStateTier::matches(int u, const std::vector<cpu::UpdateHyper>& hyper,
-                            int64_t step) const {
+bool NvmeStateTier::matches(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) const {
   const Speculation& sp = spec_[size_t(u)];
   return sp.step == step && same_update(sp.hyper, sp.runs, hyper, ctx_.unit(u).shard_runs);
 }

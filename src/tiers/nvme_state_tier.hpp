@@ -143,8 +143,8 @@ class NvmeStateTier final : public StateTier {
   enum SpecState : int { kNone, kQueued, kRunning, kDone };
   struct Speculation {
     Buffer own_out;
-    void* out = nullptr;          // the new low-precision values: own_out, or the caller's
-    const char* grad = nullptr;   // its gradient, in the unit's cache slot
+    void* out = nullptr;         // the new low-precision values: own_out, or the caller's
+    const char* grad = nullptr;  // its gradient, in the unit's cache slot
     std::atomic<int> state{kNone};
     bool written = false;  // its record reached the other slot (after drain_spec_writes())
     std::vector<cpu::UpdateHyper> hyper;

@@ -9,8 +9,8 @@
 namespace zeroshard {
 
 bool same_update(const std::vector<cpu::UpdateHyper>& spec_hyper,
-                 const std::vector<GroupRun>& spec_runs,
-                 const std::vector<cpu::UpdateHyper>& hyper, const std::vector<GroupRun>& runs) {
+                 const std::vector<GroupRun>& spec_runs, const std::vector<cpu::UpdateHyper>& hyper,
+                 const std::vector<GroupRun>& runs) {
   auto bits = [](float x) { return std::bit_cast<uint32_t>(x); };
   auto same_hyper = [&](const cpu::UpdateHyper& a, const cpu::UpdateHyper& b) {
     return a.kind == b.kind && bits(a.lr) == bits(b.lr) && bits(a.beta1) == bits(b.beta1) &&
@@ -23,8 +23,7 @@ bool same_update(const std::vector<cpu::UpdateHyper>& spec_hyper,
   auto same_run = [](const GroupRun& x, const GroupRun& y) {
     return x.begin == y.begin && x.end == y.end && x.group == y.group;
   };
-  return std::equal(spec_hyper.begin(), spec_hyper.end(), hyper.begin(), hyper.end(),
-                    same_hyper) &&
+  return std::equal(spec_hyper.begin(), spec_hyper.end(), hyper.begin(), hyper.end(), same_hyper) &&
          std::equal(spec_runs.begin(), spec_runs.end(), runs.begin(), runs.end(), same_run);
 }
 

@@ -18,8 +18,8 @@ namespace zeroshard {
 /// Whether a speculation that read `spec_hyper` over `spec_runs` computed bitwise what an update
 /// with `hyper` over `runs` computes (the same step is the caller's to check).
 bool same_update(const std::vector<cpu::UpdateHyper>& spec_hyper,
-                 const std::vector<GroupRun>& spec_runs,
-                 const std::vector<cpu::UpdateHyper>& hyper, const std::vector<GroupRun>& runs);
+                 const std::vector<GroupRun>& spec_runs, const std::vector<cpu::UpdateHyper>& hyper,
+                 const std::vector<GroupRun>& runs);
 
 class SpeculationThread {
  public:

@@ -6,7 +6,6 @@
 // between backward and step(), that hold a parameter no rank gave a gradient, and (f16) that
 // overflow, at every stage, dtype, accumulation and moment format, on both tiers, on 1–4 ranks.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cstdlib>
@@ -150,8 +149,8 @@ TEST(Speculation, EveryStepBitwiseTheStepWithout) {
   cases.push_back({2, DType::bf16, 1, StateFormat::bf16});
   cases.push_back({3, DType::bf16, 2, StateFormat::q8, true});
   for (int stage = 1; stage <= 3; ++stage)  // the nvme tier needs stage >= 1
-    cases.push_back({stage, stage == 3 ? DType::f16 : DType::bf16, stage, StateFormat::f32, false,
-                     Tier::nvme});
+    cases.push_back(
+        {stage, stage == 3 ? DType::f16 : DType::bf16, stage, StateFormat::f32, false, Tier::nvme});
   cases.push_back({3, DType::bf16, 2, StateFormat::q8, true, Tier::nvme});
   cases.push_back({2, DType::f16, 1, StateFormat::f32, false, Tier::nvme, 1});
   cases.push_back({3, DType::bf16, 3, StateFormat::bf16, false, Tier::nvme, 1});

@@ -195,12 +195,12 @@ Reads staged_updates(bool wait) {
   const std::unique_ptr<Compute> host = make_cpu_compute(arena);
   TwoUnits m(*dev);
   const TierContext& ctx = m.ctx;
-  StagedStateTier tier(ctx,
-                       std::make_unique<MemoryStateTier>(
-                           ctx, Tier::host, *host, arena,
-                           std::vector<std::optional<float*>>{std::nullopt, std::nullopt}, false,
-                           Speculative::off),
-                       *dev, true);
+  StagedStateTier tier(
+      ctx,
+      std::make_unique<MemoryStateTier>(
+          ctx, Tier::host, *host, arena,
+          std::vector<std::optional<float*>>{std::nullopt, std::nullopt}, false, Speculative::off),
+      *dev, true);
   std::vector<Buffer> params;  // the parameter shards on the device
   for (int u = 0; u < 2; ++u) {
     tier.load_initial(u, random_floats(size_t(ctx.shard(u)), uint32_t(50 + u)).data());
