@@ -1,8 +1,10 @@
 // The speculative step (Config::speculative_step) against the step without it, in one process.
 //
-// Two world-1 engines (self communicator, bf16 parameters, AdamW state on the host tier) of N
-// parameters in units of U, one with speculative_step, at --stage 3 (the new shards swapped
-// in as the parameters at step()) or 2 (copied into the trainer's whole parameters). --device
+// Two world-1 engines (self communicator, bf16 parameters, AdamW state on the host tier, or with
+// --nvme DIR on the nvme tier in DIR) of N parameters in units of U, one with speculative_step,
+// at --stage 3 (the new shards swapped in as the parameters at step()) or 2 (copied into the
+// trainer's whole parameters). --grad-buffers sets the nvme tier's gradient cache (that many
+// slots plus one; a speculation not started when its gradient must make room is dropped). --device
 // async runs them on the asynchronous CPU device without its jitter: the GPU's path (gradients
 // down to the host tier, the new shards up from the pinned upload buffers the speculation
 // wrote, on the device's copy thread). The trainer plays a
@@ -24,10 +26,11 @@
 // Beside them, predict_step()'s optimizer_s for the speculative engine (its rollback_s for the
 // rollback), from the update rate the engine without speculation measured in this run
 // (StepResult::optimizer_s) and a compute of 1.5 × the backward played (predict_step() takes
-// backward as 2/3 of it).
+// backward as 2/3 of it). On nvme the "update" is the whole swapped step (nvme_s).
 //
 //   speculative_step_bench [--n 100000000] [--unit 4000000] [--backward-ms 5] [--threads 2]
-//                          [--rounds 7] [--device cpu|async] [--stage 3]
+//                          [--rounds 7] [--device cpu|async] [--stage 3] [--nvme DIR]
+//                          [--grad-buffers 2]
 
 #include <tbb/global_control.h>
 
@@ -60,12 +63,15 @@ struct Options {
   int rounds = 7;
   bool async = false;
   int stage = 3;
+  std::string nvme;       // empty: the host tier
+  int grad_buffers = -1;  // -1: the engine's default
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "%s\nusage: speculative_step_bench [--n N] [--unit U] [--backward-ms MS] "
-               "[--threads T] [--rounds R>=7] [--device cpu|async] [--stage 1|2|3]\n",
+               "[--threads T] [--rounds R>=7] [--device cpu|async] [--stage 1|2|3] "
+               "[--nvme DIR] [--grad-buffers B]\n",
                why.c_str());
   std::exit(2);
 }
@@ -90,6 +96,10 @@ Options parse(int argc, char** argv) {
       o.async = std::string(val) == "async";
     else if (arg == "--stage")
       o.stage = std::atoi(val);
+    else if (arg == "--nvme")
+      o.nvme = val;
+    else if (arg == "--grad-buffers")
+      o.grad_buffers = std::atoi(val);
     else
       usage("unknown flag " + arg);
   }
@@ -105,7 +115,9 @@ std::unique_ptr<Engine> make_engine(const Options& o, bool speculative) {
   Config cfg;
   cfg.stage = o.stage;
   cfg.dtype = DType::bf16;
-  cfg.offload_optimizer.tier = Tier::host;
+  cfg.offload_optimizer.tier = o.nvme.empty() ? Tier::host : Tier::nvme;
+  if (!o.nvme.empty()) cfg.offload_optimizer.nvme_paths = {o.nvme};
+  if (o.grad_buffers >= 1) cfg.grad_buffers = o.grad_buffers;
   cfg.optimizer.kind = OptimizerKind::adamw;
   cfg.optimizer.lr = 1e-4f;
   cfg.optimizer.weight_decay = 0.01f;
@@ -116,6 +128,23 @@ std::unique_ptr<Engine> make_engine(const Options& o, bool speculative) {
     e->add_unit("layer" + std::to_string(u), {Param{"w", {o.unit}}});
   e->finalize();
   return e;
+}
+
+// The CPU update's rate (parameters per second) on this machine: a host-tier engine of one unit,
+// its median over 7 steps after 2 untimed ones. The planner times the nvme tier's last
+// speculation by it (what overlaps no I/O).
+double cpu_update_rate(const Options& o, const std::vector<uint16_t>& grad) {
+  Options one = o;
+  one.n = o.unit;
+  one.nvme.clear();
+  std::unique_ptr<Engine> e = make_engine(one, false);
+  std::vector<double> s;
+  for (int r = 0; r < 9; ++r) {
+    e->grads_ready(0, {TensorView{const_cast<uint16_t*>(grad.data()), o.unit, DType::bf16}});
+    const double t = e->step().optimizer_s;
+    if (r >= 2) s.push_back(t);
+  }
+  return double(o.unit) / median(s);
 }
 
 struct Times {
@@ -164,10 +193,10 @@ int main(int argc, char** argv) {
   double load[3] = {0, 0, 0};
   getloadavg(load, 3);
   std::printf(
-      "speculative_step_bench: device %s, stage %d, n=%lld unit=%lld backward %.1f ms per "
-      "unit, threads=%d rounds=%d, load average %.2f\n\n",
-      o.async ? "async" : "cpu", o.stage, (long long)o.n, (long long)o.unit, o.backward_ms,
-      o.threads, o.rounds, load[0]);
+      "speculative_step_bench: device %s, stage %d, state on %s, n=%lld unit=%lld backward "
+      "%.1f ms per unit, threads=%d rounds=%d, load average %.2f\n\n",
+      o.async ? "async" : "cpu", o.stage, o.nvme.empty() ? "host" : o.nvme.c_str(),
+      (long long)o.n, (long long)o.unit, o.backward_ms, o.threads, o.rounds, load[0]);
   std::vector<uint16_t> grad(size_t(o.n));
   for (int64_t i = 0; i < o.n; ++i)
     grad[size_t(i)] = zc::float_to_bf16(zs_bench::hashed(i, -1e-3f, 1e-3f));
@@ -195,7 +224,9 @@ int main(int argc, char** argv) {
       }
   }
   const int units = int(o.n / o.unit);
-  if (t_kept.kept != o.rounds * units || t_back.dropped != o.rounds * units)
+  // On nvme a speculation the gradient cache could not wait for is dropped: counted below.
+  if ((o.nvme.empty() && t_kept.kept != o.rounds * units) || t_back.dropped != o.rounds * units ||
+      t_kept.kept + t_kept.dropped != o.rounds * units)
     usage("speculation was not kept (or dropped) where the benchmark expects it");
   std::vector<double> kept_ratio, back_ratio;
   for (int r = 0; r < o.rounds; ++r) {
@@ -205,6 +236,12 @@ int main(int argc, char** argv) {
   // The planner's view of the same engine, at the update rate measured here.
   MachineRates rates;
   rates.update_params_per_s = double(o.n) / median(t_off.update);
+  if (!o.nvme.empty()) {
+    rates.nvme_step_params_per_s = rates.update_params_per_s;
+    rates.update_params_per_s = cpu_update_rate(o, grad);
+    std::printf("nvme step %.3g params/s, CPU update %.3g params/s (one unit in memory)\n\n",
+                rates.nvme_step_params_per_s, rates.update_params_per_s);
+  }
   rates.compute_s = 1.5 * median(t_kept.backward);
   std::vector<PlanUnit> units_plan;
   for (int u = 0; u < units; ++u)
@@ -217,11 +254,14 @@ int main(int argc, char** argv) {
               range(t_off.wait).c_str(), median(t_off.update), p.rollback_s);
   std::printf("| kept | %s | %s | %s | %.4f | %.4f |\n", range(t_kept.backward).c_str(),
               range(t_kept.wait).c_str(), range(kept_ratio).c_str(), median(t_kept.update),
-              p.optimizer_s);
+              o.nvme.empty() ? p.optimizer_s : p.nvme_s);
   std::printf("| rollback | %s | %s | %s | %.4f | %.4f |\n", range(t_back.backward).c_str(),
               range(t_back.wait).c_str(), range(back_ratio).c_str(), median(t_back.update),
               p.rollback_s);
+  std::printf("\nkept step: %d of %d speculations kept (the rest dropped for the gradient "
+              "cache)\n",
+              t_kept.kept, o.rounds * units);
   getloadavg(load, 3);
-  std::printf("\nload average at the end: %.2f\n", load[0]);
+  std::printf("load average at the end: %.2f\n", load[0]);
   return 0;
 }

@@ -237,10 +237,11 @@ struct StepPrediction {
   /// each unit's as soon as its gradient has landed (backward taken as 2/3 of compute_s, each
   /// unit's part of it by its parameters) and the unit before it is done, at the update's rate
   /// over its bytes plus the second copy's (read for ownership) and the gradient's norm pass
-  /// (update_bytes_per_param() + record_bytes_per_param() + the gradient); optimizer_s is then
-  /// what is left of the update after backward, and the new parameters all go up after it
-  /// (pcie_s). rollback_s: the update of a step that keeps no speculation (it clips or
-  /// overflows), all of it after backward; 0 without speculation.
+  /// (update_bytes_per_param() + record_bytes_per_param() + the gradient), or on the nvme tier
+  /// at its step's rate (the same bytes on disk); optimizer_s (nvme: nvme_s) is then what is
+  /// left of the update after backward, and the new parameters all go up after it (pcie_s).
+  /// rollback_s: the update of a step that keeps no speculation (it clips or overflows), all
+  /// of it after backward; 0 without speculation.
   double rollback_s = 0;
   double total_s = 0;  ///< compute_s + comm_s + optimizer_s + pcie_s + nvme_s
   /// Bytes the busiest node sends to other nodes per step (ring count, as the engine counts).

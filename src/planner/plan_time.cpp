@@ -433,27 +433,35 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   p.newton_schulz_s = ns;
   // The speculative step: each unit's update starts once backward (2/3 of the compute, each
   // unit's part by its parameters, the last unit's first) has handed its gradient over and the
-  // unit before it is done; the trainer waits for what is left after backward. The update
-  // there moves more bytes than in place: the second copy of master and moments it writes is
-  // read for ownership first, and the gradient's pass for the norm runs in it.
+  // unit before it is done; the trainer waits for what is left after backward. In memory the
+  // update there moves more bytes than in place: the second copy of master and moments it
+  // writes is read for ownership first, and the gradient's pass for the norm runs in it. On
+  // nvme it moves the step's own bytes (the record read, and written to the other slot).
   // (A CPU engine's f32 parameters on the host tier at stage 3 are the master weights: no
   // second copy, no speculation.)
   const bool aliased = !gpu && cfg.stage == 3 && cfg.dtype == DType::f32 &&
                        cfg.offload_param.tier == cfg.offload_optimizer.tier;
   const bool speculating = config_detail::speculation_off(cfg, muon).empty() && !aliased;
   if (speculating) {
-    p.rollback_s = p.optimizer_s;
+    double& update = nvme ? p.nvme_s : p.optimizer_s;
+    p.rollback_s = update;
     const double backward = 2.0 / 3.0 * rates.compute_s;
-    const double slower = (update_bytes_per_param(cfg) + record_bytes_per_param(cfg) + pbytes) /
-                          update_bytes_per_param(cfg);
+    const double slower =
+        nvme ? 1.0
+             : (update_bytes_per_param(cfg) + record_bytes_per_param(cfg) + pbytes) /
+                   update_bytes_per_param(cfg);
     double total = 0, landed = 0, done = 0;
     for (double s : shares) total += s;
     for (size_t i = units.size(); i-- > 0;) {
       landed += total > 0 ? backward * shares[i] / total : 0;
       done = std::max(done, landed) + update_s[i] * slower;
     }
-    p.optimizer_s = std::max(0.0, done - backward);
-    for (auto& [update, upload] : update_then_up) update = 0;  // all uploads after backward
+    // On nvme a unit's update overlaps the next unit's read and the last one's write, at the
+    // disk's pace; the last unit's update overlaps nothing.
+    if (nvme && !units.empty() && rates.update_params_per_s > 0)
+      done += update_s[0] * update_rate / rates.update_params_per_s;
+    update = std::max(0.0, done - backward);
+    for (auto& [unit_update, upload] : update_then_up) unit_update = 0;  // all after backward
   }
   // The GPU's copies. Downloads of the reduced shards as the reductions land, beside them (hidden
   // with them). Stage 3's shards off the GPU go up just before their gathers, on the compute

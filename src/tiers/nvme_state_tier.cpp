@@ -583,9 +583,11 @@ bool NvmeStateTier::evictable(int u) {
 }
 
 void NvmeStateTier::keep_speculation(int u, ParamSink& sink) {
-  const Speculation& sp = spec_[size_t(u)];
+  Speculation& sp = spec_[size_t(u)];
   char* target = static_cast<char*>(sink.target(u));
-  if (target && target != sp.out) {
+  if (target && target != sp.out && sp.out == sp.own_out.data() && sink.adopt(u, sp.own_out)) {
+    sp.out = sp.own_out.data();  // swapped instead of copied: own_out is the old memory now
+  } else if (target && target != sp.out) {
     const char* from = static_cast<const char*>(sp.out);
     arena_.parallel_chunks(ctx_.shard(u) * int64_t(ctx_.pbytes), [&](int64_t b, int64_t e) {
       std::memcpy(target + b, from + b, size_t(e - b));
