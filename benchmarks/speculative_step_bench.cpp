@@ -30,7 +30,7 @@
 //
 //   speculative_step_bench [--n 100000000] [--unit 4000000] [--backward-ms 5] [--threads 2]
 //                          [--rounds 7] [--device cpu|async] [--stage 3] [--nvme DIR]
-//                          [--grad-buffers 2]
+//                          [--grad-buffers 2] [--moments f32|bf16]
 
 #include <tbb/global_control.h>
 
@@ -65,13 +65,14 @@ struct Options {
   int stage = 3;
   std::string nvme;       // empty: the host tier
   int grad_buffers = -1;  // -1: the engine's default
+  StateFormat moments = StateFormat::f32;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "%s\nusage: speculative_step_bench [--n N] [--unit U] [--backward-ms MS] "
                "[--threads T] [--rounds R>=7] [--device cpu|async] [--stage 1|2|3] "
-               "[--nvme DIR] [--grad-buffers B]\n",
+               "[--nvme DIR] [--grad-buffers B] [--moments f32|bf16]\n",
                why.c_str());
   std::exit(2);
 }
@@ -100,6 +101,8 @@ Options parse(int argc, char** argv) {
       o.nvme = val;
     else if (arg == "--grad-buffers")
       o.grad_buffers = std::atoi(val);
+    else if (arg == "--moments" && (std::string(val) == "f32" || std::string(val) == "bf16"))
+      o.moments = std::string(val) == "f32" ? StateFormat::f32 : StateFormat::bf16;
     else
       usage("unknown flag " + arg);
   }
@@ -118,6 +121,7 @@ std::unique_ptr<Engine> make_engine(const Options& o, bool speculative) {
   cfg.offload_optimizer.tier = o.nvme.empty() ? Tier::host : Tier::nvme;
   if (!o.nvme.empty()) cfg.offload_optimizer.nvme_paths = {o.nvme};
   if (o.grad_buffers >= 1) cfg.grad_buffers = o.grad_buffers;
+  cfg.optimizer_state = o.moments;
   cfg.optimizer.kind = OptimizerKind::adamw;
   cfg.optimizer.lr = 1e-4f;
   cfg.optimizer.weight_decay = 0.01f;
@@ -193,9 +197,10 @@ int main(int argc, char** argv) {
   double load[3] = {0, 0, 0};
   getloadavg(load, 3);
   std::printf(
-      "speculative_step_bench: device %s, stage %d, state on %s, n=%lld unit=%lld backward "
-      "%.1f ms per unit, threads=%d rounds=%d, load average %.2f\n\n",
+      "speculative_step_bench: device %s, stage %d, state on %s, %s moments, n=%lld unit=%lld "
+      "backward %.1f ms per unit, threads=%d rounds=%d, load average %.2f\n\n",
       o.async ? "async" : "cpu", o.stage, o.nvme.empty() ? "host" : o.nvme.c_str(),
+      state_format_name(o.moments),
       (long long)o.n, (long long)o.unit, o.backward_ms, o.threads, o.rounds, load[0]);
   std::vector<uint16_t> grad(size_t(o.n));
   for (int64_t i = 0; i < o.n; ++i)

@@ -199,15 +199,16 @@ struct ZS_API Config {
   bool overlap_comm = true;
   /// The speculative step ("zeroshard.speculative_step", or DeepSpeed's
   /// "zero_optimization.offload_optimizer.super_offload"): with the optimizer state on the host
-  /// tier, each unit's update runs on a CPU thread as soon as its reduced gradient is final,
-  /// during backward, as if the step will neither overflow nor clip; step() keeps every update
-  /// that read exactly what its own would read, and computes the others again (or skips them,
-  /// on an overflow), so the result is bitwise the result without it. It costs a second copy of
-  /// the host tier's master weights and moments, and the low-precision parameters once more,
-  /// which the ledger counts (docs/tiers.md). It pays where backward runs on another processor
-  /// (a GPU) while the CPU is idle; off by default, since that copy doubles the host memory
-  /// the state takes. Ignored, with the reason printed by rank 0, where the state is not on
-  /// the host tier, the parameters are on the nvme tier, or a group is Muon.
+  /// or nvme tier, each unit's update runs on a CPU thread as soon as its reduced gradient is
+  /// final, during backward, as if the step will neither overflow nor clip; step() keeps every
+  /// update that read exactly what its own would read, and computes the others again (or skips
+  /// them, on an overflow), so the result is bitwise the result without it. It costs the
+  /// low-precision parameters once more, and on the host tier a second copy of the master
+  /// weights and moments (the nvme tier writes the record slot its step would write), which the
+  /// ledger counts (docs/tiers.md). It pays where backward runs on another processor (a GPU)
+  /// while the CPU is idle; off by default, since on the host tier that copy doubles the memory
+  /// the state takes. Ignored, with the reason printed by rank 0, where the state is on the
+  /// device tier, the parameters are on the nvme tier, or a group is Muon.
   bool speculative_step = false;
   /// A collective that has not completed after this many seconds fails with ErrorCode::timeout.
   /// Values above 1e8 (about three years) count as 1e8: no timeout, in practice.

@@ -89,11 +89,6 @@ void check_loss_scale_and_optimizer(const Config& c) {
   if (muon) {
     require(o.momentum < 1, "optimizer.params.momentum", o.momentum,
             "must be in [0, 1) for muon (an exponential average)");
-    if (c.device == Device::cuda)
-      fail(
-          "optimizer muon with zeroshard.device = cuda is not supported yet: Muon's exchange of "
-          "whole matrices and its Newton-Schulz iteration run on the CPU, in host memory "
-          "(docs/muon.md)");
     if (c.stage == 3 && c.offload_param.tier == Tier::nvme &&
         c.offload_optimizer.tier != Tier::nvme)
       fail(

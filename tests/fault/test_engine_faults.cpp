@@ -264,6 +264,48 @@ TEST(EngineFaults, EioInTheMiddleOfAStepLeavesTheLastStep) {
   }
 }
 
+// The speculative step on the nvme tier: a read or write of a unit's speculation fails on the
+// last rank during backward. Speculation is only ahead of time: that unit's speculation is
+// dropped, the step updates it as usual (its own I/O healthy), and the result is bitwise that of
+// an engine without speculation. The gradient cache holds every unit, so the only I/O during
+// backward is the speculations', and all of it comes before the step's own.
+TEST(EngineFaults, EioInASpeculationLeavesItToTheStep) {
+  for (bool fail_read : {false, true}) {
+    SCOPED_TRACE(fail_read ? "a speculation's read fails" : "a speculation's write fails");
+    auto plan = std::make_shared<zs_fault::FaultPlan>();
+    zs_fault::InjectFaults inject(plan);
+    Config cfg = default_config(2, false);
+    cfg.grad_buffers = 8;
+    cfg.gradient_clipping = 0;  // a clipped step keeps no speculation
+    Config spec = cfg;
+    spec.speculative_step = true;
+    Engine e(spec, world()), ref(cfg, world());
+    zs_test::register_model(e, model());
+    zs_test::register_model(ref, model());
+    for (int s = 0; s < 2; ++s) {
+      train_step(e, s);
+      train_step(ref, s);
+    }
+    (fail_read ? plan->fail_read_at : plan->fail_write_at) = 0;
+    plan->armed = failing_rank();
+    const StepResult r = train_step(e, 2);
+    plan->armed = false;
+    train_step(ref, 2);
+    EXPECT_FALSE(r.skipped);
+    EXPECT_EQ(r.speculation_kept + r.speculation_dropped, e.num_units());
+    if (failing_rank()) {
+      EXPECT_GT(plan->injected.load(), 0);
+      EXPECT_GE(r.speculation_dropped, 1);
+    } else {
+      EXPECT_EQ(r.speculation_kept, e.num_units());
+    }
+    EXPECT_TRUE(snapshot(e) == snapshot(ref)) << "a failed speculation changed the step";
+    train_step(e, 3);
+    train_step(ref, 3);
+    EXPECT_TRUE(snapshot(e) == snapshot(ref));
+  }
+}
+
 // Short transfers (real and misaligned), EAGAIN and EINTR all the way through training: the
 // results are bitwise those of the device tier.
 TEST(EngineFaults, ShortTransfersAndTransientErrorsKeepParity) {

@@ -848,33 +848,39 @@ TEST(CheckpointAsync, HoldsTheStateOfItsCallWhileTrainingGoesOn) {
 // On the nvme tier the snapshot is the tier's committed record slots, not a copy in memory (the
 // ledger holds one record for it); the steps that follow write around it, the second one waiting
 // for every unit the save has not read yet. The asynchronous checkpoint is the synchronous one.
+// With the speculative step, the tier's thread writes those slots during backward, and waits the
+// same way.
 TEST(CheckpointAsync, NvmeTierKeepsItsSnapshotInItsRecordSlots) {
   const fs::path dir = shared_dir("async-nvme");
   std::vector<zs_test::UnitSpec> many;
   for (int u = 0; u < 24; ++u)
     many.push_back({"layer" + std::to_string(u), {{"w", {256, 256}}, {"b", {256}}}});
-  Engine a(cfg_for(2, Tier::nvme), world());
-  zs_test::register_model(a, many);
-  train_some(a, 1);
-  int64_t state = 0;
-  for (int u = 0; u < a.num_units(); ++u) state += a.shard_info(u).shard_numel * 12;
-  for (int round = 0; round < 3; ++round) {
-    const std::string tag = "r" + std::to_string(round);
-    a.save(dir, tag + "sync");
-    a.save_async(dir, tag + "async");
-    int64_t held = -1;
-    for (const NamedBuffer& b : a.memory().buffers)
-      if (b.name == "checkpoint_snapshot") held = b.bytes;
-    EXPECT_GT(held, 0) << "the snapshot is not in the ledger";
-    EXPECT_LT(held, state / 8) << "the nvme tier's snapshot was copied into memory";
-    train_some(a, 2);  // the second step writes the slots the snapshot holds
-    EXPECT_EQ(a.finish_save(), dir / (tag + "async"));
-    Engine x(cfg_for(2), world()), y(cfg_for(2), world());
-    zs_test::register_model(x, many);
-    zs_test::register_model(y, many);
-    x.load(dir / (tag + "sync"));
-    y.load(dir / (tag + "async"));
-    EXPECT_TRUE(same(snapshot(x), snapshot(y))) << "round " << round;
+  Config cfg = cfg_for(2, Tier::nvme);
+  for (bool speculative : {false, true}) {
+    cfg.speculative_step = speculative;
+    Engine a(cfg, world());
+    zs_test::register_model(a, many);
+    train_some(a, 1);
+    int64_t state = 0;
+    for (int u = 0; u < a.num_units(); ++u) state += a.shard_info(u).shard_numel * 12;
+    for (int round = 0; round < 3; ++round) {
+      const std::string tag = "r" + std::to_string(round) + (speculative ? "spec" : "");
+      a.save(dir, tag + "sync");
+      a.save_async(dir, tag + "async");
+      int64_t held = -1;
+      for (const NamedBuffer& b : a.memory().buffers)
+        if (b.name == "checkpoint_snapshot") held = b.bytes;
+      EXPECT_GT(held, 0) << "the snapshot is not in the ledger";
+      EXPECT_LT(held, state / 8) << "the nvme tier's snapshot was copied into memory";
+      train_some(a, 2);  // the second step writes the slots the snapshot holds
+      EXPECT_EQ(a.finish_save(), dir / (tag + "async"));
+      Engine x(cfg_for(2), world()), y(cfg_for(2), world());
+      zs_test::register_model(x, many);
+      zs_test::register_model(y, many);
+      x.load(dir / (tag + "sync"));
+      y.load(dir / (tag + "async"));
+      EXPECT_TRUE(same(snapshot(x), snapshot(y))) << tag;
+    }
   }
   cleanup(dir);
 }
