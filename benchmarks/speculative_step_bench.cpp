@@ -200,8 +200,8 @@ int main(int argc, char** argv) {
       "speculative_step_bench: device %s, stage %d, state on %s, %s moments, n=%lld unit=%lld "
       "backward %.1f ms per unit, threads=%d rounds=%d, load average %.2f\n\n",
       o.async ? "async" : "cpu", o.stage, o.nvme.empty() ? "host" : o.nvme.c_str(),
-      state_format_name(o.moments),
-      (long long)o.n, (long long)o.unit, o.backward_ms, o.threads, o.rounds, load[0]);
+      state_format_name(o.moments), (long long)o.n, (long long)o.unit, o.backward_ms, o.threads,
+      o.rounds, load[0]);
   std::vector<uint16_t> grad(size_t(o.n));
   for (int64_t i = 0; i < o.n; ++i)
     grad[size_t(i)] = zc::float_to_bf16(zs_bench::hashed(i, -1e-3f, 1e-3f));
@@ -263,9 +263,10 @@ int main(int argc, char** argv) {
   std::printf("| rollback | %s | %s | %s | %.4f | %.4f |\n", range(t_back.backward).c_str(),
               range(t_back.wait).c_str(), range(back_ratio).c_str(), median(t_back.update),
               p.rollback_s);
-  std::printf("\nkept step: %d of %d speculations kept (the rest dropped for the gradient "
-              "cache)\n",
-              t_kept.kept, o.rounds * units);
+  std::printf(
+      "\nkept step: %d of %d speculations kept (the rest dropped for the gradient "
+      "cache)\n",
+      t_kept.kept, o.rounds * units);
   getloadavg(load, 3);
   std::printf("load average at the end: %.2f\n", load[0]);
   return 0;
