@@ -79,11 +79,13 @@ IoQueue::~IoQueue() {
   if (thread_.joinable()) thread_.join();
 }
 
-std::shared_ptr<IoBatch> IoQueue::submit(std::vector<Piece> pieces, std::string what) {
+std::shared_ptr<IoBatch> IoQueue::submit(std::vector<Piece> pieces, std::string what,
+                                         bool background) {
   auto b = std::make_shared<IoBatch>();
   b->what_ = std::move(what);
   b->pieces_ = std::move(pieces);
   b->queue_ = this;
+  b->background_ = background;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) {
@@ -95,7 +97,11 @@ std::shared_ptr<IoBatch> IoQueue::submit(std::vector<Piece> pieces, std::string 
       b->done_ = true;
       return b;
     }
-    queue_.push_back(b);
+    // In order, but ahead of the background batches' pieces not yet started.
+    auto at = background ? queue_.end()
+                         : std::find_if(queue_.begin(), queue_.end(),
+                                        [](const auto& q) { return q->background_; });
+    queue_.insert(at, b);
   }
   work_cv_.notify_one();
   return b;

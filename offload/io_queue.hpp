@@ -66,6 +66,7 @@ class IoBatch {
   int in_flight_ = 0;
   bool failed_ = false;
   bool done_ = false;
+  bool background_ = false;
   std::optional<Error> error_;
   IoQueue* queue_ = nullptr;
 };
@@ -81,7 +82,10 @@ class IoQueue {
 
   /// Queues `pieces` (buffers must stay valid until the batch is done). `what` starts every
   /// error message of the batch, e.g. "rank 1: nvme swap read of unit 'layer3' (optimizer state)".
-  std::shared_ptr<IoBatch> submit(std::vector<Piece> pieces, std::string what);
+  /// A `background` batch (work ahead of time, as the speculative step's) starts only where no
+  /// other batch is waiting: batches submitted later go ahead of its pieces not yet started.
+  std::shared_ptr<IoBatch> submit(std::vector<Piece> pieces, std::string what,
+                                  bool background = false);
   /// Blocks until `b` is done; never throws.
   void settle(IoBatch& b);
   /// settle(), then throws the batch's error if it failed.

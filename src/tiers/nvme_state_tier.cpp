@@ -538,7 +538,7 @@ void NvmeStateTier::run_speculation(int u) {
     char* base = swap_pool_.data(slot);
     std::vector<Piece> ps;
     store_.pieces(w.rec[w.cur], base, &swap_pool_, false, ps);
-    auto rd = space_.io().submit(std::move(ps), who() + "speculative read of unit " + name);
+    auto rd = space_.io().submit(std::move(ps), who() + "speculative read of unit " + name, true);
     space_.io().wait(*rd);
     cpu::UnitUpdate uu = unit_update(u, base, sp.grad, sp.out, sp.step);
     uu.runs = &sp.runs;
@@ -550,7 +550,8 @@ void NvmeStateTier::run_speculation(int u) {
     ps.clear();
     store_.pieces(w.rec[1 - w.cur], base, &swap_pool_, true, ps);
     spec_writes_.push_back(
-        {u, slot, space_.io().submit(std::move(ps), who() + "speculative write of unit " + name)});
+        {u, slot,
+         space_.io().submit(std::move(ps), who() + "speculative write of unit " + name, true)});
     slot = -1;
   } catch (...) {
     // Speculation is only ahead of time: the step updates the unit as usual.

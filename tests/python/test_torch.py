@@ -721,17 +721,18 @@ def test_full_grad_is_the_reduced_gradient_after_backward(stage, offload):
     opt.close()
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_speculative_step_is_bitwise_the_step_without(stage):
+@pytest.mark.parametrize("stage,offload", [(1, "cpu"), (3, "cpu"), (2, "nvme"), (3, "nvme")])
+def test_speculative_step_is_bitwise_the_step_without(stage, offload, tmp_path):
     # DeepSpeed's super_offload key: each unit's update runs during backward and is kept where
     # the step would compute the same. A learning rate changed between backward and step()
     # (a scheduler stepped early) drops that step's; either way the model is bitwise the one
-    # without.
+    # without. On nvme the speculation writes the record slot the step would write.
     states, counts = [], []
+    kw = {"nvme_path": str(tmp_path)} if offload == "nvme" else {}
     for speculative in (False, True):
         model, data = make_model(), batches(12)
-        opt = zero(model, stage, offload_optimizer="cpu", config={
-            "zero_optimization": {"offload_optimizer": {"super_offload": speculative}}})
+        opt = zero(model, stage, offload_optimizer=offload, config={
+            "zero_optimization": {"offload_optimizer": {"super_offload": speculative}}}, **kw)
         kept = dropped = 0
         for i, (tokens, labels) in enumerate(data):
             opt.zero_grad()
