@@ -8,10 +8,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 
 #include "base/checksum.hpp"
 #include "offload/io_queue.hpp"
@@ -89,6 +92,84 @@ struct Rig {
   void read(int e) { io->wait(*transfer(e, false)); }
   bool round_trip_ok() { return std::memcmp(out(), in(), kBytes) == 0; }
 };
+
+// A backend that moves no data: it records the offsets in the order requests reach it and
+// completes each in full, none until the test opens its gate. One request at a time.
+class GatedBackend final : public IoBackend {
+ public:
+  int depth() const override { return 1; }
+  void submit(const IoOp* ops, int n) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int i = 0; i < n; ++i) {
+      order.push_back(ops[i].offset);
+      pending_.push_back({ops[i].tag, int(ops[i].len)});
+    }
+    cv_.notify_all();
+  }
+  int reap(IoCompletion* out, int max, int min) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return min == 0 || (open_ && int(pending_.size()) >= min); });
+    int got = 0;
+    while (open_ && got < max && !pending_.empty()) {
+      out[got++] = pending_.front();
+      pending_.pop_front();
+    }
+    return got;
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  /// Waits until `n` requests have reached the backend.
+  void wait_for(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return order.size() >= n; });
+  }
+  std::vector<uint64_t> order;  // read once the queue is done with it
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+  std::deque<IoCompletion> pending_;
+};
+
+// A background batch (the speculative step's I/O) gives way: a batch submitted while its first
+// piece is in flight goes before its other pieces, so backward's gradient writes never wait
+// behind work that is only ahead of time. Batches of one kind keep their order.
+TEST(Swapper, BackgroundBatchesGiveWayToLaterOnes) {
+  auto owned = std::make_unique<GatedBackend>();
+  GatedBackend* backend = owned.get();
+  IoQueue io(std::move(owned), {"test file"});
+  alignas(4096) static char buf[4096];
+  auto pieces = [&](uint64_t first, int n) {
+    std::vector<Piece> ps;
+    for (int i = 0; i < n; ++i) {
+      Piece p;
+      p.offset = (first + uint64_t(i)) * 4096;
+      p.len = 4096;
+      p.write = true;
+      p.buf = buf;
+      ps.push_back(p);
+    }
+    return ps;
+  };
+  auto background = io.submit(pieces(0, 4), "background", true);
+  backend->wait_for(1);  // its first piece is in flight
+  auto first = io.submit(pieces(100, 2), "first");
+  auto second = io.submit(pieces(200, 1), "second");
+  auto later = io.submit(pieces(300, 1), "later background", true);
+  backend->open();
+  io.wait(*background);
+  io.wait(*first);
+  io.wait(*second);
+  io.wait(*later);
+  const std::vector<uint64_t> want = {0, 100, 101, 200, 1, 2, 3, 300};
+  std::vector<uint64_t> got;
+  for (uint64_t o : backend->order) got.push_back(o / 4096);
+  EXPECT_EQ(got, want);
+}
 
 TEST(Swapper, Xxh64MatchesReferenceVectors) {
   EXPECT_EQ(xxh64("", 0, 0), 0xEF46DB3751D8E999ull);
