@@ -296,7 +296,7 @@ int train_and_report(DemoOptions& o) {
     dp.offload_optimizer.tier = zeroshard::Tier::device;
     dp.offload_param.tier = zeroshard::Tier::device;
     dp.device = zeroshard::Device::cpu;  // the same ledger, without taking the GPU's memory
-    dp.speculative_step = false;         // a host-tier option: said once, by the run itself
+    dp.speculative_step = zeroshard::SpeculativeStep::off;  // said once, by the run itself
     zeroshard::Engine ref(dp, comm);
     register_gpt(ref, shape, o.seed, /*with_init=*/false);
     s.dp0 = ref.memory();

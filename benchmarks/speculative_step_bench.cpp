@@ -125,7 +125,7 @@ std::unique_ptr<Engine> make_engine(const Options& o, bool speculative) {
   cfg.optimizer.kind = OptimizerKind::adamw;
   cfg.optimizer.lr = 1e-4f;
   cfg.optimizer.weight_decay = 0.01f;
-  cfg.speculative_step = speculative;
+  cfg.speculative_step = speculative ? SpeculativeStep::on : SpeculativeStep::off;
   cfg.async_device = o.async;
   auto e = std::make_unique<Engine>(cfg, make_self_communicator());
   for (int64_t u = 0; u < o.n / o.unit; ++u)

@@ -147,7 +147,7 @@ void Engine::Impl::load_initial_values() {
 }
 
 std::string Engine::Impl::speculation_off() const {
-  return config_detail::speculation_off(cfg, bool(tier_ctx.direction));
+  return config_detail::speculation_off(cfg, bool(tier_ctx.direction), res.dev->streams());
 }
 
 void Engine::Impl::drop_tiers() noexcept {
@@ -209,9 +209,17 @@ void Engine::finalize() {
   }
   // No hand_to_trainer(): loading the initial values waited for their copies (mutate_waits.py).
   m.finalized = true;
-  if (m.cfg.speculative_step && m.rank == 0 && !m.res.ledger.counting_only()) {
+  if (config_detail::speculation_said(m.cfg, m.res.dev->streams()) && m.rank == 0 &&
+      !m.res.ledger.counting_only()) {
     const std::string off = m.speculation_off();
-    if (!off.empty()) std::fprintf(stderr, "zeroshard: speculative_step is off: %s\n", off.c_str());
+    const char* how = speculative_step_name(m.cfg.speculative_step);
+    if (!off.empty())
+      std::fprintf(stderr, "zeroshard: speculative_step (%s) is off: %s\n", how, off.c_str());
+    else if (m.cfg.speculative_step == SpeculativeStep::automatic)
+      std::fprintf(stderr,
+                   "zeroshard: speculative_step (auto) is on: the optimizer state is on the nvme "
+                   "tier and backward runs on the device, so each unit's update runs during "
+                   "backward\n");
   }
   m.clock.interval_start =
       std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

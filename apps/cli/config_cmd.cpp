@@ -42,6 +42,7 @@ const char* type_name() {
   if constexpr (std::is_same_v<T, zs::Tier>) return "device | host | nvme";
   if constexpr (std::is_same_v<T, zs::OptimizerKind>) return "adam | adamw | sgd | lion | muon";
   if constexpr (std::is_same_v<T, zs::StateFormat>) return "f32 | bf16 | 8bit";
+  if constexpr (std::is_same_v<T, zs::SpeculativeStep>) return "true | false | auto";
   return "?";
 }
 
@@ -63,6 +64,10 @@ std::string value_text(const T& v) {
     os << zs::optimizer_name(v);
   } else if constexpr (std::is_same_v<T, zs::StateFormat>) {
     os << zs::state_format_name(v);
+  } else if constexpr (std::is_same_v<T, zs::SpeculativeStep>) {
+    os << (v == zs::SpeculativeStep::automatic ? "auto"
+           : v == zs::SpeculativeStep::on      ? "true"
+                                               : "false");
   } else {
     os << v;
   }

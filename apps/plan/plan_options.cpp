@@ -17,7 +17,7 @@ const char* const kPlanHelp =
     "                      [--optimizer adamw|adam|lion|sgd|muon] [--optimizer-state "
     "f32|bf16|8bit]\n"
     "                      [--master f32|bf16] [--device cpu|cuda] [--shard-group N]\n"
-    "                      [--speculative-step off|on]\n"
+    "                      [--speculative-step off|on|auto]\n"
     "                      [--device-gib X] [--host-gib X] [--nvme-gib X]\n"
     "                      [rates [--compute-s X] [--ranks-per-node N\n"
     "                              (--inter-node-gbs X | --link-calibration FILE)]]\n"
@@ -70,7 +70,8 @@ const char* const kPlanHelp =
     "for.\n\n"
     "--speculative-step on plans Config::speculative_step: the host tier's rows hold a second\n"
     "copy of the optimizer state, and their update runs during backward (2/3 of --compute-s):\n"
-    "'update s' is what is left of it after backward (docs/planner.md).\n";
+    "'update s' is what is left of it after backward (docs/planner.md). auto (the default)\n"
+    "takes it for a GPU engine's nvme rows only ('nvme s' is then what is left).\n";
 
 namespace {
 
@@ -188,7 +189,10 @@ void parse_flag(PlanOptions& o, const std::string& f, const std::string& v) {
   else if (f == "--master")
     one_of<bool>(o.bf16_master, f, v, {{"f32", false}, {"bf16", true}});
   else if (f == "--speculative-step")
-    one_of<bool>(o.speculative, f, v, {{"off", false}, {"on", true}});
+    one_of<SpeculativeStep>(o.speculative, f, v,
+                            {{"off", SpeculativeStep::off},
+                             {"on", SpeculativeStep::on},
+                             {"auto", SpeculativeStep::automatic}});
   else
     bad("unknown flag " + f + " (zeroshard plan --help)");
 }

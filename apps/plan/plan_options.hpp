@@ -24,7 +24,7 @@ struct PlanOptions {
   zeroshard::OptimizerKind optimizer = zeroshard::OptimizerKind::adamw;
   zeroshard::StateFormat moments = zeroshard::StateFormat::f32;
   bool bf16_master = false;
-  bool speculative = false;  ///< --speculative-step
+  zeroshard::SpeculativeStep speculative = zeroshard::SpeculativeStep::automatic;  ///< flag
   zeroshard::Device device = zeroshard::Device::cpu;
   double device_gib = 0, host_gib = 0, nvme_gib = 0;  // per rank; 0 = not checked
   // The step's rates: from `calibration` and typed (a typed one over the file's).

@@ -31,6 +31,13 @@ enum class StateFormat : uint8_t { f32, bf16, q8 };
 /// "f32", "bf16" or "8bit".
 ZS_API const char* state_format_name(StateFormat f);
 
+/// Config::speculative_step: off, on, or automatic ("auto"): on where it pays at little cost, a
+/// GPU engine (or the asynchronous CPU device playing one) with the optimizer state on the nvme
+/// tier, where it costs the new low-precision parameters once more in memory and no disk.
+enum class SpeculativeStep : uint8_t { off, on, automatic };
+/// "off", "on" or "auto".
+ZS_API const char* speculative_step_name(SpeculativeStep s);
+
 /// Hyperparameters of one parameter group. Group 0 is Config::optimizer; more groups are added
 /// with Engine::add_group(). Meaning per optimizer:
 /// - adam / adamw: lr, beta1, beta2, eps, weight_decay (adam adds wd·p to the gradient,
@@ -206,10 +213,12 @@ struct ZS_API Config {
   /// low-precision parameters once more, and on the host tier a second copy of the master
   /// weights and moments (the nvme tier writes the record slot its step would write), which the
   /// ledger counts (docs/tiers.md). It pays where backward runs on another processor (a GPU)
-  /// while the CPU is idle; off by default, since on the host tier that copy doubles the memory
-  /// the state takes. Ignored, with the reason printed by rank 0, where the state is on the
-  /// device tier, the parameters are on the nvme tier, or a group is Muon.
-  bool speculative_step = false;
+  /// while the CPU is idle. automatic (the default) takes it on a GPU engine with the state on
+  /// the nvme tier; on the host tier, where that copy doubles the memory the state takes, only
+  /// `on` takes it. Not taken, with the reason printed by rank 0 (for on, or automatic on a GPU
+  /// engine with the state offloaded), where the state is on the device tier, the parameters
+  /// are on the nvme tier, or a group is Muon.
+  SpeculativeStep speculative_step = SpeculativeStep::automatic;
   /// A collective that has not completed after this many seconds fails with ErrorCode::timeout.
   /// Values above 1e8 (about three years) count as 1e8: no timeout, in practice.
   double collective_timeout_s = 300.0;

@@ -29,10 +29,11 @@ namespace zeroshard {
 /// A pointer to one member of S. The alternative it holds is the field's C++ type; the last four
 /// are the option structs nested in Config, whose fields are rows of their own tables.
 template <class S>
-using FieldMember = std::variant<bool S::*, int S::*, int64_t S::*, float S::*, double S::*,
-                                 std::vector<std::string> S::*, DType S::*, Device S::*, Tier S::*,
-                                 OptimizerKind S::*, StateFormat S::*, OptimizerOptions S::*,
-                                 OffloadOptions S::*, LossScaleOptions S::*, AioOptions S::*>;
+using FieldMember =
+    std::variant<bool S::*, int S::*, int64_t S::*, float S::*, double S::*,
+                 std::vector<std::string> S::*, DType S::*, Device S::*, Tier S::*,
+                 OptimizerKind S::*, StateFormat S::*, SpeculativeStep S::*, OptimizerOptions S::*,
+                 OffloadOptions S::*, LossScaleOptions S::*, AioOptions S::*>;
 
 /// One check validate() applies to a numeric field on its own: `ok(value)` must hold (written so
 /// that NaN fails it), else Error(invalid_config) "config: <json path> = <value> <text>".

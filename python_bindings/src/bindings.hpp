@@ -67,8 +67,10 @@ nb::object export_owned(std::vector<float>&& values);
 
 DType parse_dtype(nb::handle h);  // DType, or "f32"/"float32"/"bf16"/"fp16"/torch.float16...
 Tier parse_tier(nb::handle h);    // Tier, or "device"/"none", "host"/"cpu", "nvme"
-OptimizerKind parse_optimizer(nb::handle h);   // OptimizerKind, or "adam"/"adamw"/"sgd"/"lion"
-StateFormat parse_state_format(nb::handle h);  // StateFormat, or "f32"/"bf16"/"8bit"
+OptimizerKind parse_optimizer(nb::handle h);  // OptimizerKind, or "adam"/"adamw"/"sgd"/"lion"
+StateFormat parse_state_format(nb::handle h);
+SpeculativeStep parse_speculative_step(
+    nb::handle h);  // SpeculativeStep, a bool, or "auto"  // StateFormat, or "f32"/"bf16"/"8bit"
 /// Device, or "cpu"/"cuda", or "cuda:N" / torch.device("cuda", N): then *index is set to N (and
 /// left alone otherwise; `index` may be null to refuse an index).
 Device parse_device(nb::handle h, int* index);

@@ -143,6 +143,8 @@ void store(S& s, T& field, nb::handle v, const std::string& path) {
     field = parse_optimizer(v);
   } else if constexpr (std::is_same_v<T, StateFormat>) {
     field = parse_state_format(v);
+  } else if constexpr (std::is_same_v<T, SpeculativeStep>) {
+    field = parse_speculative_step(v);
   } else if constexpr (std::is_same_v<T, Device>) {
     // "cuda:N" (a torch.device's spelling) also sets Config::device_index.
     if constexpr (std::is_same_v<S, Config>) {
@@ -293,6 +295,13 @@ void bind_enums(nb::module_& m) {
       .value("f32", StateFormat::f32)
       .value("bf16", StateFormat::bf16)
       .value("q8", StateFormat::q8);
+  nb::enum_<SpeculativeStep>(m, "SpeculativeStep",
+                             "Config.speculative_step: off, on, or automatic (\"auto\", the "
+                             "default: on for a GPU engine with the optimizer state on nvme). "
+                             "True and False are on and off.")
+      .value("off", SpeculativeStep::off)
+      .value("on", SpeculativeStep::on)
+      .value("automatic", SpeculativeStep::automatic);
 }
 
 }  // namespace

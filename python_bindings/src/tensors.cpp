@@ -254,6 +254,15 @@ OptimizerKind parse_optimizer(nb::handle h) {
   bad_value("optimizer", h, "\"adam\", \"adamw\", \"sgd\", \"lion\", \"muon\"");
 }
 
+SpeculativeStep parse_speculative_step(nb::handle h) {
+  SpeculativeStep s;
+  if (nb::try_cast<SpeculativeStep>(h, s, false)) return s;
+  if (nb::isinstance<nb::bool_>(h))
+    return nb::cast<bool>(h) ? SpeculativeStep::on : SpeculativeStep::off;
+  if (spelled(h) == "auto") return SpeculativeStep::automatic;
+  bad_value("speculative_step", h, "True, False, \"auto\" (or SpeculativeStep.*)");
+}
+
 StateFormat parse_state_format(nb::handle h) {
   StateFormat f;
   if (nb::try_cast<StateFormat>(h, f, false)) return f;

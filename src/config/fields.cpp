@@ -40,6 +40,18 @@ bool group_kind_allowed(OptimizerKind engine, OptimizerKind group) {
          (group == OptimizerKind::adam || group == OptimizerKind::adamw);
 }
 
+const char* speculative_step_name(SpeculativeStep s) {
+  switch (s) {
+    case SpeculativeStep::off:
+      return "off";
+    case SpeculativeStep::on:
+      return "on";
+    case SpeculativeStep::automatic:
+      return "auto";
+  }
+  return "unknown";
+}
+
 const char* state_format_name(StateFormat f) {
   switch (f) {
     case StateFormat::f32:
@@ -376,6 +388,9 @@ std::string show_value(OptimizerKind v) {
 }
 std::string show_value(StateFormat v) {
   return state_format_name(v);
+}
+std::string show_value(SpeculativeStep v) {
+  return speculative_step_name(v);
 }
 
 const char* deepspeed_tier_name(Tier t) {

@@ -22,8 +22,13 @@ inline constexpr const char* kPrefix = "config: ";
 [[noreturn]] void fail(const std::string& what);
 
 /// Why Config::speculative_step is not taken ("" when it is), for the engine (whose rank 0 says
-/// so at finalize()) and the planner alike. `muon`: a parameter group is Muon.
-std::string speculation_off(const Config& c, bool muon);
+/// so at finalize()) and the planner alike. `muon`: a parameter group is Muon; `gpu`: backward
+/// runs on a device beside the CPU (a GPU, or the asynchronous CPU device playing one).
+std::string speculation_off(const Config& c, bool muon, bool gpu);
+/// Whether rank 0 says at finalize() whether the speculative step is taken, and why: where it
+/// was asked for (on), or left to the engine (automatic) on a GPU engine with the state
+/// offloaded, where the choice matters.
+bool speculation_said(const Config& c, bool gpu);
 
 /// "a.b" from "a" and "b"; just "b" when the prefix is empty.
 inline std::string join(const std::string& prefix, std::string_view key) {
@@ -56,6 +61,7 @@ std::string show_value(Device v);
 std::string show_value(Tier v);
 std::string show_value(OptimizerKind v);
 std::string show_value(StateFormat v);
+std::string show_value(SpeculativeStep v);
 
 /// DeepSpeed's spelling of a tier ("none", "cpu", "nvme"), which is what the user wrote.
 const char* deepspeed_tier_name(Tier t);

@@ -133,6 +133,12 @@ StateFormat parse_state_format(const JsonField& f) {
   f.bad("= \"" + s + "\" is not one of \"f32\", \"bf16\", \"8bit\"");
 }
 
+// true, false or "auto".
+SpeculativeStep parse_speculative_step(const JsonField& f) {
+  if (f.is_auto()) return SpeculativeStep::automatic;
+  return f.boolean() ? SpeculativeStep::on : SpeculativeStep::off;
+}
+
 template <class T>
 void read(const JsonField& f, T& out) {
   if constexpr (std::is_same_v<T, bool>) {
@@ -151,6 +157,8 @@ void read(const JsonField& f, T& out) {
     out = parse_device(f);
   } else if constexpr (std::is_same_v<T, StateFormat>) {
     out = parse_state_format(f);
+  } else if constexpr (std::is_same_v<T, SpeculativeStep>) {
+    out = parse_speculative_step(f);
   } else {
     // DType and OptimizerKind have no one key: their rows must say json_by_hand.
     throw Error(ErrorCode::internal, "config: no JSON reader for the type of " + f.path());
@@ -337,8 +345,8 @@ Node zero_optimization_layout() {
                {"pipeline_write", accept_bool},
                {"fast_init", accept_bool},
                // DeepSpeed's speculation-then-validation: zeroshard's speculative_step.
-               {"super_offload",
-                [](const JsonField& f, Ctx& x) { x.c.speculative_step = f.boolean(); }},
+               {"super_offload", [](const JsonField& f,
+                                    Ctx& x) { x.c.speculative_step = parse_speculative_step(f); }},
                // [1.0] Share of the CPU's cores for SuperOffload's optimizer: the arena's
                // threads are the engine's (ZEROSHARD_CPU_THREADS).
                {"cpuadam_cores_perc",

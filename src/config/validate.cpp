@@ -190,8 +190,8 @@ void check_cuda(const Config& c) {
 
 }  // namespace
 
-std::string config_detail::speculation_off(const Config& c, bool muon) {
-  if (!c.speculative_step) return "not asked for";
+std::string config_detail::speculation_off(const Config& c, bool muon, bool gpu) {
+  if (c.speculative_step == SpeculativeStep::off) return "not asked for";
   if (c.offload_optimizer.tier == Tier::device)
     return "the optimizer state is on the device tier (offload_optimizer.device cpu or nvme "
            "takes it)";
@@ -199,7 +199,21 @@ std::string config_detail::speculation_off(const Config& c, bool muon) {
     return "the parameters are on the nvme tier, which stores each new shard before the state "
            "may change";
   if (muon) return "a group is Muon, whose update exchanges matrices between ranks";
+  if (c.speculative_step == SpeculativeStep::on) return "";
+  // automatic: where a GPU runs backward, and the second copy costs no memory of the state's.
+  if (!gpu)
+    return "auto takes it on a GPU engine only (here backward runs on the CPU that would update "
+           "beside it)";
+  if (c.offload_optimizer.tier == Tier::host)
+    return "auto leaves it off on the host tier, where it holds a second copy of the optimizer "
+           "state in memory; set zeroshard.speculative_step = true to take it";
   return "";
+}
+
+bool config_detail::speculation_said(const Config& c, bool gpu) {
+  return c.speculative_step == SpeculativeStep::on ||
+         (c.speculative_step == SpeculativeStep::automatic && gpu &&
+          c.offload_optimizer.tier != Tier::device);
 }
 
 void Config::validate() const {

@@ -441,7 +441,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
   // second copy, no speculation.)
   const bool aliased = !gpu && cfg.stage == 3 && cfg.dtype == DType::f32 &&
                        cfg.offload_param.tier == cfg.offload_optimizer.tier;
-  const bool speculating = config_detail::speculation_off(cfg, muon).empty() && !aliased;
+  const bool speculating = config_detail::speculation_off(cfg, muon, gpu).empty() && !aliased;
   if (speculating) {
     double& update = nvme ? p.nvme_s : p.optimizer_s;
     p.rollback_s = update;

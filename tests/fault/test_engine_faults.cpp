@@ -278,7 +278,7 @@ TEST(EngineFaults, EioInASpeculationLeavesItToTheStep) {
     cfg.grad_buffers = 8;
     cfg.gradient_clipping = 0;  // a clipped step keeps no speculation
     Config spec = cfg;
-    spec.speculative_step = true;
+    spec.speculative_step = SpeculativeStep::on;
     Engine e(spec, world()), ref(cfg, world());
     zs_test::register_model(e, model());
     zs_test::register_model(ref, model());

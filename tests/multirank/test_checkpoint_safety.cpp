@@ -857,7 +857,7 @@ TEST(CheckpointAsync, NvmeTierKeepsItsSnapshotInItsRecordSlots) {
     many.push_back({"layer" + std::to_string(u), {{"w", {256, 256}}, {"b", {256}}}});
   Config cfg = cfg_for(2, Tier::nvme);
   for (bool speculative : {false, true}) {
-    cfg.speculative_step = speculative;
+    cfg.speculative_step = speculative ? SpeculativeStep::on : SpeculativeStep::off;
     Engine a(cfg, world());
     zs_test::register_model(a, many);
     train_some(a, 1);

@@ -80,7 +80,7 @@ Result run(const Case& c, bool speculative) {
   cfg.optimizer_state = c.state;
   cfg.state_block = 64;
   cfg.bf16_master = c.bf16_master;
-  cfg.speculative_step = speculative;
+  cfg.speculative_step = speculative ? SpeculativeStep::on : SpeculativeStep::off;
   Engine e(cfg, world());
   OptimizerOptions bias = e.config().optimizer;
   bias.weight_decay = 0.0f;
@@ -198,7 +198,7 @@ TEST(Speculation, EngineDestroyedBetweenBackwardAndStep) {
     cfg.dtype = DType::bf16;
     cfg.offload_optimizer.tier = Tier::host;
     if (stage < 0) swap_to_disk(cfg);
-    cfg.speculative_step = true;
+    cfg.speculative_step = SpeculativeStep::on;
     cfg.collective_timeout_s = 120;
     auto e = std::make_unique<Engine>(cfg, world());
     for (int u = 0; u < 6; ++u) e->add_unit("u" + std::to_string(u), {Param{"w", {1 << 20}}});

@@ -5,12 +5,14 @@
 // what a GPU takes. That it catches missing waits is shown by scripts/mutate_waits.py.
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -416,6 +418,56 @@ TEST(AsyncDevice, EnginesSharingTheCommunicatorFollowTheirOwnStreams) {
       EXPECT_TRUE(e.read_full(0, 0, StateKind::master) == init[size_t(k ? 0 : 1)])
           << "round " << round << (k ? ", first engine" : ", second engine");
     }
+}
+
+// speculative_step left to the engine ("auto"): a GPU engine (here the asynchronous device
+// playing one) takes it with the optimizer state on nvme, and says so; with the state on the
+// host tier it leaves it off, saying why (a second copy of the state); a CPU engine, whose
+// backward runs on the cores the update would use, leaves it off and says nothing.
+TEST(AsyncDevice, AutomaticSpeculationTakesTheNvmeTierOnAGpu) {
+  const std::filesystem::path swap = std::filesystem::temp_directory_path() /
+                                     ("zeroshard-auto-spec-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(swap);
+  for (bool gpu : {true, false})
+    for (Tier tier : {Tier::nvme, Tier::host}) {
+      const std::string what = std::string(gpu ? "async " : "cpu ") + tier_name(tier);
+      Config cfg;
+      cfg.stage = 2;
+      cfg.async_device = gpu;
+      cfg.gradient_clipping = 0;
+      cfg.offload_optimizer.tier = tier;
+      if (tier == Tier::nvme) cfg.offload_optimizer.nvme_paths = {swap.string()};
+      EXPECT_EQ(cfg.speculative_step, SpeculativeStep::automatic);
+      EnvVar env("ZEROSHARD_ASYNC_DEVICE", gpu ? "1" : "0");
+      ::testing::internal::CaptureStderr();
+      int speculated = 0;
+      {
+        Engine e(cfg, make_self_communicator());
+        for (int u = 0; u < 3; ++u) e.add_unit("u" + std::to_string(u), {Param{"w", {4096}}});
+        e.finalize();
+        for (int step = 0; step < 2; ++step) {
+          for (int u = 2; u >= 0; --u) {
+            std::vector<TensorView> g = e.grads(u);
+            std::vector<float> v = random_floats(size_t(g[0].numel), uint32_t(step * 3 + u));
+            std::memcpy(g[0].data, v.data(), v.size() * 4);
+            e.grads_ready(u);
+          }
+          const StepResult r = e.step();
+          speculated += r.speculation_kept + r.speculation_dropped;
+        }
+      }
+      const std::string said = ::testing::internal::GetCapturedStderr();
+      const bool takes = gpu && tier == Tier::nvme;
+      EXPECT_EQ(speculated, takes ? 6 : 0) << what;
+      if (takes)
+        EXPECT_NE(said.find("speculative_step (auto) is on"), std::string::npos) << what << said;
+      else if (gpu)
+        EXPECT_NE(said.find("auto leaves it off on the host tier"), std::string::npos)
+            << what << said;
+      else
+        EXPECT_EQ(said.find("speculative_step"), std::string::npos) << what << said;
+    }
+  std::filesystem::remove_all(swap);
 }
 
 TEST(AsyncDevice, SelectedByConfigOrEnvironmentAndTakesWhatAGpuTakes) {

@@ -389,13 +389,22 @@ TEST(Config, DeepSpeedValuesWithoutAnEquivalentAreErrorsThatSayWhy) {
       Config::from_json(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1}}})"));
 }
 
-// SuperOffload's speculation-then-validation is zeroshard's speculative_step, under either name.
+// SuperOffload's speculation-then-validation is zeroshard's speculative_step, under either name;
+// left out, the engine decides ("auto").
 TEST(Config, SuperOffloadIsTheSpeculativeStep) {
-  EXPECT_FALSE(Config{}.speculative_step);
-  EXPECT_TRUE(Config::from_json(R"({"zero_optimization": {"offload_optimizer":
+  EXPECT_EQ(Config{}.speculative_step, SpeculativeStep::automatic);
+  EXPECT_EQ(Config::from_json(R"({"zero_optimization": {"offload_optimizer":
       {"device": "cpu", "super_offload": true, "cpuadam_cores_perc": 0.9}}})")
-                  .speculative_step);
-  EXPECT_TRUE(Config::from_json(R"({"zeroshard": {"speculative_step": true}})").speculative_step);
+                .speculative_step,
+            SpeculativeStep::on);
+  EXPECT_EQ(Config::from_json(R"({"zeroshard": {"speculative_step": true}})").speculative_step,
+            SpeculativeStep::on);
+  EXPECT_EQ(Config::from_json(R"({"zeroshard": {"speculative_step": false}})").speculative_step,
+            SpeculativeStep::off);
+  EXPECT_EQ(Config::from_json(R"({"zeroshard": {"speculative_step": "auto"}})").speculative_step,
+            SpeculativeStep::automatic);
+  EXPECT_THAT(parse_error(R"({"zeroshard": {"speculative_step": "yes"}})"),
+              HasSubstr("speculative_step"));
   EXPECT_THAT(parse_error(R"({"zero_optimization": {"offload_optimizer":
       {"cpuadam_cores_perc": 0}}})"),
               AllOf(HasSubstr("cpuadam_cores_perc"), HasSubstr("(0, 1]")));

@@ -39,7 +39,7 @@ constexpr bool is_options =
 
 // Every leaf field of Config as a list of typed accessors.
 using Ref = std::variant<bool*, int*, int64_t*, float*, double*, std::vector<std::string>*, DType*,
-                         Device*, Tier*, OptimizerKind*, StateFormat*>;
+                         Device*, Tier*, OptimizerKind*, StateFormat*, SpeculativeStep*>;
 struct Field {
   std::string name, json;
   bool by_hand, fingerprint;
@@ -121,6 +121,10 @@ std::string change(Ref r, int n) {
           if (n > 1) return "";
           *p = n == 0 ? StateFormat::q8 : StateFormat::bf16;
           return n == 0 ? R"("8bit")" : R"("bf16")";
+        } else if constexpr (std::is_same_v<T, SpeculativeStep>) {
+          if (n > 1) return "";
+          *p = n == 0 ? SpeculativeStep::on : SpeculativeStep::off;
+          return n == 0 ? "true" : "false";
         } else {
           return "";  // DType, OptimizerKind: mapped by hand
         }

@@ -38,7 +38,10 @@ std::map<std::pair<std::string, Tier>, int64_t> named(const MemoryReport& m) {
 // optimizer is off the GPU, the gradient shards' staging slots on the GPU (Config::grad_buffers
 // of the largest shard) and, where the parameters stay on the GPU, a pinned upload buffer of
 // each unit's shard; and where stage 3's shards are off the GPU, two slots on the GPU they are
-// copied up into before their gathers. Each tier × kind differs by exactly those bytes.
+// copied up into before their gathers. Each tier × kind differs by exactly those bytes. And
+// one more: speculative_step left to the engine ("auto") takes it on the GPU with the optimizer
+// on nvme, whose new shards go into a second set of upload buffers (parameters on the GPU) or
+// into host buffers of their own (stage 3's shards in host memory).
 TEST(PlanGpu, IsTheCpuPlanWithTheGpusStaging) {
   int planned = 0;
   for (int stage = 0; stage <= 3; ++stage)
@@ -71,6 +74,10 @@ TEST(PlanGpu, IsTheCpuPlanWithTheGpusStaging) {
         }
         if (stage == 3 && par != Tier::device)
           add("param_shard_staging", Tier::device, 2 * kLargest * 2);
+        if (opt == Tier::nvme && par != Tier::nvme)
+          for (int64_t s : kShards)
+            add(par == Tier::device ? "param_upload_speculative" : "param_speculative", Tier::host,
+                s * 2);
         EXPECT_EQ(named(gpu), want);
         for (int t = 0; t < kNumTiers; ++t)
           for (int k = 0; k < kNumMemKinds; ++k)

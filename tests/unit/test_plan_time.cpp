@@ -72,7 +72,7 @@ TEST(PlanTime, EachStageSumsItsCollectivesAndItsUpdate) {
 // padded units: a 4096 and b 1024 elements, updated at 1 G params/s.
 TEST(PlanTime, SpeculationLeavesTheUpdateBackwardDidNotHide) {
   Config c = cfg(2);
-  c.speculative_step = true;
+  c.speculative_step = SpeculativeStep::on;
   MachineRates r = rates();
   const double a = 4096 / 1e9, b = 1024 / 1e9, full = a + b;
   // Beside the backward, each update also writes the second copy (12 bytes of f32 master and
