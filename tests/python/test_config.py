@@ -217,3 +217,17 @@ def test_shard_group_size_keyword_and_deepspeeds_mics_key():
     assert zs.Config(shard_group_size=4).shard_group_size == 4
     assert zs.Config.from_json('{"zero_optimization": {"mics_shard_size": 2}}').shard_group_size == 2
     assert zs.Config.from_json('{"zero_optimization": {"mics_shard_size": -1}}').shard_group_size == 0
+
+
+def test_speculative_step_takes_true_false_and_auto():
+    # "auto" (the default) lets the engine decide; DeepSpeed's super_offload sets it on or off.
+    assert zs.Config().speculative_step == zs.SpeculativeStep.automatic
+    assert zs.Config(speculative_step=True).speculative_step == zs.SpeculativeStep.on
+    assert zs.Config(speculative_step=False).speculative_step == zs.SpeculativeStep.off
+    assert zs.Config(speculative_step="auto").speculative_step == zs.SpeculativeStep.automatic
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                                  "nvme_path": "/tmp",
+                                                                  "super_offload": False}}}
+    assert zs.Config.from_dict(ds).speculative_step == zs.SpeculativeStep.off
+    with pytest.raises(zs.ConfigError, match='speculative_step.*"auto"'):
+        zs.Config(speculative_step="yes")
