@@ -38,11 +38,19 @@ class SwapSpace {
   /// Opens the ring with every added file and slot registered once.
   void start(const AioOptions& aio);
   /// What a tier whose own thread submits I/O (the speculative step's) runs before the ring
-  /// closes: it stops that thread's work and waits for its I/O. Once; must not throw.
-  void before_stop(std::function<void()> quiesce) { quiesce_.push_back(std::move(quiesce)); }
+  /// closes: it stops that thread's work and waits for its I/O. Run once; must not throw.
+  /// Returns a key for forget_before_stop(), which the tier calls when it goes first.
+  size_t before_stop(std::function<void()> quiesce) {
+    quiesce_.push_back(std::move(quiesce));
+    return quiesce_.size() - 1;
+  }
+  void forget_before_stop(size_t key) {
+    if (key < quiesce_.size()) quiesce_[key] = nullptr;
+  }
   /// Waits for the I/O in flight and closes the ring. Idempotent.
   void stop() noexcept {
-    for (auto& q : std::exchange(quiesce_, {})) q();
+    for (auto& q : std::exchange(quiesce_, {}))
+      if (q) q();
     io_.reset();
   }
 

@@ -109,11 +109,12 @@ NvmeStateTier::NvmeStateTier(const TierContext& ctx, cpu::Arena& arena, SwapSpac
     for (size_t i = 0; i < units_.size(); ++i)
       spec_[i].own_out = ctx.buffer(Tier::host, MemKind::buffer, "param_speculative",
                                     size_t(ctx.shard(int(i))) * ctx.pbytes, false);
-  space.before_stop([this] { drop_speculation(); });  // its thread's I/O is in the ring
+  quiesce_key_ = space.before_stop([this] { drop_speculation(); });  // its I/O is in the ring
 }
 
 NvmeStateTier::~NvmeStateTier() {
   drop_speculation();  // done already where the swap space stopped (its before_stop())
+  if (!spec_.empty()) space_.forget_before_stop(quiesce_key_);  // a tier gone before the space
 }
 
 std::vector<std::pair<void*, size_t>> NvmeStateTier::dma_regions() const {

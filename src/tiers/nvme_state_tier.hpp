@@ -187,6 +187,7 @@ class NvmeStateTier final : public StateTier {
   std::vector<std::unique_ptr<DiskCharge>> charges_;
   std::shared_ptr<Pins> pins_ = std::make_shared<Pins>();
   std::vector<Speculation> spec_;  // empty: the tier does not speculate
+  size_t quiesce_key_ = 0;         // SwapSpace::before_stop()'s
   std::deque<SpecWrite> spec_writes_;
   std::mutex spec_mu_;  // with spec_cv_: a running speculation finished reading its gradient
   std::condition_variable spec_cv_;
