@@ -131,7 +131,7 @@ void Engine::Impl::complete_reduction(int id) {
   // The speculative step: the unit's gradient is final, so its update may start now, beside
   // backward, as if the step will neither overflow nor clip; step() keeps it where that held.
   if (u.micro_done == cfg.gradient_accumulation_steps && state->speculates() &&
-      !reductions.lost_grad) {
+      !reductions.lost_grad && spec_pause.left == 0) {
     try {
       state->speculate(id, fold_hyper(grad_scale(), steps + 1), steps + 1, nullptr);
     } catch (const std::exception&) {

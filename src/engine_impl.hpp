@@ -11,6 +11,7 @@
 //   engine_muon.cpp         Muon: each matrix's direction, orthogonalised by one rank
 // The stage logic never asks which tier holds a unit's state: src/tiers/tier.hpp.
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -110,6 +111,28 @@ struct StepClock {
   double interval_start = 0;
 };
 
+/// Config::speculative_step left to the engine (automatic): a step that speculated and kept
+/// nothing (it clipped, overflowed, or changed a hyperparameter after backward) wasted that work,
+/// and the next ones likely would too (a run that clips every step). The engine then speculates
+/// no more for `pause` steps, doubling it (up to kMax) while that repeats; a step that keeps a
+/// speculation resets it. Asked for (on), speculation runs every step.
+struct SpeculationPause {
+  static constexpr int kMax = 64;
+  int left = 0;   // steps still to run without speculating
+  int pause = 1;  // the next pause's length
+  /// After a step: what its speculations came to (`speculated`: it posted any).
+  void after_step(bool speculated, int kept) {
+    if (left > 0) {
+      --left;
+    } else if (speculated && kept == 0) {
+      left = pause;
+      pause = std::min(2 * pause, kMax);
+    } else if (kept > 0) {
+      pause = 1;
+    }
+  }
+};
+
 /// Closed while a save's thread copies the state into its snapshot: nothing may change the
 /// state meanwhile (Engine::Impl::before_state_change() waits for open()).
 using CopyGate = Gate;
@@ -193,6 +216,7 @@ struct Engine::Impl {
   AsyncSave save;
   StepClock clock;
   MuonPlan muon;
+  SpeculationPause spec_pause;
 
   /// `dev`: the device backend (null: the one Config::device names, make_compute()).
   Impl(Config c, std::shared_ptr<Communicator> cm, std::unique_ptr<Compute> dev = nullptr);

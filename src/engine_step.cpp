@@ -220,9 +220,11 @@ StepResult Engine::Impl::step() {
                            << "): every later step would be skipped too; nothing was applied. "
                               "Lower min_loss_scale, lower the learning rate, or train in bf16");
   }
+  const bool automatic = cfg.speculative_step == SpeculativeStep::automatic;
   if (overflow) {
     state->forget_grads();
     r.speculation_dropped = state->speculated().dropped;
+    if (automatic) spec_pause.after_step(r.speculation_dropped > 0, 0);
     scaler.update(true);
     r.skipped = true;
     r.grad_norm = std::numeric_limits<double>::infinity();
@@ -251,6 +253,8 @@ StepResult Engine::Impl::step() {
   r.newton_schulz_s = std::exchange(muon.ns_s, 0.0);
   r.speculation_kept = state->speculated().kept;
   r.speculation_dropped = state->speculated().dropped;
+  if (automatic)
+    spec_pause.after_step(r.speculation_kept + r.speculation_dropped > 0, r.speculation_kept);
   // Stages 1–2 keep whole parameters: each rank contributes its updated shard.
   if (cfg.stage == 1 || cfg.stage == 2) {
     std::vector<std::shared_ptr<Work>> works;

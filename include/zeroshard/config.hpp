@@ -214,10 +214,11 @@ struct ZS_API Config {
   /// weights and moments (the nvme tier writes the record slot its step would write), which the
   /// ledger counts (docs/tiers.md). It pays where backward runs on another processor (a GPU)
   /// while the CPU is idle. automatic (the default) takes it on a GPU engine with the state on
-  /// the nvme tier; on the host tier, where that copy doubles the memory the state takes, only
-  /// `on` takes it. Not taken, with the reason printed by rank 0 (for on, or automatic on a GPU
-  /// engine with the state offloaded), where the state is on the device tier, the parameters
-  /// are on the nvme tier, or a group is Muon.
+  /// the nvme tier, pausing for 1, 2, 4 … 64 steps after steps that keep no speculation (a run
+  /// that clips every step); on the host tier, where that copy doubles the memory the state
+  /// takes, only `on` takes it. Not taken, with the reason printed by rank 0 (for on, or automatic
+  /// on a GPU engine with the state offloaded), where the state is on the device tier, the
+  /// parameters are on the nvme tier, or a group is Muon.
   SpeculativeStep speculative_step = SpeculativeStep::automatic;
   /// A collective that has not completed after this many seconds fails with ErrorCode::timeout.
   /// Values above 1e8 (about three years) count as 1e8: no timeout, in practice.

@@ -470,6 +470,48 @@ TEST(AsyncDevice, AutomaticSpeculationTakesTheNvmeTierOnAGpu) {
   std::filesystem::remove_all(swap);
 }
 
+// Left to the engine, speculation pauses where it keeps nothing: after a step whose
+// speculations were all dropped (here: clipped), the engine speculates no more for 1, then 2,
+// then 4 steps while that repeats, and resets once a step keeps them. Asked for, it speculates
+// every step. Either way each step is the step without speculation (test_speculation.cpp).
+TEST(AsyncDevice, AutomaticSpeculationPausesWhileStepsKeepNothing) {
+  const std::filesystem::path swap = std::filesystem::temp_directory_path() /
+                                     ("zeroshard-spec-pause-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(swap);
+  EnvVar env("ZEROSHARD_ASYNC_DEVICE", "1");
+  for (SpeculativeStep mode : {SpeculativeStep::automatic, SpeculativeStep::on}) {
+    Config cfg;
+    cfg.stage = 2;
+    cfg.async_device = true;
+    cfg.offload_optimizer.tier = Tier::nvme;
+    cfg.offload_optimizer.nvme_paths = {swap.string()};
+    cfg.speculative_step = mode;
+    std::vector<int> speculated;  // the steps that speculated
+    {
+      Engine e(cfg, make_self_communicator());
+      for (int u = 0; u < 3; ++u) e.add_unit("u" + std::to_string(u), {Param{"w", {4096}}});
+      e.finalize();
+      for (int step = 0; step < 12; ++step) {
+        for (int u = 2; u >= 0; --u) {
+          std::vector<TensorView> g = e.grads(u);
+          std::vector<float> v = random_floats(size_t(g[0].numel), uint32_t(step * 3 + u));
+          std::memcpy(g[0].data, v.data(), v.size() * 4);
+          e.grads_ready(u);
+        }
+        if (step < 6) e.clip_grad_norm(1e-9);  // clips: every speculation is dropped
+        const StepResult r = e.step();
+        EXPECT_EQ(r.speculation_kept, step < 6 ? 0 : r.speculation_kept + r.speculation_dropped);
+        if (r.speculation_kept + r.speculation_dropped > 0) speculated.push_back(step);
+      }
+    }
+    if (mode == SpeculativeStep::on)
+      EXPECT_EQ(speculated, std::vector<int>({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}));
+    else  // paused after steps 0, 2 and 5 for 1, 2 and 4 steps; kept again from step 10
+      EXPECT_EQ(speculated, std::vector<int>({0, 2, 5, 10, 11}));
+  }
+  std::filesystem::remove_all(swap);
+}
+
 TEST(AsyncDevice, SelectedByConfigOrEnvironmentAndTakesWhatAGpuTakes) {
   cpu::Arena arena(1);
   Config cfg;
