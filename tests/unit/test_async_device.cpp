@@ -420,6 +420,26 @@ TEST(AsyncDevice, EnginesSharingTheCommunicatorFollowTheirOwnStreams) {
     }
 }
 
+// Three units of 4096 trained for `steps` steps, clipped (every speculation dropped) in the steps
+// below `clipped_until`: each step's StepResult.
+std::vector<StepResult> train_three_units(const Config& cfg, int steps, int clipped_until = 0) {
+  std::vector<StepResult> out;
+  Engine e(cfg, make_self_communicator());
+  for (int u = 0; u < 3; ++u) e.add_unit("u" + std::to_string(u), {Param{"w", {4096}}});
+  e.finalize();
+  for (int step = 0; step < steps; ++step) {
+    for (int u = 2; u >= 0; --u) {
+      std::vector<TensorView> g = e.grads(u);
+      std::vector<float> v = random_floats(size_t(g[0].numel), uint32_t(step * 3 + u));
+      std::memcpy(g[0].data, v.data(), v.size() * 4);
+      e.grads_ready(u);
+    }
+    if (step < clipped_until) e.clip_grad_norm(1e-9);
+    out.push_back(e.step());
+  }
+  return out;
+}
+
 // speculative_step left to the engine ("auto"): a GPU engine (here the asynchronous device
 // playing one) takes it with the optimizer state on nvme, and says so; with the state on the
 // host tier it leaves it off, saying why (a second copy of the state); a CPU engine, whose
@@ -441,21 +461,8 @@ TEST(AsyncDevice, AutomaticSpeculationTakesTheNvmeTierOnAGpu) {
       EnvVar env("ZEROSHARD_ASYNC_DEVICE", gpu ? "1" : "0");
       ::testing::internal::CaptureStderr();
       int speculated = 0;
-      {
-        Engine e(cfg, make_self_communicator());
-        for (int u = 0; u < 3; ++u) e.add_unit("u" + std::to_string(u), {Param{"w", {4096}}});
-        e.finalize();
-        for (int step = 0; step < 2; ++step) {
-          for (int u = 2; u >= 0; --u) {
-            std::vector<TensorView> g = e.grads(u);
-            std::vector<float> v = random_floats(size_t(g[0].numel), uint32_t(step * 3 + u));
-            std::memcpy(g[0].data, v.data(), v.size() * 4);
-            e.grads_ready(u);
-          }
-          const StepResult r = e.step();
-          speculated += r.speculation_kept + r.speculation_dropped;
-        }
-      }
+      for (const StepResult& r : train_three_units(cfg, 2))
+        speculated += r.speculation_kept + r.speculation_dropped;
       const std::string said = ::testing::internal::GetCapturedStderr();
       const bool takes = gpu && tier == Tier::nvme;
       EXPECT_EQ(speculated, takes ? 6 : 0) << what;
@@ -487,22 +494,11 @@ TEST(AsyncDevice, AutomaticSpeculationPausesWhileStepsKeepNothing) {
     cfg.offload_optimizer.nvme_paths = {swap.string()};
     cfg.speculative_step = mode;
     std::vector<int> speculated;  // the steps that speculated
-    {
-      Engine e(cfg, make_self_communicator());
-      for (int u = 0; u < 3; ++u) e.add_unit("u" + std::to_string(u), {Param{"w", {4096}}});
-      e.finalize();
-      for (int step = 0; step < 12; ++step) {
-        for (int u = 2; u >= 0; --u) {
-          std::vector<TensorView> g = e.grads(u);
-          std::vector<float> v = random_floats(size_t(g[0].numel), uint32_t(step * 3 + u));
-          std::memcpy(g[0].data, v.data(), v.size() * 4);
-          e.grads_ready(u);
-        }
-        if (step < 6) e.clip_grad_norm(1e-9);  // clips: every speculation is dropped
-        const StepResult r = e.step();
-        EXPECT_EQ(r.speculation_kept, step < 6 ? 0 : r.speculation_kept + r.speculation_dropped);
-        if (r.speculation_kept + r.speculation_dropped > 0) speculated.push_back(step);
-      }
+    const std::vector<StepResult> steps = train_three_units(cfg, 12, 6);
+    for (int step = 0; step < 12; ++step) {
+      const StepResult& r = steps[size_t(step)];
+      EXPECT_EQ(r.speculation_kept, step < 6 ? 0 : r.speculation_kept + r.speculation_dropped);
+      if (r.speculation_kept + r.speculation_dropped > 0) speculated.push_back(step);
     }
     if (mode == SpeculativeStep::on)
       EXPECT_EQ(speculated, std::vector<int>({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}));
