@@ -336,16 +336,7 @@ void MemoryStateTier::keep_speculation(int u, ParamSink& sink) {
   s.state1 = s.state1_buf.data();
   s.absmax0 = s.absmax0_buf.as<float>();
   s.absmax1 = s.absmax1_buf.as<float>();
-  char* target = static_cast<char*>(sink.target(u));
-  if (!target || target == sp.out) return;
-  if (sp.out == sp.own_out.data() && sink.adopt(u, sp.own_out)) {  // a swap instead of a copy
-    sp.out = sp.own_out.data();
-    return;
-  }
-  const char* from = static_cast<const char*>(sp.out);
-  arena_.parallel_chunks(ctx_.extent(u) * int64_t(ctx_.pbytes), [&](int64_t b, int64_t e) {
-    std::memcpy(target + b, from + b, size_t(e - b));
-  });
+  hand_to_sink(sink, u, sp.own_out, sp.out, size_t(ctx_.extent(u)) * ctx_.pbytes, arena_);
 }
 
 void MemoryStateTier::drop_speculation() {

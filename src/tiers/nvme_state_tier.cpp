@@ -1,5 +1,6 @@
 // The optimizer state on nvme (see nvme_state_tier.hpp): set-up, initial values, the gradient
 // cache, the swap-pipelined update with its all-or-nothing commit, and state access from disk.
+// Its speculative step is in nvme_speculation.cpp.
 #include "src/tiers/nvme_state_tier.hpp"
 
 #include <algorithm>
@@ -179,24 +180,22 @@ bool NvmeStateTier::evict(int keep) {
         break;
       }
     }
-  for (int v : grad_fifo_) {
-    if (v != victim) continue;
-    ctx_.finish_reduction(v);  // its reduction must have landed (it usually has, long ago)
-    Unit& w = units_[size_t(v)];
-    char* slot = grad_cache_.data(w.gslot);
-    char* data = ctx_.accumulation() > 1 ? slot + grad_acc_off_ : slot;
-    std::vector<Piece> ps;
-    store_.pieces(w.grad, data, &grad_cache_, true, ps);
-    w.grad_write = space_.io().submit(
-        std::move(ps), who() + "write of the gradient of unit '" + ctx_.unit(v).layout.name + "'");
-    w.wslot = w.gslot;
-    w.gslot = -1;
-    w.grad_on_disk = true;
-    erase_id(grad_fifo_, v);
-    evicting_.push_back(v);
-    return true;
-  }
-  return false;
+  if (victim < 0) return false;
+  const int v = victim;
+  ctx_.finish_reduction(v);  // its reduction must have landed (it usually has, long ago)
+  Unit& w = units_[size_t(v)];
+  char* slot = grad_cache_.data(w.gslot);
+  char* data = ctx_.accumulation() > 1 ? slot + grad_acc_off_ : slot;
+  std::vector<Piece> ps;
+  store_.pieces(w.grad, data, &grad_cache_, true, ps);
+  w.grad_write = space_.io().submit(
+      std::move(ps), who() + "write of the gradient of unit '" + ctx_.unit(v).layout.name + "'");
+  w.wslot = w.gslot;
+  w.gslot = -1;
+  w.grad_on_disk = true;
+  erase_id(grad_fifo_, v);
+  evicting_.push_back(v);
+  return true;
 }
 
 // The unit's reduce-scatter lands in its cache slot. Under accumulation a unit keeps its slot
@@ -383,9 +382,9 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
       sp.written = false;
     }
   }
-  std::vector<int> todo;  // the units the pipeline updates
+  std::vector<int> pipelined;  // the units the pipeline updates (not kept)
   for (size_t i = 0; i < units_.size(); ++i)
-    if (!keep[i]) todo.push_back(int(i));
+    if (!keep[i]) pipelined.push_back(int(i));
   int handed = 0;  // units below it went to the sink (their new values in its memory)
   auto hand_kept = [&](int end) {
     for (; handed < end; ++handed)
@@ -395,7 +394,7 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
   int exchanged = 0;  // units whose Muon direction was made (TierContext::direction)
   PipelineHooks h;
   h.read = [&](int k, int slot) {
-    const int i = todo[size_t(k)];
+    const int i = pipelined[size_t(k)];
     Unit& w = units_[size_t(i)];
     char* base = swap_pool_.data(slot);
     std::vector<Piece> ps;
@@ -410,7 +409,7 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
                                               ", and gradient)" + in_step)};
   };
   h.update = [&](int k, int slot) {
-    const int i = todo[size_t(k)];
+    const int i = pipelined[size_t(k)];
     hand_kept(i);
     Unit& w = units_[size_t(i)];
     const Record L = record(i);
@@ -435,7 +434,7 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     }
   };
   h.write = [&](int k, int slot) {
-    const int i = todo[size_t(k)];
+    const int i = pipelined[size_t(k)];
     Unit& w = units_[size_t(i)];
     char* base = swap_pool_.data(slot);
     std::vector<Piece> ps;
@@ -448,13 +447,14 @@ void NvmeStateTier::update(const std::vector<cpu::UpdateHyper>& hyper, int64_t s
     if (writes_params_) out.push_back(sink.write(i, base + record(i).lowp_off, &swap_pool_, step));
     return out;
   };
-  const PipelineResult pr = run_pipeline(space_.io(), swap_pool_, int(todo.size()), read_ahead_, h);
+  const PipelineResult pr =
+      run_pipeline(space_.io(), swap_pool_, int(pipelined.size()), read_ahead_, h);
   if (!pr.error) hand_kept(int(units_.size()));
   // A pipeline stopped by this rank's I/O error still takes part in the other units' Muon
   // exchanges (with nothing to contribute), which the other ranks are in: then all agree.
-  // (Muon takes no speculation: todo holds every unit.)
-  for (int k = exchanged; ctx_.direction && pr.error && k < int(todo.size()); ++k) {
-    const int i = todo[size_t(k)];
+  // (Muon takes no speculation: pipelined holds every unit.)
+  for (int k = exchanged; ctx_.direction && pr.error && k < int(pipelined.size()); ++k) {
+    const int i = pipelined[size_t(k)];
     cpu::UpdateArgs none;
     none.n = ctx_.shard(i);
     ctx_.direction(i, none);
@@ -491,130 +491,6 @@ void NvmeStateTier::preview(const std::vector<cpu::UpdateHyper>&, int64_t, int, 
   // The parameters' two-phase store is for state in memory; on nvme the new shards are written
   // with the records (see update()).
   ZS_THROW(internal, "preview() of the nvme state tier");
-}
-
-// ---- the speculative step ----------------------------------------------------------------------
-
-bool NvmeStateTier::matches(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step) const {
-  const Speculation& sp = spec_[size_t(u)];
-  return sp.step == step && same_update(sp.hyper, sp.runs, hyper, ctx_.unit(u).shard_runs);
-}
-
-// Unit u's gradient is final and in its cache slot (grad_reduced() just took it).
-void NvmeStateTier::speculate(int u, const std::vector<cpu::UpdateHyper>& hyper, int64_t step,
-                              void* out) {
-  if (spec_.empty()) return;
-  Speculation& sp = spec_[size_t(u)];
-  if (sp.state != kNone) drop_speculation(u);  // a second hand-over of the unit this step
-  sp.out = out ? out : sp.own_out.data();
-  ZS_CHECK(sp.out);
-  sp.grad = cached_grad(u);
-  sp.hyper = hyper;
-  sp.step = step;
-  sp.runs = ctx_.unit(u).shard_runs;  // the step's may differ (a parameter held): then dropped
-  sp.written = false;
-  sp.state = kQueued;
-  thread_.post([this, u] { run_speculation(u); });
-}
-
-// The committed record into a free swap slot, the update there (the gradient read from its
-// cache slot, which stays until the state says done), then the write to the other slot, left in
-// flight: the next speculation's read and update overlap it.
-void NvmeStateTier::run_speculation(int u) {
-  Speculation& sp = spec_[size_t(u)];
-  int queued = kQueued;
-  if (!sp.state.compare_exchange_strong(queued, kRunning)) return;  // dropped meanwhile
-  auto finished_reading = [&] {
-    {
-      std::lock_guard<std::mutex> lock(spec_mu_);
-      sp.state = kDone;
-    }
-    spec_cv_.notify_all();
-  };
-  int slot = -1;  // held here until its write is in flight
-  try {
-    while ((slot = swap_pool_.try_acquire()) < 0) reap_spec_write();
-    const Unit& w = units_[size_t(u)];  // cur and rec change only while no speculation runs
-    const std::string name = "'" + ctx_.unit(u).layout.name + "'";
-    char* base = swap_pool_.data(slot);
-    std::vector<Piece> ps;
-    store_.pieces(w.rec[w.cur], base, &swap_pool_, false, ps);
-    auto rd = space_.io().submit(std::move(ps), who() + "speculative read of unit " + name, true);
-    space_.io().wait(*rd);
-    cpu::UnitUpdate uu = unit_update(u, base, sp.grad, sp.out, sp.step);
-    uu.runs = &sp.runs;
-    std::vector<cpu::UpdateTask> tasks;
-    cpu::append_update_tasks(sp.hyper, uu, tasks);
-    cpu::run_update_tasks(arena_, tasks);
-    finished_reading();
-    wait_unpinned(u, 1 - w.cur);
-    ps.clear();
-    store_.pieces(w.rec[1 - w.cur], base, &swap_pool_, true, ps);
-    spec_writes_.push_back(
-        {u, slot,
-         space_.io().submit(std::move(ps), who() + "speculative write of unit " + name, true)});
-    slot = -1;
-  } catch (...) {
-    // Speculation is only ahead of time: the step updates the unit as usual.
-    if (slot >= 0) swap_pool_.release(slot);
-    if (sp.state == kRunning) finished_reading();
-    throw;
-  }
-}
-
-void NvmeStateTier::reap_spec_write() {
-  ZS_CHECK(!spec_writes_.empty());
-  const SpecWrite wr = std::move(spec_writes_.front());
-  spec_writes_.pop_front();
-  space_.io().settle(*wr.io);
-  spec_[size_t(wr.unit)].written = !wr.io->error();
-  swap_pool_.release(wr.slot);
-}
-
-void NvmeStateTier::drain_spec_writes() {
-  while (!spec_writes_.empty()) reap_spec_write();
-}
-
-bool NvmeStateTier::evictable(int u) {
-  int queued = kQueued;
-  if (spec_[size_t(u)].state.compare_exchange_strong(queued, kNone)) {
-    ++dropped_early_;  // counted with the step it was for
-    return true;
-  }
-  return queued != kRunning;
-}
-
-void NvmeStateTier::keep_speculation(int u, ParamSink& sink) {
-  Speculation& sp = spec_[size_t(u)];
-  char* target = static_cast<char*>(sink.target(u));
-  if (target && target != sp.out && sp.out == sp.own_out.data() && sink.adopt(u, sp.own_out)) {
-    sp.out = sp.own_out.data();  // swapped instead of copied: own_out is the old memory now
-  } else if (target && target != sp.out) {
-    const char* from = static_cast<const char*>(sp.out);
-    arena_.parallel_chunks(ctx_.shard(u) * int64_t(ctx_.pbytes), [&](int64_t b, int64_t e) {
-      std::memcpy(target + b, from + b, size_t(e - b));
-    });
-  }
-  sink.done(u);
-}
-
-void NvmeStateTier::drop_speculation(int only) {
-  if (spec_.empty()) return;
-  auto chosen = [&](size_t i) { return only < 0 || size_t(only) == i; };
-  for (size_t i = 0; i < spec_.size(); ++i) {
-    int queued = kQueued;
-    if (chosen(i) && spec_[i].state.compare_exchange_strong(queued, kNone)) ++dropped_early_;
-  }
-  thread_.settle();
-  (void)thread_.take_failure();
-  drain_spec_writes();
-  for (size_t i = 0; i < spec_.size(); ++i) {
-    Speculation& sp = spec_[i];
-    if (!chosen(i) || sp.state == kNone) continue;
-    ++dropped_early_;
-    sp.state = kNone;
-    sp.written = false;
-  }
 }
 
 // ---- state access ------------------------------------------------------------------------------

@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <utility>
+
+#include "base/ledger.hpp"
 
 namespace zeroshard {
 
@@ -25,6 +28,20 @@ bool same_update(const std::vector<cpu::UpdateHyper>& spec_hyper,
   };
   return std::equal(spec_hyper.begin(), spec_hyper.end(), hyper.begin(), hyper.end(), same_hyper) &&
          std::equal(spec_runs.begin(), spec_runs.end(), runs.begin(), runs.end(), same_run);
+}
+
+void hand_to_sink(ParamSink& sink, int u, Buffer& own, void*& out, size_t bytes,
+                  cpu::Arena& arena) {
+  char* target = static_cast<char*>(sink.target(u));
+  if (!target || target == out) return;
+  if (out == own.data() && sink.adopt(u, own)) {  // a swap instead of a copy
+    out = own.data();
+    return;
+  }
+  const char* from = static_cast<const char*>(out);
+  arena.parallel_chunks(int64_t(bytes), [&](int64_t b, int64_t e) {
+    std::memcpy(target + b, from + b, size_t(e - b));
+  });
 }
 
 SpeculationThread::~SpeculationThread() {

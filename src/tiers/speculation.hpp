@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "base/layout.hpp"
+#include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "src/tiers/tier.hpp"
 
 namespace zeroshard {
 
@@ -20,6 +22,12 @@ namespace zeroshard {
 bool same_update(const std::vector<cpu::UpdateHyper>& spec_hyper,
                  const std::vector<GroupRun>& spec_runs, const std::vector<cpu::UpdateHyper>& hyper,
                  const std::vector<GroupRun>& runs);
+
+/// A kept speculation's new low-precision values of unit u (`bytes` at `out`: the tier's `own`
+/// buffer, or memory its caller brought) made sink.target(u)'s: nothing where they are there
+/// already, a swap where the sink adopts `own` (`out` then points at own's new memory), else a
+/// copy on `arena`.
+void hand_to_sink(ParamSink& sink, int u, Buffer& own, void*& out, size_t bytes, cpu::Arena& arena);
 
 class SpeculationThread {
  public:
