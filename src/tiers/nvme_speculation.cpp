@@ -101,6 +101,11 @@ bool NvmeStateTier::evictable(int u) {
   return queued != kRunning;
 }
 
+void NvmeStateTier::wait_read(int u) {
+  std::unique_lock<std::mutex> lock(spec_mu_);
+  spec_cv_.wait(lock, [&] { return spec_[size_t(u)].state != kRunning; });
+}
+
 void NvmeStateTier::keep_speculation(int u, ParamSink& sink) {
   Speculation& sp = spec_[size_t(u)];
   hand_to_sink(sink, u, sp.own_out, sp.out, size_t(ctx_.shard(u)) * ctx_.pbytes, arena_);

@@ -182,7 +182,11 @@ bool NvmeStateTier::evict(int keep) {
     }
   if (victim < 0) return false;
   const int v = victim;
-  ctx_.finish_reduction(v);  // its reduction must have landed (it usually has, long ago)
+  // Its reduction must have landed (it usually has, long ago). Landing now hands the unit to
+  // its speculation, which must not read the slot given up here: dropped if it has not
+  // started, waited for if it has.
+  ctx_.finish_reduction(v);
+  if (!spec_.empty() && !evictable(v)) wait_read(v);
   Unit& w = units_[size_t(v)];
   char* slot = grad_cache_.data(w.gslot);
   char* data = ctx_.accumulation() > 1 ? slot + grad_acc_off_ : slot;
@@ -210,12 +214,7 @@ void* NvmeStateTier::grad_target(int u) {
       if (!evicting_.empty()) {
         reap(true);
       } else if (!evict(u)) {  // the one other slot is being read by a speculation
-        std::unique_lock<std::mutex> lock(spec_mu_);
-        spec_cv_.wait(lock, [&] {
-          return std::none_of(spec_.begin(), spec_.end(),
-                              [](const Speculation& sp) { return sp.state == kRunning; });
-        });
-        lock.unlock();
+        for (size_t v = 0; v < spec_.size(); ++v) wait_read(int(v));
         ZS_CHECK(evict(u));
       }
     }

@@ -167,6 +167,8 @@ class NvmeStateTier final : public StateTier {
   /// Whether unit u's gradient slot may be evicted: its speculation does not read it (one not
   /// started is dropped). Trainer's thread.
   bool evictable(int u);
+  /// Blocks until unit u's speculation, if running, has read its gradient. Trainer's thread.
+  void wait_read(int u);
   /// Drops every speculation (or unit u's): cancels what has not started, waits for the rest.
   void drop_speculation(int only = -1);
 
