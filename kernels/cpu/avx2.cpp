@@ -101,6 +101,9 @@ struct Avx2Vec {
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     return _mm256_i32gather_ps(code, idx, 4);
   }
+  static int64_t dequantize_wide(const QuantCode&, const uint8_t*, float, float*, int64_t) {
+    return 0;
+  }
   static T abs(T x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   // vmaxps returns its second operand when either is NaN or both are zero: a > b ? a : b.
   static T max(T a, T b) { return _mm256_max_ps(a, b); }

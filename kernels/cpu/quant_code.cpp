@@ -55,6 +55,9 @@ QuantCode build(bool is_signed) {
   }
   c.mid[255] = std::numeric_limits<float>::infinity();
   c.zero = uint8_t(std::find(c.code, c.code + 256, 0.0f) - c.code);
+  for (int i = 0; i < 256; ++i)
+    for (int b = 0; b < 4; ++b)
+      c.plane[b][i] = uint8_t(std::bit_cast<uint32_t>(c.code[i]) >> (8 * b));
   // Each bucket's value range, low end to high end; the last covers only ±1.0 (inputs are
   // normalised) and NaN.
   for (int sign = 0; sign < 2; ++sign) {

@@ -39,6 +39,9 @@ struct QuantCode {
   /// q + 1; t = 0xFFFF (never) where no midpoint lies in the bucket.
   uint32_t entry[2 * kBuckets];
   uint8_t zero;  ///< the index of 0.0
+  /// Byte b of each code point's f32 pattern (little-endian) in plane[b]: the tables of a
+  /// dequantizer that looks bytes up (AVX512-VBMI's vpermi2b) rather than floats.
+  uint8_t plane[4][256];
 
   /// The bucket of x: kBuckets × sign + the clamped magnitude key.
   ZS_QUANT_HD static int32_t bucket(uint32_t bits) {

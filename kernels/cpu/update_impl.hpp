@@ -180,7 +180,10 @@ void update_plain(const UpdateHyper& h, const UpdateArgs& a) {
 template <class V>
 void dequantize_block(const QuantCode& code, const uint8_t* q, float absmax, float* out,
                       int64_t n) {
-  split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
+  const int64_t wide = V::dequantize_wide(code, q, absmax, out, n);  // 0 on most ISAs
+  q += wide;
+  out += wide;
+  split_tail<V>(n - wide, [&]<class U>(int64_t begin, int64_t end) {
     const typename U::T scale = U::set1(absmax);
     const typename U::CodeTable table = U::code_table(code.code);
     for (int64_t i = begin; i < end; i += U::kWidth)

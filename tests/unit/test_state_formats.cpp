@@ -152,9 +152,11 @@ TEST(StateFormats, BlockQuantizationBitwiseAcrossIsas) {
 }
 
 // Every code index, in every lane position, dequantizes to its code point × absmax on every ISA
-// (AVX-512 looks codes up by register permutes and blends, one bit of the index at a time).
+// (AVX-512 looks codes up by register permutes and blends, one bit of the index at a time; with
+// VBMI, by byte permutes of 64 indices reordered first).
 TEST(StateFormats, EveryCodeDequantizesToItsPoint) {
-  const int64_t n = 256 * 17;  // index i at lane i % 16 and, shifted by one each round, others
+  // Index i at position i % 64 and, shifted by one each round, at every other of the 64.
+  const int64_t n = 256 * 65 + 7;
   std::vector<uint8_t> q(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) q[size_t(i)] = uint8_t((i + i / 256) % 256);
   const float absmax[] = {0.75f};
