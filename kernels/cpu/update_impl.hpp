@@ -221,6 +221,38 @@ float quantize_block(const QuantCode& code, const float* x, uint8_t* q, int64_t 
   return absmax;
 }
 
+// quantize_block() of both moments of a block, bitwise the same, in one pass each for the
+// absmax and the codes: the two lookups' gathers (to tables of their own) then overlap.
+template <class V>
+void quantize_both(const QuantCode& c0, const float* m, uint8_t* q0, float& absmax0,
+                   const QuantCode& c1, const float* v, uint8_t* q1, float& absmax1, int64_t n) {
+  float a0 = 0.0f, a1 = 0.0f;
+  split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
+    typename U::T acc0 = U::set1(a0), acc1 = U::set1(a1);
+    for (int64_t i = begin; i < end; i += U::kWidth) {
+      acc0 = U::max(U::abs(U::load_f32(m + i)), acc0);
+      acc1 = U::max(U::abs(U::load_f32(v + i)), acc1);
+    }
+    a0 = U::reduce_max(acc0);
+    a1 = U::reduce_max(acc1);
+  });
+  if (!(a0 > 0.0f) || !(a1 > 0.0f)) {  // an all-zero block: each on its own
+    absmax0 = quantize_block<V>(c0, m, q0, n);
+    absmax1 = quantize_block<V>(c1, v, q1, n);
+    return;
+  }
+  const float inv0 = 1.0f / a0, inv1 = 1.0f / a1;  // as quantize_with()
+  split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
+    const typename U::T s0 = U::set1(inv0), s1 = U::set1(inv1);
+    for (int64_t i = begin; i < end; i += U::kWidth) {
+      U::quantize(c0, U::load_f32(m + i) * s0, q0 + i);
+      U::quantize(c1, U::load_f32(v + i) * s1, q1 + i);
+    }
+  });
+  absmax0 = a0;
+  absmax1 = a1;
+}
+
 template <class V>
 void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
   const QuantCode& c0 = dynamic_code(true);
@@ -265,8 +297,12 @@ void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
       p.n = hi - lo;
       update_plain<V>(*segments[s].h, p);
     }
-    if (q0) a.absmax0[blk] = quantize_block<V>(c0, m, q0 + b, len);
-    if (q1) a.absmax1[blk] = quantize_block<V>(c1, v, q1 + b, len);
+    if (q0 && q1) {
+      quantize_both<V>(c0, m, q0 + b, a.absmax0[blk], c1, v, q1 + b, a.absmax1[blk], len);
+    } else {
+      if (q0) a.absmax0[blk] = quantize_block<V>(c0, m, q0 + b, len);
+      if (q1) a.absmax1[blk] = quantize_block<V>(c1, v, q1 + b, len);
+    }
   }
 }
 
