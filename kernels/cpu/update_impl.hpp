@@ -204,41 +204,44 @@ void quantize_with(const QuantCode& code, const float* x, uint8_t* q, int64_t n,
   });
 }
 
-// Quantizes x[0, n) into q and returns the block's new absmax (max |x|, NaN ignored).
+// A block's absmax: max |x| over [0, n), NaN ignored (+0 where nothing else is left).
 template <class V>
-float quantize_block(const QuantCode& code, const float* x, uint8_t* q, int64_t n) {
+float block_absmax(const float* x, int64_t n) {
   float absmax = 0.0f;
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
     typename U::T acc = U::set1(absmax);
     for (int64_t i = begin; i < end; i += U::kWidth) acc = U::max(U::abs(U::load_f32(x + i)), acc);
     absmax = U::reduce_max(acc);
   });
-  if (!(absmax > 0.0f)) {
-    for (int64_t i = 0; i < n; ++i) q[i] = code.zero;
-    return 0.0f;
-  }
-  quantize_with<V>(code, x, q, n, absmax);
   return absmax;
 }
 
-// quantize_block() of both moments of a block, bitwise the same, in one pass each for the
-// absmax and the codes: the two lookups' gathers (to tables of their own) then overlap.
+// Quantizes x[0, n), whose absmax is given, into q; an all-zero block is the code's 0.
+template <class V>
+void quantize_scaled(const QuantCode& code, const float* x, uint8_t* q, int64_t n, float absmax) {
+  if (absmax > 0.0f) return quantize_with<V>(code, x, q, n, absmax);
+  for (int64_t i = 0; i < n; ++i) q[i] = code.zero;
+}
+
+// Quantizes x[0, n) into q and returns the block's new absmax (0 for an all-zero block).
+template <class V>
+float quantize_block(const QuantCode& code, const float* x, uint8_t* q, int64_t n) {
+  const float absmax = block_absmax<V>(x, n);
+  quantize_scaled<V>(code, x, q, n, absmax);
+  return absmax;
+}
+
+// quantize_block() of both moments of a block, bitwise the same, with the two lookups
+// interleaved: their gathers (to tables of their own) then overlap.
 template <class V>
 void quantize_both(const QuantCode& c0, const float* m, uint8_t* q0, float& absmax0,
                    const QuantCode& c1, const float* v, uint8_t* q1, float& absmax1, int64_t n) {
-  float a0 = 0.0f, a1 = 0.0f;
-  split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
-    typename U::T acc0 = U::set1(a0), acc1 = U::set1(a1);
-    for (int64_t i = begin; i < end; i += U::kWidth) {
-      acc0 = U::max(U::abs(U::load_f32(m + i)), acc0);
-      acc1 = U::max(U::abs(U::load_f32(v + i)), acc1);
-    }
-    a0 = U::reduce_max(acc0);
-    a1 = U::reduce_max(acc1);
-  });
+  const float a0 = block_absmax<V>(m, n), a1 = block_absmax<V>(v, n);
+  absmax0 = a0;
+  absmax1 = a1;
   if (!(a0 > 0.0f) || !(a1 > 0.0f)) {  // an all-zero block: each on its own
-    absmax0 = quantize_block<V>(c0, m, q0, n);
-    absmax1 = quantize_block<V>(c1, v, q1, n);
+    quantize_scaled<V>(c0, m, q0, n, a0);
+    quantize_scaled<V>(c1, v, q1, n, a1);
     return;
   }
   const float inv0 = 1.0f / a0, inv1 = 1.0f / a1;  // as quantize_with()
@@ -249,8 +252,6 @@ void quantize_both(const QuantCode& c0, const float* m, uint8_t* q0, float& absm
       U::quantize(c1, U::load_f32(v + i) * s1, q1 + i);
     }
   });
-  absmax0 = a0;
-  absmax1 = a1;
 }
 
 template <class V>
