@@ -140,7 +140,8 @@ using CopyGate = Gate;
 /// Muon (src/engine_muon.cpp): each unit's Muon matrices, which rank of the shard group
 /// orthogonalises each (fixed at finalize(), balanced by the iteration's cost), and the f32
 /// buffers a unit's direction is exchanged in: this rank's extent, and the whole padded unit
-/// (stages 1–3 with more than one shard). `hyper` is the step's, while update() runs.
+/// (stages 1–3 with more than one shard), beside the iteration's scratch. `hyper` is the step's,
+/// while update() runs.
 struct MuonPlan {
   struct Matrix {
     int param = 0;  // in the unit's layout
@@ -148,8 +149,11 @@ struct MuonPlan {
     int owner = 0;  // shard rank
   };
   std::vector<std::vector<Matrix>> units;
+  // The state is in a stream device's memory (a GPU's): the direction is made there, by the
+  // device's kernels, in device buffers; else on the host by the CPU's.
+  bool on_device = false;
   Buffer mine, whole;
-  std::vector<float> scratch, wide;
+  Buffer scratch;  // the iteration's, for the largest matrix this rank orthogonalises
   const std::vector<cpu::UpdateHyper>* hyper = nullptr;
   double ns_s = 0;  // time in the Newton-Schulz iteration since the last step() read it
 };
@@ -238,9 +242,15 @@ struct Engine::Impl {
   /// the compute stream (which the collective follows) and the output is copied out of once
   /// it completed (engine_host_collective.cpp). `count` is the collective's own: all_gather's
   /// send count, reduce_scatter's recv count, all_reduce_sum's count (send == recv).
-  enum class HostOp { all_gather, reduce_scatter, all_reduce_sum };
-  void host_collective(Communicator& on, HostOp op, const float* send, float* recv, int64_t count,
-                       const std::string& what, bool exposed);
+  enum class CollectiveOp { all_gather, reduce_scatter, all_reduce_sum };
+  void host_collective(Communicator& on, CollectiveOp op, const float* send, float* recv,
+                       int64_t count, const std::string& what, bool exposed);
+  /// The same over f32 device memory of a stream engine (on which every communicator of the
+  /// engine moves device memory), following the work issued on the compute stream.
+  void device_collective(Communicator& on, CollectiveOp op, const float* send, float* recv,
+                         int64_t count, const std::string& what, bool exposed);
+  static std::shared_ptr<Work> start_collective(Communicator& on, CollectiveOp op, const float* in,
+                                                float* out, int64_t count, const std::string& what);
   /// How often a wait looks for landed reductions to cross (it wakes at once when its own
   /// collective completes): the most an all-reduce across groups starts late by.
   static constexpr double kCrossPollS = 200e-6;

@@ -10,7 +10,9 @@
 //   4. every rank zeroes what it does not own and a reduce-scatter (a sum with one non-zero
 //      term per element, so exact) hands each rank its extent of the result.
 // Stage 0 holds whole units: step 2 is skipped and step 4 is an all-reduce. One rank alone does
-// steps 1 and 3 only. docs/muon.md has the memory and communication this costs.
+// steps 1 and 3 only. Where the state is, the work is: on the host by the CPU's kernels, or in
+// a GPU's memory by its kernels and cuBLAS, exchanged over device buffers (Compute's Muon
+// kernels). docs/muon.md has the memory and communication this costs.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -29,7 +31,7 @@ void Engine::Impl::plan_muon() {
   if (!any) return;
   // Owners: cpu::assign_owners(), the planner's too.
   std::vector<double> load(size_t(topo.shard_world), 0.0);
-  int64_t mine = 0, whole = 0;
+  int64_t mine = 0, whole = 0, scratch = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     const UnitLayout& L = layout(int(u));
     std::vector<double> cost;
@@ -52,7 +54,12 @@ void Engine::Impl::plan_muon() {
       muon.units[u].push_back(m);
     }
     const std::vector<int> owner = cpu::assign_owners(cost, load);
-    for (size_t i = 0; i < owner.size(); ++i) muon.units[u][i].owner = owner[i];
+    for (size_t i = 0; i < owner.size(); ++i) {
+      MuonPlan::Matrix& m = muon.units[u][i];
+      m.owner = owner[i];
+      if (topo.shard_world == 1 || m.owner == topo.shard_rank)
+        scratch = std::max(scratch, cpu::newton_schulz_scratch(m.rows, m.cols));
+    }
     // In offset order, as muon_direction() zeroes around the matrices it owns.
     std::sort(
         muon.units[u].begin(), muon.units[u].end(),
@@ -62,11 +69,13 @@ void Engine::Impl::plan_muon() {
     if (cfg.stage > 0 && topo.shard_world > 1) whole = std::max(whole, L.padded_numel);
   }
   if (mine == 0) return;
-  muon.mine =
-      tier_ctx.buffer(Tier::host, MemKind::buffer, "muon_direction", size_t(mine) * 4, false);
+  muon.on_device = res.dev->streams() && cfg.offload_optimizer.tier == Tier::device;
+  const Tier t = muon.on_device ? Tier::device : Tier::host;
+  muon.mine = tier_ctx.buffer(t, MemKind::buffer, "muon_direction", size_t(mine) * 4, false);
   if (whole > 0)
-    muon.whole =
-        tier_ctx.buffer(Tier::host, MemKind::buffer, "muon_exchange", size_t(whole) * 4, false);
+    muon.whole = tier_ctx.buffer(t, MemKind::buffer, "muon_exchange", size_t(whole) * 4, false);
+  if (scratch > 0)
+    muon.scratch = tier_ctx.buffer(t, MemKind::buffer, "muon_scratch", size_t(scratch) * 4, false);
   tier_ctx.direction = [this](int u, const cpu::UpdateArgs& a) { return muon_direction(u, a); };
 }
 
@@ -87,11 +96,18 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   ZS_CHECK(muon.hyper != nullptr);
   const UnitLayout& L = layout(u);
   const Unit& unit = units[size_t(u)];
-  const cpu::Isa isa = res.arena.isa();
+  Compute& k = muon.on_device ? *res.dev : *res.host;
+  const auto exchange = [&](CollectiveOp op, const float* send, float* recv, int64_t count,
+                            const std::string& what) {
+    if (muon.on_device)
+      device_collective(*topo.shard_comm, op, send, recv, count, what, true);
+    else
+      host_collective(*topo.shard_comm, op, send, recv, count, what, true);
+  };
   const int64_t n = a.n;
   const int64_t start = cfg.stage == 0 ? 0 : int64_t(topo.shard_rank) * L.shard_numel;
   float* mine = muon.mine.as<float>();
-  std::fill(mine, mine + n, 0.0f);
+  k.fill(mine, 0, size_t(n) * 4);
   // 1. This rank's extent of each matrix's direction; a held matrix (no gradient this step on
   //    any rank) keeps a zero direction, which its held update never reads.
   for (const MuonPlan::Matrix& m : mats) {
@@ -99,26 +115,7 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
     const int64_t lo = std::max<int64_t>(m.offset - start, 0);
     const int64_t hi = std::min<int64_t>(m.offset + m.rows * m.cols - start, n);
     if (lo >= hi) continue;
-    const cpu::UpdateHyper& h = (*muon.hyper)[size_t(L.params[size_t(m.param)].group)];
-    // The momentum widened to f32: q8 whole blocks at a time, as the update dequantizes them.
-    const int64_t blo = a.state_format == StateFormat::q8 ? lo / a.block * a.block : lo;
-    const int64_t bhi = a.state_format == StateFormat::q8
-                            ? std::min(n, (hi + a.block - 1) / a.block * a.block)
-                            : hi;
-    muon.wide.resize(size_t(bhi - blo));
-    const size_t sb = cpu::state_bytes(a.state_format);
-    cpu::widen_moment(isa, a.state_format, static_cast<const char*>(a.state0) + size_t(blo) * sb,
-                      a.absmax0 ? a.absmax0 + blo / a.block : nullptr, bhi - blo, a.block, true,
-                      muon.wide.data());
-    float* d = mine + lo;
-    cpu::convert(isa, static_cast<const char*>(a.grad) + size_t(lo) * dtype_size(a.grad_dtype),
-                 a.grad_dtype, d, DType::f32, hi - lo);
-    const float omm = 1.0f - h.momentum;
-    for (int64_t i = 0; i < hi - lo; ++i) {
-      const float g = d[i] * h.grad_scale;
-      const float buf = h.momentum * muon.wide[size_t(lo - blo + i)] + omm * g;
-      d[i] = h.nesterov ? omm * g + h.momentum * buf : buf;
-    }
+    k.muon_average(a, (*muon.hyper)[size_t(L.params[size_t(m.param)].group)], lo, hi, mine + lo);
   }
   const bool alone = topo.shard_world == 1;
   const bool sharded = cfg.stage > 0 && !alone;
@@ -126,32 +123,33 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   float* whole = mine;
   if (sharded) {
     whole = muon.whole.as<float>();
-    host_collective(*topo.shard_comm, HostOp::all_gather, mine, whole, L.shard_numel,
-                    "unit '" + L.name + "' (Muon directions)", true);
+    exchange(CollectiveOp::all_gather, mine, whole, L.shard_numel,
+             "unit '" + L.name + "' (Muon directions)");
     count_sent(false, int64_t(topo.shard_world - 1) * L.shard_numel * 4);
   }
   // 3. This rank's matrices orthogonalised and scaled; 4. the rest zeroed, then summed.
   int64_t kept = 0;  // whole[kept, m.offset) is not this rank's
   for (const MuonPlan::Matrix& m : mats) {
     if (alone || m.owner == topo.shard_rank) {
-      if (!alone) std::fill(whole + kept, whole + m.offset, 0.0f);
+      if (!alone) k.fill(whole + kept, 0, size_t(m.offset - kept) * 4);
       kept = m.offset + m.rows * m.cols;
       if (unit.held[size_t(m.param)]) continue;
       const OptimizerOptions& o = groups[size_t(L.params[size_t(m.param)].group)];
-      float* x = whole + m.offset;
       const auto t0 = std::chrono::steady_clock::now();
-      cpu::newton_schulz(x, m.rows, m.cols, o.ns_steps, o.eps, o.ns_bf16, muon.scratch);
-      muon.ns_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const float f = lr_factor(o, m.rows, m.cols);
-      for (int64_t i = 0; i < m.rows * m.cols; ++i) x[i] *= f;
+      k.newton_schulz(whole + m.offset, m.rows, m.cols,
+                      {o.ns_steps, o.eps, o.ns_bf16, lr_factor(o, m.rows, m.cols)},
+                      muon.scratch.as<float>());
+      // On a GPU the iteration is queued: its time is in the update's, not here.
+      if (!muon.on_device)
+        muon.ns_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
   }
   if (alone) return mine;
   const int64_t total = sharded ? L.padded_numel : n;
-  std::fill(whole + kept, whole + total, 0.0f);
-  host_collective(*topo.shard_comm, sharded ? HostOp::reduce_scatter : HostOp::all_reduce_sum,
-                  sharded ? whole : mine, mine, sharded ? L.shard_numel : n,
-                  "unit '" + L.name + "' (Muon updates)", true);
+  k.fill(whole + kept, 0, size_t(total - kept) * 4);
+  exchange(sharded ? CollectiveOp::reduce_scatter : CollectiveOp::all_reduce_sum,
+           sharded ? whole : mine, mine, sharded ? L.shard_numel : n,
+           "unit '" + L.name + "' (Muon updates)");
   // A ring's reduce-scatter sends (n − 1)/n of the data; an all-reduce twice that.
   count_sent(false, (sharded ? 1 : 2) * int64_t(topo.shard_world - 1) * L.shard_numel * 4);
   return mine;

@@ -90,7 +90,7 @@ static std::vector<float> whole_param(Impl& m, UnitId id, const ParamSlot& p,
   const int64_t n = m.layout(id).shard_numel;
   std::vector<float> unit(size_t(n) * size_t(m.topo.shard_world));
   m.host_collective(
-      *m.topo.shard_comm, Impl::HostOp::all_gather, shard.data(), unit.data(), n,
+      *m.topo.shard_comm, Impl::CollectiveOp::all_gather, shard.data(), unit.data(), n,
       std::string(call) + "() of '" + p.name + "' in unit '" + m.layout(id).name + "'", false);
   return {unit.begin() + p.offset, unit.begin() + p.offset + p.numel};
 }

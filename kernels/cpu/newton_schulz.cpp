@@ -1,4 +1,4 @@
-// Muon's Newton-Schulz iteration (newton_schulz.hpp).
+// Muon's kernels on the CPU (newton_schulz.hpp).
 #include "kernels/cpu/newton_schulz.hpp"
 
 #include <algorithm>
@@ -47,6 +47,27 @@ void round_bf16(float* x, int64_t n) {
 
 }  // namespace
 
+void muon_average(Isa isa, const UpdateArgs& a, const UpdateHyper& h, int64_t lo, int64_t hi,
+                  float* d, std::vector<float>& wide) {
+  if (lo >= hi) return;
+  const bool q8 = a.state_format == StateFormat::q8;
+  const int64_t blo = q8 ? lo / a.block * a.block : lo;
+  const int64_t bhi = q8 ? std::min(a.n, (hi + a.block - 1) / a.block * a.block) : hi;
+  wide.resize(size_t(bhi - blo));
+  const size_t sb = state_bytes(a.state_format);
+  widen_moment(isa, a.state_format, static_cast<const char*>(a.state0) + size_t(blo) * sb,
+               a.absmax0 ? a.absmax0 + blo / a.block : nullptr, bhi - blo, a.block, true,
+               wide.data());
+  convert(isa, static_cast<const char*>(a.grad) + size_t(lo) * dtype_size(a.grad_dtype),
+          a.grad_dtype, d, DType::f32, hi - lo);
+  const float omm = 1.0f - h.momentum;
+  for (int64_t i = 0; i < hi - lo; ++i) {
+    const float g = d[i] * h.grad_scale;
+    const float buf = h.momentum * wide[size_t(lo - blo + i)] + omm * g;
+    d[i] = h.nesterov ? omm * g + h.momentum * buf : buf;
+  }
+}
+
 bool newton_schulz_uses_blas() {
 #ifdef ZS_HAVE_BLAS
   return true;
@@ -80,11 +101,10 @@ std::vector<int> assign_owners(const std::vector<double>& cost, std::vector<doub
 }
 
 void newton_schulz(float* x, int64_t rows, int64_t cols, int steps, float eps, bool bf16,
-                   std::vector<float>& scratch) {
+                   float* scratch) {
   const bool tall = rows > cols;
   const int64_t m = tall ? cols : rows, n = tall ? rows : cols;
-  scratch.resize(size_t(2 * m * n + 2 * m * m));
-  float* X = scratch.data();
+  float* X = scratch;
   float* Y = X + m * n;
   float* A = Y + m * n;
   float* B = A + m * m;

@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/newton_schulz.hpp"
 #include "zeroshard/types.hpp"
 
 namespace zeroshard::cuda {
@@ -78,5 +79,24 @@ void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64
 
 /// acc[i] += float(g[i]) in f32 (micro-step gradient accumulation). Any alignment.
 void accumulate(float* acc, const void* g, DType g_dtype, int64_t n, StreamHandle stream);
+
+/// Muon's direction over elements [lo, hi) of the update `a` describes, into d[0, hi − lo):
+/// cpu::muon_average, bitwise (f32, bf16 or 8-bit momentum). Device memory.
+void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t lo, int64_t hi,
+                  float* d, StreamHandle stream);
+
+/// A cuBLAS handle (cublasHandle_t, opaque) of the current device for newton_schulz(), with
+/// plain f32 products (no TF32); destroy_blas() frees it.
+void* create_blas();
+void destroy_blas(void* blas) noexcept;
+
+/// x (rows × cols, row-major, device memory) orthogonalised as cpu::newton_schulz() does it,
+/// step for step, then scaled (cpu::NsOptions): products by cuBLAS's SGEMM on `blas`, so the
+/// sums run in another order than the CPU's and the result is close to it, not bitwise.
+/// `scratch`: cpu::newton_schulz_scratch(rows, cols) device floats; `sums` two device doubles
+/// and `workspace` kSumSquaresWorkspaceBytes device bytes (the norm, as
+/// sum_squares_nonfinite() takes them).
+void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o, float* scratch,
+                   double* sums, void* workspace, void* blas, StreamHandle stream);
 
 }  // namespace zeroshard::cuda

@@ -39,6 +39,7 @@ struct UpdateParams {
   void* s0;  // moments as S (f32 or bf16)
   void* s1;
   const void* grad;
+  const float* dir;  // Muon's direction, like grad (the muon rule only)
   void* out;
   int num_runs;
   RunDesc runs[kMaxRunsPerLaunch];
@@ -52,7 +53,8 @@ __device__ __forceinline__ void update_element(const UpdateParams& P, const Cons
   float s0 = 0.0f, s1 = 0.0f;
   if constexpr (kUsesS0<R>) s0 = dev::load1<S>(P.s0, e);
   if constexpr (kUsesS1<R>) s1 = dev::load1<S>(P.s1, e);
-  update_one<R>(k, p, dev::load1<G>(P.grad, e), s0, s1);
+  const float d = kUsesDir<R> ? P.dir[e] : 0.0f;
+  update_one<R>(k, p, dev::load1<G>(P.grad, e), d, s0, s1);
   P.master[e] = p;
   if constexpr (kUsesS0<R>) dev::store1<S>(P.s0, e, s0);
   if constexpr (kUsesS1<R>) dev::store1<S>(P.s1, e, s1);
@@ -72,13 +74,14 @@ __global__ void __launch_bounds__(kThreads) update_kernel(const __grid_constant_
   const launch::RunSplit split{run.body_begin, run.body_end};
   const int64_t i = launch::body_element(split, blockIdx.x - run.first_block, threadIdx.x);
   if (i < run.body_end) {
-    float p[kVec], g[kVec], s0[kVec] = {}, s1[kVec] = {};
+    float p[kVec], g[kVec], d[kVec] = {}, s0[kVec] = {}, s1[kVec] = {};
     dev::load8f(P.master, i, p);
+    if constexpr (kUsesDir<R>) dev::load8f(P.dir, i, d);
     dev::load8<G>(P.grad, i, g);
     if constexpr (kUsesS0<R>) dev::load8<S>(P.s0, i, s0);
     if constexpr (kUsesS1<R>) dev::load8<S>(P.s1, i, s1);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) update_one<R>(k, p[j], g[j], s0[j], s1[j]);
+    for (int j = 0; j < kVec; ++j) update_one<R>(k, p[j], g[j], d[j], s0[j], s1[j]);
     dev::store8f(P.master, i, p);
     if constexpr (kUsesS0<R>) dev::store8<S>(P.s0, i, s0);
     if constexpr (kUsesS1<R>) dev::store8<S>(P.s1, i, s1);
@@ -128,9 +131,9 @@ std::vector<UpdateRun> checked_runs(const cpu::UpdateHyper* hypers, int num_hype
                                      << ") and [" << sorted[r].begin << ", " << sorted[r].end
                                      << ") overlap");
   }
-  for (const void* p :
-       {static_cast<const void*>(a.master), static_cast<const void*>(a.state0),
-        static_cast<const void*>(a.state1), a.grad, static_cast<const void*>(a.out)}) {
+  for (const void* p : {static_cast<const void*>(a.master), static_cast<const void*>(a.state0),
+                        static_cast<const void*>(a.state1), a.grad, static_cast<const void*>(a.out),
+                        static_cast<const void*>(a.dir)}) {
     if (!aligned16(p))
       ZS_THROW(invalid_argument, "cuda::optimizer_update: pointer "
                                      << p
@@ -159,10 +162,9 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
              "cuda::optimizer_update: invalid state format " << static_cast<int>(f));
   for (const UpdateRun& u : sorted) {
     const Rule rule = rule_of(hypers[u.hyper]);
-    if (rule == Rule::muon)
+    if (rule == Rule::muon && !a.dir)
       ZS_THROW(invalid_argument,
-               "cuda::optimizer_update: muon's update runs on the CPU (its "
-               "direction comes from the CPU's Newton-Schulz iteration)");
+               "cuda::optimizer_update: muon needs its direction (UpdateArgs::dir), got null");
     const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
     if ((rule != Rule::sgd && !a.state0) || (needs_s1 && !a.state1))
       ZS_THROW(invalid_argument, "cuda::optimizer_update: " << rule_name(rule) << " needs state0"
@@ -197,6 +199,7 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
       P.s0 = a.state0;
       P.s1 = a.state1;
       P.grad = a.grad;
+      P.dir = a.dir;
       P.out = a.out;
       P.num_runs = int(std::min<size_t>(kMaxRunsPerLaunch, list.size() - first));
       uint64_t blocks = 0;
@@ -216,7 +219,7 @@ void optimizer_update(const cpu::UpdateHyper* hypers, int num_hypers, const Upda
       if (blocks > uint64_t(launch::kMaxBlocks))
         ZS_THROW(invalid_argument,
                  "cuda::optimizer_update: " << a.n << " elements need more than 2^31 blocks");
-      with_gpu_rule(rule, [&](auto R) {
+      with_rule(rule, [&](auto R) {
         with_dtype(a.grad_dtype, [&](auto G) {
           with_out(out, [&](auto O) {
             constexpr Rule kR = decltype(R)::value;

@@ -25,6 +25,7 @@ using cpu::Rule;
 using cpu::rule_of;
 using cpu::with_dtype;
 using cpu::with_out;
+using cpu::with_rule;
 using Consts = cpu::UpdateConsts;
 
 inline constexpr int kThreads = 256;
@@ -33,6 +34,8 @@ template <Rule R>
 inline constexpr bool kUsesS0 = R != Rule::sgd;
 template <Rule R>
 inline constexpr bool kUsesS1 = R == Rule::adam || R == Rule::adamw;
+template <Rule R>
+inline constexpr bool kUsesDir = R == Rule::muon;  // UpdateArgs::dir, Muon's direction
 
 // sign(c) as ScalarVec::sign: ±1, +0 for ±0, NaN for NaN (c - c).
 __device__ __forceinline__ float sign_of(float c) {
@@ -41,9 +44,10 @@ __device__ __forceinline__ float sign_of(float c) {
 
 // The update of one element, in update_impl.hpp's order. C++ parses `a * b + c * d` as
 // (a*b) + (c*d) and `a * b * c` as (a*b)*c; each step here is one rounded IEEE operation.
+// `d` is the element's Muon direction (read by the muon rule only).
 template <Rule R>
-__device__ __forceinline__ void update_one(const Consts& k, float& p, float g_in, float& s0,
-                                           float& s1) {
+__device__ __forceinline__ void update_one(const Consts& k, float& p, float g_in, float d,
+                                           float& s0, float& s1) {
   float g = __fmul_rn(g_in, k.grad_scale);
   if constexpr (R == Rule::adam || R == Rule::adamw) {
     float m = s0, v = s1;
@@ -64,6 +68,10 @@ __device__ __forceinline__ void update_one(const Consts& k, float& p, float g_in
     p = __fsub_rn(p, __fmul_rn(k.lr_wd, p));
     p = __fsub_rn(p, __fmul_rn(k.lr, sign_of(dir)));
     s0 = __fadd_rn(__fmul_rn(k.beta2, m), __fmul_rn(k.omb2, g));
+  } else if constexpr (R == Rule::muon) {
+    s0 = __fadd_rn(__fmul_rn(k.momentum, s0), __fmul_rn(k.omm, g));
+    p = __fsub_rn(p, __fmul_rn(k.lr_wd, p));
+    p = __fsub_rn(p, __fmul_rn(k.lr, d));
   } else {
     g = __fadd_rn(g, __fmul_rn(k.wd, p));
     if constexpr (R == Rule::sgd_momentum || R == Rule::sgd_nesterov) {
@@ -104,33 +112,12 @@ inline const char* rule_name(Rule r) {
   return "?";
 }
 
-/// with_rule() over the rules the GPU runs. Muon's is not one: its direction comes from the
-/// CPU's Newton-Schulz iteration, so Config::validate() keeps Muon's update off the GPU
-/// (docs/muon.md) and optimizer_update() refuses it before any launch.
-template <class F>
-void with_gpu_rule(Rule r, F&& f) {
-  switch (r) {
-    case Rule::adam:
-      return f(cpu::RuleTag<Rule::adam>{});
-    case Rule::adamw:
-      return f(cpu::RuleTag<Rule::adamw>{});
-    case Rule::sgd:
-      return f(cpu::RuleTag<Rule::sgd>{});
-    case Rule::sgd_momentum:
-      return f(cpu::RuleTag<Rule::sgd_momentum>{});
-    case Rule::sgd_nesterov:
-      return f(cpu::RuleTag<Rule::sgd_nesterov>{});
-    case Rule::lion:
-      return f(cpu::RuleTag<Rule::lion>{});
-    case Rule::muon:
-      break;
-  }
-  ZS_THROW(invalid_argument,
-           "cuda::optimizer_update: the " << rule_name(r) << " rule runs on the CPU only");
-}
-
 /// 8-bit moments (update_q8.cu): `runs` are the checked, non-empty runs in begin order.
 void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector<UpdateRun>& runs,
                const cpu::UpdateArgs& a, cudaStream_t stream);
+
+/// The 8-bit code of the momentum (`is_signed`) or of Adam's second moment, in device memory of
+/// the current device (copied there on first use): code[q] × absmax is a moment's value.
+const float* q8_code(bool is_signed);
 
 }  // namespace zeroshard::cuda::detail

@@ -58,6 +58,7 @@ struct Q8Params {
   float* absmax0;
   float* absmax1;
   const void* grad;
+  const float* dir;  // Muon's direction, like grad (the muon rule only)
   void* out;
   int64_t n, block, first_block;
   int num_runs;
@@ -116,17 +117,17 @@ __host__ __device__ constexpr bool is_sgd(Rule r) {
 // One element with its set's rule: R itself, or for SGD (R names the moments the launch keeps)
 // the set's own variant.
 template <Rule R>
-__device__ __forceinline__ void update_with(Rule rule, const Consts& k, float& p, float g,
+__device__ __forceinline__ void update_with(Rule rule, const Consts& k, float& p, float g, float d,
                                             float& s0, float& s1) {
   if constexpr (is_sgd(R)) {
     if (rule == Rule::sgd_nesterov)
-      update_one<Rule::sgd_nesterov>(k, p, g, s0, s1);
+      update_one<Rule::sgd_nesterov>(k, p, g, d, s0, s1);
     else if (rule == Rule::sgd_momentum)
-      update_one<Rule::sgd_momentum>(k, p, g, s0, s1);
+      update_one<Rule::sgd_momentum>(k, p, g, d, s0, s1);
     else
-      update_one<Rule::sgd>(k, p, g, s0, s1);
+      update_one<Rule::sgd>(k, p, g, d, s0, s1);
   } else {
-    update_one<R>(k, p, g, s0, s1);
+    update_one<R>(k, p, g, d, s0, s1);
   }
 }
 
@@ -165,7 +166,8 @@ __global__ void __launch_bounds__(kThreads) update_q8_kernel(const __grid_consta
     if (r == P.num_runs || P.run_begin[r] > e) continue;  // in no run: kept as dequantized
     float p = P.master[e];
     const int set = P.run_set[r];
-    update_with<R>(P.set_rule[set], P.sets[set], p, dev::load1<G>(P.grad, e), m[k], v[k]);
+    const float d = kUsesDir<R> ? P.dir[e] : 0.0f;
+    update_with<R>(P.set_rule[set], P.sets[set], p, dev::load1<G>(P.grad, e), d, m[k], v[k]);
     P.master[e] = p;
     if constexpr (O != Out::none) dev::store1<kOutDType<O>>(P.out, e, p);
   }
@@ -174,6 +176,13 @@ __global__ void __launch_bounds__(kThreads) update_q8_kernel(const __grid_consta
 }
 
 }  // namespace
+
+const float* q8_code(bool is_signed) {
+  ensure_tables();
+  void* p = nullptr;
+  ZS_CUDA_CHECK(cudaGetSymbolAddress(&p, g_code));
+  return static_cast<const cpu::QuantCode*>(p)[is_signed ? 0 : 1].code;
+}
 
 void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector<UpdateRun>& runs,
                const cpu::UpdateArgs& a, cudaStream_t stream) {
@@ -203,6 +212,7 @@ void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector
     P.absmax0 = a.absmax0;
     P.absmax1 = a.absmax1;
     P.grad = a.grad;
+    P.dir = a.dir;
     P.out = a.out;
     P.n = a.n;
     P.block = block;
@@ -234,7 +244,7 @@ void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector
       ZS_THROW(invalid_argument, "cuda::optimizer_update: " << a.n << " elements in blocks of "
                                                             << block << " do not fit a launch");
     ensure_tables();  // after the checks above, which need no GPU
-    with_gpu_rule(rule, [&](auto R) {
+    with_rule(rule, [&](auto R) {
       with_dtype(a.grad_dtype, [&](auto G) {
         with_out(out_of(a), [&](auto O) {
           update_q8_kernel<decltype(R)::value, decltype(G)::value, decltype(O)::value>

@@ -261,6 +261,14 @@ class AsyncCpuDevice final : public StreamDevice {
       cpu_work::update(arena_, hyper, {u});
     });
   }
+  void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t lo, int64_t hi,
+                    float* d, Stream s) override {
+    cs(s)->issue([=, this] { cpu_work::muon_average(arena_, a, h, lo, hi, d, wide_); });
+  }
+  void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o, float* scratch,
+                     Stream s) override {
+    cs(s)->issue([=] { cpu_work::newton_schulz(x, rows, cols, o, scratch); });
+  }
   void sum_squares(const GradSpan& x, double* out, bool accumulate, Stream s) override {
     cs(s)->issue([=, this] {
       const double v = cpu_work::sum_squares(arena_, x);
@@ -296,6 +304,7 @@ class AsyncCpuDevice final : public StreamDevice {
   }
 
   cpu::Arena& arena_;
+  std::vector<float> wide_;  // muon_average()'s, on the one stream the engine issues it on
   const uint64_t seed_;
   const int jitter_us_;
   const AsyncComm comm_;

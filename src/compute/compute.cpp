@@ -44,6 +44,16 @@ void update(cpu::Arena& arena, const std::vector<cpu::UpdateHyper>& hyper,
   cpu::run_update_tasks(arena, tasks);
 }
 
+void muon_average(cpu::Arena& arena, const cpu::UpdateArgs& a, const cpu::UpdateHyper& h,
+                  int64_t lo, int64_t hi, float* d, std::vector<float>& wide) {
+  cpu::muon_average(arena.isa(), a, h, lo, hi, d, wide);
+}
+
+void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o, float* scratch) {
+  cpu::newton_schulz(x, rows, cols, o.steps, o.eps, o.bf16, scratch);
+  for (int64_t i = 0; i < rows * cols; ++i) x[i] *= o.scale;
+}
+
 double sum_squares(cpu::Arena& arena, const GradSpan& x) {
   return cpu::parallel_sum_squares(arena, x.data, x.dtype, x.n);
 }
@@ -75,6 +85,14 @@ class CpuCompute final : public Compute {
               const std::vector<UnitUpdate>& units) override {
     cpu_work::update(arena_, hyper, units);
   }
+  void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t lo, int64_t hi,
+                    float* d) override {
+    cpu_work::muon_average(arena_, a, h, lo, hi, d, wide_);
+  }
+  void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o,
+                     float* scratch) override {
+    cpu_work::newton_schulz(x, rows, cols, o, scratch);
+  }
   std::pair<double, bool> sum_squares(const std::vector<GradSpan>& spans) override {
     double s = 0.0;
     for (const GradSpan& g : spans) s += cpu_work::sum_squares(arena_, g);
@@ -100,6 +118,7 @@ class CpuCompute final : public Compute {
 
  private:
   cpu::Arena& arena_;
+  std::vector<float> wide_;  // muon_average()'s widened 8-bit momentum
 };
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "base/ledger.hpp"
 #include "kernels/cpu/arena.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/newton_schulz.hpp"
 #include "kernels/cpu/update_tasks.hpp"
 #include "src/compute/stream_device.hpp"
 #include "zeroshard/types.hpp"
@@ -60,6 +61,16 @@ class Compute {
   /// same on both backends), with hyper[run.group] for each run.
   virtual void update(const std::vector<cpu::UpdateHyper>& hyper,
                       const std::vector<UnitUpdate>& units) = 0;
+  /// Muon (src/engine_muon.cpp), device memory: d[0, hi − lo) = the direction made from a's
+  /// gradient and momentum over [lo, hi) of a's extent (cpu::muon_average), and a matrix
+  /// orthogonalised in place (cpu::newton_schulz, then scaled: cpu::NsOptions) with
+  /// cpu::newton_schulz_scratch() floats of device memory at `scratch`. The CPU
+  /// backends run the CPU's kernels (OpenBLAS), the GPU cuBLAS: the same steps in f32, summed in
+  /// another order, so the GPU's orthogonalisation is not bitwise the CPU's.
+  virtual void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t lo,
+                            int64_t hi, float* d) = 0;
+  virtual void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o,
+                             float* scratch) = 0;
   /// {Σ float(x)² in double over the spans (device memory), whether any element is inf or
   /// NaN}. Waits for the result. The CPU sums fixed chunks in index order; the GPU in its own
   /// fixed order (kernels/cuda/cuda_kernels.hpp): each is reproducible run to run.

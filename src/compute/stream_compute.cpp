@@ -72,6 +72,14 @@ class StreamCompute final : public Compute {
               a.out_dtype, r.end - r.begin, stream_);
     }
   }
+  void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t lo, int64_t hi,
+                    float* d) override {
+    if (lo < hi) d_->muon_average(a, h, lo, hi, d, stream_);
+  }
+  void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o,
+                     float* scratch) override {
+    if (rows > 0 && cols > 0) d_->newton_schulz(x, rows, cols, o, scratch, stream_);
+  }
   std::pair<double, bool> sum_squares(const std::vector<GradSpan>& spans) override {
     bool first = true;
     for (const GradSpan& s : spans) {

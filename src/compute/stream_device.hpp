@@ -22,6 +22,7 @@
 
 #include "base/ledger.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/newton_schulz.hpp"
 #include "kernels/cpu/update_tasks.hpp"
 #include "zeroshard/types.hpp"
 
@@ -80,6 +81,12 @@ class StreamDevice {
   /// later). No run is held (UpdateHyper::hold): StreamCompute converts those itself.
   virtual void update(const std::vector<cpu::UpdateHyper>& hyper, const cpu::UnitUpdate& unit,
                       Stream s) = 0;
+  /// Muon's two kernels (Compute::muon_average(), Compute::newton_schulz()); the arguments are
+  /// read at the call.
+  virtual void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t lo,
+                            int64_t hi, float* d, Stream s) = 0;
+  virtual void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o,
+                             float* scratch, Stream s) = 0;
   /// out[0] = Σ float(x)² (out[0] += with `accumulate`), out[1] = 1.0 once the sum or any
   /// element is not finite: two doubles of device memory (sums()).
   virtual void sum_squares(const GradSpan& x, double* out, bool accumulate, Stream s) = 0;

@@ -96,10 +96,6 @@ void check_loss_scale_and_optimizer(const Config& c) {
           "zero_optimization.offload_optimizer.device = nvme: with the optimizer state in memory "
           "the parameters' new shards are computed ahead of the update, which Muon's exchange "
           "does not support yet (docs/muon.md)");
-    if (gpu_shaped(c) && c.offload_optimizer.tier == Tier::device)
-      fail("optimizer muon with " + gpu_setting(c) +
-           " requires zero_optimization.offload_optimizer.device cpu or nvme: Muon's update and "
-           "its Newton-Schulz iteration run on the CPU (docs/muon.md)");
     return;
   }
   if (o.nesterov && (!sgd || o.momentum <= 0)) {

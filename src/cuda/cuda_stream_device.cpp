@@ -88,6 +88,14 @@ class CudaStreamDevice final : public StreamDevice {
         workspace_(device, cuda::kSumSquaresWorkspaceBytes),
         sums_(device, 2 * sizeof(double)),
         host_sums_(2 * sizeof(double)) {}
+  ~CudaStreamDevice() override {
+    if (!blas_) return;
+    int prev = -1;
+    (void)cudaGetDevice(&prev);
+    (void)cudaSetDevice(device_);
+    cuda::destroy_blas(blas_);
+    if (prev >= 0) (void)cudaSetDevice(prev);
+  }
 
   Device device() const override { return Device::cuda; }
   int device_index() const override { return device_; }
@@ -147,6 +155,24 @@ class CudaStreamDevice final : public StreamDevice {
     cuda::optimizer_update(hyper.data(), int(hyper.size()), runs_.data(), int(runs_.size()), u.args,
                            s);
   }
+  void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t lo, int64_t hi,
+                    float* d, Stream s) override {
+    cuda::DeviceGuard g(device_);
+    cuda::muon_average(a, h, lo, hi, d, s);
+  }
+  // The iteration's norm has a workspace and sums of its own: the step's sum_squares() may
+  // run on another stream.
+  void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o, float* scratch,
+                     Stream s) override {
+    cuda::DeviceGuard g(device_);
+    if (!blas_) {
+      blas_ = cuda::create_blas();
+      ns_workspace_ = cuda::DeviceBuffer(device_, cuda::kSumSquaresWorkspaceBytes);
+      ns_sums_ = cuda::DeviceBuffer(device_, 2 * sizeof(double));
+    }
+    cuda::newton_schulz(x, rows, cols, o, scratch, ns_sums_.as<double>(), ns_workspace_.data(),
+                        blas_, s);
+  }
   void sum_squares(const GradSpan& x, double* out, bool accumulate, Stream s) override {
     cuda::DeviceGuard g(device_);
     cuda::sum_squares_nonfinite(x.data, x.dtype, x.n, out, accumulate, workspace_.data(), s);
@@ -164,6 +190,8 @@ class CudaStreamDevice final : public StreamDevice {
   cuda::DeviceBuffer workspace_, sums_;  // sum_squares_nonfinite's partials and result
   cuda::PinnedBuffer host_sums_;
   std::vector<cuda::UpdateRun> runs_;  // scratch of update(): one unit's runs
+  void* blas_ = nullptr;               // newton_schulz()'s cuBLAS handle, made on first use
+  cuda::DeviceBuffer ns_workspace_, ns_sums_;
 };
 
 }  // namespace

@@ -81,6 +81,13 @@ class PlanDevice final : public Compute {
   void update(const std::vector<cpu::UpdateHyper>&, const std::vector<UnitUpdate>&) override {
     refuse("an update");
   }
+  void muon_average(const cpu::UpdateArgs&, const cpu::UpdateHyper&, int64_t, int64_t,
+                    float*) override {
+    refuse("Muon average");
+  }
+  void newton_schulz(float*, int64_t, int64_t, const cpu::NsOptions&, float*) override {
+    refuse("Newton-Schulz iteration");
+  }
   std::pair<double, bool> sum_squares(const std::vector<GradSpan>&) override { refuse("a norm"); }
   void copy(void*, const void*, size_t) override { refuse("a copy"); }
   void download(void*, const void*, size_t) override { refuse("a copy"); }

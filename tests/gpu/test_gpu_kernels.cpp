@@ -131,6 +131,8 @@ void check_update(const UpdateCase& c, int64_t n, const std::vector<cuda::Update
   std::vector<float> g = uniform(rng, size_t(n), -3.0f, 3.0f);
   sprinkle(g, true);
   const auto grad = encode(c.grad, g);
+  const std::vector<float> dir = uniform(rng, size_t(n), -1.0f, 1.0f);  // Muon's direction
+  const bool muon = c.kind == OptimizerKind::muon;
   const DType out_dt = c.has_out ? c.out : DType::f32;
   // The copy-out starts as a recognisable pattern, so untouched gaps can be checked.
   std::vector<unsigned char> out(size_t(n) * dtype_size(out_dt), 0xA5);
@@ -147,12 +149,13 @@ void check_update(const UpdateCase& c, int64_t n, const std::vector<cuda::Update
     a.grad_dtype = c.grad;
     a.out = c.has_out ? rout.data() + size_t(r.begin) * dtype_size(out_dt) : nullptr;
     a.out_dtype = out_dt;
+    a.dir = muon ? dir.data() + r.begin : nullptr;
     a.n = r.end - r.begin;
     cpu::optimizer_update(cpu::Isa::scalar, hypers[size_t(r.hyper)], a);
   }
 
   // GPU.
-  DeviceBytes dm(master), d0(s0), d1(s1), dg(grad), dout(out);
+  DeviceBytes dm(master), d0(s0), d1(s1), dg(grad), dout(out), ddir(dir);
   cpu::UpdateArgs a;
   a.master = dm.as<float>();
   a.state0 = d0.as<float>();
@@ -161,6 +164,7 @@ void check_update(const UpdateCase& c, int64_t n, const std::vector<cuda::Update
   a.grad_dtype = c.grad;
   a.out = c.has_out ? dout.data() : nullptr;
   a.out_dtype = out_dt;
+  a.dir = muon ? ddir.as<float>() : nullptr;
   a.n = n;
   zeroshard::cuda::Stream stream(0);
   cuda::optimizer_update(hypers.data(), int(hypers.size()), runs.data(), int(runs.size()), a,
@@ -192,9 +196,10 @@ std::vector<UpdateCase> all_cases() {
     float mom;
     bool nest;
   };
-  const Opt opts[] = {{OptimizerKind::adam, 0, false},  {OptimizerKind::adamw, 0, false},
-                      {OptimizerKind::sgd, 0, false},   {OptimizerKind::sgd, 0.9f, false},
-                      {OptimizerKind::sgd, 0.9f, true}, {OptimizerKind::lion, 0, false}};
+  const Opt opts[] = {{OptimizerKind::adam, 0, false},    {OptimizerKind::adamw, 0, false},
+                      {OptimizerKind::sgd, 0, false},     {OptimizerKind::sgd, 0.9f, false},
+                      {OptimizerKind::sgd, 0.9f, true},   {OptimizerKind::lion, 0, false},
+                      {OptimizerKind::muon, 0.95f, false}};
   for (const Opt& o : opts)
     for (DType gd : kDTypes) {
       cases.push_back({o.k, o.mom, o.nest, gd, false, DType::f32});
@@ -322,11 +327,14 @@ void check_compact(StateFormat f, const UpdateCase& c, int64_t n, int64_t block,
   Moments m0 = narrow(f, uniform(rng, size_t(n), -0.1f, 0.1f), block, true);
   Moments m1 = narrow(f, uniform(rng, size_t(n), 0.0f, 0.01f), block, false);
   const auto grad = encode(c.grad, uniform(rng, size_t(n), -3.0f, 3.0f));
+  const std::vector<float> dir = uniform(rng, size_t(n), -1.0f, 1.0f);  // Muon's direction
+  const bool muon = c.kind == OptimizerKind::muon;
   const DType out_dt = c.has_out ? c.out : DType::f32;
   std::vector<unsigned char> out(size_t(n) * dtype_size(out_dt), 0xA5);
   std::sort(runs.begin(), runs.end(), [](auto& x, auto& y) { return x.begin < y.begin; });
 
-  auto args = [&](void* pm, void* s0, void* s1, float* a0, float* a1, const void* g, void* o) {
+  auto args = [&](void* pm, void* s0, void* s1, float* a0, float* a1, const void* g, void* o,
+                  const float* d) {
     cpu::UpdateArgs a;
     a.master = pm;
     a.state0 = s0;
@@ -339,13 +347,14 @@ void check_compact(StateFormat f, const UpdateCase& c, int64_t n, int64_t block,
     a.grad_dtype = c.grad;
     a.out = c.has_out ? o : nullptr;
     a.out_dtype = out_dt;
+    a.dir = muon ? d : nullptr;
     a.n = n;
     return a;
   };
   std::vector<float> rm = master;
   Moments r0 = m0, r1 = m1;
   std::vector<unsigned char> rout = out;
-  DeviceBytes dm(master), d0(m0.bytes), d1(m1.bytes), dg(grad), dout(out);
+  DeviceBytes dm(master), d0(m0.bytes), d1(m1.bytes), dg(grad), dout(out), ddir(dir);
   DeviceBytes da0(m0.absmax.empty() ? std::vector<float>(1) : m0.absmax),
       da1(m1.absmax.empty() ? std::vector<float>(1) : m1.absmax);
   const bool q8 = f == StateFormat::q8;
@@ -353,7 +362,7 @@ void check_compact(StateFormat f, const UpdateCase& c, int64_t n, int64_t block,
   for (int step = 0; step < 3; ++step) {
     const cpu::UpdateArgs ra =
         args(rm.data(), r0.bytes.data(), r1.bytes.data(), q8 ? r0.absmax.data() : nullptr,
-             q8 ? r1.absmax.data() : nullptr, grad.data(), rout.data());
+             q8 ? r1.absmax.data() : nullptr, grad.data(), rout.data(), dir.data());
     if (q8) {
       std::vector<cpu::UpdateSegment> segs;
       for (const auto& r : runs)
@@ -367,12 +376,14 @@ void check_compact(StateFormat f, const UpdateCase& c, int64_t n, int64_t block,
         a.state1 = r1.bytes.data() + size_t(r.begin) * 2;
         a.grad = grad.data() + size_t(r.begin) * dtype_size(c.grad);
         a.out = c.has_out ? rout.data() + size_t(r.begin) * dtype_size(out_dt) : nullptr;
+        a.dir = muon ? dir.data() + r.begin : nullptr;
         a.n = r.end - r.begin;
         cpu::optimizer_update(cpu::Isa::scalar, hypers[size_t(r.hyper)], a);
       }
     }
-    const cpu::UpdateArgs ga = args(dm.data(), d0.data(), d1.data(), q8 ? da0.as<float>() : nullptr,
-                                    q8 ? da1.as<float>() : nullptr, dg.data(), dout.data());
+    const cpu::UpdateArgs ga =
+        args(dm.data(), d0.data(), d1.data(), q8 ? da0.as<float>() : nullptr,
+             q8 ? da1.as<float>() : nullptr, dg.data(), dout.data(), ddir.as<float>());
     cuda::optimizer_update(hypers.data(), int(hypers.size()), runs.data(), int(runs.size()), ga,
                            stream.handle());
     stream.synchronize();

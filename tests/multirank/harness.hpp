@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,8 +28,14 @@
 
 namespace zs_test {
 
-/// MPI_COMM_WORLD, created once by the test main.
+/// MPI_COMM_WORLD, created once by the test main (mpi_main.cpp, as shared_dir()).
 std::shared_ptr<zeroshard::Communicator> world();
+
+/// An empty directory "zeroshard-<name>-<id>" under the temporary directory, the same on every
+/// rank of this job and on no other: rank 0's pid is the id, since test processes that run at
+/// once (ctest -j; a group on the asynchronous device beside the same group on the CPU) must
+/// not share one. Collective.
+std::filesystem::path shared_dir(const std::string& name);
 
 /// Parameter specs of one unit: name and shape.
 struct UnitSpec {

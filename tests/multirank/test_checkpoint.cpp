@@ -14,6 +14,7 @@
 #include "zeroshard/quantize.hpp"
 
 using namespace zeroshard;
+using zs_test::shared_dir;
 using zs_test::world;
 
 namespace {
@@ -27,14 +28,6 @@ Config cfg_for(int stage, StateFormat moments = StateFormat::f32) {
   c.optimizer.lr = 1e-2f;
   c.shard_alignment = 4;
   return c;
-}
-
-std::filesystem::path shared_dir(const char* name) {
-  // One directory for all ranks (same machine): rank 0's pid, broadcast.
-  double id = world()->rank() == 0 ? double(::getpid()) : 0;
-  world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
-  return std::filesystem::temp_directory_path() /
-         ("zeroshard-ckpt-" + std::string(name) + "-" + std::to_string(int64_t(id)));
 }
 
 // Gathers a unit's whole f32 state over the ranks (for comparing across world sizes).
@@ -80,7 +73,7 @@ void expect_compact_moments(const std::filesystem::path& tag, StateFormat f) {
 TEST(Checkpoint, LoadsAtAnotherStageAndWorldSize) {
   for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
     SCOPED_TRACE(state_format_name(f));
-    auto dir = shared_dir((std::string("a") + state_format_name(f)).c_str());
+    auto dir = shared_dir(std::string("ckpt-a") + state_format_name(f));
     Engine a(cfg_for(3, f), world());
     zs_test::register_model(a, zs_test::uneven_model());
     zs_test::TrainOptions o;
@@ -132,7 +125,7 @@ TEST(Checkpoint, LoadsAtAnotherStageAndWorldSize) {
 // back (8-bit → f32 gives code × absmax exactly). Whole units, since the two formats pad shards
 // to different grains.
 TEST(Checkpoint, LoadsIntoAnotherMomentFormat) {
-  auto dir = shared_dir("formats");
+  auto dir = shared_dir("ckpt-formats");
   Engine wide(cfg_for(3, StateFormat::f32), world()), narrow(cfg_for(3, StateFormat::q8), world());
   for (Engine* e : {&wide, &narrow}) {
     zs_test::register_model(*e, zs_test::uneven_model());
@@ -173,7 +166,7 @@ TEST(Checkpoint, LoadsIntoAnotherMomentFormat) {
 // tolerated, iterations since the last overflow) come back with the scale, so the resumed run
 // halves and doubles the scale at the same steps as the uninterrupted one.
 TEST(Checkpoint, RestoresTheLossScalersCounters) {
-  auto dir = shared_dir("scaler");
+  auto dir = shared_dir("ckpt-scaler");
   Config cfg = cfg_for(2);
   cfg.dtype = DType::f16;
   cfg.loss_scale.initial_scale_power = 8;  // 2^16 would overflow f16 on the clean steps too

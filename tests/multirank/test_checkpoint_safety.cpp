@@ -23,6 +23,7 @@
 #include "zeroshard/checkpoint.hpp"
 
 using namespace zeroshard;
+using zs_test::shared_dir;
 using zs_test::world;
 namespace fs = std::filesystem;
 
@@ -45,17 +46,6 @@ Config cfg_for(int stage, Tier tier = Tier::device, StateFormat moments = StateF
     c.aio.block_size = 4096;
   }
   return c;
-}
-
-fs::path shared_dir(const std::string& name) {
-  double id = world()->rank() == 0 ? double(::getpid()) : 0;
-  world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
-  const fs::path p =
-      fs::temp_directory_path() / ("zeroshard-ckpt-" + name + "-" + std::to_string(int64_t(id)));
-  world()->barrier("checkpoint dir made");
-  if (world()->rank() == 0) fs::remove_all(p);
-  world()->barrier("checkpoint dir clean");
-  return p;
 }
 
 void cleanup(const fs::path& p) {
@@ -106,7 +96,7 @@ void train_some(Engine& e, int steps) {
 // Save, train on; a new engine loads and trains on: every state bitwise the same, and the step,
 // learning rate and other hyperparameters of every group came back from the checkpoint.
 TEST(CheckpointResume, BitwiseOnEveryStageAndTier) {
-  const fs::path dir = shared_dir("resume");
+  const fs::path dir = shared_dir("ckpt-resume");
   int n = 0;
   for (int stage : {0, 1, 2, 3})
     for (Tier tier : {Tier::device, Tier::host, Tier::nvme}) {
@@ -144,7 +134,7 @@ TEST(CheckpointResume, BitwiseOnEveryStageAndTier) {
 // the state is the checkpoint's, at every stage (stage 0 keeps the whole state, gathered after
 // the load) and with the state in host memory or on the nvme tier (through its records).
 TEST(CheckpointResume, LoadTakesNoMemoryOfItsOwn) {
-  const fs::path dir = shared_dir("in-place");
+  const fs::path dir = shared_dir("ckpt-in-place");
   for (int stage : {0, 1, 3})
     for (Tier tier : {Tier::host, Tier::nvme}) {
       if (stage == 0 && tier == Tier::nvme) continue;  // offload needs a stage >= 1
@@ -174,7 +164,7 @@ TEST(CheckpointResume, LoadTakesNoMemoryOfItsOwn) {
 // A tag is never overwritten; keep_last prunes the oldest; a name that is no plain directory
 // name is refused; inspect and verify read a checkpoint without an engine.
 TEST(CheckpointTags, NeverOverwrittenAndPrunedByKeepLast) {
-  const fs::path dir = shared_dir("tags");
+  const fs::path dir = shared_dir("ckpt-tags");
   Config c = cfg_for(2);
   c.checkpoint_keep_last = 2;
   Engine e(c, world());
@@ -211,7 +201,7 @@ TEST(CheckpointTags, NeverOverwrittenAndPrunedByKeepLast) {
 // Stage 3 prefetches the next unit of the recorded order while the trainer holds this one:
 // after a load, a gather must see the loaded parameters, not the prefetched old ones.
 TEST(CheckpointResume, LoadDropsStage3Prefetches) {
-  const fs::path dir = shared_dir("prefetch");
+  const fs::path dir = shared_dir("ckpt-prefetch");
   Engine a(cfg_for(3), world()), b(cfg_for(3), world());
   zs_test::register_model(a, zs_test::uneven_model());
   zs_test::register_model(b, zs_test::uneven_model());
@@ -252,7 +242,7 @@ void expect_refused(const std::string& name, const std::function<void(const fs::
   for (auto [tier, f] : runs) {
     const std::string what =
         name + " (" + tier_name(tier) + " tier, " + state_format_name(f) + " moments)";
-    const fs::path dir = shared_dir("damage");
+    const fs::path dir = shared_dir("ckpt-damage");
     Engine a(cfg_for(2, tier, f), world()), b(cfg_for(2, tier, f), world());
     zs_test::register_model(a, zs_test::uneven_model());
     zs_test::register_model(b, zs_test::uneven_model());
@@ -392,7 +382,7 @@ TEST(CheckpointDamage, ManifestsAndPointers) {
 // hyperparameters (load_lr_scheduler_states=False) the groups keep theirs. A root without
 // `latest` is refused, naming the tags it holds.
 TEST(CheckpointResume, LoadOptionsKeepWhatTheySay) {
-  const fs::path dir = shared_dir("options");
+  const fs::path dir = shared_dir("ckpt-options");
   Engine a(cfg_for(2), world()), b(cfg_for(2), world());
   zs_test::register_model(a, zs_test::uneven_model());
   zs_test::register_model(b, zs_test::uneven_model());
@@ -449,7 +439,7 @@ TEST(CheckpointDamage, AManifestThatDisagreesWithAHeaderNamesTheField) {
 // step and saves that tag again: the unpublished one is replaced, and the run goes on; a
 // published tag is still never overwritten.
 TEST(CheckpointTags, ARestartReplacesATagThatWasNeverPublished) {
-  const fs::path dir = shared_dir("unpublished");
+  const fs::path dir = shared_dir("ckpt-unpublished");
   Config c = cfg_for(2);
   {
     Engine a(c, world());
@@ -485,7 +475,7 @@ TEST(CheckpointTags, ARestartReplacesATagThatWasNeverPublished) {
 
 // Two saves of the same state: a file of one copied into the other is caught by its header.
 TEST(CheckpointDamage, AFileOfAnotherSave) {
-  const fs::path dir = shared_dir("mixed");
+  const fs::path dir = shared_dir("ckpt-mixed");
   Engine a(cfg_for(2), world());
   zs_test::register_model(a, zs_test::uneven_model());
   a.save(dir, "one");
@@ -513,7 +503,7 @@ TEST(CheckpointDamage, AFileOfAnotherSave) {
 // parameter's group, and a load that would resume them with another group's hyperparameters is
 // refused, naming the parameter and both groups.
 TEST(CheckpointDamage, AParameterInAnotherGroupIsNamed) {
-  const fs::path dir = shared_dir("groups");
+  const fs::path dir = shared_dir("ckpt-groups");
   Config c = cfg_for(2);
   Engine a(c, world());
   OptimizerOptions biases = c.optimizer;
@@ -539,7 +529,7 @@ TEST(CheckpointDamage, AParameterInAnotherGroupIsNamed) {
 }
 
 TEST(CheckpointDamage, AnotherModelIsNamedByItsFirstDifferentParameter) {
-  const fs::path dir = shared_dir("model");
+  const fs::path dir = shared_dir("ckpt-model");
   Engine a(cfg_for(2), world());
   zs_test::register_model(a, zs_test::uneven_model());
   a.save(dir);
@@ -568,7 +558,7 @@ TEST(CheckpointDamage, AnotherModelIsNamedByItsFirstDifferentParameter) {
 // shards with Hugging Face's index. Names that cannot be told apart are refused before anything
 // is written, and a damaged module file is found by verify and by the read.
 TEST(CheckpointExport, EveryNameOfTheModelShardedAboveALimit) {
-  const fs::path dir = shared_dir("module");
+  const fs::path dir = shared_dir("ckpt-module");
   Engine a(cfg_for(2), world());
   zs_test::register_model(a, zs_test::uneven_model());
   train_some(a, 1);
@@ -657,7 +647,7 @@ TEST(CheckpointExport, EveryNameOfTheModelShardedAboveALimit) {
 // Export to safetensors and back: a fresh engine initialised from the exported model file holds
 // the checkpoint's master weights bitwise; a file of another model is refused by name.
 TEST(CheckpointExport, SafetensorsRoundTripAndRefusal) {
-  const fs::path dir = shared_dir("export");
+  const fs::path dir = shared_dir("ckpt-export");
   Engine a(cfg_for(3), world());
   zs_test::register_model(a, zs_test::uneven_model());
   train_some(a, 2);
@@ -709,7 +699,7 @@ TEST(CheckpointExport, SafetensorsRoundTripAndRefusal) {
 // the one-rank state, bitwise (the other direction is Checkpoint.LoadsAtAnotherStageAndWorldSize).
 // Training on from there differs from the one-rank run only by the order of the gradient sums.
 TEST(CheckpointResume, FromOneRankToThisWorldSize) {
-  const fs::path dir = shared_dir("grow");
+  const fs::path dir = shared_dir("ckpt-grow");
   // Every rank trains the same one-rank engine (its synthetic gradients are rank 0's).
   Engine solo(cfg_for(2), make_self_communicator());
   zs_test::register_model(solo, zs_test::uneven_model());
@@ -737,7 +727,7 @@ TEST(CheckpointResume, FromOneRankToThisWorldSize) {
 // hold it as f32, so an f32-master engine loads it exactly, and a bf16-master engine loads
 // that engine's checkpoint back to the same bits.
 TEST(CheckpointResume, BF16MasterBitwiseAndIntoAnF32Master) {
-  const fs::path dir = shared_dir("bf16-master");
+  const fs::path dir = shared_dir("ckpt-bf16-master");
   auto bf16 = [](int stage, Tier tier) {
     Config c = cfg_for(stage, tier);
     c.bf16_master = true;
@@ -790,7 +780,7 @@ std::vector<zs_test::UnitSpec> with_wide(int64_t rows) {
 // waits for the copy before it changes the state. Without that wait the step's update runs
 // beside the copy, which then takes the moments of the first units as updated.
 TEST(CheckpointAsync, TheStepRightAfterTheCallWaitsForItsCopy) {
-  const fs::path dir = shared_dir("async-copy");
+  const fs::path dir = shared_dir("ckpt-async-copy");
   const auto big = with_wide(2048);  // 24 MB of state: its copy takes a while
   Engine a(cfg_for(2, Tier::host), world());
   zs_test::register_model(a, big);
@@ -815,7 +805,7 @@ TEST(CheckpointAsync, TheStepRightAfterTheCallWaitsForItsCopy) {
 // save_async(): the checkpoint holds the state of the moment it was called, though training
 // went on while it was written; the snapshot is in the ledger.
 TEST(CheckpointAsync, HoldsTheStateOfItsCallWhileTrainingGoesOn) {
-  const fs::path dir = shared_dir("async");
+  const fs::path dir = shared_dir("ckpt-async");
   const auto big = with_wide(1024);  // 12 MB of state: the writer takes a while
   Engine a(cfg_for(2, Tier::host), world());
   zs_test::register_model(a, big);
@@ -851,7 +841,7 @@ TEST(CheckpointAsync, HoldsTheStateOfItsCallWhileTrainingGoesOn) {
 // With the speculative step, the tier's thread writes those slots during backward, and waits the
 // same way.
 TEST(CheckpointAsync, NvmeTierKeepsItsSnapshotInItsRecordSlots) {
-  const fs::path dir = shared_dir("async-nvme");
+  const fs::path dir = shared_dir("ckpt-async-nvme");
   std::vector<zs_test::UnitSpec> many;
   for (int u = 0; u < 24; ++u)
     many.push_back({"layer" + std::to_string(u), {{"w", {256, 256}}, {"b", {256}}}});
@@ -886,7 +876,7 @@ TEST(CheckpointAsync, NvmeTierKeepsItsSnapshotInItsRecordSlots) {
 }
 
 TEST(CheckpointDamage, HyperparametersTheEngineCannotTakeChangeNothing) {
-  const fs::path dir = shared_dir("hyper");
+  const fs::path dir = shared_dir("ckpt-hyper");
   Config c = cfg_for(2);
   c.optimizer.kind = OptimizerKind::sgd;
   c.optimizer.momentum = 0.9f;
@@ -913,7 +903,7 @@ TEST(CheckpointDamage, HyperparametersTheEngineCannotTakeChangeNothing) {
 // Tensors of zero elements sit at the same offset as the one after them: an export with one
 // loads back (the reader orders tensors by begin, then end).
 TEST(CheckpointExport, ZeroSizedParametersRoundTrip) {
-  const fs::path dir = shared_dir("empty");
+  const fs::path dir = shared_dir("ckpt-empty");
   const std::vector<zs_test::UnitSpec> model = {{"u", {{"a", {2}}, {"c", {0}}, {"b", {2}}}}};
   Engine a(cfg_for(1), world());
   zs_test::register_model(a, model);

@@ -18,6 +18,7 @@
 #include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
+using zs_test::shared_dir;
 using zs_test::world;
 namespace fs = std::filesystem;
 
@@ -226,14 +227,7 @@ TEST(Hybrid, HoldsTheShardOfAWorldOfTheGroupsSize) {
 // flat checkpoint into a hierarchical engine).
 TEST(Hybrid, CheckpointsLoadIntoFlatAndHierarchicalEngines) {
   SKIP_WITHOUT_GROUPS();
-  // Rank 0's pid names the directory: test processes that run at once (ctest -j, the same
-  // group on the asynchronous device) must not share it.
-  double id = world()->rank() == 0 ? double(::getpid()) : 0;
-  world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
-  const fs::path root =
-      fs::temp_directory_path() / ("zeroshard-hybrid-ckpt-" + std::to_string(int64_t(id)));
-  if (world()->rank() == 0) fs::remove_all(root);
-  world()->barrier("test");
+  const fs::path root = shared_dir("hybrid-ckpt");
   const int group = group_sizes().back();
   for (Tier tier : {Tier::host, Tier::nvme}) {
     HybridRun r{3, DType::bf16, tier, group, 1, false};

@@ -15,10 +15,12 @@
 #include <cstring>
 #include <filesystem>
 
+#include "src/compute/compute.hpp"
 #include "tests/multirank/harness.hpp"
 #include "zeroshard/planner.hpp"
 
 using namespace zeroshard;
+using zs_test::shared_dir;
 using zs_test::world;
 namespace fs = std::filesystem;
 
@@ -99,8 +101,17 @@ Snapshot run(const Case& c, int steps = 12) {
   int taken = 0;
   for (auto& r : zs_test::train(e, opt)) taken += !r.skipped;
   EXPECT_GE(taken, steps - 3);
-  // The exchange's buffer is in the ledger, on the host.
-  EXPECT_GT(e.memory().at(Tier::host, MemKind::buffer), 0);
+  // The exchange's buffer is in the ledger, where the state is: in device memory where the
+  // device has streams (the asynchronous device playing a GPU), else on the host.
+  const MemoryReport mem = e.memory();
+  const auto dir = std::find_if(mem.buffers.begin(), mem.buffers.end(),
+                                [](const NamedBuffer& b) { return b.name == "muon_direction"; });
+  EXPECT_NE(dir, mem.buffers.end());
+  if (dir != mem.buffers.end()) {
+    EXPECT_GT(dir->bytes, 0);
+    const bool on_device = c.tier == Tier::device && async_device_selected(e.config());
+    EXPECT_EQ(dir->tier, on_device ? Tier::device : Tier::host);
+  }
   Snapshot s;
   for (int u = 0; u < e.num_units(); ++u) {
     s.param.push_back(e.read_shard(u, StateKind::param));
@@ -301,9 +312,7 @@ TEST(MuonRefuses, AVectorInAMuonGroup) {
 // engine runs the options the other tests leave alone: no Nesterov, AdamW-matched learning-rate
 // scaling, 3 iterations in bf16.
 TEST(MuonCheckpoint, ResumesBitwiseWithTheSavedSettings) {
-  const fs::path dir = fs::temp_directory_path() / "zeroshard-muon-checkpoint";
-  if (world()->rank() == 0) fs::remove_all(dir);
-  world()->barrier("muon checkpoint test: clean directory");
+  const fs::path dir = shared_dir("muon-checkpoint");
   Case saver{3, Tier::host};
   Config cfg = make_config(saver);
   cfg.optimizer.nesterov = false;
@@ -398,6 +407,7 @@ TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneUnitInFlight) {
         whole = std::max(whole, si.padded_numel);
       }
       bool direction = false, exchange = false;
+      int64_t scratch = 0;
       for (size_t i = 0; i < plan.buffers.size(); ++i) {
         EXPECT_EQ(plan.buffers[i].name, real.buffers[i].name);
         EXPECT_EQ(plan.buffers[i].bytes, real.buffers[i].bytes) << real.buffers[i].name;
@@ -409,7 +419,17 @@ TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneUnitInFlight) {
           exchange = true;
           EXPECT_EQ(real.buffers[i].bytes, 4 * whole);
         }
+        // The iteration's, for the largest matrix this rank orthogonalises: 13 x 41 (2mn + 2m²
+        // floats) on one rank; every rank owns one of the five matrices at up to 4 ranks.
+        if (real.buffers[i].name == "muon_scratch") {
+          scratch = real.buffers[i].bytes;
+          EXPECT_LE(scratch, 4 * (2 * 13 * 41 + 2 * 13 * 13));
+          if (e.world_size() == 1) {
+            EXPECT_EQ(scratch, 4 * (2 * 13 * 41 + 2 * 13 * 13));
+          }
+        }
       }
+      EXPECT_GT(scratch, 0);
       EXPECT_TRUE(direction);
       EXPECT_EQ(exchange, stage > 0 && e.world_size() > 1);
     }

@@ -17,6 +17,7 @@
 #include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
+using zs_test::shared_dir;
 using zs_test::world;
 namespace fs = std::filesystem;
 
@@ -294,10 +295,7 @@ TEST(Offload, LedgerCountsSwapFilesAndBoundedStaging) {
 // other way round, training then continues bitwise alike (Engine::save/load go through
 // read_shard/write_shard/commit_shards, which read and write the committed slots).
 TEST(Offload, CheckpointsMoveStateBetweenTiers) {
-  double id = world()->rank() == 0 ? double(::getpid()) : 0;
-  world()->all_reduce(&id, 1, ReduceOp::max, "checkpoint dir")->wait();
-  const fs::path dir =
-      fs::temp_directory_path() / ("zeroshard-offload-ckpt-" + std::to_string(int64_t(id)));
+  const fs::path dir = shared_dir("offload-ckpt");
   // Compact moments too: the nvme snapshot widens them to f32 for the file, and each tier
   // narrows them back to the same bits.
   for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
