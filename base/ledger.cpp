@@ -133,6 +133,12 @@ Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t
   if (ledger_) ledger_->add(tier_, kind_, name_, int64_t(bytes_));
 }
 
+void Buffer::populate() noexcept {
+#ifdef MADV_POPULATE_WRITE
+  if (mapped_) (void)madvise(data_, rounded_, MADV_POPULATE_WRITE);  // a hint: fine if refused
+#endif
+}
+
 Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t bytes,
                Allocator* alloc)
     : Buffer(alloc ? nullptr : ledger, tier, kind, std::move(name), alloc ? 0 : bytes) {

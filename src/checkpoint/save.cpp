@@ -397,7 +397,10 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
             Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
       }
       copied = impl_->save.snapshot.as<char>();
-      if (!in_thread) copy(copied, starts);
+      if (!in_thread) {
+        impl_->save.snapshot.populate();
+        copy(copied, starts);
+      }
     });
   } catch (const Error&) {
     std::error_code ec;
@@ -412,10 +415,12 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   }
   std::shared_ptr<CopyGate> gate;
   if (copied && in_thread) gate = std::make_shared<CopyGate>();
+  Buffer* snapshot = &impl_->save.snapshot;  // outlives the thread: finish_save() joins it first
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
   try {
     p->writer =
-        std::thread([raw, r, copied, starts, gate, copy, frozen = std::move(frozen)]() mutable {
+        std::thread([raw, r, copied, snapshot, starts, gate, copy,
+                     frozen = std::move(frozen)]() mutable {
           // The trainer first: this thread and the writers it starts (which inherit it) take
           // the cores the trainer leaves (Linux: a nice value is per thread).
           (void)::setpriority(PRIO_PROCESS, 0, 19);
@@ -428,6 +433,9 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
                   CopyGate& g;
                   ~Open() { g.open(); }
                 } open{*gate};
+                // A new snapshot's pages in one call first (a no-op once it is kept): faulted
+                // one by one by the copy they cost 3× the copy, all of it the trainer's wait.
+                snapshot->populate();
                 copy(copied, starts);
               }
               std::vector<size_t> at = starts;
