@@ -418,39 +418,37 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   Buffer* snapshot = &impl_->save.snapshot;  // outlives the thread: finish_save() joins it first
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
   try {
-    p->writer =
-        std::thread([raw, r, copied, snapshot, starts, gate, copy,
-                     frozen = std::move(frozen)]() mutable {
-          // The trainer first: this thread and the writers it starts (which inherit it) take
-          // the cores the trainer leaves (Linux: a nice value is per thread).
-          (void)::setpriority(PRIO_PROCESS, 0, 19);
-          raw->error = outcome([&] {
-            if (frozen) {
-              write_files(*raw, r, RangeSource(*raw, nullptr, frozen.get()));
-            } else {
-              if (gate) {
-                struct Open {  // however the copy ends: the trainer must not wait forever
-                  CopyGate& g;
-                  ~Open() { g.open(); }
-                } open{*gate};
-                // A new snapshot's pages in one call first (a no-op once it is kept): faulted
-                // one by one by the copy they cost 3× the copy, all of it the trainer's wait.
-                snapshot->populate();
-                copy(copied, starts);
-              }
-              std::vector<size_t> at = starts;
-              write_files(*raw, r, [&](size_t i, const Range& rg) -> const char* {
-                const char* v = copied + at[i];
-                at[i] +=
-                    size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
-                return v;
-              });
-            }
-            if (!raw->module.empty())
-              write_module_file(raw->tmp, raw->module, raw->m.save_id, tensor_names(raw->m.units));
+    p->writer = std::thread([raw, r, copied, snapshot, starts, gate, copy,
+                             frozen = std::move(frozen)]() mutable {
+      // The trainer first: this thread and the writers it starts (which inherit it) take
+      // the cores the trainer leaves (Linux: a nice value is per thread).
+      (void)::setpriority(PRIO_PROCESS, 0, 19);
+      raw->error = outcome([&] {
+        if (frozen) {
+          write_files(*raw, r, RangeSource(*raw, nullptr, frozen.get()));
+        } else {
+          if (gate) {
+            struct Open {  // however the copy ends: the trainer must not wait forever
+              CopyGate& g;
+              ~Open() { g.open(); }
+            } open{*gate};
+            // A new snapshot's pages in one call first (a no-op once it is kept): faulted
+            // one by one by the copy they cost 3× the copy, all of it the trainer's wait.
+            snapshot->populate();
+            copy(copied, starts);
+          }
+          std::vector<size_t> at = starts;
+          write_files(*raw, r, [&](size_t i, const Range& rg) -> const char* {
+            const char* v = copied + at[i];
+            at[i] += size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
+            return v;
           });
-          frozen.reset();  // the tier may write over what it kept
-        });
+        }
+        if (!raw->module.empty())
+          write_module_file(raw->tmp, raw->module, raw->m.save_id, tensor_names(raw->m.units));
+      });
+      frozen.reset();  // the tier may write over what it kept
+    });
     impl_->save.copying = std::move(gate);
   } catch (const std::system_error& e) {
     p->error = Error(ErrorCode::internal, p->at + ": cannot start its writer thread: " + e.what());
