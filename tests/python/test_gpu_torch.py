@@ -23,7 +23,8 @@ torch = pytest.importorskip("torch")
 import zeroshard as zs  # noqa: E402
 import zeroshard.torch as zt  # noqa: E402
 from zs_testutil import (  # noqa: E402
-    CLIP, EPS, LR, batches, groups, make_model, max_abs_diff, train_reference, train_zero)
+    CLIP, EPS, LR, batches, groups, loss_fn, make_model, max_abs_diff, train_reference,
+    train_zero)
 
 BOUND = 2e-5
 
@@ -234,3 +235,29 @@ def test_cuda_tensors_where_the_engine_reads_the_host_are_refused():
     c.finalize()
     with pytest.raises(zs.InvalidArgumentError, match=r"gradient of 'w'.*device type 2"):
         c.grads_ready(u, [torch.ones(4, device=dev())])
+
+
+@pytest.mark.parametrize("stage,offload", [(1, None), (3, None), (2, "cpu")])
+def test_muon_on_cuda_matches_the_float64_reference(stage, offload):
+    # Muon with its state on the GPU (the GPU's kernels, cuBLAS's products) or offloaded (the
+    # CPU's), against test_muon.py's float64 reference of torch.optim.Muon's algorithm. The
+    # bound is test_muon.py's on the CPU, 2e-5, with room for the GPU's forward, backward and
+    # iteration summing in other orders: 5e-5.
+    import test_muon
+
+    model, data = make_model(), batches(12)
+    ref, _ = test_muon.train_reference(model, data)
+    model = model.to(dev())
+    opt = zt.ZeroOptimizer(model, stage=stage, optimizer="muon",
+                           param_groups=test_muon.param_groups(model),
+                           comm=zs.make_self_communicator(), offload_optimizer=offload)
+    for tokens, labels in on(data, dev()):
+        opt.zero_grad()
+        loss_fn(model, tokens, labels).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    got = cpu(opt.model_state_dict())
+    want = {k: v.float() for k, v in ref.state_dict().items()}
+    assert max_abs_diff(got, want) <= 5e-5
+    assert max_abs_diff(got, make_model().state_dict()) > 0.05  # it trained
+    opt.close()
