@@ -65,7 +65,7 @@ struct Q8Params {
   int64_t run_begin[kMaxRuns], run_end[kMaxRuns];
   uint8_t run_set[kMaxRuns];
   Consts sets[kMaxSets];
-  Rule set_rule[kMaxSets];  // SGD groups with and without momentum may share a unit
+  Rule set_rule[kMaxSets];  // each set's own rule (update_with())
 };
 static_assert(sizeof(Q8Params) <= 4000, "kernel parameters must stay below 4 KiB");
 
@@ -110,24 +110,34 @@ __device__ __forceinline__ void requantize(const cpu::QuantCode& code, const flo
   if (threadIdx.x == 0) absmax[blk] = zero ? 0.0f : amax;
 }
 
-__host__ __device__ constexpr bool is_sgd(Rule r) {
-  return r == Rule::sgd || r == Rule::sgd_momentum || r == Rule::sgd_nesterov;
-}
-
-// One element with its set's rule: R itself, or for SGD (R names the moments the launch keeps)
-// the set's own variant.
+// One element by its set's own rule. R names the moments the launch dequantizes and
+// requantizes: those of every rule in it, as the CPU's update_q8 keeps them (SGD groups with and
+// without momentum may share a unit, and a Muon engine's AdamW groups a Muon unit).
 template <Rule R>
 __device__ __forceinline__ void update_with(Rule rule, const Consts& k, float& p, float g, float d,
                                             float& s0, float& s1) {
-  if constexpr (is_sgd(R)) {
-    if (rule == Rule::sgd_nesterov)
-      update_one<Rule::sgd_nesterov>(k, p, g, d, s0, s1);
-    else if (rule == Rule::sgd_momentum)
-      update_one<Rule::sgd_momentum>(k, p, g, d, s0, s1);
-    else
+  switch (rule) {
+    case Rule::adam:
+      if constexpr (kUsesS1<R>) update_one<Rule::adam>(k, p, g, d, s0, s1);
+      break;
+    case Rule::adamw:
+      if constexpr (kUsesS1<R>) update_one<Rule::adamw>(k, p, g, d, s0, s1);
+      break;
+    case Rule::muon:
+      if constexpr (kUsesS0<R>) update_one<Rule::muon>(k, p, g, d, s0, s1);
+      break;
+    case Rule::lion:
+      if constexpr (kUsesS0<R>) update_one<Rule::lion>(k, p, g, d, s0, s1);
+      break;
+    case Rule::sgd_momentum:
+      if constexpr (kUsesS0<R>) update_one<Rule::sgd_momentum>(k, p, g, d, s0, s1);
+      break;
+    case Rule::sgd_nesterov:
+      if constexpr (kUsesS0<R>) update_one<Rule::sgd_nesterov>(k, p, g, d, s0, s1);
+      break;
+    case Rule::sgd:
       update_one<Rule::sgd>(k, p, g, d, s0, s1);
-  } else {
-    update_one<R>(k, p, g, d, s0, s1);
+      break;
   }
 }
 
@@ -190,11 +200,16 @@ void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector
   if (block < 1 || block > cpu::kMaxStateBlock)
     ZS_THROW(invalid_argument, "cuda::optimizer_update: q8 block of "
                                    << block << " elements (1.." << cpu::kMaxStateBlock << ")");
-  // The rule whose moments the launch keeps: one optimizer kind throughout, but SGD groups with
-  // and without momentum may share a unit (then momentum is kept, as Engine::num_states does).
-  Rule rule = rule_of(hypers[runs[0].hyper]);
-  for (const UpdateRun& u : runs)
-    if (rule_of(hypers[u.hyper]) != Rule::sgd && is_sgd(rule)) rule = Rule::sgd_momentum;
+  // The rule whose moments the launch keeps: both where any run is Adam's, else the first
+  // moment where any run keeps one (update_with() then runs each set's own rule).
+  Rule rule = Rule::sgd;
+  for (const UpdateRun& u : runs) {
+    const Rule r = rule_of(hypers[u.hyper]);
+    if (r == Rule::adam || r == Rule::adamw)
+      rule = r;
+    else if (r != Rule::sgd && rule == Rule::sgd)
+      rule = r;
+  }
   const bool needs_s1 = rule == Rule::adam || rule == Rule::adamw;
   if ((rule != Rule::sgd && !a.absmax0) || (needs_s1 && !a.absmax1))
     ZS_THROW(invalid_argument, "cuda::optimizer_update: q8 moments need their absmax arrays");

@@ -462,6 +462,17 @@ TEST_F(GpuKernels, EightBitMomentsMixedSgdRules) {
   }
 }
 
+// A Muon engine's unit holds Muon and AdamW runs, some sharing an 8-bit block: the launch keeps
+// both moments and each run takes its own rule, as on the CPU.
+TEST_F(GpuKernels, CompactMomentsMuonBesideAdamW) {
+  const UpdateCase c{OptimizerKind::muon, 0.95f, false, DType::bf16, true, DType::bf16};
+  const std::vector<cuda::UpdateRun> runs = {{0, 1001, 0}, {1001, 2002, 1}, {2002, 3000, 2}};
+  std::vector<cpu::UpdateHyper> hypers = hypers_for(c);
+  hypers[1].kind = OptimizerKind::adamw;
+  for (StateFormat f : {StateFormat::bf16, StateFormat::q8})
+    check_compact(f, c, 3000, 256, runs, 16u, hypers);
+}
+
 // ---- sum_squares_nonfinite ----------------------------------------------------------------------
 
 struct SumResult {
