@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) update_q8_kernel(const __grid_consta
     if (r == P.num_runs || P.run_begin[r] > e) continue;  // in no run: kept as dequantized
     float p = P.master[e];
     const int set = P.run_set[r];
-    const float d = kUsesDir<R> ? P.dir[e] : 0.0f;
+    const float d = P.set_rule[set] == Rule::muon ? P.dir[e] : 0.0f;  // the set's rule, not R
     update_with<R>(P.set_rule[set], P.sets[set], p, dev::load1<G>(P.grad, e), d, m[k], v[k]);
     P.master[e] = p;
     if constexpr (O != Out::none) dev::store1<kOutDType<O>>(P.out, e, p);

@@ -432,8 +432,9 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
               CopyGate& g;
               ~Open() { g.open(); }
             } open{*gate};
-            // A new snapshot's pages in one call first (a no-op once it is kept): faulted
-            // one by one by the copy they cost 3× the copy, all of it the trainer's wait.
+            // A new snapshot's pages in one call first (once it is kept, a walk over pages
+            // already there): faulted one by one by the copy they cost 3× the copy, all of it
+            // the trainer's wait.
             snapshot->populate();
             copy(copied, starts);
           }

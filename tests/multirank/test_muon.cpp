@@ -341,6 +341,8 @@ TEST(MuonCheckpoint, ResumesBitwiseWithTheSavedSettings) {
       const auto x = a.read_shard(u, k), y = b.read_shard(u, k);
       EXPECT_TRUE(same_bits(x, y)) << "unit " << u;
     }
+  world()->barrier("muon checkpoint test: done");
+  if (world()->rank() == 0) fs::remove_all(dir);
 }
 
 // A matrix no rank has a gradient for in a step is left as it is, momentum included (torch's
