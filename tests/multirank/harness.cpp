@@ -1,5 +1,7 @@
 #include "tests/multirank/harness.hpp"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 
@@ -7,6 +9,22 @@
 
 namespace zs_test {
 using namespace zeroshard;
+
+std::filesystem::path process_dir(const std::string& name) {
+  static std::vector<std::filesystem::path> made;
+  static const struct Sweep {
+    ~Sweep() {
+      for (const auto& p : made) {
+        std::error_code ec;
+        std::filesystem::remove(p, ec);  // only an empty directory: anything left stays to see
+      }
+    }
+  } sweep;
+  const std::filesystem::path p = std::filesystem::temp_directory_path() /
+                                  ("zeroshard-" + name + "-" + std::to_string(::getpid()));
+  if (std::filesystem::create_directories(p)) made.push_back(p);
+  return p;
+}
 
 std::vector<UnitSpec> uneven_model() {
   return {

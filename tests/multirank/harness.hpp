@@ -37,6 +37,10 @@ std::shared_ptr<zeroshard::Communicator> world();
 /// not share one. Collective.
 std::filesystem::path shared_dir(const std::string& name);
 
+/// A directory "zeroshard-<name>-<pid>" under the temporary directory, this process's own (a
+/// rank's swap files), made here and removed when the process ends if the engines left it empty.
+std::filesystem::path process_dir(const std::string& name);
+
 /// Parameter specs of one unit: name and shape.
 struct UnitSpec {
   std::string name;

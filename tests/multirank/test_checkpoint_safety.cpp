@@ -7,7 +7,6 @@
 // succeeds.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -39,10 +38,8 @@ Config cfg_for(int stage, Tier tier = Tier::device, StateFormat moments = StateF
   c.shard_alignment = 4;
   c.offload_optimizer.tier = tier;
   if (tier == Tier::nvme) {
-    const fs::path swap =
-        fs::temp_directory_path() / ("zeroshard-ckpt-swap-" + std::to_string(::getpid()));
-    fs::create_directories(swap);  // per rank; the engine removes its run directory in it
-    c.offload_optimizer.nvme_paths = {swap.string()};
+    // Per rank; the engine removes its run directory in it.
+    c.offload_optimizer.nvme_paths = {zs_test::process_dir("ckpt-swap").string()};
     c.aio.block_size = 4096;
   }
   return c;

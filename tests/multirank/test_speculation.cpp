@@ -6,7 +6,6 @@
 // between backward and step(), that hold a parameter no rank gave a gradient, and (f16) that
 // overflow, at every stage, dtype, accumulation and moment format, on both tiers, on 1–4 ranks.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -53,11 +52,9 @@ constexpr int kSteps = 12;
 
 // The optimizer state on the nvme tier, in a directory of this process's.
 void swap_to_disk(Config& cfg) {
-  const auto swap = std::filesystem::temp_directory_path() /
-                    ("zeroshard-spec-swap-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(swap);  // the engine removes its run directory in it
   cfg.offload_optimizer.tier = Tier::nvme;
-  cfg.offload_optimizer.nvme_paths = {swap.string()};
+  // The engine removes its run directory in it.
+  cfg.offload_optimizer.nvme_paths = {zs_test::process_dir("spec-swap").string()};
   cfg.aio.block_size = 4096;
 }
 
