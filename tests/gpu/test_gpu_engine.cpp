@@ -256,63 +256,73 @@ TEST(GpuEngineMuon, MatchesTheCpuEngine) {
       {"layer", {{"w", {11, 23}}, {"b", {23}}, {"w2", {9, 9}}}},
       {"head", {{"w", {13, 41}}, {"b", {41}}}},
   };
-  for (int stage : {1, 3})
-    for (Tier tier : {Tier::device, Tier::host})
-      for (StateFormat f : {StateFormat::f32, StateFormat::q8}) {
-        SCOPED_TRACE("stage " + std::to_string(stage) + ", " + tier_name(tier) + ", moments " +
-                     state_format_name(f));
-        const Case c{stage, DType::bf16, tier, 1, 0.0, false, Tier::device, f};
-        auto muon_config = [&](Device d) {
-          Config cfg = config(c, d);
-          cfg.optimizer.kind = OptimizerKind::muon;
-          cfg.optimizer.lr = 2e-2f;
-          cfg.optimizer.momentum = 0.95f;
-          cfg.optimizer.nesterov = true;
-          cfg.shard_alignment = 8;  // shards cut through matrices
-          return cfg;
-        };
-        OptimizerOptions adamw;
-        adamw.kind = OptimizerKind::adamw;
-        adamw.lr = 1e-2f;
-        zs_test::TrainOptions opt;
-        opt.steps = 6;
-        Engine cpu_e(muon_config(Device::cpu), world());
-        cpu_e.add_group(adamw);
-        zs_test::register_model(cpu_e, model, 1);
-        zs_test::train(cpu_e, opt);
-        Engine gpu_e(muon_config(Device::cuda), world());
-        gpu_e.add_group(adamw);
-        zs_test::register_model(gpu_e, model, 1);
-        auto stream = static_cast<cudaStream_t>(gpu_e.stream());
-        opt.download = [stream](void* host, const void* dev, size_t bytes) {
-          ZS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDefault, stream));
-          ZS_CUDA_CHECK(cudaStreamSynchronize(stream));
-        };
-        zs_test::train(gpu_e, opt);
-        // On the GPU the directions differ in the last bits, and so do the gradients after
-        // (they depend on the parameters): the parameters move 2e-2 × O(1) a step, so 1e-3 is
-        // a small fraction of six steps and far below a wrong iteration's error. An 8-bit
-        // momentum may then round to the next code here and there: a few % of its largest.
-        // The parameters are bf16: a master 1e-3 off may round to the next bf16 value (2^-8
-        // relative). A NaN fails (the comparison is false), as any wrong value does.
-        for (int u = 0; u < cpu_e.num_units(); ++u)
-          for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0}) {
-            const std::vector<float> a = cpu_e.read_shard(u, k), b = gpu_e.read_shard(u, k);
-            ASSERT_EQ(a.size(), b.size());
-            double top = 0;
-            for (float x : a) top = std::max(top, double(std::fabs(x)));
-            int64_t off = 0;
-            for (size_t i = 0; i < a.size(); ++i) {
-              double bound = 0;  // the host tier: the CPU's kernels on both, bitwise
-              if (tier == Tier::device && k == StateKind::state0)
-                bound = f == StateFormat::q8 ? 5e-2 * top : 1e-4;
-              else if (tier == Tier::device)
-                bound = 1e-3 + (k == StateKind::param ? std::ldexp(std::fabs(a[i]), -7) : 0.0);
-              off += !(std::fabs(double(a[i]) - double(b[i])) <= bound);
-            }
-            EXPECT_EQ(off, 0) << "unit " << u << " state " << int(k) << ": elements out of bounds";
+  struct Where {
+    int stage;
+    Tier tier;
+    bool nccl;  // one rank over NCCL, as a one-GPU job runs, instead of MPI
+  };
+  for (Where w :
+       {Where{0, Tier::device, false}, Where{1, Tier::device, false}, Where{1, Tier::host, false},
+        Where{3, Tier::device, false}, Where{3, Tier::host, false}, Where{3, Tier::device, true}})
+    for (StateFormat f : {StateFormat::f32, StateFormat::q8}) {
+      if (w.nccl && world()->size() > 1) continue;  // NCCL allows one rank per GPU
+      const int stage = w.stage;
+      const Tier tier = w.tier;
+      SCOPED_TRACE("stage " + std::to_string(stage) + ", " + tier_name(tier) + ", moments " +
+                   state_format_name(f) + (w.nccl ? ", NCCL" : ""));
+      const Case c{stage, DType::bf16, tier, 1, 0.0, w.nccl, Tier::device, f};
+      auto muon_config = [&](Device d) {
+        Config cfg = config(c, d);
+        cfg.optimizer.kind = OptimizerKind::muon;
+        cfg.optimizer.lr = 2e-2f;
+        cfg.optimizer.momentum = 0.95f;
+        cfg.optimizer.nesterov = true;
+        cfg.shard_alignment = 8;  // shards cut through matrices
+        return cfg;
+      };
+      OptimizerOptions adamw;
+      adamw.kind = OptimizerKind::adamw;
+      adamw.lr = 1e-2f;
+      zs_test::TrainOptions opt;
+      opt.steps = 6;
+      Engine cpu_e(muon_config(Device::cpu), world());
+      cpu_e.add_group(adamw);
+      zs_test::register_model(cpu_e, model, 1);
+      zs_test::train(cpu_e, opt);
+      Engine gpu_e(muon_config(Device::cuda),
+                   w.nccl ? make_nccl_communicator(0, make_self_communicator()) : world());
+      gpu_e.add_group(adamw);
+      zs_test::register_model(gpu_e, model, 1);
+      auto stream = static_cast<cudaStream_t>(gpu_e.stream());
+      opt.download = [stream](void* host, const void* dev, size_t bytes) {
+        ZS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDefault, stream));
+        ZS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      };
+      zs_test::train(gpu_e, opt);
+      // On the GPU the directions differ in the last bits, and so do the gradients after
+      // (they depend on the parameters): the parameters move 2e-2 × O(1) a step, so 1e-3 is
+      // a small fraction of six steps and far below a wrong iteration's error. An 8-bit
+      // momentum may then round to the next code here and there: a few % of its largest.
+      // The parameters are bf16: a master 1e-3 off may round to the next bf16 value (2^-8
+      // relative). A NaN fails (the comparison is false), as any wrong value does.
+      for (int u = 0; u < cpu_e.num_units(); ++u)
+        for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0}) {
+          const std::vector<float> a = cpu_e.read_shard(u, k), b = gpu_e.read_shard(u, k);
+          ASSERT_EQ(a.size(), b.size());
+          double top = 0;
+          for (float x : a) top = std::max(top, double(std::fabs(x)));
+          int64_t off = 0;
+          for (size_t i = 0; i < a.size(); ++i) {
+            double bound = 0;  // the host tier: the CPU's kernels on both, bitwise
+            if (tier == Tier::device && k == StateKind::state0)
+              bound = f == StateFormat::q8 ? 5e-2 * top : 1e-4;
+            else if (tier == Tier::device)
+              bound = 1e-3 + (k == StateKind::param ? std::ldexp(std::fabs(a[i]), -7) : 0.0);
+            off += !(std::fabs(double(a[i]) - double(b[i])) <= bound);
           }
-      }
+          EXPECT_EQ(off, 0) << "unit " << u << " state " << int(k) << ": elements out of bounds";
+        }
+    }
 }
 
 TEST(GpuEngineConfig, RejectsWhatTheGpuEngineDoesNotDo) {
