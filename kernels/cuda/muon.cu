@@ -14,16 +14,17 @@
 #include "kernels/cpu/newton_schulz.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
+#include "kernels/cuda/launch_math.hpp"
 #include "kernels/cuda/update_one.cuh"
 
 namespace zeroshard::cuda {
 namespace {
 
-constexpr int kThreads = detail::kThreads;
+using launch::kThreads;
 
-unsigned blocks_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return unsigned(b < 65535 ? b : 65535);  // grid-stride loops cover the rest
+// One element per thread, in grid-stride loops over the element-wise grid (launch_math.hpp).
+unsigned grid(int64_t n) {
+  return launch::grid_for(n, launch::kMaxGrid);
 }
 
 // The momentum of element e, widened: f32 or bf16 as stored, or code × absmax (8-bit).
@@ -32,8 +33,8 @@ __global__ void __launch_bounds__(kThreads)
     average_kernel(const void* grad, const void* s0, const float* absmax, const float* code,
                    int64_t block, int64_t lo, int64_t n, float gs, float mu, float omm,
                    bool nesterov, float* d) {
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * kThreads) {
+  for (int64_t i = launch::first_vector(blockIdx.x, threadIdx.x); i < n;
+       i += launch::grid_stride(gridDim.x)) {
     const int64_t e = lo + i;
     float m;
     if constexpr (F == StateFormat::q8)
@@ -53,16 +54,16 @@ __device__ __forceinline__ float round_bf16(float x) {
 }
 
 __global__ void __launch_bounds__(kThreads) round_kernel(float* x, int64_t n) {
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * kThreads)
+  for (int64_t i = launch::first_vector(blockIdx.x, threadIdx.x); i < n;
+       i += launch::grid_stride(gridDim.x))
     x[i] = round_bf16(x[i]);
 }
 
 // out (cols × rows) = inᵀ × scale, with in rows × cols; both row-major.
 __global__ void __launch_bounds__(kThreads)
     transpose_kernel(const float* in, int64_t rows, int64_t cols, float scale, float* out) {
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < rows * cols;
-       i += int64_t(gridDim.x) * kThreads) {
+  for (int64_t i = launch::first_vector(blockIdx.x, threadIdx.x); i < rows * cols;
+       i += launch::grid_stride(gridDim.x)) {
     const int64_t r = i / cols, c = i % cols;
     out[c * rows + r] = __fmul_rn(in[i], scale);
   }
@@ -70,8 +71,8 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads)
     scale_kernel(const float* in, int64_t n, float scale, float* out) {
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * kThreads)
+  for (int64_t i = launch::first_vector(blockIdx.x, threadIdx.x); i < n;
+       i += launch::grid_stride(gridDim.x))
     out[i] = __fmul_rn(in[i], scale);
 }
 
@@ -81,8 +82,8 @@ __global__ void __launch_bounds__(kThreads)
   float norm = float(sqrt(sums[0]));
   if (bf16) norm = round_bf16(norm);
   const float inv = norm < eps ? eps : norm;  // std::max(norm, eps): a NaN norm stays NaN
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * kThreads) {
+  for (int64_t i = launch::first_vector(blockIdx.x, threadIdx.x); i < n;
+       i += launch::grid_stride(gridDim.x)) {
     const float y = __fdiv_rn(x[i], inv);
     x[i] = bf16 ? round_bf16(y) : y;
   }
@@ -105,7 +106,7 @@ void gemm(cublasHandle_t h, int64_t m, int64_t n, int64_t k, float alpha, const 
 
 void round_all(float* x, int64_t n, bool bf16, cudaStream_t s) {
   if (!bf16) return;
-  round_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, n);
+  round_kernel<<<grid(n), kThreads, 0, s>>>(x, n);
   ZS_CUDA_CHECK_LAUNCH("cuda::newton_schulz (bf16 rounding)");
 }
 
@@ -123,9 +124,9 @@ void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t l
   cpu::with_dtype(a.grad_dtype, [&](auto G) {
     constexpr DType kG = decltype(G)::value;
     auto launch = [&](auto kernel) {
-      kernel<<<blocks_for(hi - lo), kThreads, 0, s>>>(a.grad, a.state0, a.absmax0, code, a.block,
-                                                      lo, hi - lo, h.grad_scale, h.momentum,
-                                                      1.0f - h.momentum, h.nesterov, d);
+      kernel<<<grid(hi - lo), kThreads, 0, s>>>(a.grad, a.state0, a.absmax0, code, a.block, lo,
+                                                hi - lo, h.grad_scale, h.momentum,
+                                                1.0f - h.momentum, h.nesterov, d);
     };
     if (f == StateFormat::q8)
       launch(average_kernel<kG, StateFormat::q8>);
@@ -169,14 +170,14 @@ void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o
   float* A = Y + m * n;
   float* B = A + m * m;
   if (tall) {
-    transpose_kernel<<<blocks_for(m * n), kThreads, 0, s>>>(x, rows, cols, 1.0f, X);
+    transpose_kernel<<<grid(m * n), kThreads, 0, s>>>(x, rows, cols, 1.0f, X);
     ZS_CUDA_CHECK_LAUNCH("cuda::newton_schulz (transpose)");
   } else {
     ZS_CUDA_CHECK(cudaMemcpyAsync(X, x, size_t(m * n) * 4, cudaMemcpyDeviceToDevice, s));
   }
   round_all(X, m * n, o.bf16, s);
   sum_squares_nonfinite(X, DType::f32, m * n, sums, false, workspace, s);
-  normalize_kernel<<<blocks_for(m * n), kThreads, 0, s>>>(X, m * n, sums, o.eps, o.bf16);
+  normalize_kernel<<<grid(m * n), kThreads, 0, s>>>(X, m * n, sums, o.eps, o.bf16);
   ZS_CUDA_CHECK_LAUNCH("cuda::newton_schulz (normalize)");
   for (int step = 0; step < o.steps; ++step) {
     gemm(h, m, m, n, 1.0f, X, X, true, 0.0f, A);  // A = X·Xᵀ
@@ -190,9 +191,9 @@ void newton_schulz(float* x, int64_t rows, int64_t cols, const cpu::NsOptions& o
     std::swap(X, Y);
   }
   if (tall)
-    transpose_kernel<<<blocks_for(m * n), kThreads, 0, s>>>(X, m, n, o.scale, x);
+    transpose_kernel<<<grid(m * n), kThreads, 0, s>>>(X, m, n, o.scale, x);
   else
-    scale_kernel<<<blocks_for(m * n), kThreads, 0, s>>>(X, m * n, o.scale, x);
+    scale_kernel<<<grid(m * n), kThreads, 0, s>>>(X, m * n, o.scale, x);
   ZS_CUDA_CHECK_LAUNCH("cuda::newton_schulz (scale)");
 }
 

@@ -97,6 +97,15 @@ void expect_plan_is_ledger(const Config& cfg, const std::vector<zs_test::UnitSpe
     EXPECT_EQ(plan.buffers[i].bytes, real.buffers[i].bytes) << "plan of " << real.buffers[i].name;
 }
 
+// The trainer's copies of TrainOptions (upload, download): on `s`, after the engine's work there,
+// waited for.
+auto copy_on(cudaStream_t s) {
+  return [s](void* dst, const void* src, size_t bytes) {
+    ZS_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
+    ZS_CUDA_CHECK(cudaStreamSynchronize(s));
+  };
+}
+
 class GpuEngine : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuEngine, MatchesTheCpuEngine) {
@@ -129,10 +138,7 @@ TEST_P(GpuEngine, MatchesTheCpuEngine) {
   ASSERT_NE(gpu_e.stream(), nullptr);
   // Reads follow the engine's work on its stream (stage 0's update returns without waiting).
   auto stream = static_cast<cudaStream_t>(gpu_e.stream());
-  opt.download = [stream](void* host, const void* dev, size_t bytes) {
-    ZS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDefault, stream));
-    ZS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  };
+  opt.download = copy_on(stream);
   const std::vector<StepResult> got = zs_test::train(gpu_e, opt);
 
   ASSERT_EQ(got.size(), want.size());
@@ -227,14 +233,8 @@ TEST(GpuEngineStreams, TrainerStreamAndDeviceGradients) {
     gpu_e.set_stream(mine);
     ASSERT_EQ(gpu_e.stream(), static_cast<void*>(mine));
     // Host memory the uploads read stays alive until the stream has passed them.
-    opt.upload = [mine](void* dev, const void* host, size_t bytes) {
-      ZS_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyDefault, mine));
-      ZS_CUDA_CHECK(cudaStreamSynchronize(mine));
-    };
-    opt.download = [mine](void* host, const void* dev, size_t bytes) {
-      ZS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDefault, mine));
-      ZS_CUDA_CHECK(cudaStreamSynchronize(mine));
-    };
+    opt.upload = copy_on(mine);
+    opt.download = copy_on(mine);
     zs_test::train(gpu_e, opt);
     for (int u = 0; u < cpu_e.num_units(); ++u)
       for (StateKind k : {StateKind::param, StateKind::master, StateKind::state0}) {
@@ -294,10 +294,7 @@ TEST(GpuEngineMuon, MatchesTheCpuEngine) {
       gpu_e.add_group(adamw);
       zs_test::register_model(gpu_e, model, 1);
       auto stream = static_cast<cudaStream_t>(gpu_e.stream());
-      opt.download = [stream](void* host, const void* dev, size_t bytes) {
-        ZS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDefault, stream));
-        ZS_CUDA_CHECK(cudaStreamSynchronize(stream));
-      };
+      opt.download = copy_on(stream);
       zs_test::train(gpu_e, opt);
       // On the GPU the directions differ in the last bits, and so do the gradients after
       // (they depend on the parameters): the parameters move 2e-2 × O(1) a step, so 1e-3 is
