@@ -694,6 +694,41 @@ def test_compiled_model_trains_as_eager(stage):
         assert all("disable" in str(r.reason) for r in explained.break_reasons), explained.break_reasons
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_compiled_modules_train_as_eager_with_no_graph_break(stage):
+    # compile_modules(): at stage 3 each unit's module is compiled whole with fullgraph=True,
+    # so a graph break anywhere in it raises; its hooks (the gathering) stay outside. At stage 0
+    # it is the model's forward. Training gives eager's parameters, and Dynamo counts no break.
+    data = batches(3)
+    results = []
+    for compiled in (False, True):
+        model = _GptLike()
+        opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, weight_decay=0.0,
+                               gradient_clipping=CLIP, comm=zs.make_self_communicator())
+        if not hasattr(torch, "compile"):
+            with pytest.raises(zs.InvalidArgumentError, match=r"needs torch.compile"):
+                opt.compile_modules()
+            return
+        if compiled:
+            from torch._dynamo.utils import counters
+            torch._dynamo.reset()
+            counters.clear()
+            names = opt.compile_modules(backend="aot_eager")
+            # The model's own forward (it reads the gates, the root unit) calls the others.
+            assert names == ([""] if stage < 3 else [
+                "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.h.2",
+                "transformer.ln_f", "head"]), opt.units
+        train_zero(opt, model, data, 0, 1)
+        results.append(opt.model_state_dict())
+    assert max_abs_diff(results[0], results[1]) <= BOUND
+    assert max_abs_diff(results[1], _GptLike().state_dict()) > 100 * BOUND  # it trained
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # They ran compiled: one graph per module class (the blocks share theirs).
+    assert counters["stats"]["unique_graphs"] >= (1 if stage < 3 else 4), dict(counters["stats"])
+    opt.close()  # gives the modules their own forward() back
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+
 @pytest.mark.parametrize("stage,offload", [(0, None), (1, None), (2, "cpu"), (3, None)])
 def test_full_grad_is_the_reduced_gradient_after_backward(stage, offload):
     # DeepSpeed's safe_get_full_grad, for logging: after backward and before step(), the mean

@@ -65,6 +65,42 @@ def test_model_from_config_trains_as_with_adamw(name, stage):
     opt.close()
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "bert"])
+def test_stage3_compiled_modules_train_as_eager(name):
+    # Stage 3 with a unit per block (unit_numel below a block's size), the way a large model
+    # is split, and compile_modules(): each block, the embeddings and the head (tied to the
+    # embedding in GPT-2 and BERT) compiled whole (fullgraph), with eager's result.
+    if not hasattr(torch, "compile"):
+        pytest.skip(f"torch {torch.__version__} has no torch.compile")
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = build(name)
+    model.train()
+    ref = copy.deepcopy(model)
+    results = []
+    for m in (ref, model):
+        opt = zt.ZeroOptimizer(m, stage=3, lr=1e-2, unit_numel=16384,
+                               comm=zs.make_self_communicator())
+        if m is model:
+            torch._dynamo.reset()
+            counters.clear()
+            names = opt.compile_modules(backend="aot_eager")
+            blocks = [n for n in names if n.endswith((".h.0", ".layers.0", ".layer.0"))]
+            assert len(opt.units) >= 4 and blocks, (names, opt.units)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            ids = torch.randint(0, 64, (4, 16), generator=g)
+            opt.zero_grad()
+            m(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+        results.append(opt.model_state_dict())
+        opt.close()
+    for k, w in results[0].items():
+        if w.is_floating_point():
+            assert (results[1][k] - w).abs().max().item() <= BOUND, k
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_export_loads_with_from_pretrained(name, tmp_path):
     # A trained model's checkpoint, exported in shards, with the config the user adds: the

@@ -46,8 +46,7 @@ class _GatherPart:
             # the garbage collector cannot see a cycle back to the optimizer.
             p._zs_unit = weakref.ref(u)
         u.pre, u.post = _eager(self._make_pre_forward(u)), _eager(self._make_post_forward(u))
-        self._hooks.append(_first_pre_hook(u.module, u.pre))
-        self._hooks.append(u.module.register_forward_hook(u.post))
+        self._hook_forward(u.module, u.pre, u.post)
 
     def _gather_for(self, module, units):
         """module's forward gathers `units` as their own modules' forwards do (and again for
@@ -59,9 +58,47 @@ class _GatherPart:
         def post(m, args, out):
             for u in reversed(units):
                 u.post(m, args, out)
-        pre, post = _eager(pre), _eager(post)
+        self._hook_forward(module, _eager(pre), _eager(post))
+
+    def _hook_forward(self, module, pre, post):
         self._hooks.append(_first_pre_hook(module, pre))
         self._hooks.append(module.register_forward_hook(post))
+        self._gathering.add(id(module))
+
+    def compile_modules(self, **options):
+        """torch.compile the forward() of each largest module that has trainable parameters and
+        no gathering module inside it, with fullgraph=True unless `options` (torch.compile's
+        keywords) say otherwise; returns their names ("" for the model itself). At stage 3
+        those are the units' modules (each transformer block, say) and the modules that read
+        another unit's weight (a tied head): their gathering hooks run around forward(),
+        outside the compiled code, so each compiles whole, with no graph break, as FSDP2's
+        per-block compile does; the code around them (the loop over blocks, the loss) stays
+        eager. At stages 0-2 it is the model's forward. torch.compile(model) compiles the
+        code around the units too, with a graph break at each stage-3 unit's hooks
+        (docs/python.md). close() gives the modules their own forward() back."""
+        if not hasattr(torch, "compile"):
+            raise _core.InvalidArgumentError(
+                f"ZeroOptimizer.compile_modules() needs torch.compile (torch >= 2.0); this is "
+                f"torch {torch.__version__}")
+        options = {"fullgraph": True, **options}
+        compiled, seen = [], set()
+
+        def visit(name, m):
+            if id(m) in seen or not any(p.requires_grad for p in m.parameters()):
+                return
+            seen.add(id(m))
+            gathering_inside = any(id(c) in self._gathering for c in m.modules() if c is not m)
+            if type(m).forward is not torch.nn.Module.forward and not gathering_inside:
+                self._forward_methods.append((m, "forward", m.__dict__.get("forward")))
+                # Its forward, not nn.Module.compile(), which compiles the hooks as well.
+                m.forward = torch.compile(m.forward, **options)
+                compiled.append(name)
+                return
+            for n, c in m.named_children():
+                visit(f"{name}.{n}" if name else n, c)
+
+        visit("", self.model)
+        return compiled
 
     def _make_pre_forward(self, u):
         def hook(module, inputs):

@@ -159,6 +159,7 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         self.last_result = None
         self._engine_options = [self._options(g) for g in self.param_groups]
         self._built = True  # param_groups are the engine's from here on (add_param_group)
+        self._gathering = set()  # stage 3: ids of the modules whose forward hooks gather
         if self.stage < 3:
             for u in self._units:
                 for p, v in zip(u.params, self.engine.params(u.index)):
