@@ -28,9 +28,15 @@
 // (StepResult::optimizer_s) and a compute of 1.5 × the backward played (predict_step() takes
 // backward as 2/3 of it). On nvme the "update" is the whole swapped step (nvme_s).
 //
+// --phases P holds one engine at a time, for models whose two engines do not fit in memory
+// together (1 B parameters on the host tier): 2P phases alternate, the engine without
+// speculation first; each builds its engine, runs two untimed rounds, then rounds / P timed ones
+// (the speculative engine alternating kept and rollback steps), and frees it. The ratios are
+// then each pair of phases' medians.
+//
 //   speculative_step_bench [--n 100000000] [--unit 4000000] [--backward-ms 5] [--threads 2]
 //                          [--rounds 7] [--device cpu|async] [--stage 3] [--nvme DIR]
-//                          [--grad-buffers 2] [--moments f32|bf16]
+//                          [--grad-buffers 2] [--moments f32|bf16] [--phases P]
 
 #include <tbb/global_control.h>
 
@@ -66,13 +72,14 @@ struct Options {
   std::string nvme;       // empty: the host tier
   int grad_buffers = -1;  // -1: the engine's default
   StateFormat moments = StateFormat::f32;
+  int phases = 0;  // 0: both engines at once, rounds alternated
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "%s\nusage: speculative_step_bench [--n N] [--unit U] [--backward-ms MS] "
                "[--threads T] [--rounds R>=7] [--device cpu|async] [--stage 1|2|3] "
-               "[--nvme DIR] [--grad-buffers B] [--moments f32|bf16]\n",
+               "[--nvme DIR] [--grad-buffers B] [--moments f32|bf16] [--phases P]\n",
                why.c_str());
   std::exit(2);
 }
@@ -103,6 +110,8 @@ Options parse(int argc, char** argv) {
       o.grad_buffers = std::atoi(val);
     else if (arg == "--moments" && (std::string(val) == "f32" || std::string(val) == "bf16"))
       o.moments = std::string(val) == "f32" ? StateFormat::f32 : StateFormat::bf16;
+    else if (arg == "--phases")
+      o.phases = std::atoi(val);
     else
       usage("unknown flag " + arg);
   }
@@ -111,6 +120,8 @@ Options parse(int argc, char** argv) {
   if (o.threads < 1) usage("bad --threads");
   if (o.rounds < 7) usage("--rounds must be at least 7 (rule 9)");
   if (o.stage < 1 || o.stage > 3) usage("--stage must be 1, 2 or 3");
+  if (o.phases < 0 || (o.phases > 0 && o.rounds % o.phases != 0))
+    usage("--phases must divide --rounds");
   return o;
 }
 
@@ -155,6 +166,14 @@ struct Times {
   std::vector<double> backward, wait, update;
   int kept = 0, dropped = 0;
 };
+
+void append(Times& to, const Times& from) {
+  to.backward.insert(to.backward.end(), from.backward.begin(), from.backward.end());
+  to.wait.insert(to.wait.end(), from.wait.begin(), from.wait.end());
+  to.update.insert(to.update.end(), from.update.begin(), from.update.end());
+  to.kept += from.kept;
+  to.dropped += from.dropped;
+}
 
 // One training step: the backward the trainer plays, then step() (after clip_grad_norm() with
 // `clip`, when > 0).
@@ -205,39 +224,69 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> grad(size_t(o.n));
   for (int64_t i = 0; i < o.n; ++i)
     grad[size_t(i)] = zc::float_to_bf16(zs_bench::hashed(i, -1e-3f, 1e-3f));
-  std::unique_ptr<Engine> off = make_engine(o, false), on = make_engine(o, true);
   Times t_off, t_kept, t_back;
-  auto run_off = [&](Times& t) { train_step(*off, o, grad, 0, t); };
-  auto run_kept = [&](Times& t) { train_step(*on, o, grad, 0, t); };
-  auto run_back = [&](Times& t) { train_step(*on, o, grad, 1e-9, t); };
-  {  // warm-up, untimed: threads start, and pages are first written. Two rounds: the
-     // speculative engine's two copies of the moments alternate, and each one's pages fault
-     // in the first step that writes it (0.3-0.45 s each at 100 M parameters).
-    Times w;
-    for (int r = 0; r < 2; ++r) run_off(w), run_kept(w), run_back(w);
-  }
-  for (int r = 0; r < o.rounds; ++r) {
-    for (int k = 0; k < 3; ++k) switch ((r + k) % 3) {
-        case 0:
-          run_off(t_off);
-          break;
-        case 1:
-          run_kept(t_kept);
-          break;
-        default:
-          run_back(t_back);
+  std::vector<double> kept_ratio, back_ratio;
+  Config spec_cfg;
+  if (o.phases == 0) {
+    std::unique_ptr<Engine> off = make_engine(o, false), on = make_engine(o, true);
+    spec_cfg = on->config();
+    auto run_off = [&](Times& t) { train_step(*off, o, grad, 0, t); };
+    auto run_kept = [&](Times& t) { train_step(*on, o, grad, 0, t); };
+    auto run_back = [&](Times& t) { train_step(*on, o, grad, 1e-9, t); };
+    {  // warm-up, untimed: threads start, and pages are first written. Two rounds: the
+       // speculative engine's two copies of the moments alternate, and each one's pages fault
+       // in the first step that writes it (0.3-0.45 s each at 100 M parameters).
+      Times w;
+      for (int r = 0; r < 2; ++r) run_off(w), run_kept(w), run_back(w);
+    }
+    for (int r = 0; r < o.rounds; ++r) {
+      for (int k = 0; k < 3; ++k) switch ((r + k) % 3) {
+          case 0:
+            run_off(t_off);
+            break;
+          case 1:
+            run_kept(t_kept);
+            break;
+          default:
+            run_back(t_back);
+        }
+    }
+    for (int r = 0; r < o.rounds; ++r) {
+      kept_ratio.push_back(t_kept.wait[size_t(r)] / t_off.wait[size_t(r)]);
+      back_ratio.push_back(t_back.wait[size_t(r)] / t_off.wait[size_t(r)]);
+    }
+  } else {
+    const int per = o.rounds / o.phases;
+    for (int ph = 0; ph < o.phases; ++ph) {
+      Times off, kept, back, w;
+      {
+        std::unique_ptr<Engine> e = make_engine(o, false);
+        for (int r = 0; r < 2; ++r) train_step(*e, o, grad, 0, w);
+        for (int r = 0; r < per; ++r) train_step(*e, o, grad, 0, off);
       }
+      {
+        std::unique_ptr<Engine> e = make_engine(o, true);
+        spec_cfg = e->config();
+        for (int r = 0; r < 2; ++r) train_step(*e, o, grad, 0, w), train_step(*e, o, grad, 1e-9, w);
+        for (int r = 0; r < per; ++r) {
+          const bool kept_first = r % 2 == 0;
+          train_step(*e, o, grad, kept_first ? 0 : 1e-9, kept_first ? kept : back);
+          train_step(*e, o, grad, kept_first ? 1e-9 : 0, kept_first ? back : kept);
+        }
+      }
+      std::printf("phase %d: off %.3f s, kept %.3f s, rollback %.3f s (median waits)\n", ph,
+                  median(off.wait), median(kept.wait), median(back.wait));
+      kept_ratio.push_back(median(kept.wait) / median(off.wait));
+      back_ratio.push_back(median(back.wait) / median(off.wait));
+      append(t_off, off), append(t_kept, kept), append(t_back, back);
+    }
+    std::printf("\n");
   }
   const int units = int(o.n / o.unit);
   // On nvme a speculation the gradient cache could not wait for is dropped: counted below.
   if ((o.nvme.empty() && t_kept.kept != o.rounds * units) || t_back.dropped != o.rounds * units ||
       t_kept.kept + t_kept.dropped != o.rounds * units)
     usage("speculation was not kept (or dropped) where the benchmark expects it");
-  std::vector<double> kept_ratio, back_ratio;
-  for (int r = 0; r < o.rounds; ++r) {
-    kept_ratio.push_back(t_kept.wait[size_t(r)] / t_off.wait[size_t(r)]);
-    back_ratio.push_back(t_back.wait[size_t(r)] / t_off.wait[size_t(r)]);
-  }
   // The planner's view of the same engine, at the update rate measured here.
   MachineRates rates;
   rates.update_params_per_s = double(o.n) / median(t_off.update);
@@ -251,7 +300,7 @@ int main(int argc, char** argv) {
   std::vector<PlanUnit> units_plan;
   for (int u = 0; u < units; ++u)
     units_plan.push_back({"layer" + std::to_string(u), {Param{"w", {o.unit}}}});
-  const StepPrediction p = predict_step(on->config(), units_plan, 1, rates);
+  const StepPrediction p = predict_step(spec_cfg, units_plan, 1, rates);
   std::printf(
       "| step | backward s | wait in step() s | wait / off's | update in it s | predicted wait "
       "s |\n|---|---|---|---|---|---|\n");
