@@ -718,6 +718,7 @@ def test_compiled_modules_train_as_eager_with_no_graph_break(stage):
             assert names == ([""] if stage < 3 else [
                 "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.h.2",
                 "transformer.ln_f", "head"]), opt.units
+            assert opt.compile_modules() == []  # compiled already
         train_zero(opt, model, data, 0, 1)
         results.append(opt.model_state_dict())
     assert max_abs_diff(results[0], results[1]) <= BOUND

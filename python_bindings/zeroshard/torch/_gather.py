@@ -75,13 +75,15 @@ class _GatherPart:
         per-block compile does; the code around them (the loop over blocks, the loss) stays
         eager. At stages 0-2 it is the model's forward. torch.compile(model) compiles the
         code around the units too, with a graph break at each stage-3 unit's hooks
-        (docs/python.md). close() gives the modules their own forward() back."""
+        (docs/python.md). A second call leaves the modules compiled already as they are; close()
+        gives them their own forward() back."""
         if not hasattr(torch, "compile"):
             raise _core.InvalidArgumentError(
                 f"ZeroOptimizer.compile_modules() needs torch.compile (torch >= 2.0); this is "
                 f"torch {torch.__version__}")
         options = {"fullgraph": True, **options}
-        compiled, seen = [], set()
+        compiled = []
+        seen = {id(m) for m, name, _ in self._forward_methods if name == "forward"}  # done
 
         def visit(name, m):
             if id(m) in seen or not any(p.requires_grad for p in m.parameters()):

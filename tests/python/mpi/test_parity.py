@@ -55,6 +55,22 @@ def test_matches_adamw_on_the_whole_batch(stage, offload):
                              f"= {diff:.3g} (bound {BOUND}), moved {moved:.3g}")
 
 
+def test_stage3_compiled_modules_match_adamw():
+    # compile_modules() on every rank: the units' forwards compiled whole (fullgraph), their
+    # gathering around them, collective, as in eager.
+    if not hasattr(torch, "compile"):
+        pytest.skip(f"torch {torch.__version__} has no torch.compile")
+    comm, rank, size = world()
+    model, data = make_model(), batches(STEPS)
+    ref = train_reference(model, data)
+    opt = zero_opt(model, 3)
+    names = opt.compile_modules(backend="aot_eager")
+    train_zero(opt, model, data, rank, size)
+    diff = max_abs_diff(opt.model_state_dict(), ref.state_dict())
+    assert agree(comm, diff <= BOUND and names == ["embed", "proj", "norm", "head"]), (
+        f"rank {rank}: max |zero - adamw| = {diff:.3g} (bound {BOUND}), compiled {names}")
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hierarchical_sharding_matches_adamw(stage):
     # Groups of one rank: every rank holds whole shards, replicated; the reduced gradients are
