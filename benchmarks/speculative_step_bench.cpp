@@ -29,10 +29,10 @@
 // backward as 2/3 of it). On nvme the "update" is the whole swapped step (nvme_s).
 //
 // --phases P holds one engine at a time, for models whose two engines do not fit in memory
-// together (1 B parameters on the host tier): 2P phases alternate, the engine without
-// speculation first; each builds its engine, runs two untimed rounds, then rounds / P timed ones
-// (the speculative engine alternating kept and rollback steps), and frees it. The ratios are
-// then each pair of phases' medians.
+// together (1 B parameters on the host tier): P pairs of phases, the engine without speculation
+// first in even pairs and second in odd ones; each phase builds its engine, runs two untimed
+// rounds, then rounds / P timed ones (the speculative engine alternating kept and rollback
+// steps), and frees it. The ratios are each pair's medians (P values, not one per round).
 //
 //   speculative_step_bench [--n 100000000] [--unit 4000000] [--backward-ms 5] [--threads 2]
 //                          [--rounds 7] [--device cpu|async] [--stage 3] [--nvme DIR]
@@ -256,24 +256,30 @@ int main(int argc, char** argv) {
       back_ratio.push_back(t_back.wait[size_t(r)] / t_off.wait[size_t(r)]);
     }
   } else {
+    // Each engine: two untimed rounds (the speculative one's alternate a kept and a rollback
+    // step, so both copies of its moments have their pages), then `per` timed ones.
     const int per = o.rounds / o.phases;
+    auto run_off = [&](Times& off) {
+      std::unique_ptr<Engine> e = make_engine(o, false);
+      Times w;
+      for (int r = 0; r < 2 + per; ++r) train_step(*e, o, grad, 0, r < 2 ? w : off);
+    };
+    auto run_spec = [&](Times& kept, Times& back) {
+      std::unique_ptr<Engine> e = make_engine(o, true);
+      spec_cfg = e->config();
+      Times w;
+      for (int r = 0; r < 2 + per; ++r) {
+        const bool kept_first = r % 2 == 0;
+        train_step(*e, o, grad, kept_first ? 0 : 1e-9, r < 2 ? w : kept_first ? kept : back);
+        train_step(*e, o, grad, kept_first ? 1e-9 : 0, r < 2 ? w : kept_first ? back : kept);
+      }
+    };
     for (int ph = 0; ph < o.phases; ++ph) {
-      Times off, kept, back, w;
-      {
-        std::unique_ptr<Engine> e = make_engine(o, false);
-        for (int r = 0; r < 2; ++r) train_step(*e, o, grad, 0, w);
-        for (int r = 0; r < per; ++r) train_step(*e, o, grad, 0, off);
-      }
-      {
-        std::unique_ptr<Engine> e = make_engine(o, true);
-        spec_cfg = e->config();
-        for (int r = 0; r < 2; ++r) train_step(*e, o, grad, 0, w), train_step(*e, o, grad, 1e-9, w);
-        for (int r = 0; r < per; ++r) {
-          const bool kept_first = r % 2 == 0;
-          train_step(*e, o, grad, kept_first ? 0 : 1e-9, kept_first ? kept : back);
-          train_step(*e, o, grad, kept_first ? 1e-9 : 0, kept_first ? back : kept);
-        }
-      }
+      Times off, kept, back;
+      if (ph % 2 == 0)  // which engine comes first alternates, as drift and the page faults of
+        run_off(off), run_spec(kept, back);  // the engine freed before it would favour one
+      else
+        run_spec(kept, back), run_off(off);
       std::printf("phase %d: off %.3f s, kept %.3f s, rollback %.3f s (median waits)\n", ph,
                   median(off.wait), median(kept.wait), median(back.wait));
       kept_ratio.push_back(median(kept.wait) / median(off.wait));
@@ -285,7 +291,8 @@ int main(int argc, char** argv) {
   const int units = int(o.n / o.unit);
   // On nvme a speculation the gradient cache could not wait for is dropped: counted below.
   if ((o.nvme.empty() && t_kept.kept != o.rounds * units) || t_back.dropped != o.rounds * units ||
-      t_kept.kept + t_kept.dropped != o.rounds * units)
+      t_kept.kept + t_kept.dropped != o.rounds * units || t_back.kept != 0 ||
+      t_off.kept + t_off.dropped != 0)
     usage("speculation was not kept (or dropped) where the benchmark expects it");
   // The planner's view of the same engine, at the update rate measured here.
   MachineRates rates;

@@ -730,6 +730,43 @@ def test_compiled_modules_train_as_eager_with_no_graph_break(stage):
     assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
+def test_compile_modules_leaves_out_what_gathers_inside():
+    # At stage 3 a module whose own method gathers (register_forward_method) is not compiled,
+    # its children are; close() undoes the changes in reverse, so a method registered on a
+    # compiled module does not bring the compiled forward back.
+    if not hasattr(torch, "compile"):
+        pytest.skip(f"torch {torch.__version__} has no torch.compile")
+    model = _GptLike()
+    h = model.transformer["h"]
+    opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
+    opt.register_forward_method(h[1], "forward")
+    names = opt.compile_modules(backend="aot_eager")
+    assert "transformer.h.1.fc" in names and "transformer.h.1" not in names, names
+    assert "transformer.h.0" in names, names
+    train_zero(opt, model, batches(1), 0, 1)  # fullgraph: a gathering inside would raise
+    opt.register_forward_method(h[0], "forward")  # on top of the compiled forward
+    opt.close()
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    with pytest.raises(zs.InvalidArgumentError, match="after close"):
+        opt.compile_modules()
+
+
+def test_a_deep_copy_of_a_compiled_model_runs_its_own_parameters():
+    # An EMA or evaluation copy taken after compile_modules() (stage 0: the model's forward).
+    if not hasattr(torch, "compile"):
+        pytest.skip(f"torch {torch.__version__} has no torch.compile")
+    model = _GptLike()
+    opt = zt.ZeroOptimizer(model, stage=0, lr=LR, comm=zs.make_self_communicator())
+    assert opt.compile_modules(backend="aot_eager") == [""]
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+        tokens = batches(1)[0][0]
+        assert torch.equal(twin(tokens), twin.head.bias.expand(len(tokens), -1))
+        assert not torch.equal(model(tokens), twin(tokens))
+
+
 @pytest.mark.parametrize("stage,offload", [(0, None), (1, None), (2, "cpu"), (3, None)])
 def test_full_grad_is_the_reduced_gradient_after_backward(stage, offload):
     # DeepSpeed's safe_get_full_grad, for logging: after backward and before step(), the mean

@@ -87,6 +87,7 @@ def test_stage3_compiled_modules_train_as_eager(name):
             names = opt.compile_modules(backend="aot_eager")
             blocks = [n for n in names if n.endswith((".h.0", ".layers.0", ".layer.0"))]
             assert len(opt.units) >= 4 and blocks, (names, opt.units)
+            assert all("forward" in m.get_submodule(n).__dict__ for n in names)
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
             ids = torch.randint(0, 64, (4, 16), generator=g)
@@ -99,6 +100,7 @@ def test_stage3_compiled_modules_train_as_eager(name):
         if w.is_floating_point():
             assert (results[1][k] - w).abs().max().item() <= BOUND, k
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])  # they ran compiled
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])

@@ -3,6 +3,7 @@ after, and gathering on demand (gathered(), register_forward_method())."""
 
 import contextlib
 import functools
+import types
 import weakref
 
 import torch
@@ -18,8 +19,8 @@ from ._units import GradState, _tensors
 def _eager(hook):
     """hook, run eagerly under torch.compile: the gathering and releasing around a unit's
     forward calls the engine and swaps the parameters' storage, which a graph cannot hold, so
-    Dynamo breaks the graph there (one break before and one after each stage-3 unit's forward)
-    and traces the modules' own code between."""
+    Dynamo breaks the graph there (inside a loop, it runs the rest of the caller eagerly).
+    compile_modules() keeps these hooks out of the compiled code instead."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(hook) if disable is not None else hook
 
@@ -67,33 +68,42 @@ class _GatherPart:
 
     def compile_modules(self, **options):
         """torch.compile the forward() of each largest module that has trainable parameters and
-        no gathering module inside it, with fullgraph=True unless `options` (torch.compile's
-        keywords) say otherwise; returns their names ("" for the model itself). At stage 3
+        no gathering inside it (a stage-3 unit's or tied module's hooks, a method given to
+        register_forward_method()); returns their names ("" for the model itself). At stage 3
         those are the units' modules (each transformer block, say) and the modules that read
         another unit's weight (a tied head): their gathering hooks run around forward(),
-        outside the compiled code, so each compiles whole, with no graph break, as FSDP2's
-        per-block compile does; the code around them (the loop over blocks, the loss) stays
-        eager. At stages 0-2 it is the model's forward. torch.compile(model) compiles the
-        code around the units too, with a graph break at each stage-3 unit's hooks
-        (docs/python.md). A second call leaves the modules compiled already as they are; close()
-        gives them their own forward() back."""
+        outside the compiled code, and each compiles whole with fullgraph=True (the default
+        there; `options` are torch.compile's keywords), so with no graph break, as FSDP2's
+        per-block compile does. The code around them (the loop over blocks, the loss) stays
+        eager. At stages 0-2 it is the model's forward, with torch.compile's defaults: no
+        graph break of zeroshard's, though the model's own code may have some. Not for
+        mode="reduce-overhead" at stage 3 (CUDA graphs): every gathering gives the
+        parameters new storage. Modules compiled by an earlier call stay as they are; close()
+        gives them their own forward() back. See docs/python.md for torch.compile(model)."""
+        if self.engine is None:
+            raise _core.InvalidArgumentError("ZeroOptimizer.compile_modules() after close()")
         if not hasattr(torch, "compile"):
             raise _core.InvalidArgumentError(
                 f"ZeroOptimizer.compile_modules() needs torch.compile (torch >= 2.0); this is "
                 f"torch {torch.__version__}")
-        options = {"fullgraph": True, **options}
-        compiled = []
-        seen = {id(m) for m, name, _ in self._forward_methods if name == "forward"}  # done
+        options = {"fullgraph": self.stage == 3, **options}
+        compiled, seen = [], set(self._compiled)
 
         def visit(name, m):
             if id(m) in seen or not any(p.requires_grad for p in m.parameters()):
                 return
             seen.add(id(m))
-            gathering_inside = any(id(c) in self._gathering for c in m.modules() if c is not m)
-            if type(m).forward is not torch.nn.Module.forward and not gathering_inside:
-                self._forward_methods.append((m, "forward", m.__dict__.get("forward")))
-                # Its forward, not nn.Module.compile(), which compiles the hooks as well.
-                m.forward = torch.compile(m.forward, **options)
+            gathering = any(id(c) in self._gathering for c in m.modules() if c is not m) or \
+                any(id(c) in self._gathering_methods for c in m.modules())
+            if type(m).forward is not torch.nn.Module.forward and not gathering:
+                # Its forward, not nn.Module.compile(), which compiles the hooks as well; the
+                # class's function bound to m, so that a deep copy of the model runs its own.
+                if "forward" in m.__dict__:
+                    fn = torch.compile(m.forward, **options)
+                else:
+                    fn = types.MethodType(torch.compile(type(m).forward, **options), m)
+                self._replace_method(m, "forward", fn)
+                self._compiled.add(id(m))
                 compiled.append(name)
                 return
             for n, c in m.named_children():
@@ -101,6 +111,11 @@ class _GatherPart:
 
         visit("", self.model)
         return compiled
+
+    def _replace_method(self, module, name, fn):
+        """module.<name> = fn, undone by close()."""
+        self._forward_methods.append((module, name, module.__dict__.get(name)))
+        setattr(module, name, fn)
 
     def _make_pre_forward(self, u):
         def hook(module, inputs):
@@ -262,5 +277,5 @@ class _GatherPart:
                     u.post(module, args, out)
             return out
 
-        self._forward_methods.append((module, name, module.__dict__.get(name)))
-        setattr(module, name, wrapped)
+        self._gathering_methods.add(id(module))
+        self._replace_method(module, name, wrapped)

@@ -160,6 +160,8 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         self._engine_options = [self._options(g) for g in self.param_groups]
         self._built = True  # param_groups are the engine's from here on (add_param_group)
         self._gathering = set()  # stage 3: ids of the modules whose forward hooks gather
+        self._gathering_methods = set()  # stage 3: of those with register_forward_method()s
+        self._compiled = set()  # of the modules compile_modules() compiled
         if self.stage < 3:
             for u in self._units:
                 for p, v in zip(u.params, self.engine.params(u.index)):
@@ -296,7 +298,7 @@ class ZeroOptimizer(_ConfigPart, _UnitsPart, _GradsPart, _GatherPart, _StatePart
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for module, name, before in self._forward_methods:
+        for module, name, before in reversed(self._forward_methods):  # the last change first
             if before is None:
                 delattr(module, name)  # the class's method again
             else:
