@@ -38,6 +38,16 @@ def build(name):
                                             attention_probs_dropout_prob=0.0, **small))
 
 
+def train(model, opt, steps):
+    """`steps` steps of language modelling on random tokens, the same ones on every call."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (4, 16), generator=g)
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "bert"])
 def test_model_from_config_trains_as_with_adamw(name, stage):
@@ -48,13 +58,8 @@ def test_model_from_config_trains_as_with_adamw(name, stage):
     init = copy.deepcopy(model.state_dict())
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = zt.ZeroOptimizer(model, stage=stage, lr=1e-2, comm=zs.make_self_communicator())
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        ids = torch.randint(0, 64, (4, 16), generator=g)
-        for m, o in ((ref, ropt), (model, opt)):
-            o.zero_grad()
-            m(input_ids=ids, labels=ids).loss.backward()
-            o.step()
+    train(ref, ropt, 3)
+    train(model, opt, 3)
     got, want = opt.model_state_dict(), ref.state_dict()
     for k, w in want.items():
         if not w.is_floating_point():
@@ -88,12 +93,7 @@ def test_stage3_compiled_modules_train_as_eager(name):
             blocks = [n for n in names if n.endswith((".h.0", ".layers.0", ".layer.0"))]
             assert len(opt.units) >= 4 and blocks, (names, opt.units)
             assert all("forward" in m.get_submodule(n).__dict__ for n in names)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            ids = torch.randint(0, 64, (4, 16), generator=g)
-            opt.zero_grad()
-            m(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
+        train(m, opt, 3)
         results.append(opt.model_state_dict())
         opt.close()
     for k, w in results[0].items():
@@ -110,12 +110,7 @@ def test_export_loads_with_from_pretrained(name, tmp_path):
     torch.manual_seed(0)
     model = build(name)
     opt = zt.ZeroOptimizer(model, stage=3, lr=1e-2, comm=zs.make_self_communicator())
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        ids = torch.randint(0, 64, (4, 16), generator=g)
-        opt.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
+    train(model, opt, 2)
     tag = opt.save_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "hf"
     zs.export_checkpoint(tag, out, max_shard_bytes=64 << 10)
