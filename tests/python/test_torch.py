@@ -751,6 +751,39 @@ def test_compile_modules_leaves_out_what_gathers_inside():
         opt.compile_modules()
 
 
+class _TorchModules(torch.nn.Module):
+    # Units of six kinds of torch's own modules, read in training and under no_grad.
+    def __init__(self, d=8):
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = torch.nn.Embedding(50, d)
+        self.conv = torch.nn.Conv1d(d, d, 3, padding=1)
+        self.norm = torch.nn.LayerNorm(d)
+        self.group = torch.nn.GroupNorm(2, d)
+        self.bilinear = torch.nn.Bilinear(d, d, d)
+        self.head = torch.nn.Linear(d, 7)
+
+    def forward(self, tokens):
+        x = self.conv(self.embed(tokens).transpose(1, 2))
+        x = self.norm(self.group(x).transpose(1, 2)).mean(1)
+        return self.head(self.bilinear(x, x))
+
+
+def test_compile_modules_gives_each_module_class_its_own_cache():
+    # torch.compile of torch's own forwards (nn.Linear.forward, ...) shares one cache between
+    # them; six classes in two grad modes pass its recompile limit of 8, an error under
+    # fullgraph. compile_modules() gives each class a cache of its own.
+    if not hasattr(torch, "compile"):
+        pytest.skip(f"torch {torch.__version__} has no torch.compile")
+    model = _TorchModules()
+    opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
+    assert len(opt.compile_modules(backend="aot_eager")) == 6
+    train_zero(opt, model, batches(2), 0, 1)
+    with torch.no_grad():
+        tokens = batches(1)[0][0]
+        assert model(tokens).shape == (len(tokens), 7)
+
+
 def test_a_deep_copy_of_a_compiled_model_runs_its_own_parameters():
     # An EMA or evaluation copy taken after compile_modules() (stage 0: the model's forward).
     if not hasattr(torch, "compile"):

@@ -25,6 +25,17 @@ def _eager(hook):
     return disable(hook) if disable is not None else hook
 
 
+def _own_frame(fn):
+    """fn behind a function whose code object is its own. torch.compile puts a function of
+    torch's own modules (nn.Linear.forward) behind a wrapper whose code all such functions
+    share, and so share one cache and its recompile limit (8): a model with a few kinds of
+    torch modules reaches it, which fullgraph=True makes an error."""
+    def forward(*args, **kwargs):
+        return fn(*args, **kwargs)
+    forward.__code__ = forward.__code__.replace(co_name=f"forward_{id(fn):x}")
+    return forward
+
+
 class _GatherPart:
     """The stage-3 gathering part of ZeroOptimizer."""
 
@@ -88,6 +99,7 @@ class _GatherPart:
                 f"torch {torch.__version__}")
         options = {"fullgraph": self.stage == 3, **options}
         compiled, seen = [], set(self._compiled)
+        by_class = {}  # one compiled forward per class, shared by its modules (one cache)
 
         def visit(name, m):
             if id(m) in seen or not any(p.requires_grad for p in m.parameters()):
@@ -99,9 +111,12 @@ class _GatherPart:
                 # Its forward, not nn.Module.compile(), which compiles the hooks as well; the
                 # class's function bound to m, so that a deep copy of the model runs its own.
                 if "forward" in m.__dict__:
-                    fn = torch.compile(m.forward, **options)
+                    fn = torch.compile(_own_frame(m.forward), **options)
                 else:
-                    fn = types.MethodType(torch.compile(type(m).forward, **options), m)
+                    cls = type(m)
+                    if cls not in by_class:
+                        by_class[cls] = torch.compile(_own_frame(cls.forward), **options)
+                    fn = types.MethodType(by_class[cls], m)
                 self._replace_method(m, "forward", fn)
                 self._compiled.add(id(m))
                 compiled.append(name)
