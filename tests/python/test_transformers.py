@@ -94,6 +94,12 @@ def test_stage3_compiled_modules_train_as_eager(name):
             assert len(opt.units) >= 4 and blocks, (names, opt.units)
             assert all("forward" in m.get_submodule(n).__dict__ for n in names)
         train(m, opt, 3)
+        if m is model and name != "bert":  # generation reads every shape anew
+            m.eval()
+            with torch.no_grad():
+                out = m.generate(torch.zeros(2, 4, dtype=torch.long), max_new_tokens=4,
+                                 do_sample=False, pad_token_id=0)
+            assert out.shape == (2, 8)
         results.append(opt.model_state_dict())
         opt.close()
     for k, w in results[0].items():
