@@ -3,6 +3,7 @@ parameter path, stage-3 parameter lifetime, state_dict round trips and the error
 The two-rank versions of the parity and checkpoint tests are in mpi/."""
 
 import copy
+import inspect
 import io
 import os
 import subprocess
@@ -769,19 +770,57 @@ class _TorchModules(torch.nn.Module):
         return self.head(self.bilinear(x, x))
 
 
-def test_compile_modules_gives_each_module_class_its_own_cache():
-    # torch.compile of torch's own forwards (nn.Linear.forward, ...) shares one cache between
-    # them; six classes in two grad modes pass its recompile limit of 8, an error under
-    # fullgraph. compile_modules() gives each class a cache of its own.
+class _IndexedBlock(torch.nn.Module):
+    def __init__(self, d, idx):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.idx = idx  # read by forward: each block's compiled code differs (a layer index)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) * (1.0 + 0.1 * self.idx)
+
+
+class _DeepModel(torch.nn.Module):
+    def __init__(self, n=10, d=8):
+        super().__init__()
+        torch.manual_seed(6)
+        self.embed = torch.nn.Embedding(50, d)
+        self.blocks = torch.nn.ModuleList(_IndexedBlock(d, i) for i in range(n))
+        self.head = torch.nn.Linear(d, 7)
+
+    def forward(self, tokens):
+        x = self.embed(tokens).mean(1)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("build", [_TorchModules, _DeepModel])
+def test_compile_modules_gives_each_module_a_cache_of_its_own(build):
+    # One Dynamo cache takes 8 entries (its recompile limit; fullgraph makes passing it an
+    # error). torch.compile puts torch's own forwards (nn.Linear.forward, ...) behind one
+    # shared function: six kinds of them in two grad modes pass it. And ten blocks of one class
+    # that each read their own layer index need an entry each. compile_modules() gives every
+    # module a cache of its own: both train as eager and run under no_grad.
     if not hasattr(torch, "compile"):
         pytest.skip(f"torch {torch.__version__} has no torch.compile")
-    model = _TorchModules()
-    opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
-    assert len(opt.compile_modules(backend="aot_eager")) == 6
-    train_zero(opt, model, batches(2), 0, 1)
-    with torch.no_grad():
-        tokens = batches(1)[0][0]
-        assert model(tokens).shape == (len(tokens), 7)
+    from torch._dynamo.utils import counters
+    data, results = batches(3), []
+    for compiled in (False, True):
+        model = build()
+        opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            assert len(opt.compile_modules(backend="aot_eager")) == len(opt.units)
+        train_zero(opt, model, data, 0, 1)
+        with torch.no_grad():
+            tokens = data[0][0]
+            assert model(tokens).shape == (len(tokens), 7)
+        results.append(opt.model_state_dict())
+        opt.close()
+    assert max_abs_diff(results[0], results[1]) <= BOUND
+    assert counters["stats"]["unique_graphs"] >= 6, dict(counters["stats"])  # ran compiled
 
 
 def test_a_deep_copy_of_a_compiled_model_runs_its_own_parameters():
@@ -790,7 +829,9 @@ def test_a_deep_copy_of_a_compiled_model_runs_its_own_parameters():
         pytest.skip(f"torch {torch.__version__} has no torch.compile")
     model = _GptLike()
     opt = zt.ZeroOptimizer(model, stage=0, lr=LR, comm=zs.make_self_communicator())
+    before = inspect.signature(model.forward)
     assert opt.compile_modules(backend="aot_eager") == [""]
+    assert inspect.signature(model.forward) == before  # what generate() and Trainer read
     twin = copy.deepcopy(model)
     with torch.no_grad():
         for p in twin.parameters():

@@ -25,14 +25,17 @@ def _eager(hook):
     return disable(hook) if disable is not None else hook
 
 
-def _own_frame(fn):
-    """fn behind a function whose code object is its own. torch.compile puts a function of
-    torch's own modules (nn.Linear.forward) behind a wrapper whose code all such functions
-    share, and so share one cache and its recompile limit (8): a model with a few kinds of
-    torch modules reaches it, which fullgraph=True makes an error."""
+def _own_frame(fn, name):
+    """fn behind a function of its own code object, hence its own Dynamo cache: one per module.
+    torch.compile would put a function of torch's own modules (nn.Linear.forward) behind a
+    wrapper whose code every such function shares, and one function shared by a class's
+    modules keeps an entry per module where they differ (a layer index, a shape); either way
+    one cache passes its recompile limit (8), which fullgraph=True makes an error. The
+    signature stays fn's (generate() and Trainer read it)."""
     def forward(*args, **kwargs):
         return fn(*args, **kwargs)
-    forward.__code__ = forward.__code__.replace(co_name=f"forward_{id(fn):x}")
+    functools.update_wrapper(forward, fn)
+    forward.__code__ = forward.__code__.replace(co_name=name)
     return forward
 
 
@@ -99,7 +102,6 @@ class _GatherPart:
                 f"torch {torch.__version__}")
         options = {"fullgraph": self.stage == 3, **options}
         compiled, seen = [], set(self._compiled)
-        by_class = {}  # one compiled forward per class, shared by its modules (one cache)
 
         def visit(name, m):
             if id(m) in seen or not any(p.requires_grad for p in m.parameters()):
@@ -108,16 +110,14 @@ class _GatherPart:
             gathering = any(id(c) in self._gathering for c in m.modules() if c is not m) or \
                 any(id(c) in self._gathering_methods for c in m.modules())
             if type(m).forward is not torch.nn.Module.forward and not gathering:
-                # Its forward, not nn.Module.compile(), which compiles the hooks as well; the
-                # class's function bound to m, so that a deep copy of the model runs its own.
-                if "forward" in m.__dict__:
-                    fn = torch.compile(_own_frame(m.forward), **options)
-                else:
-                    cls = type(m)
-                    if cls not in by_class:
-                        by_class[cls] = torch.compile(_own_frame(cls.forward), **options)
-                    fn = types.MethodType(by_class[cls], m)
-                self._replace_method(m, "forward", fn)
+                # Its forward, not nn.Module.compile(), which compiles the hooks as well: the
+                # function bound to m anew, so that a deep copy of the model runs its own.
+                f = m.forward
+                bound = getattr(f, "__self__", None) is m
+                frame = _own_frame(f.__func__ if bound else f, f"{type(m).__qualname__}_"
+                                   f"{name.replace('.', '_') or 'model'}_forward")
+                fn = torch.compile(frame, **options)
+                self._replace_method(m, "forward", types.MethodType(fn, m) if bound else fn)
                 self._compiled.add(id(m))
                 compiled.append(name)
                 return
