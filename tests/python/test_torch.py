@@ -823,6 +823,45 @@ def test_compile_modules_gives_each_module_a_cache_of_its_own(build):
     assert counters["stats"]["unique_graphs"] >= 6, dict(counters["stats"])  # ran compiled
 
 
+class _SharedAndFrozen(torch.nn.Module):
+    # Two blocks sharing one MLP (a module under two parents) and a frozen projection.
+    def __init__(self, d=8):
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = torch.nn.Embedding(50, d)
+        mlp = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(d), "mlp": mlp}) for _ in range(2))
+        self.frozen = torch.nn.Linear(d, d).requires_grad_(False)
+        self.head = torch.nn.Linear(d, 7)
+
+    def forward(self, tokens):
+        x = self.frozen(self.embed(tokens).mean(1))
+        for b in self.blocks:
+            x = x + b["mlp"](b["norm"](x))
+        return self.head(x)
+
+
+def test_compile_modules_with_a_shared_module_and_a_frozen_one():
+    # At stage 3 the shared MLP gathers in each block's use of it and compiles once; the frozen
+    # module (no trainable parameter) stays eager; training gives eager's parameters.
+    if not hasattr(torch, "compile"):
+        pytest.skip(f"torch {torch.__version__} has no torch.compile")
+    data, results = batches(3), []
+    for compiled in (False, True):
+        model = _SharedAndFrozen()
+        opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
+        if compiled:
+            names = opt.compile_modules(backend="aot_eager")
+            assert "frozen" not in names and names.count("blocks.0.mlp") == 1, names
+            assert "blocks.1.mlp" not in names, names  # the same module, compiled once
+        train_zero(opt, model, data, 0, 1)
+        results.append(opt.model_state_dict())
+        opt.close()
+    assert max_abs_diff(results[0], results[1]) <= BOUND
+    assert torch.equal(results[1]["frozen.weight"], _SharedAndFrozen().frozen.weight)
+
+
 def test_a_deep_copy_of_a_compiled_model_runs_its_own_parameters():
     # An EMA or evaluation copy taken after compile_modules() (stage 0: the model's forward).
     if not hasattr(torch, "compile"):
