@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 import zeroshard as zs  # noqa: E402
 import zeroshard.torch as zt  # noqa: E402
 from zs_testutil import (  # noqa: E402
-    CLIP, EPS, LR, batches, groups, loss_fn, make_model, max_abs_diff, no_decay, requantize,
-    train_reference, train_zero)
+    CLIP, EPS, LR, batches, groups, loss_fn, make_model, max_abs_diff, needs_compile, no_decay,
+    requantize, train_reference, train_zero)
 
 # See mpi/test_parity.py for the derivation of this bound; one rank sees the same sources of
 # rounding difference except the cross-rank gradient sum.
@@ -695,48 +695,64 @@ def test_compiled_model_trains_as_eager(stage):
         assert all("disable" in str(r.reason) for r in explained.break_reasons), explained.break_reasons
 
 
+def _eager_and_compiled(build, stage, check_compiled, **kw):
+    """build()'s model trained 3 steps at `stage` (then run under no_grad), eagerly and then
+    with compile_modules(), whose names check_compiled(names, opt) asserts on; Dynamo's counters
+    count the compiled run only. Returns both state dicts and the compiled model, its optimizer
+    closed (which gives its modules their own forward() back)."""
+    from torch._dynamo.utils import counters
+    data, results = batches(3), []
+    for compiled in (False, True):
+        model = build()
+        opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, comm=zs.make_self_communicator(), **kw)
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            check_compiled(opt.compile_modules(backend="aot_eager"), opt)
+        train_zero(opt, model, data, 0, 1)
+        with torch.no_grad():
+            tokens = data[0][0]
+            assert model(tokens).shape == (len(tokens), 7)
+        results.append(opt.model_state_dict())
+        opt.close()
+    return results[0], results[1], model
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_compiled_modules_train_as_eager_with_no_graph_break(stage):
     # compile_modules(): at stage 3 each unit's module is compiled whole with fullgraph=True,
     # so a graph break anywhere in it raises; its hooks (the gathering) stay outside. At stage 0
     # it is the model's forward. Training gives eager's parameters, and Dynamo counts no break.
-    data = batches(3)
-    results = []
-    for compiled in (False, True):
-        model = _GptLike()
-        opt = zt.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, weight_decay=0.0,
-                               gradient_clipping=CLIP, comm=zs.make_self_communicator())
-        if not hasattr(torch, "compile"):
-            with pytest.raises(zs.InvalidArgumentError, match=r"needs torch.compile"):
-                opt.compile_modules()
-            return
-        if compiled:
-            from torch._dynamo.utils import counters
-            torch._dynamo.reset()
-            counters.clear()
-            names = opt.compile_modules(backend="aot_eager")
-            # The model's own forward (it reads the gates, the root unit) calls the others.
-            assert names == ([""] if stage < 3 else [
-                "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.h.2",
-                "transformer.ln_f", "head"]), opt.units
-            assert opt.compile_modules() == []  # compiled already
-        train_zero(opt, model, data, 0, 1)
-        results.append(opt.model_state_dict())
-    assert max_abs_diff(results[0], results[1]) <= BOUND
-    assert max_abs_diff(results[1], _GptLike().state_dict()) > 100 * BOUND  # it trained
+    hyper = dict(eps=EPS, weight_decay=0.0, gradient_clipping=CLIP)
+    if not hasattr(torch, "compile"):
+        opt = zt.ZeroOptimizer(_GptLike(), stage=stage, lr=LR, **hyper,
+                               comm=zs.make_self_communicator())
+        with pytest.raises(zs.InvalidArgumentError, match=r"needs torch.compile"):
+            opt.compile_modules()
+        return
+    from torch._dynamo.utils import counters
+
+    def check(names, opt):
+        # The model's own forward (it reads the gates, the root unit) calls the others.
+        assert names == ([""] if stage < 3 else [
+            "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.h.2",
+            "transformer.ln_f", "head"]), opt.units
+        assert opt.compile_modules() == []  # compiled already
+    eager, compiled, model = _eager_and_compiled(_GptLike, stage, check, **hyper)
+    assert max_abs_diff(eager, compiled) <= BOUND
+    assert max_abs_diff(compiled, _GptLike().state_dict()) > 100 * BOUND  # it trained
     assert not counters["graph_break"], dict(counters["graph_break"])
     # They ran compiled: one graph per module class (the blocks share theirs).
     assert counters["stats"]["unique_graphs"] >= (1 if stage < 3 else 4), dict(counters["stats"])
-    opt.close()  # gives the modules their own forward() back
+    # close() gave the modules their own forward() back
     assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
+@needs_compile
 def test_compile_modules_leaves_out_what_gathers_inside():
     # At stage 3 a module whose own method gathers (register_forward_method) is not compiled,
     # its children are; close() undoes the changes in reverse, so a method registered on a
     # compiled module does not bring the compiled forward back.
-    if not hasattr(torch, "compile"):
-        pytest.skip(f"torch {torch.__version__} has no torch.compile")
     model = _GptLike()
     h = model.transformer["h"]
     opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
@@ -795,6 +811,7 @@ class _DeepModel(torch.nn.Module):
         return self.head(x)
 
 
+@needs_compile
 @pytest.mark.parametrize("build", [_TorchModules, _DeepModel])
 def test_compile_modules_gives_each_module_a_cache_of_its_own(build):
     # One Dynamo cache takes 8 entries (its recompile limit; fullgraph makes passing it an
@@ -802,24 +819,12 @@ def test_compile_modules_gives_each_module_a_cache_of_its_own(build):
     # shared function: six kinds of them in two grad modes pass it. And ten blocks of one class
     # that each read their own layer index need an entry each. compile_modules() gives every
     # module a cache of its own: both train as eager and run under no_grad.
-    if not hasattr(torch, "compile"):
-        pytest.skip(f"torch {torch.__version__} has no torch.compile")
     from torch._dynamo.utils import counters
-    data, results = batches(3), []
-    for compiled in (False, True):
-        model = build()
-        opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
-        if compiled:
-            torch._dynamo.reset()
-            counters.clear()
-            assert len(opt.compile_modules(backend="aot_eager")) == len(opt.units)
-        train_zero(opt, model, data, 0, 1)
-        with torch.no_grad():
-            tokens = data[0][0]
-            assert model(tokens).shape == (len(tokens), 7)
-        results.append(opt.model_state_dict())
-        opt.close()
-    assert max_abs_diff(results[0], results[1]) <= BOUND
+
+    def check(names, opt):
+        assert len(names) == len(opt.units), names
+    eager, compiled, _ = _eager_and_compiled(build, 3, check)
+    assert max_abs_diff(eager, compiled) <= BOUND
     assert counters["stats"]["unique_graphs"] >= 6, dict(counters["stats"])  # ran compiled
 
 
@@ -842,30 +847,21 @@ class _SharedAndFrozen(torch.nn.Module):
         return self.head(x)
 
 
+@needs_compile
 def test_compile_modules_with_a_shared_module_and_a_frozen_one():
     # At stage 3 the shared MLP gathers in each block's use of it and compiles once; the frozen
     # module (no trainable parameter) stays eager; training gives eager's parameters.
-    if not hasattr(torch, "compile"):
-        pytest.skip(f"torch {torch.__version__} has no torch.compile")
-    data, results = batches(3), []
-    for compiled in (False, True):
-        model = _SharedAndFrozen()
-        opt = zt.ZeroOptimizer(model, stage=3, lr=LR, comm=zs.make_self_communicator())
-        if compiled:
-            names = opt.compile_modules(backend="aot_eager")
-            assert "frozen" not in names and names.count("blocks.0.mlp") == 1, names
-            assert "blocks.1.mlp" not in names, names  # the same module, compiled once
-        train_zero(opt, model, data, 0, 1)
-        results.append(opt.model_state_dict())
-        opt.close()
-    assert max_abs_diff(results[0], results[1]) <= BOUND
-    assert torch.equal(results[1]["frozen.weight"], _SharedAndFrozen().frozen.weight)
+    def check(names, opt):
+        assert "frozen" not in names and names.count("blocks.0.mlp") == 1, names
+        assert "blocks.1.mlp" not in names, names  # the same module, compiled once
+    eager, compiled, _ = _eager_and_compiled(_SharedAndFrozen, 3, check)
+    assert max_abs_diff(eager, compiled) <= BOUND
+    assert torch.equal(compiled["frozen.weight"], _SharedAndFrozen().frozen.weight)
 
 
+@needs_compile
 def test_a_deep_copy_of_a_compiled_model_runs_its_own_parameters():
     # An EMA or evaluation copy taken after compile_modules() (stage 0: the model's forward).
-    if not hasattr(torch, "compile"):
-        pytest.skip(f"torch {torch.__version__} has no torch.compile")
     model = _GptLike()
     opt = zt.ZeroOptimizer(model, stage=0, lr=LR, comm=zs.make_self_communicator())
     before = inspect.signature(model.forward)

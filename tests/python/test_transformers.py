@@ -11,6 +11,7 @@ import torch
 
 import zeroshard as zs
 import zeroshard.torch as zt
+from zs_testutil import needs_compile
 
 tf = pytest.importorskip("transformers")
 
@@ -20,6 +21,12 @@ BOUND = 1e-4
 
 
 def build(name):
+    """The model `name` from a small config, seeded alike on every call, in training mode."""
+    torch.manual_seed(0)
+    return _from_config(name).train()
+
+
+def _from_config(name):
     small = dict(vocab_size=64, max_position_embeddings=32)
     if name == "gpt2":  # its head is tied to the token embedding
         return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32,
@@ -39,6 +46,13 @@ def build(name):
                                             attention_probs_dropout_prob=0.0, **small))
 
 
+def assert_close(got, want):
+    """Every floating-point tensor of state dict `got` within BOUND of `want`'s."""
+    for k, w in want.items():
+        if w.is_floating_point():
+            assert (got[k] - w).abs().max().item() <= BOUND, k
+
+
 def train(model, opt, steps):
     """`steps` steps of language modelling on random tokens, the same ones on every call."""
     g = torch.Generator().manual_seed(1)
@@ -52,9 +66,7 @@ def train(model, opt, steps):
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "bert"])
 def test_model_from_config_trains_as_with_adamw(name, stage):
-    torch.manual_seed(0)
     model = build(name)
-    model.train()
     ref = copy.deepcopy(model)
     init = copy.deepcopy(model.state_dict())
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -62,15 +74,13 @@ def test_model_from_config_trains_as_with_adamw(name, stage):
     train(ref, ropt, 3)
     train(model, opt, 3)
     got, want = opt.model_state_dict(), ref.state_dict()
-    for k, w in want.items():
-        if not w.is_floating_point():
-            continue
-        assert (got[k] - w).abs().max().item() <= BOUND, k
+    assert_close(got, want)
     moved = max((got[k] - init[k]).abs().max().item() for k in want if want[k].is_floating_point())
     assert moved > 100 * BOUND
     opt.close()
 
 
+@needs_compile
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "bert"])
 def test_compiled_modules_train_and_generate_as_eager(name, stage):
@@ -79,12 +89,8 @@ def test_compiled_modules_train_and_generate_as_eager(name, stage):
     # in GPT-2 and BERT) compiled whole (fullgraph); at stage 0 the model's forward. Training
     # gives eager's weights, and generate() on a left-padded prompt (which reads forward's
     # signature, and calls the blocks with a cache and a new shape each token) eager's tokens.
-    if not hasattr(torch, "compile"):
-        pytest.skip(f"torch {torch.__version__} has no torch.compile")
     from torch._dynamo.utils import counters
-    torch.manual_seed(0)
     model = build(name)
-    model.train()
     ref = copy.deepcopy(model)
     prompt = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
@@ -109,9 +115,7 @@ def test_compiled_modules_train_and_generate_as_eager(name, stage):
                                             do_sample=False, pad_token_id=0))
         results.append(opt.model_state_dict())
         opt.close()
-    for k, w in results[0].items():
-        if w.is_floating_point():
-            assert (results[1][k] - w).abs().max().item() <= BOUND, k
+    assert_close(results[1], results[0])
     if generated:
         assert generated[0].shape == (2, 10) and torch.equal(generated[0], generated[1])
     if stage == 3:  # at stage 0 the model's own code may break the graph (GPT-2's loss logs)
@@ -123,7 +127,6 @@ def test_compiled_modules_train_and_generate_as_eager(name, stage):
 def test_export_loads_with_from_pretrained(name, tmp_path):
     # A trained model's checkpoint, exported in shards, with the config the user adds: the
     # model from_pretrained() builds holds the trained weights and computes the same logits.
-    torch.manual_seed(0)
     model = build(name)
     opt = zt.ZeroOptimizer(model, stage=3, lr=1e-2, comm=zs.make_self_communicator())
     train(model, opt, 2)

@@ -5,10 +5,15 @@ rank-agreeing assertion used under mpirun."""
 import array
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
 import zeroshard
+
+# torch.compile's tests: torch 1.13, the oldest torch supported, has no torch.compile.
+needs_compile = pytest.mark.skipif(not hasattr(torch, "compile"),
+                                   reason=f"torch {torch.__version__} has no torch.compile")
 
 VOCAB, DIM, HIDDEN, CLASSES, SEQ = 50, 16, 32, 7, 5
 BATCH = 16  # the global batch; each of the ranks takes an equal slice

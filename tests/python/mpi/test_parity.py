@@ -25,7 +25,7 @@ import torch
 import zeroshard as zs
 import zeroshard.torch as zt
 from zs_testutil import (CLIP, EPS, LR, agree, batches, groups, make_model, max_abs_diff,
-                         train_reference, train_zero, world)
+                         needs_compile, train_reference, train_zero, world)
 
 BOUND = 2e-5
 STEPS = 20
@@ -55,11 +55,10 @@ def test_matches_adamw_on_the_whole_batch(stage, offload):
                              f"= {diff:.3g} (bound {BOUND}), moved {moved:.3g}")
 
 
+@needs_compile
 def test_stage3_compiled_modules_match_adamw():
     # compile_modules() on every rank: the units' forwards compiled whole (fullgraph), their
     # gathering around them, collective, as in eager.
-    if not hasattr(torch, "compile"):
-        pytest.skip(f"torch {torch.__version__} has no torch.compile")
     comm, rank, size = world()
     model, data = make_model(), batches(STEPS)
     ref = train_reference(model, data)
