@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -161,9 +162,12 @@ struct MuonPlan {
 /// save_async(): the snapshot, kept from one save to the next (a new buffer's page faults cost
 /// more than the copy), the gate its copy holds closed, and the save under way
 /// (src/checkpoint/save.cpp's PendingSave, which finish_save() ends; declared after the
-/// snapshot its thread reads, so destroyed first). Written by src/checkpoint/save.cpp only.
+/// snapshot its thread reads, so destroyed first). With Config::checkpoint_async, finalize()
+/// makes the snapshot and `faulting` faults it in (declared after the snapshot too: joined
+/// before the buffer goes). Written by src/checkpoint/save.cpp only.
 struct AsyncSave {
   Buffer snapshot;
+  std::jthread faulting;
   std::shared_ptr<CopyGate> copying;  // null when no copy is under way
   std::shared_ptr<void> pending;
 };
@@ -309,6 +313,9 @@ struct Engine::Impl {
   /// finalize(), before the tiers: the Muon matrices, their owners and buffers (none unless a
   /// group is muon); refuses a Muon parameter of fewer than two dimensions.
   void plan_muon();
+  /// finalize(), with Config::checkpoint_async: makes save_async()'s snapshot and starts the
+  /// thread that faults it in (src/checkpoint/save.cpp).
+  void reserve_snapshot(Engine& e);
   /// TierContext::direction: unit u's Muon direction for the update `a` describes.
   const float* muon_direction(int u, const cpu::UpdateArgs& a);
 

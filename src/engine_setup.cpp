@@ -209,6 +209,7 @@ void Engine::finalize() {
   }
   // No hand_to_trainer(): loading the initial values waited for their copies (mutate_waits.py).
   m.finalized = true;
+  m.reserve_snapshot(*this);
   if (config_detail::speculation_said(m.cfg, m.res.dev->streams()) && m.rank == 0 &&
       !m.res.ledger.counting_only()) {
     const std::string off = m.speculation_off();

@@ -168,26 +168,10 @@ struct PendingSave {
   }
 };
 
-// Rank 0 names the save; the tag must be new; the temporary directory is made. Collective.
-std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::string& tag_in) {
-  Communicator& comm = *e.communicator();
-  char step_tag[32];
-  std::snprintf(step_tag, sizeof step_tag, "step%08lld", static_cast<long long>(e.step_count()));
-  auto p = std::make_unique<PendingSave>();
-  const std::string tag = tag_in.empty() ? std::string(step_tag) : tag_in;
-  check_tag(tag);
-  p->root = root;
-  p->at = "save(" + (root / tag).string() + ")";
-  uint64_t save_id = std::random_device{}() | (uint64_t(std::random_device{}()) << 32);
-  comm.broadcast(&save_id, 8, 0, p->at + " (save id)")->wait();
-  p->tmp = root / (kTempPrefix + tag + "." + hex64(save_id));
-  all_or_none(comm, p->at + ": preparing", [&] {
-    if (e.rank() == 0) prepare(root, tag, p->tmp);
-  });
-
-  Manifest& m = p->m;
-  m.tag = tag;
-  m.save_id = save_id;
+// The manifest of a save of `e` as it is now, but for its tag and id, and the states it writes
+// (their indices in state_names()). Local: no collective.
+Manifest describe(Engine& e, std::vector<int>& states) {
+  Manifest m;
   // Hierarchical sharding: the first group writes the checkpoint, whose shards are those of a
   // flat run of the group's size (the other groups hold the same).
   const ShardGroup sg = e.shard_group();
@@ -201,10 +185,11 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
   m.state_format = e.config().optimizer_state;
   m.state_block = m.state_format == StateFormat::q8 ? e.config().state_block : 0;
   m.block_bytes = kBlockBytes;
+  states.clear();
   for (size_t s = 0; s < state_names().size(); ++s)
     if (e.has_state(state_names()[s].kind)) {
       m.states.push_back(state_names()[s].name);
-      p->states.push_back(int(s));
+      states.push_back(int(s));
     }
   m.ranges.resize(size_t(sg.size));
   for (int u = 0; u < e.num_units(); ++u) {
@@ -223,6 +208,40 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
       list.push_back(rg);
     }
   }
+  return m;
+}
+
+// Rank r's data files' contents, state after state, as save_async()'s snapshot holds them: its
+// size, and where each state starts in it.
+size_t snapshot_bytes(const Manifest& m, const std::vector<int>& states, int r,
+                      std::vector<size_t>* starts = nullptr) {
+  size_t total = 0;
+  for (int s : states) {
+    if (starts) starts->push_back(total);
+    total += size_t(expected_header(m, r, s).data_bytes);
+  }
+  return total;
+}
+
+// Rank 0 names the save; the tag must be new; the temporary directory is made. Collective.
+std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::string& tag_in) {
+  Communicator& comm = *e.communicator();
+  char step_tag[32];
+  std::snprintf(step_tag, sizeof step_tag, "step%08lld", static_cast<long long>(e.step_count()));
+  auto p = std::make_unique<PendingSave>();
+  const std::string tag = tag_in.empty() ? std::string(step_tag) : tag_in;
+  check_tag(tag);
+  p->root = root;
+  p->at = "save(" + (root / tag).string() + ")";
+  uint64_t save_id = std::random_device{}() | (uint64_t(std::random_device{}()) << 32);
+  comm.broadcast(&save_id, 8, 0, p->at + " (save id)")->wait();
+  p->tmp = root / (kTempPrefix + tag + "." + hex64(save_id));
+  all_or_none(comm, p->at + ": preparing", [&] {
+    if (e.rank() == 0) prepare(root, tag, p->tmp);
+  });
+  p->m = describe(e, p->states);
+  p->m.tag = tag;
+  p->m.save_id = save_id;
   return p;
 }
 
@@ -384,14 +403,12 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
       if (!writes) return;
       frozen = impl_->state->snapshot();
       if (frozen) return;
-      size_t total = 0;
-      for (int s : p->states) {
-        starts.push_back(total);
-        total += size_t(expected_header(p->m, r, s).data_bytes);
+      const size_t total = snapshot_bytes(p->m, p->states, r, &starts);
+      for (int s : p->states)
         for (const Range& rg : p->m.ranges[size_t(r)])
           in_thread &= tier->stored(rg.unit, state_names()[size_t(s)].kind).data != nullptr;
-      }
       if (impl_->save.snapshot.bytes() != total) {
+        impl_->save.faulting = {};  // joined: it faults in the buffer about to go
         impl_->save.snapshot = Buffer();
         impl_->save.snapshot =
             Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
@@ -432,9 +449,10 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
               CopyGate& g;
               ~Open() { g.open(); }
             } open{*gate};
-            // A new snapshot's pages in one call first (once it is kept, a walk over pages
-            // already there): faulted one by one by the copy they cost 3× the copy, all of it
-            // the trainer's wait.
+            // A new snapshot's pages in one call first (once it is kept, or faulted in since
+            // finalize(), a walk over pages already there; while finalize()'s thread still
+            // faults it in, the two share the work): faulted one by one by the copy they cost
+            // 3× the copy, all of it the trainer's wait.
             snapshot->populate();
             copy(copied, starts);
           }
@@ -464,6 +482,32 @@ std::filesystem::path Engine::finish_save() {
   if (p->writer.joinable()) p->writer.join();
   impl_->save.copying.reset();
   return finish(*this, *p, p->error);
+}
+
+void Engine::Impl::reserve_snapshot(Engine& e) {
+  // The nvme tier keeps its snapshot in its swap files; the other groups do not write.
+  if (!cfg.checkpoint_async || cfg.offload_optimizer.tier == Tier::nvme ||
+      e.shard_group().index != 0)
+    return;
+  std::vector<int> states;
+  const size_t total = snapshot_bytes(describe(e, states), states, e.shard_group().rank);
+  try {
+    save.snapshot = Buffer(&res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
+  } catch (const Error& err) {
+    // The first save_async() tries again, and fails there on every rank alike (all_or_none).
+    std::fprintf(stderr, "zeroshard: rank %d: checkpoint_async: no snapshot made now: %s\n", rank,
+                 err.what());
+    return;
+  }
+  if (save.snapshot.empty()) return;  // a plan counts it, and allocates nothing
+  try {
+    save.faulting = std::jthread([snapshot = &save.snapshot] {
+      (void)::setpriority(PRIO_PROCESS, 0, 19);  // the trainer first, as the save's threads
+      snapshot->populate();
+    });
+  } catch (const std::system_error&) {
+    // No thread: the first save_async() faults the snapshot in, as without checkpoint_async.
+  }
 }
 
 }  // namespace zeroshard

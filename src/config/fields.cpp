@@ -311,6 +311,11 @@ std::span<const FieldInfo<Config>> config_fields<Config>() {
        .json = "zeroshard.checkpoint_keep_last",
        .fingerprint = false,
        .rules = {{[](double v) { return v >= 0; }, "must be >= 0 (0 = keep every tag)"}}},
+      // Memory this rank reserves for its own saves.
+      {.name = "checkpoint_async",
+       .member = &C::checkpoint_async,
+       .json = "zeroshard.checkpoint_async",
+       .fingerprint = false},
       // Stored for DeepSpeed compatibility and read by nothing (the unit is the grain).
       {.name = "reduce_bucket_size",
        .member = &C::reduce_bucket_size,

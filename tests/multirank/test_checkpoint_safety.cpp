@@ -20,6 +20,7 @@
 #include "src/checkpoint/safetensors.hpp"
 #include "tests/multirank/harness.hpp"
 #include "zeroshard/checkpoint.hpp"
+#include "zeroshard/planner.hpp"
 
 using namespace zeroshard;
 using zs_test::shared_dir;
@@ -827,6 +828,71 @@ TEST(CheckpointAsync, HoldsTheStateOfItsCallWhileTrainingGoesOn) {
   a.save_async(dir, "pending");
   a.save(dir, "after");
   EXPECT_TRUE(fs::exists(dir / "pending" / "manifest.json"));
+  cleanup(dir);
+}
+
+namespace {
+
+int64_t snapshot_in_ledger(const MemoryReport& r) {
+  int64_t held = 0;
+  for (const NamedBuffer& b : r.buffers)
+    if (b.name == "checkpoint_snapshot") held += b.bytes;
+  return held;
+}
+
+}  // namespace
+
+// Config::checkpoint_async: finalize() makes the snapshot, as many bytes as the first
+// save_async() makes without it, and the ledger and a plan count it from then on. A save made at
+// once (its pages may still be being faulted in) holds the state of its call, and the next ones
+// reuse the snapshot. The nvme tier makes none: its swap files hold its snapshot.
+TEST(CheckpointAsync, CheckpointAsyncMakesTheSnapshotInFinalize) {
+  const fs::path dir = shared_dir("ckpt-async-finalize");
+  const auto big = with_wide(1024);
+  Engine lazy(cfg_for(2, Tier::host), world());
+  zs_test::register_model(lazy, big);
+  EXPECT_EQ(snapshot_in_ledger(lazy.memory()), 0) << "a snapshot without checkpoint_async";
+  train_some(lazy, 1);
+  lazy.save_async(dir, "lazy");
+  EXPECT_EQ(lazy.finish_save(), dir / "lazy");
+  const int64_t bytes = snapshot_in_ledger(lazy.memory());
+  ASSERT_GT(bytes, 0);
+
+  Config c = cfg_for(2, Tier::host);
+  c.checkpoint_async = true;
+  std::vector<PlanUnit> plan_units;
+  for (const zs_test::UnitSpec& u : big) {
+    PlanUnit pu{u.name, {}};
+    for (const auto& [name, shape] : u.params) pu.params.push_back(Param{name, shape});
+    plan_units.push_back(pu);
+  }
+  EXPECT_EQ(snapshot_in_ledger(plan_memory(c, plan_units, world()->size(), world()->rank())),
+            bytes)
+      << "the plan does not count the snapshot";
+  Engine a(c, world());
+  zs_test::register_model(a, big);
+  EXPECT_EQ(snapshot_in_ledger(a.memory()), bytes) << "finalize() made no snapshot of that size";
+  train_some(a, 1);
+  for (const std::string tag : {"first", "second"}) {
+    const Snapshot at_call = snapshot(a);
+    a.save_async(dir, tag);
+    train_some(a, 1);  // waits for the copy, then changes every state
+    EXPECT_EQ(a.finish_save(), dir / tag);
+    EXPECT_EQ(snapshot_in_ledger(a.memory()), bytes) << "a second snapshot beside the first";
+    Engine b(cfg_for(2, Tier::host), world());
+    zs_test::register_model(b, big);
+    b.load(dir / tag);
+    EXPECT_TRUE(same(snapshot(b), at_call)) << tag << ": not the state of its call";
+  }
+  {
+    Engine right_away(c, world());  // destroyed while its snapshot may still be faulted in
+    zs_test::register_model(right_away, big);
+  }
+  Config nvme = cfg_for(2, Tier::nvme);
+  nvme.checkpoint_async = true;
+  Engine n(nvme, world());
+  zs_test::register_model(n, big);
+  EXPECT_EQ(snapshot_in_ledger(n.memory()), 0) << "the nvme tier's snapshot made in memory";
   cleanup(dir);
 }
 
