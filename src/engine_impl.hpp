@@ -164,7 +164,8 @@ struct MuonPlan {
 /// (src/checkpoint/save.cpp's PendingSave, which finish_save() ends; declared after the
 /// snapshot its thread reads, so destroyed first). With Config::checkpoint_async, finalize()
 /// makes the snapshot and `faulting` faults it in (declared after the snapshot too: joined
-/// before the buffer goes). Written by src/checkpoint/save.cpp only.
+/// before the buffer goes; the first save's thread takes it over and joins it before copying).
+/// Written by src/checkpoint/save.cpp only.
 struct AsyncSave {
   Buffer snapshot;
   std::jthread faulting;

@@ -382,6 +382,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   char* copied = nullptr;
   std::vector<size_t> starts;  // of each state's contents in `copied`
   bool in_thread = true;       // the save's thread copies
+  bool fresh = false;          // the snapshot is new: its pages are to be faulted in
   const int r = shard_group().rank;
   const bool writes = shard_group().index == 0;  // the other groups hold the same shards
   StateTier* tier = impl_->state.get();
@@ -412,10 +413,12 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
         impl_->save.snapshot = Buffer();
         impl_->save.snapshot =
             Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
+        fresh = true;
       }
       copied = impl_->save.snapshot.as<char>();
       if (!in_thread) {
-        impl_->save.snapshot.populate();
+        if (impl_->save.faulting.joinable()) impl_->save.faulting.join();
+        if (fresh) impl_->save.snapshot.populate();
         copy(copied, starts);
       }
     });
@@ -435,7 +438,8 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   Buffer* snapshot = &impl_->save.snapshot;  // outlives the thread: finish_save() joins it first
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
   try {
-    p->writer = std::thread([raw, r, copied, snapshot, starts, gate, copy,
+    p->writer = std::thread([raw, r, copied, snapshot, starts, gate, copy, fresh,
+                             faulting = std::move(impl_->save.faulting),
                              frozen = std::move(frozen)]() mutable {
       // The trainer first: this thread and the writers it starts (which inherit it) take
       // the cores the trainer leaves (Linux: a nice value is per thread).
@@ -449,11 +453,12 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
               CopyGate& g;
               ~Open() { g.open(); }
             } open{*gate};
-            // A new snapshot's pages in one call first (once it is kept, or faulted in since
-            // finalize(), a walk over pages already there; while finalize()'s thread still
-            // faults it in, the two share the work): faulted one by one by the copy they cost
-            // 3× the copy, all of it the trainer's wait.
-            snapshot->populate();
+            // A new snapshot's pages in one call first: faulted one by one by the copy they
+            // cost 3× the copy, all of it the trainer's wait. One that finalize() made is
+            // faulted in by its own thread (joined here), and a kept one is already (a walk
+            // over its pages would still cost a third of the copy).
+            if (faulting.joinable()) faulting.join();
+            if (fresh) snapshot->populate();
             copy(copied, starts);
           }
           std::vector<size_t> at = starts;
