@@ -1,6 +1,7 @@
 #include "base/ledger.hpp"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -133,9 +134,18 @@ Buffer::Buffer(Ledger* ledger, Tier tier, MemKind kind, std::string name, size_t
   if (ledger_) ledger_->add(tier_, kind_, name_, int64_t(bytes_));
 }
 
-void Buffer::populate() noexcept {
+void Buffer::populate(size_t from, size_t bytes) noexcept {
 #ifdef MADV_POPULATE_WRITE
-  if (mapped_) (void)madvise(data_, rounded_, MADV_POPULATE_WRITE);  // a hint: fine if refused
+  if (!mapped_ || from >= rounded_) return;
+  // madvise takes a page-aligned start; the mapping itself is.
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  const size_t begin = from / page * page;
+  const size_t end = bytes >= rounded_ - from ? rounded_ : from + bytes;
+  (void)madvise(static_cast<char*>(data_) + begin, end - begin,
+                MADV_POPULATE_WRITE);  // a hint: fine if refused
+#else
+  (void)from;
+  (void)bytes;
 #endif
 }
 

@@ -75,8 +75,9 @@ class Buffer {
   /// Faults every page in for writing, in one kernel call (Linux 5.14's MADV_POPULATE_WRITE;
   /// nothing where the kernel refuses it or the memory is not mapped zero pages): a large copy
   /// into a fresh buffer then runs at memory speed instead of one page trap per 4 KiB, which
-  /// costs 3× the copy on the virtual machines measured (docs/checkpoints.md).
-  void populate() noexcept;
+  /// costs 3× the copy on the virtual machines measured (docs/checkpoints.md). With a range,
+  /// the pages of [from, from + bytes) only (clamped to the buffer).
+  void populate(size_t from = 0, size_t bytes = SIZE_MAX) noexcept;
 
  private:
   void swap(Buffer& o) noexcept;

@@ -163,11 +163,13 @@ struct MuonPlan {
 /// more than the copy), the gate its copy holds closed, and the save under way
 /// (src/checkpoint/save.cpp's PendingSave, which finish_save() ends; declared after the
 /// snapshot its thread reads, so destroyed first). With Config::checkpoint_async, finalize()
-/// makes the snapshot and `faulting` faults it in (declared after the snapshot too: joined
-/// before the buffer goes; the first save's thread takes it over and joins it before copying).
-/// Written by src/checkpoint/save.cpp only.
+/// makes the snapshot and `faulting` faults it in (declared after the snapshot too: stopped and
+/// joined before the buffer goes; the first save's thread takes it over and joins it before
+/// copying). `faulted`: the snapshot's pages are in, or being faulted in by a thread a copy
+/// joins first. Written by src/checkpoint/save.cpp only.
 struct AsyncSave {
   Buffer snapshot;
+  bool faulted = false;
   std::jthread faulting;
   std::shared_ptr<CopyGate> copying;  // null when no copy is under way
   std::shared_ptr<void> pending;

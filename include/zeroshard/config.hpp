@@ -228,10 +228,12 @@ struct ZS_API Config {
   /// The run saves with Engine::save_async(): finalize() makes the snapshot those saves copy
   /// into (host memory, this rank's part of a checkpoint, in the ledger and the planner's plan as
   /// "checkpoint_snapshot") and faults it in on a thread of its own while training starts, so the
-  /// first save_async() costs the trainer what later ones do. Without it the first save_async()
-  /// makes the snapshot, and the step after it waits for that memory's first touch (seconds for
-  /// 2 GB on the virtual machines measured, docs/checkpoints.md). Nothing where the optimizer
-  /// state is on the nvme tier, whose swap files hold the snapshot.
+  /// first save_async() costs the trainer what later ones do (once that thread is done: a save
+  /// before then waits for the rest of it). The snapshot's memory is then held from finalize()
+  /// on, while the trainer may still hold its own copy of the model. Without it the first
+  /// save_async() makes the snapshot, and the step after it waits for that memory's first touch
+  /// (seconds for 2 GB on the virtual machines measured, docs/checkpoints.md). Nothing where the
+  /// optimizer state is on the nvme tier, whose swap files hold the snapshot.
   bool checkpoint_async = false;
   /// Accepted for DeepSpeed compatibility; the unit is the reduction and gather grain here.
   int64_t reduce_bucket_size = 500000000;

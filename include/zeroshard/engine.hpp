@@ -287,9 +287,9 @@ class ZS_API Engine {
   /// while training goes on (at nice 19);
   /// finish_save() (collective) waits for them and publishes the tag. The snapshot's memory is
   /// kept for the next save_async() (a fresh buffer's page faults cost more than the copy) and
-  /// freed with the engine; with Config::checkpoint_async, finalize() makes it. A save(), save_async() or load() finishes a pending save first;
-  /// destroying the engine with one pending abandons it (no tag appears; the next save removes
-  /// its files).
+  /// freed with the engine; with Config::checkpoint_async, finalize() makes it. A save(),
+  /// save_async() or load() finishes a pending save first; destroying the engine with one
+  /// pending abandons it (no tag appears; the next save removes its files).
   void save_async(const std::filesystem::path& root, const std::string& tag = "",
                   const ModuleState& module = {});
   /// Collective: completes the pending save_async() and returns its tag's path (empty if none

@@ -382,7 +382,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   char* copied = nullptr;
   std::vector<size_t> starts;  // of each state's contents in `copied`
   bool in_thread = true;       // the save's thread copies
-  bool fresh = false;          // the snapshot is new: its pages are to be faulted in
+  bool fresh = false;          // the snapshot's pages are to be faulted in before the copy
   const int r = shard_group().rank;
   const bool writes = shard_group().index == 0;  // the other groups hold the same shards
   StateTier* tier = impl_->state.get();
@@ -413,9 +413,11 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
         impl_->save.snapshot = Buffer();
         impl_->save.snapshot =
             Buffer(&impl_->res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
-        fresh = true;
+        impl_->save.faulted = false;
       }
       copied = impl_->save.snapshot.as<char>();
+      fresh = !impl_->save.faulted;
+      impl_->save.faulted = true;  // by the copy below, or the writer's
       if (!in_thread) {
         if (impl_->save.faulting.joinable()) impl_->save.faulting.join();
         if (fresh) impl_->save.snapshot.populate();
@@ -475,6 +477,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
     });
     impl_->save.copying = std::move(gate);
   } catch (const std::system_error& e) {
+    impl_->save.faulted = false;  // nothing copied
     p->error = Error(ErrorCode::internal, p->at + ": cannot start its writer thread: " + e.what());
   }
   impl_->save.pending = std::move(p);
@@ -498,7 +501,7 @@ void Engine::Impl::reserve_snapshot(Engine& e) {
   const size_t total = snapshot_bytes(describe(e, states), states, e.shard_group().rank);
   try {
     save.snapshot = Buffer(&res.ledger, Tier::host, MemKind::buffer, "checkpoint_snapshot", total);
-  } catch (const Error& err) {
+  } catch (const std::exception& err) {
     // The first save_async() tries again, and fails there on every rank alike (all_or_none).
     std::fprintf(stderr, "zeroshard: rank %d: checkpoint_async: no snapshot made now: %s\n", rank,
                  err.what());
@@ -506,10 +509,15 @@ void Engine::Impl::reserve_snapshot(Engine& e) {
   }
   if (save.snapshot.empty()) return;  // a plan counts it, and allocates nothing
   try {
-    save.faulting = std::jthread([snapshot = &save.snapshot] {
+    // 64 MiB at a time: the address space is not held for the whole buffer in one call, and an
+    // engine destroyed (or a snapshot remade) meanwhile stops it between two.
+    save.faulting = std::jthread([snapshot = &save.snapshot](std::stop_token stop) {
       (void)::setpriority(PRIO_PROCESS, 0, 19);  // the trainer first, as the save's threads
-      snapshot->populate();
+      constexpr size_t kChunk = size_t(64) << 20;
+      for (size_t at = 0; at < snapshot->bytes() && !stop.stop_requested(); at += kChunk)
+        snapshot->populate(at, kChunk);
     });
+    save.faulted = true;
   } catch (const std::system_error&) {
     // No thread: the first save_async() faults the snapshot in, as without checkpoint_async.
   }

@@ -849,44 +849,50 @@ int64_t snapshot_in_ledger(const MemoryReport& r) {
 TEST(CheckpointAsync, CheckpointAsyncMakesTheSnapshotInFinalize) {
   const fs::path dir = shared_dir("ckpt-async-finalize");
   const auto big = with_wide(1024);
-  Engine lazy(cfg_for(2, Tier::host), world());
-  zs_test::register_model(lazy, big);
-  EXPECT_EQ(snapshot_in_ledger(lazy.memory()), 0) << "a snapshot without checkpoint_async";
-  train_some(lazy, 1);
-  lazy.save_async(dir, "lazy");
-  EXPECT_EQ(lazy.finish_save(), dir / "lazy");
-  const int64_t bytes = snapshot_in_ledger(lazy.memory());
-  ASSERT_GT(bytes, 0);
-
-  Config c = cfg_for(2, Tier::host);
-  c.checkpoint_async = true;
   std::vector<PlanUnit> plan_units;
   for (const zs_test::UnitSpec& u : big) {
     PlanUnit pu{u.name, {}};
     for (const auto& [name, shape] : u.params) pu.params.push_back(Param{name, shape});
     plan_units.push_back(pu);
   }
-  EXPECT_EQ(snapshot_in_ledger(plan_memory(c, plan_units, world()->size(), world()->rank())),
-            bytes)
-      << "the plan does not count the snapshot";
-  Engine a(c, world());
-  zs_test::register_model(a, big);
-  EXPECT_EQ(snapshot_in_ledger(a.memory()), bytes) << "finalize() made no snapshot of that size";
-  train_some(a, 1);
-  for (const std::string tag : {"first", "second"}) {
-    const Snapshot at_call = snapshot(a);
-    a.save_async(dir, tag);
-    train_some(a, 1);  // waits for the copy, then changes every state
-    EXPECT_EQ(a.finish_save(), dir / tag);
-    EXPECT_EQ(snapshot_in_ledger(a.memory()), bytes) << "a second snapshot beside the first";
-    Engine b(cfg_for(2, Tier::host), world());
-    zs_test::register_model(b, big);
-    b.load(dir / tag);
-    EXPECT_TRUE(same(snapshot(b), at_call)) << tag << ": not the state of its call";
-  }
-  {
-    Engine right_away(c, world());  // destroyed while its snapshot may still be faulted in
-    zs_test::register_model(right_away, big);
+  for (const Config& lazy_cfg : {cfg_for(2, Tier::host), cfg_for(3, Tier::host, StateFormat::q8)}) {
+    const std::string what = "stage " + std::to_string(lazy_cfg.stage) + ", " +
+                             state_format_name(lazy_cfg.optimizer_state) + " moments";
+    Engine lazy(lazy_cfg, world());
+    zs_test::register_model(lazy, big);
+    EXPECT_EQ(snapshot_in_ledger(lazy.memory()), 0) << what << ": made without checkpoint_async";
+    train_some(lazy, 1);
+    lazy.save_async(dir, "lazy");
+    EXPECT_EQ(lazy.finish_save(), dir / "lazy");
+    const int64_t bytes = snapshot_in_ledger(lazy.memory());
+    ASSERT_GT(bytes, 0) << what;
+
+    Config c = lazy_cfg;
+    c.checkpoint_async = true;
+    EXPECT_EQ(snapshot_in_ledger(plan_memory(c, plan_units, world()->size(), world()->rank())),
+              bytes)
+        << what << ": the plan does not count the snapshot";
+    Engine a(c, world());
+    zs_test::register_model(a, big);
+    EXPECT_EQ(snapshot_in_ledger(a.memory()), bytes)
+        << what << ": finalize() made no snapshot of that size";
+    train_some(a, 1);
+    for (const std::string tag : {"first", "second"}) {
+      const Snapshot at_call = snapshot(a);
+      a.save_async(dir, tag);
+      train_some(a, 1);  // waits for the copy, then changes every state
+      EXPECT_EQ(a.finish_save(), dir / tag);
+      EXPECT_EQ(snapshot_in_ledger(a.memory()), bytes) << what << ": a second snapshot";
+      Engine b(lazy_cfg, world());
+      zs_test::register_model(b, big);
+      b.load(dir / tag);
+      EXPECT_TRUE(same(snapshot(b), at_call)) << what << ", " << tag << ": not its call's state";
+    }
+    {
+      Engine right_away(c, world());  // destroyed while its snapshot may still be faulted in
+      zs_test::register_model(right_away, big);
+    }
+    cleanup(dir);
   }
   Config nvme = cfg_for(2, Tier::nvme);
   nvme.checkpoint_async = true;

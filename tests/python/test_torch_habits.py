@@ -234,6 +234,35 @@ def test_checkpoint_resume_restores_hyperparameters_and_continues_bitwise(stage,
     assert all(torch.equal(before[k], v) for k, v in b.model_state_dict().items())
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_asynchronous_checkpoint_holds_the_state_of_its_call(stage, tmp_path):
+    # checkpoint_async=True makes the snapshot with the optimizer; the save written while the
+    # optimizer trains on holds the state of its call, and a load of it continues bitwise.
+    data = batches(8)
+    a_model = make_model()
+    a = zero(a_model, stage, checkpoint_async=True)
+    snapshot = [b.bytes for b in a.memory().buffers if b.name == "checkpoint_snapshot"]
+    assert snapshot and snapshot[0] > 0, "no snapshot made with the optimizer"
+    assert a.finish_checkpoint() is None, "nothing is pending yet"
+    train_zero(a, a_model, data[:4], 0, 1)
+    at_call = {k: v.clone() for k, v in a.model_state_dict().items()}
+    a.save_checkpoint_async(tmp_path)
+    train_zero(a, a_model, data[4:6], 0, 1)  # changes the state while the files are written
+    tag = a.finish_checkpoint()
+    assert tag is not None and tag.name == "step00000004"
+    assert (tmp_path / "latest").read_text() == "step00000004\n"
+    assert [b.bytes for b in a.memory().buffers if b.name == "checkpoint_snapshot"] == snapshot
+    b_model = make_model(seed=5)
+    b = zero(b_model, stage)
+    b.load_checkpoint(tag)
+    got = b.model_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in at_call.items()), "not the state of its call"
+    assert not all(torch.equal(a.model_state_dict()[k], v) for k, v in at_call.items())
+    train_zero(b, b_model, data[4:6], 0, 1)
+    got, want = b.model_state_dict(), a.model_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_load_checkpoint_takes_deepspeeds_choices(stage, tmp_path):
     # load_module_only (or load_optimizer_states=False) takes the weights alone: the moments,

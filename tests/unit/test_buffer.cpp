@@ -56,8 +56,14 @@ TEST(Buffer, PopulateFaultsEveryPageIn) {
     if (madvise(probe.data(), size_t(1) << 20, MADV_POPULATE_WRITE) != 0)
       GTEST_SKIP() << "this kernel refuses MADV_POPULATE_WRITE";
   }
-  b.populate();
   const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  // A range (as finalize()'s thread faults a snapshot in, a chunk at a time): its pages only,
+  // from the page it starts in.
+  b.populate(3 * page + 5, 2 * page);
+  EXPECT_EQ(resident_pages(b.data(), bytes), 3u);
+  b.populate(bytes - page, 100 * page);  // clamped to the buffer
+  EXPECT_EQ(resident_pages(b.data(), bytes), 4u);
+  b.populate();
   EXPECT_EQ(resident_pages(b.data(), bytes), bytes / page);
   const auto* c = b.as<unsigned char>();
   EXPECT_EQ(std::count(c, c + bytes, 0), std::ptrdiff_t(bytes));

@@ -204,10 +204,33 @@ class _StatePart:
         every other name of a tied weight, so that the checkpoint (and `zeroshard ckpt export`)
         holds every name of the model's state_dict. An existing tag is refused. Returns the
         tag's path."""
+        return self.engine.save(str(root), tag or "", *self._checkpoint_module())
+
+    def _checkpoint_module(self):
+        """What a save takes besides the engine's state: rank 0's module tensors and aliases,
+        after the hyperparameters and the trainer's parameter writes are the engine's."""
         self._sync_hyperparameters()
         self._watch.adopt_writes()
-        tensors, aliases = self._module_state() if self.comm.rank() == 0 else ([], [])
-        return self.engine.save(str(root), tag or "", tensors, aliases)
+        return self._module_state() if self.comm.rank() == 0 else ([], [])
+
+    def save_checkpoint_async(self, root, tag=None):
+        """Collective: save_checkpoint() of the state as it is now, written by a thread while
+        training goes on; finish_checkpoint() (collective) waits for it and publishes the tag,
+        as the next save or load does first. The state is copied into a snapshot in host memory
+        (kept for the next save; `memory()` shows it as "checkpoint_snapshot"), whose copy the
+        next step() waits for if it is not done; rank 0's frozen parameters and buffers are
+        copied now. With checkpoint_async=True (JSON zeroshard.checkpoint_async) the snapshot
+        is made with the optimizer and its pages faulted in while training starts, so the first
+        save costs the trainer what later ones do. close() with a save pending abandons it (no
+        tag appears)."""
+        self.engine.save_async(str(root), tag or "", *self._checkpoint_module())
+
+    def finish_checkpoint(self):
+        """Collective: waits for the pending save_checkpoint_async() and publishes its tag;
+        returns the tag's path, or None when none is pending. Raises the save's error on every
+        rank if a rank failed to write."""
+        path = self.engine.finish_save()
+        return path if str(path) not in ("", ".") else None
 
     def _read_module(self, path):
         """The checkpoint's module tensors, checked against the model before any state changes:
