@@ -92,7 +92,8 @@ equals that of one process taking the mean over the whole global batch.
 
 Checkpoints. Two forms. save_checkpoint(root) / load_checkpoint(root) are the engine's own
 (collective, one root shared by the ranks, a crash-safe checksummed tag per save) and load at
-any world size and any stage.
+any world size and any stage; save_checkpoint_async(root) writes one while training goes on and
+finish_checkpoint() publishes it.
 state_dict() is the torch.optim form: this rank's shard of the f32 master weights and optimizer
 state (plus step count, loss scale and hyperparameters), to torch.save one file per rank and
 load into an optimizer over the same model at the same world size. Either way loading also
