@@ -845,7 +845,8 @@ int64_t snapshot_in_ledger(const MemoryReport& r) {
 // Config::checkpoint_async: finalize() makes the snapshot, as many bytes as the first
 // save_async() makes without it, and the ledger and a plan count it from then on. A save made at
 // once (its pages may still be being faulted in) holds the state of its call, and the next ones
-// reuse the snapshot. The nvme tier makes none: its swap files hold its snapshot.
+// reuse the snapshot. The nvme tier makes none: its swap files hold its snapshot, and neither do
+// the ranks of a shard group that does not write.
 TEST(CheckpointAsync, CheckpointAsyncMakesTheSnapshotInFinalize) {
   const fs::path dir = shared_dir("ckpt-async-finalize");
   const auto big = with_wide(1024);
@@ -899,6 +900,14 @@ TEST(CheckpointAsync, CheckpointAsyncMakesTheSnapshotInFinalize) {
   Engine n(nvme, world());
   zs_test::register_model(n, big);
   EXPECT_EQ(snapshot_in_ledger(n.memory()), 0) << "the nvme tier's snapshot made in memory";
+  // Hierarchical sharding: only the first group writes, so only its ranks hold a snapshot.
+  Config groups = cfg_for(2, Tier::host);
+  groups.checkpoint_async = true;
+  groups.shard_group_size = 1;
+  Engine g(groups, world());
+  zs_test::register_model(g, big);
+  EXPECT_EQ(snapshot_in_ledger(g.memory()) > 0, g.shard_group().index == 0)
+      << "shard group " << g.shard_group().index;
   cleanup(dir);
 }
 
