@@ -12,6 +12,7 @@
 // The stage logic never asks which tier holds a unit's state: src/tiers/tier.hpp.
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -224,6 +225,9 @@ struct Engine::Impl {
   ReductionQueue reductions;
   CollectiveLog collectives;
   void record(char kind, int unit);
+  /// Engine::step() runs: an asynchronous save's writing gives way meanwhile (save.cpp).
+  /// Declared before `save`, whose threads read it.
+  std::atomic<bool> stepping{false};
   AsyncSave save;
   StepClock clock;
   MuonPlan muon;

@@ -58,6 +58,11 @@ static double busy_union(std::vector<std::shared_ptr<Work>>& works) {
 }
 
 StepResult Engine::step() {
+  struct Stepping {  // however step() ends
+    std::atomic<bool>& on;
+    explicit Stepping(std::atomic<bool>& f) : on(f) { on = true; }
+    ~Stepping() { on = false; }
+  } stepping(impl_->stepping);
   StepResult r = impl_->step();
   impl_->res.dev->hand_to_trainer();  // the trainer reads the new parameters next
   return r;

@@ -284,7 +284,8 @@ class ZS_API Engine {
   /// now: this rank's part of it is copied into a snapshot (host memory, in the ledger as the
   /// buffer "checkpoint_snapshot"; where the state lies in host memory the save's thread makes
   /// the copy, and the next change of the state waits for it) and a thread writes the files
-  /// while training goes on (at nice 19);
+  /// while training goes on (at nice 19; from a snapshot in memory it writes nothing new while
+  /// step() runs, so that a step whose update fills the CPU is not slowed by it);
   /// finish_save() (collective) waits for them and publishes the tag. The snapshot's memory is
   /// kept for the next save_async() (a fresh buffer's page faults cost more than the copy) and
   /// freed with the engine; with Config::checkpoint_async, finalize() makes it. A save(),

@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -162,6 +164,7 @@ struct PendingSave {
   std::vector<int> states;
   ModuleState module;  // what world rank 0 writes beside the state (module_file.hpp)
   std::thread writer;  // save_async(): writes from Engine::Impl::save.snapshot
+  std::atomic<bool> hurry{false};  // finish_save() waits: the writing gives way no more
   std::optional<Error> error;
   ~PendingSave() {
     if (writer.joinable()) writer.join();
@@ -248,17 +251,39 @@ std::unique_ptr<PendingSave> start(Engine& e, const fs::path& root, const std::s
 // This rank's data files: one per state, filled unit by unit side by side, so that each file's
 // writer thread has a block in flight at the same time. bytes(i, range) is where the range of
 // the i-th state starts as the file holds it (encoding.hpp).
+// An asynchronous save from its snapshot in memory gives way to the trainer: while the engine's
+// step() runs, its data goes to the files no further (a step whose update fills the cores and
+// the memory's bandwidth ran up to 1.24× slower beside the save's copies, checksums and writes;
+// benchmarks/results/offload.md), but for the blocks already handed to the writer threads, until
+// finish_save() waits for it. Not the nvme tier's snapshot: its step waits for the save to read
+// the records it would overwrite.
+struct GiveWay {
+  static constexpr size_t kPiece = size_t(4) << 20;  // bytes appended between two looks
+  const std::atomic<bool>* stepping = nullptr;
+  const std::atomic<bool>* hurry = nullptr;
+  void wait() const {
+    while (stepping && stepping->load(std::memory_order_relaxed) &&
+           !hurry->load(std::memory_order_relaxed))
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+};
+
 template <class Bytes>
-void write_files(const PendingSave& p, int rank, Bytes&& bytes) {
+void write_files(const PendingSave& p, int rank, Bytes&& bytes, const GiveWay& give_way = {}) {
   std::vector<std::unique_ptr<DataFileWriter>> files;
   for (int s : p.states)
     files.push_back(std::make_unique<DataFileWriter>(
         p.tmp / data_file_name(rank, state_names()[size_t(s)].name),
         expected_header(p.m, rank, s)));
   for (const Range& rg : p.m.ranges[size_t(rank)])
-    for (size_t i = 0; i < files.size(); ++i)
-      files[i]->append(bytes(i, rg),
-                       size_t(encoded_bytes(encoding_of(p.m, p.states[i]), rg.end - rg.begin)));
+    for (size_t i = 0; i < files.size(); ++i) {
+      const char* from = static_cast<const char*>(bytes(i, rg));
+      const size_t n = size_t(encoded_bytes(encoding_of(p.m, p.states[i]), rg.end - rg.begin));
+      for (size_t at = 0; at < n; at += GiveWay::kPiece) {
+        give_way.wait();
+        files[i]->append(from + at, std::min(GiveWay::kPiece, n - at));
+      }
+    }
   for (auto& f : files) f->finish();
 }
 
@@ -440,7 +465,8 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
   Buffer* snapshot = &impl_->save.snapshot;  // outlives the thread: finish_save() joins it first
   // A thread that cannot start leaves p->writer empty: finish_save() then reports it.
   try {
-    p->writer = std::thread([raw, r, copied, snapshot, starts, gate, copy, fresh,
+    const GiveWay give_way{&impl_->stepping, &p->hurry};
+    p->writer = std::thread([raw, r, copied, snapshot, starts, gate, copy, fresh, give_way,
                              faulting = std::move(impl_->save.faulting),
                              frozen = std::move(frozen)]() mutable {
       // The trainer first: this thread and the writers it starts (which inherit it) take
@@ -464,11 +490,15 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
             copy(copied, starts);
           }
           std::vector<size_t> at = starts;
-          write_files(*raw, r, [&](size_t i, const Range& rg) -> const char* {
-            const char* v = copied + at[i];
-            at[i] += size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
-            return v;
-          });
+          write_files(
+              *raw, r,
+              [&](size_t i, const Range& rg) -> const char* {
+                const char* v = copied + at[i];
+                at[i] +=
+                    size_t(encoded_bytes(encoding_of(raw->m, raw->states[i]), rg.end - rg.begin));
+                return v;
+              },
+              give_way);
         }
         if (!raw->module.empty())
           write_module_file(raw->tmp, raw->module, raw->m.save_id, tensor_names(raw->m.units));
@@ -487,6 +517,7 @@ std::filesystem::path Engine::finish_save() {
   if (!impl_->save.pending) return {};
   std::shared_ptr<PendingSave> p = std::static_pointer_cast<PendingSave>(impl_->save.pending);
   impl_->save.pending.reset();
+  p->hurry = true;
   if (p->writer.joinable()) p->writer.join();
   impl_->save.copying.reset();
   return finish(*this, *p, p->error);
