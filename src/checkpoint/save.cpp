@@ -13,8 +13,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -162,8 +162,8 @@ struct PendingSave {
   std::string at;
   Manifest m;
   std::vector<int> states;
-  ModuleState module;  // what world rank 0 writes beside the state (module_file.hpp)
-  std::thread writer;  // save_async(): writes from Engine::Impl::save.snapshot
+  ModuleState module;              // what world rank 0 writes beside the state (module_file.hpp)
+  std::thread writer;              // save_async(): writes from Engine::Impl::save.snapshot
   std::atomic<bool> hurry{false};  // finish_save() waits: the writing gives way no more
   std::optional<Error> error;
   ~PendingSave() {
