@@ -58,6 +58,8 @@ static double busy_union(std::vector<std::shared_ptr<Work>>& works) {
 }
 
 StepResult Engine::step() {
+  // The whole step, not its update alone: the gradient pass before the update takes the
+  // memory's bandwidth as well (benchmarks/results/offload.md, "The save gives way").
   struct Stepping {  // however step() ends
     std::atomic<bool>& on;
     explicit Stepping(std::atomic<bool>& f) : on(f) { on = true; }

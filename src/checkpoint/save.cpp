@@ -442,7 +442,6 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
       }
       copied = impl_->save.snapshot.as<char>();
       fresh = !impl_->save.faulted;
-      impl_->save.faulted = true;  // by the copy below, or the writer's
       if (!in_thread) {
         if (impl_->save.faulting.joinable()) impl_->save.faulting.join();
         if (fresh) impl_->save.snapshot.populate();
@@ -454,6 +453,7 @@ void Engine::save_async(const std::filesystem::path& root, const std::string& ta
     if (rank() == 0) fs::remove_all(p->tmp, ec);
     throw;
   }
+  if (copied) impl_->save.faulted = true;  // by the copy made, or the writer's
   if (rank() == 0) p->module = module;
   PendingSave* raw = p.get();
   if (!writes) {
