@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "base/pieces.hpp"
 #include "src/compute/device_communicator.hpp"
 #include "src/engine_impl.hpp"
 
@@ -62,6 +63,38 @@ void Engine::Impl::device_collective(Communicator& on, CollectiveOp op, const fl
   res.dev->before_collective();  // it follows what filled `send`
   const std::shared_ptr<Work> w = start_collective(on, op, send, recv, count, what);
   exposed ? wait_for(*w) : wait_crossing(*w);
+}
+
+void Engine::Impl::exchange_pieces(Communicator& on, bool on_device, const float* send,
+                                   const Pieces& sends, float* recv, const Pieces& recvs,
+                                   const std::string& what, bool exposed) {
+  const auto wait = [&](Work& w) { exposed ? wait_for(w) : wait_crossing(w); };
+  if (on_device) {
+    res.dev->before_collective();  // it follows what filled `send`
+    wait(*on.all_to_all(send, sends, recv, recvs, DType::f32, what));
+    return;
+  }
+  if (!as_device_communicator(&on)) {
+    wait(*on.all_to_all(send, sends, recv, recvs, DType::f32, what));
+    return;
+  }
+  const int64_t in = pieces_extent(sends), out = pieces_extent(recvs);
+  Buffer up, down;
+  if (in > 0) {
+    up =
+        tier_ctx.buffer(Tier::device, MemKind::buffer, "host_collective_in", size_t(in) * 4, false);
+    res.dev->copy(up.data(), send, size_t(in) * 4);
+  }
+  if (out > 0)
+    down = tier_ctx.buffer(Tier::device, MemKind::buffer, "host_collective_out", size_t(out) * 4,
+                           false);
+  res.dev->before_collective();
+  wait(*on.all_to_all(up.as<float>(), sends, down.as<float>(), recvs, DType::f32, what));
+  for (size_t q = 0; q < recvs.counts.size(); ++q)
+    if (recvs.counts[q] > 0)
+      res.dev->copy(recv + recvs.offsets[q], down.as<float>() + recvs.offsets[q],
+                    size_t(recvs.counts[q]) * 4);
+  // As in host_collective(): freeing the buffers on return waits for the copies.
 }
 
 }  // namespace zeroshard

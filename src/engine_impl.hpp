@@ -140,9 +140,10 @@ struct SpeculationPause {
 using CopyGate = Gate;
 
 /// Muon (src/engine_muon.cpp): each unit's Muon matrices, which rank of the shard group
-/// orthogonalises each (fixed at finalize(), balanced by the iteration's cost), and the f32
-/// buffers a unit's direction is exchanged in: this rank's extent, and the whole padded unit
-/// (stages 1–3 with more than one shard), beside the iteration's scratch. `hyper` is the step's,
+/// orthogonalises each (fixed at finalize(), balanced by the iteration's cost), and the rounds
+/// of the unit's exchange as this rank takes part in them (src/muon_exchange.hpp). Its f32
+/// buffers: this rank's extent of a unit (`mine`), the largest matrix it orthogonalises
+/// (`exchange`, with more than one rank) and the iteration's scratch. `hyper` is the step's,
 /// while update() runs.
 struct MuonPlan {
   struct Matrix {
@@ -150,11 +151,20 @@ struct MuonPlan {
     int64_t offset = 0, rows = 0, cols = 0;
     int owner = 0;  // shard rank
   };
+  /// A round: the matrix this rank orthogonalises (an index into the unit's, or −1) and its
+  /// pieces, in elements: of its extent (gather_send, scatter_recv) and of that matrix
+  /// (gather_recv, scatter_send). Where every rank holds the unit whole, nothing is gathered.
+  struct Round {
+    int matrix = -1;
+    Pieces gather_send, gather_recv, scatter_send, scatter_recv;
+    int64_t sent = 0;  // elements this rank sends to the others, both ways
+  };
   std::vector<std::vector<Matrix>> units;
+  std::vector<std::vector<Round>> rounds;  // per unit
   // The state is in a stream device's memory (a GPU's): the direction is made there, by the
   // device's kernels, in device buffers; else on the host by the CPU's.
   bool on_device = false;
-  Buffer mine, whole;
+  Buffer mine, exchange;
   Buffer scratch;  // the iteration's, for the largest matrix this rank orthogonalises
   const std::vector<cpu::UpdateHyper>* hyper = nullptr;
   double ns_s = 0;  // time in the Newton-Schulz iteration since the last step() read it
@@ -260,6 +270,11 @@ struct Engine::Impl {
   /// engine moves device memory), following the work issued on the compute stream.
   void device_collective(Communicator& on, CollectiveOp op, const float* send, float* recv,
                          int64_t count, const std::string& what, bool exposed);
+  /// all_to_all() of f32 pieces on `on`, waited for as host_collective() waits: over device
+  /// memory (`on_device`) as device_collective(); over host memory as host_collective(), the
+  /// send buffer's span through a device buffer and each received piece back out of one.
+  void exchange_pieces(Communicator& on, bool on_device, const float* send, const Pieces& sends,
+                       float* recv, const Pieces& recvs, const std::string& what, bool exposed);
   static std::shared_ptr<Work> start_collective(Communicator& on, CollectiveOp op, const float* in,
                                                 float* out, int64_t count, const std::string& what);
   /// How often a wait looks for landed reductions to cross (it wakes at once when its own

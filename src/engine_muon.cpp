@@ -4,15 +4,16 @@
 //   1. each rank averages its extent of every Muon matrix: m' = μ·m + (1 − μ)·g, the direction
 //      (1 − μ)·g + μ·m' with Nesterov, else m' — from the same gradient and momentum the update
 //      then reads, and with the same operations (the update stores m');
-//   2. the unit's directions are all-gathered in f32 over the shard group;
-//   3. each matrix is orthogonalised (kernels/cpu/newton_schulz.hpp) by the one rank that owns
-//      it, and scaled by its shape's learning-rate factor;
-//   4. every rank zeroes what it does not own and a reduce-scatter (a sum with one non-zero
-//      term per element, so exact) hands each rank its extent of the result.
-// Stage 0 holds whole units: step 2 is skipped and step 4 is an all-reduce. One rank alone does
-// steps 1 and 3 only. Where the state is, the work is: on the host by the CPU's kernels, or in
-// a GPU's memory by its kernels and cuBLAS, exchanged over device buffers (Compute's Muon
-// kernels). docs/muon.md has the memory and communication this costs.
+//   2. in rounds (src/muon_exchange.hpp), each rank of the shard group gathers one matrix it
+//      owns from the ranks that hold its pieces (all_to_all, f32), orthogonalises it
+//      (kernels/cpu/newton_schulz.hpp), scales it by its shape's learning-rate factor, and
+//      sends each holder its piece of the result back into that holder's extent.
+// So a rank holds one matrix whole at a time, and only the pieces whose holder is not their
+// matrix's owner cross between ranks. Stage 0 holds whole units: nothing is gathered and every
+// rank receives every result. One rank alone does steps 1 and the iteration only. Where the
+// state is, the work is: on the host by the CPU's kernels, or in a GPU's memory by its kernels
+// and cuBLAS, exchanged over device buffers (Compute's Muon kernels). docs/muon.md has the
+// memory and communication this costs.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -20,18 +21,67 @@
 #include "base/check.hpp"
 #include "kernels/cpu/newton_schulz.hpp"
 #include "src/engine_impl.hpp"
+#include "src/muon_exchange.hpp"
 
 namespace zeroshard {
+
+namespace {
+
+// This rank's part of a unit's rounds: its pieces, with offsets in its extent (which starts at
+// `start` in the unit) or in the matrix it orthogonalises that round.
+std::vector<MuonPlan::Round> my_rounds(const std::vector<MuonRound>& rounds,
+                                       const std::vector<MuonSpan>& spans, int ranks, int me,
+                                       int64_t start) {
+  std::vector<MuonPlan::Round> out;
+  const auto none = [&] {
+    return Pieces{std::vector<int64_t>(size_t(ranks), 0), std::vector<int64_t>(size_t(ranks), 0)};
+  };
+  for (const MuonRound& r : rounds) {
+    MuonPlan::Round m;
+    m.matrix = r.matrix[size_t(me)];
+    m.gather_send = m.gather_recv = m.scatter_send = m.scatter_recv = none();
+    for (const MuonTransfer& t : r.gather) {  // extent → the owner's matrix
+      const int64_t at = t.offset - spans[size_t(r.matrix[size_t(t.to)])].offset;
+      if (t.from == me) {
+        m.gather_send.counts[size_t(t.to)] = t.count;
+        m.gather_send.offsets[size_t(t.to)] = t.offset - start;
+        if (t.to != me) m.sent += t.count;
+      }
+      if (t.to == me) {
+        m.gather_recv.counts[size_t(t.from)] = t.count;
+        m.gather_recv.offsets[size_t(t.from)] = at;
+      }
+    }
+    for (const MuonTransfer& t : r.scatter) {  // the owner's matrix → extent
+      const int64_t at = t.offset - spans[size_t(r.matrix[size_t(t.from)])].offset;
+      if (t.from == me) {
+        m.scatter_send.counts[size_t(t.to)] = t.count;
+        m.scatter_send.offsets[size_t(t.to)] = at;
+        if (t.to != me) m.sent += t.count;
+      }
+      if (t.to == me) {
+        m.scatter_recv.counts[size_t(t.from)] = t.count;
+        m.scatter_recv.offsets[size_t(t.from)] = t.offset - start;
+      }
+    }
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+}  // namespace
 
 void Engine::Impl::plan_muon() {
   const bool any = std::any_of(groups.begin(), groups.end(), [](const OptimizerOptions& g) {
     return g.kind == OptimizerKind::muon;
   });
   muon.units.assign(units.size(), {});
+  muon.rounds.assign(units.size(), {});
   if (!any) return;
   // Owners: cpu::assign_owners(), the planner's too.
   std::vector<double> load(size_t(topo.shard_world), 0.0);
-  int64_t mine = 0, whole = 0, scratch = 0;
+  const bool alone = topo.shard_world == 1;
+  int64_t mine = 0, biggest = 0, scratch = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     const UnitLayout& L = layout(int(u));
     std::vector<double> cost;
@@ -57,23 +107,32 @@ void Engine::Impl::plan_muon() {
     for (size_t i = 0; i < owner.size(); ++i) {
       MuonPlan::Matrix& m = muon.units[u][i];
       m.owner = owner[i];
-      if (topo.shard_world == 1 || m.owner == topo.shard_rank)
+      if (alone || m.owner == topo.shard_rank) {
         scratch = std::max(scratch, cpu::newton_schulz_scratch(m.rows, m.cols));
+        biggest = std::max(biggest, m.rows * m.cols);
+      }
     }
-    // In offset order, as muon_direction() zeroes around the matrices it owns.
+    // In offset order, as the rounds take each rank's matrices.
     std::sort(
         muon.units[u].begin(), muon.units[u].end(),
         [](const MuonPlan::Matrix& a, const MuonPlan::Matrix& b) { return a.offset < b.offset; });
     if (cost.empty()) continue;
     mine = std::max(mine, cfg.stage == 0 ? L.padded_numel : L.shard_numel);
-    if (cfg.stage > 0 && topo.shard_world > 1) whole = std::max(whole, L.padded_numel);
+    if (alone) continue;
+    std::vector<MuonSpan> spans;
+    for (const MuonPlan::Matrix& m : muon.units[u])
+      spans.push_back({m.offset, m.rows * m.cols, m.owner});
+    const int64_t shard = cfg.stage == 0 ? 0 : L.shard_numel;
+    muon.rounds[u] = my_rounds(muon_rounds(spans, topo.shard_world, shard), spans, topo.shard_world,
+                               topo.shard_rank, int64_t(topo.shard_rank) * shard);
   }
   if (mine == 0) return;
   muon.on_device = res.dev->streams() && cfg.offload_optimizer.tier == Tier::device;
   const Tier t = muon.on_device ? Tier::device : Tier::host;
   muon.mine = tier_ctx.buffer(t, MemKind::buffer, "muon_direction", size_t(mine) * 4, false);
-  if (whole > 0)
-    muon.whole = tier_ctx.buffer(t, MemKind::buffer, "muon_exchange", size_t(whole) * 4, false);
+  if (!alone && biggest > 0)
+    muon.exchange =
+        tier_ctx.buffer(t, MemKind::buffer, "muon_exchange", size_t(biggest) * 4, false);
   if (scratch > 0)
     muon.scratch = tier_ctx.buffer(t, MemKind::buffer, "muon_scratch", size_t(scratch) * 4, false);
   tier_ctx.direction = [this](int u, const cpu::UpdateArgs& a) { return muon_direction(u, a); };
@@ -97,13 +156,6 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   const UnitLayout& L = layout(u);
   const Unit& unit = units[size_t(u)];
   Compute& k = muon.on_device ? *res.dev : *res.host;
-  const auto exchange = [&](CollectiveOp op, const float* send, float* recv, int64_t count,
-                            const std::string& what) {
-    if (muon.on_device)
-      device_collective(*topo.shard_comm, op, send, recv, count, what, true);
-    else
-      host_collective(*topo.shard_comm, op, send, recv, count, what, true);
-  };
   const int64_t n = a.n;
   const int64_t start = cfg.stage == 0 ? 0 : int64_t(topo.shard_rank) * L.shard_numel;
   float* mine = muon.mine.as<float>();
@@ -118,40 +170,39 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
     k.muon_average(a, (*muon.hyper)[size_t(L.params[size_t(m.param)].group)], lo, hi, mine + lo);
   }
   const bool alone = topo.shard_world == 1;
-  const bool sharded = cfg.stage > 0 && !alone;
-  // 2. The whole unit's directions on every rank of the group.
-  float* whole = mine;
-  if (sharded) {
-    whole = muon.whole.as<float>();
-    exchange(CollectiveOp::all_gather, mine, whole, L.shard_numel,
-             "unit '" + L.name + "' (Muon directions)");
-    count_sent(false, int64_t(topo.shard_world - 1) * L.shard_numel * 4);
+  // The iteration on matrix m, whole at `x`, scaled by its shape's factor.
+  const auto orthogonalise = [&](const MuonPlan::Matrix& m, float* x) {
+    if (unit.held[size_t(m.param)]) return;
+    const OptimizerOptions& o = groups[size_t(L.params[size_t(m.param)].group)];
+    const auto t0 = std::chrono::steady_clock::now();
+    k.newton_schulz(x, m.rows, m.cols, {o.ns_steps, o.eps, o.ns_bf16, lr_factor(o, m.rows, m.cols)},
+                    muon.scratch.as<float>());
+    // On a GPU the iteration is queued: its time is in the update's, not here.
+    if (!muon.on_device)
+      muon.ns_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  if (alone) {
+    for (const MuonPlan::Matrix& m : mats) orthogonalise(m, mine + m.offset);
+    return mine;
   }
-  // 3. This rank's matrices orthogonalised and scaled; 4. the rest zeroed, then summed.
-  int64_t kept = 0;  // whole[kept, m.offset) is not this rank's
-  for (const MuonPlan::Matrix& m : mats) {
-    if (alone || m.owner == topo.shard_rank) {
-      if (!alone) k.fill(whole + kept, 0, size_t(m.offset - kept) * 4);
-      kept = m.offset + m.rows * m.cols;
-      if (unit.held[size_t(m.param)]) continue;
-      const OptimizerOptions& o = groups[size_t(L.params[size_t(m.param)].group)];
-      const auto t0 = std::chrono::steady_clock::now();
-      k.newton_schulz(whole + m.offset, m.rows, m.cols,
-                      {o.ns_steps, o.eps, o.ns_bf16, lr_factor(o, m.rows, m.cols)},
-                      muon.scratch.as<float>());
-      // On a GPU the iteration is queued: its time is in the update's, not here.
-      if (!muon.on_device)
-        muon.ns_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
+  // 2. Round by round, one matrix whole on each rank: gathered, orthogonalised, sent back.
+  float* whole = muon.exchange.as<float>();
+  const std::vector<MuonPlan::Round>& rounds = muon.rounds[size_t(u)];
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    const MuonPlan::Round& round = rounds[r];
+    const MuonPlan::Matrix* m = round.matrix >= 0 ? &mats[size_t(round.matrix)] : nullptr;
+    const std::string what = "unit '" + L.name + "' (Muon round " + std::to_string(r + 1) + " of " +
+                             std::to_string(rounds.size()) + ", ";
+    if (cfg.stage > 0)
+      exchange_pieces(*topo.shard_comm, muon.on_device, mine, round.gather_send, whole,
+                      round.gather_recv, what + "directions)", true);
+    else if (m)  // the whole unit is here
+      k.copy(whole, mine + m->offset, size_t(m->rows * m->cols) * 4);
+    if (m) orthogonalise(*m, whole);
+    exchange_pieces(*topo.shard_comm, muon.on_device, whole, round.scatter_send, mine,
+                    round.scatter_recv, what + "updates)", true);
+    count_sent(false, round.sent * 4);
   }
-  if (alone) return mine;
-  const int64_t total = sharded ? L.padded_numel : n;
-  k.fill(whole + kept, 0, size_t(total - kept) * 4);
-  exchange(sharded ? CollectiveOp::reduce_scatter : CollectiveOp::all_reduce_sum,
-           sharded ? whole : mine, mine, sharded ? L.shard_numel : n,
-           "unit '" + L.name + "' (Muon updates)");
-  // A ring's reduce-scatter sends (n − 1)/n of the data; an all-reduce twice that.
-  count_sent(false, (sharded ? 1 : 2) * int64_t(topo.shard_world - 1) * L.shard_numel * 4);
   return mine;
 }
 

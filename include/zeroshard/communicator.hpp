@@ -17,6 +17,12 @@ namespace zeroshard {
 
 enum class ReduceOp : uint8_t { sum, max, min };
 
+/// Where all_to_all's pieces lie in one buffer: piece q (to or from rank q) is counts[q]
+/// elements starting at element offsets[q]. Both hold one entry per rank.
+struct Pieces {
+  std::vector<int64_t> counts, offsets;
+};
+
 /// Handle of a started collective. wait() blocks until it completes and throws Error
 /// (ErrorCode::timeout or comm_failure) naming the collective if it failed. Thread-safe.
 class ZS_API Work {
@@ -63,6 +69,14 @@ class ZS_API Communicator {
   /// `bytes` bytes from `root` to every rank, in place.
   virtual std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root,
                                           std::string what) = 0;
+  /// Point-to-point pieces as one collective (MPI's all-to-all-v): this rank sends piece q of
+  /// `send` to rank q and receives rank q's piece for it into piece q of `recv` (q = this rank:
+  /// a copy). A rank's send count to q must equal q's receive count from it; a count of 0 moves
+  /// nothing. Every rank calls it in its place of the sequence, even with nothing to move. No
+  /// received piece may overlap another piece of the call. Throws Error(invalid_argument) on
+  /// pieces of the wrong number or negative counts or offsets.
+  virtual std::shared_ptr<Work> all_to_all(const void* send, const Pieces& sends, void* recv,
+                                           const Pieces& recvs, DType dtype, std::string what) = 0;
   virtual void barrier(std::string what) = 0;
   /// A communicator of `ranks` (ranks of this one, ascending, this rank among them), ranked in
   /// that order, with this one's timeout. Collective over this communicator: every rank calls it

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "base/check.hpp"
+#include "base/pieces.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "src/comm/seconds_text.hpp"
 #include "src/comm/split_check.hpp"
@@ -138,6 +139,40 @@ class StoreCommunicator final : public Communicator {
     auto all = exchange(rank_ == root ? to_hex(data, size_t(bytes)) : std::string(), what);
     require_bytes(all, size_t(bytes), what, root);
     from_hex(all[size_t(root)], data, size_t(bytes));
+    return done_work(std::move(what));
+  }
+
+  // One round: each rank publishes its send counts (int64 per rank) and then its pieces, in rank
+  // order; each reads its own piece out of every other rank's value.
+  std::shared_ptr<Work> all_to_all(const void* send, const Pieces& sends, void* recv,
+                                   const Pieces& recvs, DType dtype, std::string what) override {
+    check_pieces(sends, rank_, size(), what, "send");
+    check_pieces(recvs, rank_, size(), what, "recv");
+    const size_t es = dtype_size(dtype), head = size_t(size()) * sizeof(int64_t);
+    std::string mine = to_hex(sends.counts.data(), head);
+    for (int q = 0; q < size(); ++q)
+      mine += to_hex(static_cast<const char*>(send) + size_t(sends.offsets[size_t(q)]) * es,
+                     size_t(sends.counts[size_t(q)]) * es);
+    const auto all = exchange(std::move(mine), what);
+    for (int r = 0; r < size(); ++r) {
+      const std::string_view v = all[size_t(r)];
+      std::vector<int64_t> counts(static_cast<size_t>(size()));
+      int64_t before = 0;
+      bool ok = v.size() >= head * 2 && from_hex(v.substr(0, head * 2), counts.data(), head);
+      for (int q = 0; ok && q < rank_; ++q) before += counts[size_t(q)];
+      const size_t n = size_t(recvs.counts[size_t(r)]) * es;
+      ok = ok && counts[size_t(rank_)] == recvs.counts[size_t(r)] &&
+           from_hex(v.substr(std::min(v.size(), (head + size_t(before) * es) * 2), n * 2),
+                    static_cast<char*>(recv) + size_t(recvs.offsets[size_t(r)]) * es, n);
+      if (!ok) {
+        std::lock_guard<std::mutex> lock(mu_);
+        fail(ErrorCode::comm_failure, what,
+             "rank " + std::to_string(r) + " did not send the " +
+                 std::to_string(recvs.counts[size_t(r)]) +
+                 " elements this rank expects (the ranks called different collectives, or "
+                 "disagree on the pieces)");
+      }
+    }
     return done_work(std::move(what));
   }
 

@@ -17,6 +17,7 @@
 
 #include "base/check.hpp"
 #include "base/gate.hpp"
+#include "base/pieces.hpp"
 #include "src/compute/cpu_stream.hpp"
 #include "src/compute/device_communicator.hpp"
 
@@ -208,6 +209,18 @@ class AsyncDeviceCommunicator final : public DeviceCommunicator {
     return submit(
         name, [=, this] { return host_->broadcast(staged->data(), bytes, root, what); },
         [=] { std::copy(staged->begin(), staged->end(), static_cast<char*>(data)); }, staged);
+  }
+  std::shared_ptr<Work> all_to_all(const void* send, const Pieces& sends, void* recv,
+                                   const Pieces& recvs, DType dtype, std::string what) override {
+    const std::string name = "all_to_all of " + what;
+    check_pieces(sends, rank(), size(), what, "send");
+    check_pieces(recvs, rank(), size(), what, "recv");
+    // The host communicator's all-to-all is a collective even where this rank moves nothing
+    // (NCCL's point-to-point calls are not), so it always runs.
+    if (!pieces_empty(sends)) require_device(send, name, "send");
+    if (!pieces_empty(recvs)) require_device(recv, name, "recv");
+    return submit(name,
+                  [=, this] { return host_->all_to_all(send, sends, recv, recvs, dtype, what); });
   }
   void barrier(std::string what) override {
     // A one-element all-reduce, as NCCL's barrier: complete once every rank joined it.

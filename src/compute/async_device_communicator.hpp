@@ -14,7 +14,9 @@
 //   - reduce_scatter, all_gather and all_reduce_sum take device memory only (invalid_argument
 //     otherwise, as NCCL's do); all_reduce and broadcast also take host memory, copied in at the
 //     call and back when the collective completes;
-//   - a count of zero is no collective (an empty Work), a negative one is refused;
+//   - all_to_all takes device memory for the buffers it moves pieces of;
+//   - a count of zero is no collective (an empty Work), a negative one is refused; an
+//     all_to_all that moves nothing on this rank still runs (the host's is a collective);
 //   - Work::done() is true once the collective ran (the results are then visible everywhere);
 //     its timeout runs from the call, queued time included;
 //   - order_before(stream) makes that stream wait for every collective called so far;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "base/check.hpp"
+#include "base/pieces.hpp"
 #include "base/quarantine.hpp"
 
 namespace zeroshard {
@@ -237,6 +238,21 @@ class StagedCommunicator final : public Communicator {
     return st.run([&] { return inner_->all_reduce_sum(h, count, dtype, std::move(what)); });
   }
 
+  // The span from each buffer's start to its last piece is staged; only the pieces are copied
+  // in (send) and back (recv), so what lies between the received pieces stays as it was.
+  std::shared_ptr<Work> all_to_all(const void* send, const Pieces& sends, void* recv,
+                                   const Pieces& recvs, DType dtype, std::string what) override {
+    check_pieces(sends, rank(), size(), what, "send");
+    check_pieces(recvs, rank(), size(), what, "recv");
+    const size_t es = dtype_size(dtype);
+    Staging st(*this, label("all_to_all of ", what));
+    const void* hsend = st.stage_pieces(send, sends, es, false);
+    void* hrecv = st.stage_pieces(recv, recvs, es, true);
+    if (st.empty()) return inner_->all_to_all(send, sends, recv, recvs, dtype, std::move(what));
+    return st.run(
+        [&] { return inner_->all_to_all(hsend, sends, hrecv, recvs, dtype, std::move(what)); });
+  }
+
   void barrier(std::string what) override { inner_->barrier(std::move(what)); }
   std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override {
     return std::make_shared<StagedCommunicator>(inner_->split(ranks, std::move(what)), dev_);
@@ -275,6 +291,31 @@ class StagedCommunicator final : public Communicator {
       } catch (const Error& e) {
         rethrow_naming(e, ctx_, step);
       }
+    }
+
+    // As stage(), for the buffer of an all_to_all's `pieces` (elements of `es` bytes): pieces
+    // are copied in now, or (`out`) back at completion, one by one.
+    void* stage_pieces(const void* p, const Pieces& pieces, size_t es, bool out) {
+      const size_t bytes = size_t(pieces_extent(pieces)) * es;
+      if (bytes == 0) return const_cast<void*>(p);
+      char* host = static_cast<char*>(stage(p, bytes, 0, 0, false));
+      if (host == p) return host;
+      const int device = comm_.dev_->device_of(p);
+      for (size_t q = 0; q < pieces.counts.size(); ++q) {
+        const size_t at = size_t(pieces.offsets[q]) * es, n = size_t(pieces.counts[q]) * es;
+        if (n == 0) continue;
+        char* dev = static_cast<char*>(const_cast<void*>(p)) + at;
+        if (out) {
+          back_.push_back({dev, host + at, n, device});
+          continue;
+        }
+        try {
+          comm_.dev_->to_host(host + at, dev, n, device);
+        } catch (const Error& e) {
+          rethrow_naming(e, ctx_, "copying the input to pinned staging");
+        }
+      }
+      return host;
     }
 
     bool empty() const { return blocks_.empty(); }

@@ -8,10 +8,10 @@
 // the asynchronous CPU device (src/compute/async_cpu_device.cpp), so the CPU suite runs this
 // code on every multi-rank test of that device.
 //
-// Which buffers are staged. For reduce_scatter, all_gather, broadcast and all_reduce_sum, each
-// buffer argument is classified by StagingDevice::device_of: device memory (CUDA:
-// cudaMemoryTypeDevice, any device) is staged; host memory, pinned or pageable, and CUDA managed
-// memory (which the host can address) go to the host communicator untouched. A call whose
+// Which buffers are staged. For reduce_scatter, all_gather, broadcast, all_reduce_sum and
+// all_to_all, each buffer argument is classified by StagingDevice::device_of: device memory
+// (CUDA: cudaMemoryTypeDevice, any device) is staged; host memory, pinned or pageable, and CUDA
+// managed memory (which the host can address) go to the host communicator untouched. A call whose
 // buffers are all host memory costs one classification per buffer and nothing else. Empty
 // collectives (0 elements or bytes) are forwarded as they are. all_reduce takes host doubles and
 // is forwarded unchanged, as are barrier, set_timeout, rank and size.
@@ -23,6 +23,9 @@
 //     this rank's block of recv, in device memory): only that block is copied in, the host
 //     collective runs in place on the staging block, and all of recv is copied back.
 //   - broadcast: the root copies its data in; every rank copies the result back.
+//   - all_to_all: each buffer is staged from its start to the end of its last piece; only the
+//     send pieces are copied in, and only the received pieces back (what lies between them in
+//     the device buffer stays as it was).
 // One buffer may be staged and the other not (a host send with a device recv, for instance).
 //
 // Ordering contract.

@@ -53,6 +53,10 @@ class PlanCommunicator final : public Communicator {
   std::shared_ptr<Work> broadcast(void*, int64_t, int, std::string what) override {
     return done_work(std::move(what));
   }
+  std::shared_ptr<Work> all_to_all(const void*, const Pieces&, void*, const Pieces&, DType,
+                                   std::string what) override {
+    ZS_THROW(internal, "plan_memory(): a plan runs no " << what);
+  }
   void barrier(std::string) override {}
   std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override {
     check_split(ranks, rank_, size_, what);

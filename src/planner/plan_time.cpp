@@ -12,6 +12,7 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/newton_schulz.hpp"
 #include "src/config/internal.hpp"
+#include "src/muon_exchange.hpp"
 #include "zeroshard/planner.hpp"
 
 namespace zeroshard {
@@ -363,30 +364,56 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
     }
     if (gpu && params_off) gather_up += 2.0 * k * shard;  // up before each gather
     std::vector<double> cost;                             // Muon: this unit's matrices
+    std::vector<int64_t> muon_offsets, muon_numels;       // and where they lie in it
     for (size_t j = 0; muon && j < u.params.size(); ++j) {
       const Param& q = u.params[j];
       const OptimizerOptions& g = group_of(q.group);
       const int64_t n = shape_numel(q.shape);
       if (g.kind != OptimizerKind::muon || q.shape.size() < 2 || n == 0) continue;
       cost.push_back(cpu::newton_schulz_cost(q.shape[0], n / q.shape[0], g.ns_steps));
+      muon_offsets.push_back(L.params[j].offset);
+      muon_numels.push_back(n);
     }
-    if (!cost.empty()) {  // the unit waits for its busiest owner, then exchanges in f32
+    if (!cost.empty()) {  // the unit's rounds: gather, iteration, results back (f32)
       const std::vector<int> owner = cpu::assign_owners(cost, ns_load);
-      std::vector<double> busy(ns_load.size(), 0.0);
-      for (size_t i = 0; i < cost.size(); ++i)
-        busy[size_t(owner[i])] += newton_schulz_seconds(rates.newton_schulz, cost[i]);
-      ns += *std::max_element(busy.begin(), busy.end());
-      const double dir = double(L.shard_numel) * 4;
-      if (cfg.stage == 0 && world > 1)
-        after += timed(within_hops, 2.0 * (group - 1) / group * double(L.padded_numel) * 4,
-                       rates.all_reduce.seconds(double(L.padded_numel) * 4, Buffers::warm), 1,
-                       link.all_reduce, buffer_out);
-      else if (cfg.stage > 0 && group > 1)
-        after +=
-            timed(within_hops, (group - 1) * dir, rates.all_gather.seconds(dir, Buffers::warm), 1,
-                  link.all_gather, block_out) +
-            timed(within_hops, (group - 1) * dir, rates.reduce_scatter.seconds(dir, Buffers::warm),
-                  1, link.reduce_scatter, block_out);
+      std::vector<size_t> order(cost.size());  // the matrices in offset order, as the engine's
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(),
+                [&](size_t a, size_t b) { return muon_offsets[a] < muon_offsets[b]; });
+      std::vector<MuonSpan> spans;
+      std::vector<double> seconds;
+      for (size_t i : order) {
+        spans.push_back({muon_offsets[i], muon_numels[i], owner[i]});
+        seconds.push_back(newton_schulz_seconds(rates.newton_schulz, cost[i]));
+      }
+      // Each round waits for its slowest iteration, and each of its two all_to_alls for the
+      // rank that moves the most, timed as an all-gather moving as much per rank.
+      const auto moved = [&](const std::vector<MuonTransfer>& ts) {
+        std::vector<double> in(size_t(group), 0.0), out(size_t(group), 0.0);
+        for (const MuonTransfer& t : ts)
+          if (t.from != t.to) {
+            in[size_t(t.to)] += double(t.count) * 4;
+            out[size_t(t.from)] += double(t.count) * 4;
+          }
+        double most = 0;
+        for (int r = 0; r < group; ++r) most = std::max({most, in[size_t(r)], out[size_t(r)]});
+        if (most == 0) return 0.0;
+        return timed(within_hops, most,
+                     rates.all_gather.seconds(most / std::max(1, group - 1), Buffers::warm), 1,
+                     link.all_gather, block_out);
+      };
+      if (group == 1) {
+        for (double x : seconds) ns += x;
+      } else {
+        for (const MuonRound& round :
+             muon_rounds(spans, group, cfg.stage == 0 ? 0 : L.shard_numel)) {
+          double slowest = 0;
+          for (int i : round.matrix)
+            if (i >= 0) slowest = std::max(slowest, seconds[size_t(i)]);
+          ns += slowest;
+          after += moved(round.gather) + moved(round.scatter);
+        }
+      }
     }
     if (world == 1) continue;  // a one-rank engine runs no collective
     // Stages 0-1 reduce each unit's own whole gradient buffer, all units' in flight at once

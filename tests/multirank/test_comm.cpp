@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "tests/multirank/harness.hpp"
+#include "tests/unit/all_to_all_case.hpp"
 
 using namespace zeroshard;
 using zs_test::world;
@@ -113,6 +114,26 @@ TEST(Comm, AllGatherInPlaceAndOutOfPlace) {
       ASSERT_EQ(whole[size_t(q * count + i)], float(q * 100 + i));
       ASSERT_EQ(inplace[size_t(q * count + i)], float(q * 100 + i));
     }
+}
+
+// all_to_all (Muon's exchange): every piece at its rank and place, gaps untouched, with the
+// MPI communicator and the one-rank one; bad pieces are refused before any rank moves.
+TEST(Comm, AllToAllMovesEachPieceToItsRank) {
+  auto c = world();
+  zs_test::check_all_to_all(*c);
+  zs_test::check_all_to_all(*make_self_communicator());
+  const int n = c->size();
+  std::vector<float> buf(8);
+  const Pieces few{std::vector<int64_t>(size_t(n + 1), 0), std::vector<int64_t>(size_t(n + 1), 0)};
+  const Pieces none{std::vector<int64_t>(size_t(n), 0), std::vector<int64_t>(size_t(n), 0)};
+  Pieces negative = none;
+  negative.counts[0] = -1;
+  EXPECT_ZS_ERROR(c->all_to_all(buf.data(), few, buf.data(), none, DType::f32, "test"),
+                  invalid_argument, "pieces give");
+  EXPECT_ZS_ERROR(c->all_to_all(buf.data(), none, buf.data(), negative, DType::f32, "test"),
+                  invalid_argument, "has count -1");
+  // The communicator is still in step: a collective after the refusals completes.
+  zs_test::check_all_to_all(*c);
 }
 
 TEST(Comm, AllReduceAndBroadcast) {

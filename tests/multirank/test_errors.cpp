@@ -271,6 +271,10 @@ class DeadPeerComm final : public Communicator {
   std::shared_ptr<Work> all_reduce(double* x, int64_t n, ReduceOp op, std::string w) override {
     return self_->all_reduce(x, n, op, std::move(w));
   }
+  std::shared_ptr<Work> all_to_all(const void* s, const Pieces& sp, void* r, const Pieces& rp,
+                                   DType d, std::string w) override {
+    return self_->all_to_all(s, sp, r, rp, d, std::move(w));
+  }
   std::shared_ptr<Work> all_reduce_sum(void* x, int64_t n, DType d, std::string w) override {
     return self_->all_reduce_sum(x, n, d, std::move(w));
   }

@@ -376,9 +376,9 @@ TEST(MuonHeld, AMatrixWithoutAGradientStaysPut) {
 
 // The planner plans Muon's buffers as the engine holds them (plan_memory() is the engine's own
 // set-up with nothing allocated): equal to the ledger, cell by cell and buffer by buffer, with
-// the direction (the largest Muon unit's extent, f32) and, sharded, the exchange (that unit
-// whole) among them.
-TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneUnitInFlight) {
+// the direction (the largest Muon unit's extent, f32) and, with more than one rank, the
+// exchange: one matrix whole, the largest this rank orthogonalises, never a whole unit.
+TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneMatrixInFlight) {
   std::vector<PlanUnit> units;
   for (const auto& u : muon_model()) {
     PlanUnit pu{u.name, {}};
@@ -401,15 +401,17 @@ TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneUnitInFlight) {
         for (int kd = 0; kd < kNumMemKinds; ++kd)
           EXPECT_EQ(plan.bytes[t][kd], real.bytes[t][kd]) << "tier " << t << " kind " << kd;
       ASSERT_EQ(plan.buffers.size(), real.buffers.size());
-      int64_t extent = 0, whole = 0;  // of the largest unit holding a Muon matrix
+      int64_t extent = 0;  // of the largest unit holding a Muon matrix
       for (int u = 0; u < e.num_units(); ++u) {
         if (u == 3) continue;  // "tiny": its one vector is AdamW's
         const ShardInfo si = e.shard_info(u);
         extent = std::max(extent, stage == 0 ? si.padded_numel : si.shard_numel);
-        whole = std::max(whole, si.padded_numel);
       }
+      // The model's Muon matrices, in elements; the largest is 13 x 41.
+      const std::vector<int64_t> matrices = {37 * 11, 11 * 23, 9 * 9, 4 * 15, 13 * 41};
       bool direction = false, exchange = false;
       int64_t scratch = 0;
+      double exchanged = 0;
       for (size_t i = 0; i < plan.buffers.size(); ++i) {
         EXPECT_EQ(plan.buffers[i].name, real.buffers[i].name);
         EXPECT_EQ(plan.buffers[i].bytes, real.buffers[i].bytes) << real.buffers[i].name;
@@ -419,7 +421,10 @@ TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneUnitInFlight) {
         }
         if (real.buffers[i].name == "muon_exchange") {
           exchange = true;
-          EXPECT_EQ(real.buffers[i].bytes, 4 * whole);
+          exchanged = double(real.buffers[i].bytes);
+          EXPECT_TRUE(std::count(matrices.begin(), matrices.end(), int64_t(exchanged) / 4) == 1 &&
+                      int64_t(exchanged) % 4 == 0)
+              << exchanged << " bytes are no matrix's";
         }
         // The iteration's, for the largest matrix this rank orthogonalises: 13 x 41 (2mn + 2m²
         // floats) on one rank; every rank owns one of the five matrices at up to 4 ranks.
@@ -433,6 +438,10 @@ TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneUnitInFlight) {
       }
       EXPECT_GT(scratch, 0);
       EXPECT_TRUE(direction);
-      EXPECT_EQ(exchange, stage > 0 && e.world_size() > 1);
+      EXPECT_EQ(exchange, e.world_size() > 1);
+      e.communicator()->all_reduce(&exchanged, 1, ReduceOp::max, "test")->wait();
+      if (e.world_size() > 1) {
+        EXPECT_EQ(exchanged, 4 * 13 * 41) << "no rank holds the largest";
+      }
     }
 }

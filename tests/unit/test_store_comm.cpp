@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/unit/all_to_all_case.hpp"
 #include "zeroshard/communicator.hpp"
 #include "zeroshard/device.hpp"
 #include "zeroshard/error.hpp"
@@ -117,6 +118,13 @@ TEST(StoreComm, CollectivesMatchTheirDefinitions) {
   });
   // Each rank's earlier rounds were erased: one key per rank is left.
   EXPECT_EQ(store.size(), size_t(n));
+}
+
+TEST(StoreComm, AllToAllMovesEachPieceToItsRank) {
+  for (int n : {1, 2, 3}) {
+    MemoryStore store;
+    on_ranks(store, n, [](Communicator& c) { zs_test::check_all_to_all(c); });
+  }
 }
 
 TEST(StoreComm, SplitGroupsTalkAmongThemselves) {

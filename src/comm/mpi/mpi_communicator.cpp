@@ -20,6 +20,7 @@
 
 #include "base/check.hpp"
 #include "base/mpi_check.hpp"
+#include "base/pieces.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "src/comm/mpi/peer_probe.hpp"
 #include "src/comm/seconds_text.hpp"
@@ -230,6 +231,34 @@ class MpiCommunicator final : public Communicator {
         " (" + std::to_string(n) + " bytes from rank " + std::to_string(root) + ")");
   }
 
+  // MPI_Ialltoallv: its counts and displacements must outlive the call, so the collective keeps
+  // them (Pending::keep) until it completes. The check compares only the dtype, as the pieces
+  // differ from rank to rank.
+  std::shared_ptr<Work> all_to_all(const void* send, const Pieces& sends, void* recv,
+                                   const Pieces& recvs, DType dtype, std::string what) override {
+    check_pieces(sends, rank_, size_, what, "send");
+    check_pieces(recvs, rank_, size_, what, "recv");
+    struct Ints {
+      std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
+    };
+    auto v = std::make_shared<Ints>();
+    const auto ints = [&](const std::vector<int64_t>& from, std::vector<int>& to) {
+      for (int64_t x : from) to.push_back(checked_count(x, "all_to_all of " + what));
+    };
+    ints(sends.counts, v->send_counts);
+    ints(sends.offsets, v->send_displs);
+    ints(recvs.counts, v->recv_counts);
+    ints(recvs.offsets, v->recv_displs);
+    const MPI_Datatype type = mpi_type(dtype);
+    return submit(
+        "all_to_all of " + what,
+        [=, this, v = v.get()](MPI_Request* r) {
+          return MPI_Ialltoallv(send, v->send_counts.data(), v->send_displs.data(), type, recv,
+                                v->recv_counts.data(), v->recv_displs.data(), type, comm_, r);
+        },
+        " (" + std::string(dtype_name(dtype)) + ")", v);
+  }
+
   void barrier(std::string what) override {
     submit("barrier " + what, [this](MPI_Request* r) { return MPI_Ibarrier(comm_, r); })->wait();
   }
@@ -300,7 +329,8 @@ class MpiCommunicator final : public Communicator {
   struct Pending {
     std::shared_ptr<WorkState> work;
     Start start;
-    std::string desc;  // what this rank calls, compared across ranks in checking mode
+    std::string desc;            // what this rank calls, compared across ranks in checking mode
+    std::shared_ptr<void> keep;  // what MPI reads until the collective completes (all_to_all)
   };
   struct InFlight {
     std::shared_ptr<WorkState> work;
@@ -310,10 +340,12 @@ class MpiCommunicator final : public Communicator {
     // Checking mode: the descriptors are being all-gathered; the collective starts after.
     Start start;
     std::vector<char> descs;
+    std::shared_ptr<void> keep;  // as Pending's; kept while a timed-out request may complete
   };
   static constexpr int kDescBytes = 160;
 
-  std::shared_ptr<Work> submit(std::string what, Start start, std::string shape = "") {
+  std::shared_ptr<Work> submit(std::string what, Start start, std::string shape = "",
+                               std::shared_ptr<void> keep = {}) {
     auto work = std::make_shared<WorkState>("rank " + std::to_string(rank_) + ": " + what);
     std::string desc = what + shape;
     std::lock_guard<std::mutex> lock(mu_);
@@ -325,7 +357,7 @@ class MpiCommunicator final : public Communicator {
       work->settle();
       return work;
     }
-    queue_.push_back({work, std::move(start), std::move(desc)});
+    queue_.push_back({work, std::move(start), std::move(desc), std::move(keep)});
     queued_.store(true, std::memory_order_release);
     wake_.notify_one();
     return work;
@@ -368,6 +400,9 @@ class MpiCommunicator final : public Communicator {
           give_up = now + std::chrono::seconds(2);
         if (waiting_.empty() && (inflight.empty() || (only_abandoned && now > give_up))) {
           abandoned_ = int(inflight.size());
+          // MPI may still read an abandoned all_to_all's counts: they stay until the end.
+          for (InFlight& f : inflight)
+            if (f.keep) new std::shared_ptr<void>(std::move(f.keep));
           return;
         }
       }
@@ -524,9 +559,13 @@ class MpiCommunicator final : public Communicator {
     if (check_) {
       // Checking mode: first all-gather what every rank is calling (a fixed-size exchange that
       // matches on every rank whatever they called), then the collective itself.
-      InFlight f{
-          p.work, MPI_REQUEST_NULL,   deadline_from_now(),
-          false,  std::move(p.start), std::vector<char>(size_t(size_ + 1) * kDescBytes, '\0')};
+      InFlight f{p.work,
+                 MPI_REQUEST_NULL,
+                 deadline_from_now(),
+                 false,
+                 std::move(p.start),
+                 std::vector<char>(size_t(size_ + 1) * kDescBytes, '\0'),
+                 std::move(p.keep)};
       char* own = f.descs.data() + size_t(size_) * kDescBytes;
       std::strncpy(own, p.desc.c_str(), kDescBytes - 1);
       if (!started(p.work, [&] {
@@ -544,7 +583,7 @@ class MpiCommunicator final : public Communicator {
       p.work->settle();
       return;
     }
-    inflight.push_back({p.work, req, deadline_from_now(), false, nullptr, {}});
+    inflight.push_back({p.work, req, deadline_from_now(), false, nullptr, {}, std::move(p.keep)});
   }
 
   // Runs `start`, which starts an MPI call through ZS_MPI_CHECK_CTX. On the communication

@@ -10,6 +10,7 @@
 #include "base/check.hpp"
 #include "base/cuda_check.hpp"
 #include "base/nccl_check.hpp"
+#include "base/pieces.hpp"
 #include "src/comm/nccl/nccl_impl.hpp"
 #include "src/comm/split_check.hpp"
 
@@ -343,6 +344,37 @@ std::shared_ptr<Work> NcclCommunicator::broadcast(void* data, int64_t bytes, int
   return m.submit(name, staging, [=](ncclComm_t c, cudaStream_t s, void* staged) {
     void* buf = staged != nullptr ? staged : data;
     return ncclBroadcast(buf, buf, n, ncclUint8, root, c, s);
+  });
+}
+
+// ncclSend/ncclRecv for each peer with something to move (this rank's own piece included:
+// NCCL copies it).
+std::shared_ptr<Work> NcclCommunicator::all_to_all(const void* send, const Pieces& sends,
+                                                   void* recv, const Pieces& recvs, DType dtype,
+                                                   std::string what) {
+  Impl& m = *impl_;
+  const std::string name = "all_to_all of " + what;
+  check_pieces(sends, m.rank, m.size, what, "send");
+  check_pieces(recvs, m.rank, m.size, what, "recv");
+  if (pieces_empty(sends) && pieces_empty(recvs)) return m.empty_work(name);
+  if (!pieces_empty(sends)) m.require_device(send, name, "send");
+  if (!pieces_empty(recvs)) m.require_device(recv, name, "recv");
+  const size_t es = dtype_size(dtype);
+  // submit() runs the op inside its own ncclGroupStart()/ncclGroupEnd().
+  return m.submit(name, {}, [=](ncclComm_t c, cudaStream_t s, void*) {
+    ncclResult_t rc = ncclSuccess;
+    for (int q = 0; q < int(sends.counts.size()); ++q) {
+      const size_t i = size_t(q);
+      if (sends.counts[i] > 0)
+        rc = ncclSend(static_cast<const char*>(send) + size_t(sends.offsets[i]) * es,
+                      size_t(sends.counts[i]), nccl_type(dtype), q, c, s);
+      if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+      if (recvs.counts[i] > 0)
+        rc = ncclRecv(static_cast<char*>(recv) + size_t(recvs.offsets[i]) * es,
+                      size_t(recvs.counts[i]), nccl_type(dtype), q, c, s);
+      if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+    }
+    return rc;
   });
 }
 

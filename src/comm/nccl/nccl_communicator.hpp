@@ -31,6 +31,8 @@ class NcclCommunicator final : public DeviceCommunicator {
   std::shared_ptr<Work> all_reduce_sum(void* inout, int64_t count, DType dtype,
                                        std::string what) override;
   std::shared_ptr<Work> broadcast(void* data, int64_t bytes, int root, std::string what) override;
+  std::shared_ptr<Work> all_to_all(const void* send, const Pieces& sends, void* recv,
+                                   const Pieces& recvs, DType dtype, std::string what) override;
   void barrier(std::string what) override;
   std::shared_ptr<Communicator> split(const std::vector<int>& ranks, std::string what) override;
   void set_timeout(double seconds) override;
