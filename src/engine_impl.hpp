@@ -69,6 +69,7 @@ struct ShardTopology {
   int shard_rank = 0, shard_world = 1, replica = 0, replicas = 1;
   // Whether the next rank in each communicator's ring is on another host.
   bool shard_next_remote = false, replica_next_remote = false;
+  std::vector<bool> shard_remote;  // per rank of shard_comm: on another host than this one
 };
 
 /// The reductions, in the one order every rank issues them whatever the trainer hands over
@@ -157,7 +158,6 @@ struct MuonPlan {
   struct Round {
     int matrix = -1;
     Pieces gather_send, gather_recv, scatter_send, scatter_recv;
-    int64_t sent = 0;  // elements this rank sends to the others, both ways
   };
   std::vector<std::vector<Matrix>> units;
   std::vector<std::vector<Round>> rounds;  // per unit
@@ -197,6 +197,16 @@ struct Engine::Impl {
     collectives.sent_bytes += bytes;
     if (across_groups ? topo.replica_next_remote : topo.shard_next_remote)
       collectives.sent_inter += bytes;
+  }
+  /// Counts what this rank sends to the others of its shard group point to point: `pieces`'
+  /// counts of `bytes_per` bytes each (its own piece is a copy).
+  void count_sent(const Pieces& pieces, int64_t bytes_per) {
+    for (size_t q = 0; q < pieces.counts.size(); ++q) {
+      if (int(q) == topo.shard_rank) continue;
+      collectives.sent_bytes += pieces.counts[q] * bytes_per;
+      if (q < topo.shard_remote.size() && topo.shard_remote[q])
+        collectives.sent_inter += pieces.counts[q] * bytes_per;
+    }
   }
   /// What a reduce-scatter or all-gather of unit `id`'s shards within the group sends.
   int64_t group_ring_bytes(int id) const {

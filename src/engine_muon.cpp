@@ -16,10 +16,12 @@
 // memory and communication this costs.
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
 
 #include "base/check.hpp"
 #include "kernels/cpu/newton_schulz.hpp"
+#include "src/compute/device_communicator.hpp"
 #include "src/engine_impl.hpp"
 #include "src/muon_exchange.hpp"
 
@@ -45,7 +47,6 @@ std::vector<MuonPlan::Round> my_rounds(const std::vector<MuonRound>& rounds,
       if (t.from == me) {
         m.gather_send.counts[size_t(t.to)] = t.count;
         m.gather_send.offsets[size_t(t.to)] = t.offset - start;
-        if (t.to != me) m.sent += t.count;
       }
       if (t.to == me) {
         m.gather_recv.counts[size_t(t.from)] = t.count;
@@ -57,7 +58,6 @@ std::vector<MuonPlan::Round> my_rounds(const std::vector<MuonRound>& rounds,
       if (t.from == me) {
         m.scatter_send.counts[size_t(t.to)] = t.count;
         m.scatter_send.offsets[size_t(t.to)] = at;
-        if (t.to != me) m.sent += t.count;
       }
       if (t.to == me) {
         m.scatter_recv.counts[size_t(t.from)] = t.count;
@@ -81,7 +81,7 @@ void Engine::Impl::plan_muon() {
   // Owners: cpu::assign_owners(), the planner's too.
   std::vector<double> load(size_t(topo.shard_world), 0.0);
   const bool alone = topo.shard_world == 1;
-  int64_t mine = 0, biggest = 0, scratch = 0;
+  int64_t mine = 0, biggest = 0, scratch = 0, any_matrix = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     const UnitLayout& L = layout(int(u));
     std::vector<double> cost;
@@ -102,6 +102,7 @@ void Engine::Impl::plan_muon() {
       m.cols = p.numel / p.shape[0];
       cost.push_back(cpu::newton_schulz_cost(m.rows, m.cols, groups[size_t(p.group)].ns_steps));
       muon.units[u].push_back(m);
+      any_matrix = std::max(any_matrix, p.numel);
     }
     const std::vector<int> owner = cpu::assign_owners(cost, load);
     for (size_t i = 0; i < owner.size(); ++i) {
@@ -127,6 +128,16 @@ void Engine::Impl::plan_muon() {
                                topo.shard_rank, int64_t(topo.shard_rank) * shard);
   }
   if (mine == 0) return;
+  // MPI counts elements in int: a piece beyond it could fail on some ranks only, leaving the
+  // others waiting; refused here on every rank alike. (NCCL counts in size_t.)
+  const auto* dc = as_device_communicator(topo.shard_comm.get());
+  if (!alone && !(dc && dc->device() >= 0) && std::max(mine, any_matrix) > INT_MAX)
+    ZS_THROW(invalid_argument,
+             "rank " << rank << ": finalize(): Muon's exchange moves pieces of a unit's "
+                     << (cfg.stage == 0 ? "whole" : "shard") << " of up to "
+                     << std::max(mine, any_matrix)
+                     << " elements, beyond the int counts of an MPI collective: register smaller "
+                        "units (or a matrix below 2^31 elements)");
   muon.on_device = res.dev->streams() && cfg.offload_optimizer.tier == Tier::device;
   const Tier t = muon.on_device ? Tier::device : Tier::host;
   muon.mine = tier_ctx.buffer(t, MemKind::buffer, "muon_direction", size_t(mine) * 4, false);
@@ -201,7 +212,8 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
     if (m) orthogonalise(*m, whole);
     exchange_pieces(*topo.shard_comm, muon.on_device, whole, round.scatter_send, mine,
                     round.scatter_recv, what + "updates)", true);
-    count_sent(false, round.sent * 4);
+    count_sent(round.gather_send, 4);
+    count_sent(round.scatter_send, 4);
   }
   return mine;
 }

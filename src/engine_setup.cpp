@@ -171,6 +171,9 @@ void Engine::Impl::find_hosts() {
   const double mine = host[size_t(rank)];
   const int base = topo.replica * topo.shard_world;
   topo.shard_next_remote = host[size_t(base + (topo.shard_rank + 1) % topo.shard_world)] != mine;
+  topo.shard_remote.assign(size_t(topo.shard_world), false);
+  for (int q = 0; q < topo.shard_world; ++q)
+    topo.shard_remote[size_t(q)] = host[size_t(base + q)] != mine;
   topo.replica_next_remote =
       host[size_t((topo.replica + 1) % topo.replicas * topo.shard_world + topo.shard_rank)] != mine;
 }

@@ -30,7 +30,7 @@ const char* const kPlanHelp =
     "For a model on --ranks ranks, prints for every ZeRO stage and offload choice the bytes one\n"
     "rank holds on each tier once the engine is finalized, computed by the engine's own setup\n"
     "with nothing allocated (what Engine::memory() will report; rank 0, or the largest rank\n"
-    "where shards differ), and whether they fit --device-gib, --host-gib and --nvme-gib per rank\n"
+    "where ranks differ), and whether they fit --device-gib, --host-gib and --nvme-gib per rank\n"
     "(0 or absent: not checked). The model is a GPT (the demo's: token and position embeddings,\n"
     "--layers blocks of width --dim, an untied head; default GPT-2 small); or --params\n"
     "parameters cut into units of --largest-unit (the last one smaller); or --units FILE, a JSON\n"

@@ -35,7 +35,8 @@ ZS_API MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& 
 
 /// One stage and offload choice, planned: bytes per tier (every kind) and the model states
 /// (parameters, gradients, master weights, optimizer state, on every tier), each of the rank
-/// that holds the most (rank 0 or rank world − 1: shards differ only where padding falls).
+/// that holds the most (rank 0 or rank world − 1: shards differ only where padding falls; with
+/// Muon any rank, whose buffers follow the matrices it orthogonalises).
 struct PlanChoice {
   int stage = 0;
   Tier optimizer = Tier::device;  ///< offload_optimizer

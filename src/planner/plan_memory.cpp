@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 
 #include "base/check.hpp"
@@ -207,7 +208,14 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
           continue;
         }
         PlanChoice c{stage, opt, par, {}, 0, cfg};
-        for (int r : {0, world - 1}) {
+        // Shards differ only where the padding falls (the last rank); Muon's buffers follow the
+        // matrices a rank orthogonalises, which any rank may own: every rank is planned then.
+        std::vector<int> ranks = {0, world - 1};
+        if (cfg.optimizer.kind == OptimizerKind::muon) {
+          ranks.resize(size_t(world));
+          std::iota(ranks.begin(), ranks.end(), 0);
+        }
+        for (int r : ranks) {
           const MemoryReport m = plan_memory(cfg, units, world, r, groups);
           for (int t = 0; t < kNumTiers; ++t) {
             int64_t sum = 0;

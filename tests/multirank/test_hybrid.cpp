@@ -11,10 +11,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 
+#include "base/layout.hpp"
+#include "kernels/cpu/newton_schulz.hpp"
+#include "src/muon_exchange.hpp"
 #include "tests/multirank/harness.hpp"
 
 using namespace zeroshard;
@@ -404,6 +408,82 @@ TEST(Hybrid, CountsTheBytesThatCrossHosts) {
       }
       if (group < w) {
         EXPECT_GT(across, 0);
+      }
+    }
+}
+
+// Muon's exchange sends its pieces point to point (src/muon_exchange.hpp), each to the rank
+// that orthogonalises its matrix or back: StepResult counts each piece by the host it goes to,
+// not by the ring's next rank. A Muon engine sends what an AdamW engine on the same model sends,
+// plus this rank's pieces to the others (computed here from the layout, the owners and the
+// rounds); across hosts (tests/multinode) some of them cross.
+TEST(Hybrid, CountsMuonsPiecesByTheHostTheyGoTo) {
+  const int w = world()->size();
+  const std::vector<zs_test::UnitSpec> model = {
+      {"a", {{"w", {12, 10}}, {"w2", {7, 9}}}},
+      {"m", {{"w", {20, 6}}, {"b", {6}}}},
+      {"c", {{"w", {5, 31}}, {"w2", {3, 3}}, {"w3", {9, 2}}}}};
+  std::vector<int> groups = group_sizes();
+  groups.push_back(w);
+  OptimizerOptions adamw;
+  adamw.kind = OptimizerKind::adamw;
+  adamw.lr = 1e-2f;
+  std::vector<bool> here;  // per world rank: on this rank's host (same_host() is collective)
+  for (int r = 0; r < w; ++r) here.push_back(same_host(r));
+  for (int group : groups)
+    for (int stage = 0; stage <= 3; ++stage) {
+      if (stage == 0 && group < w) continue;  // stage 0 shards nothing
+      HybridRun run{stage, DType::f32, Tier::device, group};
+      SCOPED_TRACE(label(run));
+      Config cfg = make_config(run);
+      cfg.prefetch = false;
+      Config muon = cfg;
+      muon.optimizer.kind = OptimizerKind::muon;
+      muon.optimizer.momentum = 0.9f;
+      Engine plain(cfg, world()), e(muon, world());
+      for (Engine* x : {&plain, &e}) {
+        x->add_group(adamw);
+        zs_test::register_model(*x, model, 1);
+      }
+      // This rank's pieces, as the engine plans them.
+      const ShardGroup g = e.shard_group();
+      std::vector<double> load(size_t(g.size), 0.0);
+      int64_t sent = 0, inter = 0;
+      for (size_t u = 0; u < model.size(); ++u) {
+        std::vector<Param> params;
+        for (const auto& [name, shape] : model[u].params)
+          params.push_back(Param{name, shape, name[0] == 'b' ? 1 : 0});
+        const UnitLayout L = plan_unit(model[u].name, params, g.size, cfg.shard_alignment);
+        ASSERT_EQ(L.padded_numel, e.shard_info(int(u)).padded_numel);
+        std::vector<double> cost;
+        std::vector<MuonSpan> spans;
+        for (const ParamSlot& q : L.params)
+          if (q.group == 0) {
+            cost.push_back(
+                cpu::newton_schulz_cost(q.shape[0], q.numel / q.shape[0], muon.optimizer.ns_steps));
+            spans.push_back({q.offset, q.numel, 0});
+          }
+        const std::vector<int> owner = cpu::assign_owners(cost, load);
+        for (size_t i = 0; i < spans.size(); ++i) spans[i].owner = owner[i];
+        std::sort(spans.begin(), spans.end(),
+                  [](const MuonSpan& a, const MuonSpan& b) { return a.offset < b.offset; });
+        for (const MuonRound& round : muon_rounds(spans, g.size, stage == 0 ? 0 : L.shard_numel))
+          for (const auto* ts : {&round.gather, &round.scatter})
+            for (const MuonTransfer& t : *ts)
+              if (t.from == g.rank && t.to != g.rank) {
+                sent += t.count * 4;
+                inter += here[size_t(g.index * g.size + t.to)] ? 0 : t.count * 4;
+              }
+      }
+      if (g.size > 1) {
+        EXPECT_GT(sent, 0);
+      }
+      zs_test::TrainOptions opt;
+      opt.steps = 2;
+      const std::vector<StepResult> a = zs_test::train(plain, opt), b = zs_test::train(e, opt);
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_EQ(b[i].comm_bytes - a[i].comm_bytes, sent);
+        EXPECT_EQ(b[i].inter_node_bytes - a[i].inter_node_bytes, inter);
       }
     }
 }

@@ -445,3 +445,41 @@ TEST(MuonMemory, PlanEqualsLedgerAndHoldsOneMatrixInFlight) {
       }
     }
 }
+
+// plan_choices() (what `zeroshard plan` prints) holds the rank that holds the most, whichever it
+// is: Muon's exchange and scratch follow the matrices a rank orthogonalises. Here the small
+// matrix goes to rank 0 and the large one to rank 1, the least busy then: at 3 ranks and more a
+// middle rank holds the most, which a plan of ranks 0 and world - 1 alone misses.
+TEST(MuonMemory, PlanChoicesHoldTheRankThatHoldsTheMost) {
+  const std::vector<zs_test::UnitSpec> model = {{"small", {{"w", {10, 10}}}},
+                                                {"large", {{"w", {40, 40}}, {"b", {40}}}}};
+  std::vector<PlanUnit> units;
+  for (const auto& u : model) {
+    PlanUnit pu{u.name, {}};
+    for (const auto& [name, shape] : u.params)
+      pu.params.push_back(Param{name, shape, name[0] == 'b' ? 1 : 0});
+    units.push_back(pu);
+  }
+  for (int stage = 0; stage <= 3; ++stage) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const Config cfg = make_config({stage, Tier::host});
+    Engine e(cfg, world());
+    e.add_group(adamw_options());
+    zs_test::register_model(e, model, 1);
+    const MemoryReport real = e.memory();
+    double most[kNumTiers];
+    for (int t = 0; t < kNumTiers; ++t) {
+      int64_t sum = 0;
+      for (int kd = 0; kd < kNumMemKinds; ++kd) sum += real.bytes[t][kd];
+      most[t] = double(sum);
+    }
+    e.communicator()->all_reduce(most, kNumTiers, ReduceOp::max, "test")->wait();
+    bool found = false;
+    for (const PlanChoice& c : plan_choices(cfg, units, e.world_size(), {adamw_options()}))
+      if (c.stage == stage && c.optimizer == Tier::host && c.params == Tier::device) {
+        found = true;
+        for (int t = 0; t < kNumTiers; ++t) EXPECT_EQ(double(c.tier_bytes[t]), most[t]) << t;
+      }
+    EXPECT_TRUE(found);
+  }
+}

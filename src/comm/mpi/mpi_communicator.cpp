@@ -400,9 +400,12 @@ class MpiCommunicator final : public Communicator {
           give_up = now + std::chrono::seconds(2);
         if (waiting_.empty() && (inflight.empty() || (only_abandoned && now > give_up))) {
           abandoned_ = int(inflight.size());
-          // MPI may still read an abandoned all_to_all's counts: they stay until the end.
-          for (InFlight& f : inflight)
+          // MPI may still read an abandoned all_to_all's counts, or write a check's descriptors:
+          // they stay until the end.
+          for (InFlight& f : inflight) {
             if (f.keep) new std::shared_ptr<void>(std::move(f.keep));
+            if (!f.descs.empty()) new std::vector<char>(std::move(f.descs));
+          }
           return;
         }
       }
