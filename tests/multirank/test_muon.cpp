@@ -295,6 +295,18 @@ INSTANTIATE_TEST_SUITE_P(Tiers, MuonParity,
                                            Case{2, Tier::host, DType::bf16, 1, StateFormat::bf16}),
                          case_name);
 
+// A matrix beyond MPI's int counts could fail on the ranks holding pieces of it only, the others
+// waiting for them: refused at finalize(), on every rank (planned here: nothing is allocated).
+TEST(MuonRefuses, APieceBeyondMpisCounts) {
+  const std::vector<PlanUnit> units = {{"huge", {Param{"w", {65536, 32769}}}}};
+  for (int stage : {0, 2}) {
+    EXPECT_ZS_ERROR(plan_memory(make_config({stage}), units, 2, 0), invalid_argument,
+                    "beyond the int counts of an MPI collective");
+  }
+  // One rank exchanges nothing.
+  EXPECT_NO_THROW(plan_memory(make_config({2}), units, 1, 0));
+}
+
 TEST(MuonRefuses, AVectorInAMuonGroup) {
   Engine e(make_config({1}), world());
   e.add_unit("layer", {{"w", {4, 4}}, {"gain", {4}}});
