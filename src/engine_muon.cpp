@@ -10,7 +10,7 @@
 //      sends each holder its piece of the result back into that holder's extent.
 // So a rank holds one matrix whole at a time, and only the pieces whose holder is not their
 // matrix's owner cross between ranks. Stage 0 holds whole units: nothing is gathered and every
-// rank receives every result. One rank alone does steps 1 and the iteration only. Where the
+// rank receives every result. One rank alone averages and orthogonalises in place. Where the
 // state is, the work is: on the host by the CPU's kernels, or in a GPU's memory by its kernels
 // and cuBLAS, exchanged over device buffers (Compute's Muon kernels). docs/muon.md has the
 // memory and communication this costs.
