@@ -92,6 +92,25 @@ TEST_F(Nccl, BroadcastAndBarrier) {
   comm_->barrier("after broadcast");
 }
 
+// all_to_all (Muon's exchange): at one rank, the rank's own piece by ncclSend/ncclRecv to
+// itself, from an offset of the send buffer to another of the recv buffer, the rest of recv
+// untouched; a call that moves nothing is done at once.
+TEST_F(Nccl, AllToAllMovesTheOwnPieceOnly) {
+  const std::vector<float> in = {9, 9, 1, 2, 3, 9};
+  DeviceBytes send(in), recv(std::vector<float>(7, -1.0f));
+  comm_
+      ->all_to_all(send.data(), Pieces{{3}, {2}}, recv.data(), Pieces{{3}, {4}}, DType::f32,
+                   "unit 'u0' (Muon round 1 of 1, directions)")
+      ->wait();
+  EXPECT_EQ(recv.download<float>(), (std::vector<float>{-1, -1, -1, -1, 1, 2, 3}));
+  const auto w = comm_->all_to_all(nullptr, Pieces{{0}, {0}}, nullptr, Pieces{{0}, {0}}, DType::f32,
+                                   "nothing");
+  EXPECT_TRUE(w->done());
+  EXPECT_THROW(comm_->all_to_all(send.data(), Pieces{{1, 1}, {0, 0}}, recv.data(), Pieces{{1}, {0}},
+                                 DType::f32, "two pieces at one rank"),
+               Error);
+}
+
 // ncclCommSplit (hierarchical sharding's groups on GPUs), at the one rank a GPU allows: the
 // child communicator works, all_reduce_sum of device bf16 included, and the parent goes on.
 TEST_F(Nccl, SplitMakesAWorkingChild) {
