@@ -1,7 +1,8 @@
 // The arithmetic floor of a bitwise AdamW step on one core: the correctly rounded square root
 // and division that every element of the update takes (m / (sqrt(v) + eps)), over arrays in L1,
 // against the same loads and stores with an add and a multiply in their place. Compiled for the
-// build machine (-march=native), so the compiler vectorises both loops as wide as the core goes.
+// build machine (-march=native); check the vector width the compiler chose (objdump: vsqrtps and
+// vdivps on zmm registers for 512 bits), as it may prefer 256 bits on some AVX-512 cores.
 //
 //   adamw_floor_bench [--n 4096] [--rounds 200000]
 #include <chrono>

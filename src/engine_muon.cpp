@@ -129,9 +129,11 @@ void Engine::Impl::plan_muon() {
   }
   if (mine == 0) return;
   // MPI counts elements in int: a piece beyond it could fail on some ranks only, leaving the
-  // others waiting; refused here on every rank alike. (NCCL counts in size_t.)
+  // others waiting; refused here on every rank alike. NCCL counts in size_t (a plan of a GPU
+  // engine stands for one on NCCL).
   const auto* dc = as_device_communicator(topo.shard_comm.get());
-  if (!alone && !(dc && dc->device() >= 0) && std::max(mine, any_matrix) > INT_MAX)
+  const bool nccl = tier_ctx.plan_only ? cfg.device == Device::cuda : dc && dc->device() >= 0;
+  if (!alone && !nccl && std::max(mine, any_matrix) > INT_MAX)
     ZS_THROW(invalid_argument,
              "rank " << rank << ": finalize(): Muon's exchange moves pieces of a unit's "
                      << (cfg.stage == 0 ? "whole" : "shard") << " of up to "

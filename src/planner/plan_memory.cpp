@@ -185,6 +185,8 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
                                      int world, const std::vector<OptimizerOptions>& groups) {
   std::vector<PlanChoice> out;
   std::optional<Error> refused;
+  bool muon = base.optimizer.kind == OptimizerKind::muon;
+  for (const OptimizerOptions& g : groups) muon |= g.kind == OptimizerKind::muon;
   for (int stage = 0; stage <= 3; ++stage)
     for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
       for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
@@ -209,10 +211,11 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
         }
         PlanChoice c{stage, opt, par, {}, 0, cfg};
         // Shards differ only where the padding falls (the last rank); Muon's buffers follow the
-        // matrices a rank orthogonalises, which any rank may own: every rank is planned then.
+        // matrices a rank orthogonalises, which any rank of a shard group may own: every rank of
+        // one group is planned then (the others repeat them).
         std::vector<int> ranks = {0, world - 1};
-        if (cfg.optimizer.kind == OptimizerKind::muon) {
-          ranks.resize(size_t(world));
+        if (muon) {
+          ranks.resize(size_t(cfg.shard_group_size > 0 ? cfg.shard_group_size : world));
           std::iota(ranks.begin(), ranks.end(), 0);
         }
         for (int r : ranks) {

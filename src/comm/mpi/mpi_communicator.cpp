@@ -145,6 +145,15 @@ struct MpiRuntime {
   }
 };
 
+// Memory that MPI may still use after a request was abandoned: kept, and reachable (so that a
+// leak checker does not report it), until the process ends.
+void keep_until_exit(std::shared_ptr<void> p) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<std::shared_ptr<void>>();
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(std::move(p));
+}
+
 MPI_Datatype mpi_type(DType t) {
   return t == DType::f32 ? MPI_FLOAT : MPI_UINT16_T;
 }
@@ -400,11 +409,11 @@ class MpiCommunicator final : public Communicator {
           give_up = now + std::chrono::seconds(2);
         if (waiting_.empty() && (inflight.empty() || (only_abandoned && now > give_up))) {
           abandoned_ = int(inflight.size());
-          // MPI may still read an abandoned all_to_all's counts, or write a check's descriptors:
-          // they stay until the end.
+          // MPI may still read an abandoned all_to_all's counts, or write a check's descriptors.
           for (InFlight& f : inflight) {
-            if (f.keep) new std::shared_ptr<void>(std::move(f.keep));
-            if (!f.descs.empty()) new std::vector<char>(std::move(f.descs));
+            if (f.keep) keep_until_exit(std::move(f.keep));
+            if (!f.descs.empty())
+              keep_until_exit(std::make_shared<std::vector<char>>(std::move(f.descs)));
           }
           return;
         }
