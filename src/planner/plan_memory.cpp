@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "base/check.hpp"
+#include "kernels/cpu/newton_schulz.hpp"
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "src/engine_impl.hpp"
@@ -181,12 +182,53 @@ MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, 
   return PlanAccess::plan(e);
 }
 
+namespace {
+
+// The rank of a shard group of `ranks` whose Muon buffers are the largest: the exchange (its
+// largest matrix) and the iteration's scratch, both f32 on one tier, with the owners the engine
+// gives (cpu::assign_owners() unit by unit, the load carried over, as plan_muon() does). Every
+// other rank holds what it holds but for those two buffers and the last rank's padding.
+int largest_muon_rank(const Config& cfg, const std::vector<PlanUnit>& units,
+                      const std::vector<OptimizerOptions>& groups, int ranks) {
+  const auto group = [&](int g) -> const OptimizerOptions& {
+    return g <= 0 || size_t(g) > groups.size() ? cfg.optimizer : groups[size_t(g - 1)];
+  };
+  std::vector<double> load(size_t(ranks), 0.0);
+  std::vector<int64_t> held(size_t(ranks), 0);  // elements: the largest matrix and its scratch
+  std::vector<int64_t> biggest(size_t(ranks), 0), scratch(size_t(ranks), 0);
+  for (const PlanUnit& u : units) {
+    std::vector<double> cost;
+    std::vector<std::pair<int64_t, int64_t>> shape;
+    for (const Param& p : u.params) {
+      const int64_t n = shape_numel(p.shape);
+      if (group(p.group).kind != OptimizerKind::muon || p.shape.size() < 2 || n == 0) continue;
+      cost.push_back(cpu::newton_schulz_cost(p.shape[0], n / p.shape[0], group(p.group).ns_steps));
+      shape.emplace_back(p.shape[0], n / p.shape[0]);
+    }
+    const std::vector<int> owner = cpu::assign_owners(cost, load);
+    for (size_t i = 0; i < owner.size(); ++i) {
+      const size_t r = size_t(owner[i]);
+      biggest[r] = std::max(biggest[r], shape[i].first * shape[i].second);
+      scratch[r] =
+          std::max(scratch[r], cpu::newton_schulz_scratch(shape[i].first, shape[i].second));
+    }
+  }
+  for (int r = 0; r < ranks; ++r) held[size_t(r)] = biggest[size_t(r)] + scratch[size_t(r)];
+  return int(std::max_element(held.begin(), held.end()) - held.begin());
+}
+
+}  // namespace
+
 std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanUnit>& units,
                                      int world, const std::vector<OptimizerOptions>& groups) {
   std::vector<PlanChoice> out;
   std::optional<Error> refused;
   bool muon = base.optimizer.kind == OptimizerKind::muon;
   for (const OptimizerOptions& g : groups) muon |= g.kind == OptimizerKind::muon;
+  const int muon_rank =
+      muon ? largest_muon_rank(base, units, groups,
+                               base.shard_group_size > 0 ? base.shard_group_size : world)
+           : 0;
   for (int stage = 0; stage <= 3; ++stage)
     for (Tier opt : {Tier::device, Tier::host, Tier::nvme})
       for (Tier par : {Tier::device, Tier::host, Tier::nvme}) {
@@ -211,13 +253,9 @@ std::vector<PlanChoice> plan_choices(const Config& base, const std::vector<PlanU
         }
         PlanChoice c{stage, opt, par, {}, 0, cfg};
         // Shards differ only where the padding falls (the last rank); Muon's buffers follow the
-        // matrices a rank orthogonalises, which any rank of a shard group may own: every rank of
-        // one group is planned then (the others repeat them).
+        // matrices a rank orthogonalises: the rank with the largest is planned too.
         std::vector<int> ranks = {0, world - 1};
-        if (muon) {
-          ranks.resize(size_t(cfg.shard_group_size > 0 ? cfg.shard_group_size : world));
-          std::iota(ranks.begin(), ranks.end(), 0);
-        }
+        if (muon && muon_rank != 0 && muon_rank != world - 1) ranks.push_back(muon_rank);
         for (int r : ranks) {
           const MemoryReport m = plan_memory(cfg, units, world, r, groups);
           for (int t = 0; t < kNumTiers; ++t) {
