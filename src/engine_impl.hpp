@@ -24,6 +24,7 @@
 #include "base/gate.hpp"
 #include "base/layout.hpp"
 #include "base/ledger.hpp"
+#include "src/muon_exchange.hpp"
 #include "src/precision/loss_scaler.hpp"
 #include "src/resources.hpp"
 #include "src/tiers/tier.hpp"
@@ -147,11 +148,6 @@ using CopyGate = Gate;
 /// (`exchange`, with more than one rank) and the iteration's scratch. `hyper` is the step's,
 /// while update() runs.
 struct MuonPlan {
-  struct Matrix {
-    int param = 0;  // in the unit's layout
-    int64_t offset = 0, rows = 0, cols = 0;
-    int owner = 0;  // shard rank
-  };
   /// A round: the matrix this rank orthogonalises (an index into the unit's, or −1) and its
   /// pieces, in elements: of its extent (gather_send, scatter_recv) and of that matrix
   /// (gather_recv, scatter_send). Where every rank holds the unit whole, nothing is gathered.
@@ -159,8 +155,8 @@ struct MuonPlan {
     int matrix = -1;
     Pieces gather_send, gather_recv, scatter_send, scatter_recv;
   };
-  std::vector<std::vector<Matrix>> units;
-  std::vector<std::vector<Round>> rounds;  // per unit
+  std::vector<std::vector<MuonMatrix>> units;  // muon_matrices()
+  std::vector<std::vector<Round>> rounds;      // per unit
   // The state is in a stream device's memory (a GPU's): the direction is made there, by the
   // device's kernels, in device buffers; else on the host by the CPU's.
   bool on_device = false;

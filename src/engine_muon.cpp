@@ -32,7 +32,7 @@ namespace {
 // This rank's part of a unit's rounds: its pieces, with offsets in its extent (which starts at
 // `start` in the unit) or in the matrix it orthogonalises that round.
 std::vector<MuonPlan::Round> my_rounds(const std::vector<MuonRound>& rounds,
-                                       const std::vector<MuonSpan>& spans, int ranks, int me,
+                                       const std::vector<MuonMatrix>& mats, int ranks, int me,
                                        int64_t start) {
   std::vector<MuonPlan::Round> out;
   const auto none = [&] {
@@ -43,7 +43,7 @@ std::vector<MuonPlan::Round> my_rounds(const std::vector<MuonRound>& rounds,
     m.matrix = r.matrix[size_t(me)];
     m.gather_send = m.gather_recv = m.scatter_send = m.scatter_recv = none();
     for (const MuonTransfer& t : r.gather) {  // extent → the owner's matrix
-      const int64_t at = t.offset - spans[size_t(r.matrix[size_t(t.to)])].offset;
+      const int64_t at = t.offset - mats[size_t(r.matrix[size_t(t.to)])].offset;
       if (t.from == me) {
         m.gather_send.counts[size_t(t.to)] = t.count;
         m.gather_send.offsets[size_t(t.to)] = t.offset - start;
@@ -54,7 +54,7 @@ std::vector<MuonPlan::Round> my_rounds(const std::vector<MuonRound>& rounds,
       }
     }
     for (const MuonTransfer& t : r.scatter) {  // the owner's matrix → extent
-      const int64_t at = t.offset - spans[size_t(r.matrix[size_t(t.from)])].offset;
+      const int64_t at = t.offset - mats[size_t(r.matrix[size_t(t.from)])].offset;
       if (t.from == me) {
         m.scatter_send.counts[size_t(t.to)] = t.count;
         m.scatter_send.offsets[size_t(t.to)] = at;
@@ -78,53 +78,32 @@ void Engine::Impl::plan_muon() {
   muon.units.assign(units.size(), {});
   muon.rounds.assign(units.size(), {});
   if (!any) return;
-  // Owners: cpu::assign_owners(), the planner's too.
+  // Owners: muon_matrices(), the planner's too.
   std::vector<double> load(size_t(topo.shard_world), 0.0);
   const bool alone = topo.shard_world == 1;
   int64_t mine = 0, biggest = 0, scratch = 0, any_matrix = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     const UnitLayout& L = layout(int(u));
-    std::vector<double> cost;
-    for (size_t j = 0; j < L.params.size(); ++j) {
-      const ParamSlot& p = L.params[j];
-      if (groups[size_t(p.group)].kind != OptimizerKind::muon) continue;
-      if (p.shape.size() < 2)
+    for (const ParamSlot& p : L.params)
+      if (groups[size_t(p.group)].kind == OptimizerKind::muon && p.shape.size() < 2)
         ZS_THROW(invalid_argument,
                  "rank " << rank << ": finalize(): parameter '" << p.name << "' of unit '" << L.name
                          << "' is in Muon group " << p.group << " but has " << p.shape.size()
                          << " dimension(s): Muon orthogonalises matrices; put vectors (biases, "
                             "norms) in an adam or adamw group");
-      if (p.numel == 0) continue;
-      MuonPlan::Matrix m;
-      m.param = int(j);
-      m.offset = p.offset;
-      m.rows = p.shape[0];
-      m.cols = p.numel / p.shape[0];
-      cost.push_back(cpu::newton_schulz_cost(m.rows, m.cols, groups[size_t(p.group)].ns_steps));
-      muon.units[u].push_back(m);
-      any_matrix = std::max(any_matrix, p.numel);
-    }
-    const std::vector<int> owner = cpu::assign_owners(cost, load);
-    for (size_t i = 0; i < owner.size(); ++i) {
-      MuonPlan::Matrix& m = muon.units[u][i];
-      m.owner = owner[i];
+    std::vector<MuonMatrix>& mats = muon.units[u] = muon_matrices(L, groups, load);
+    for (const MuonMatrix& m : mats) {
+      any_matrix = std::max(any_matrix, m.numel());
       if (alone || m.owner == topo.shard_rank) {
         scratch = std::max(scratch, cpu::newton_schulz_scratch(m.rows, m.cols));
-        biggest = std::max(biggest, m.rows * m.cols);
+        biggest = std::max(biggest, m.numel());
       }
     }
-    // In offset order, as the rounds take each rank's matrices.
-    std::sort(
-        muon.units[u].begin(), muon.units[u].end(),
-        [](const MuonPlan::Matrix& a, const MuonPlan::Matrix& b) { return a.offset < b.offset; });
-    if (cost.empty()) continue;
+    if (mats.empty()) continue;
     mine = std::max(mine, cfg.stage == 0 ? L.padded_numel : L.shard_numel);
     if (alone) continue;
-    std::vector<MuonSpan> spans;
-    for (const MuonPlan::Matrix& m : muon.units[u])
-      spans.push_back({m.offset, m.rows * m.cols, m.owner});
     const int64_t shard = cfg.stage == 0 ? 0 : L.shard_numel;
-    muon.rounds[u] = my_rounds(muon_rounds(spans, topo.shard_world, shard), spans, topo.shard_world,
+    muon.rounds[u] = my_rounds(muon_rounds(mats, topo.shard_world, shard), mats, topo.shard_world,
                                topo.shard_rank, int64_t(topo.shard_rank) * shard);
   }
   if (mine == 0) return;
@@ -163,7 +142,7 @@ float lr_factor(const OptimizerOptions& o, int64_t rows, int64_t cols) {
 }  // namespace
 
 const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
-  const std::vector<MuonPlan::Matrix>& mats = muon.units[size_t(u)];
+  const std::vector<MuonMatrix>& mats = muon.units[size_t(u)];
   if (mats.empty()) return nullptr;
   ZS_CHECK(muon.hyper != nullptr);
   const UnitLayout& L = layout(u);
@@ -175,7 +154,7 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   k.fill(mine, 0, size_t(n) * 4);
   // 1. This rank's extent of each matrix's direction; a held matrix (no gradient this step on
   //    any rank) keeps a zero direction, which its held update never reads.
-  for (const MuonPlan::Matrix& m : mats) {
+  for (const MuonMatrix& m : mats) {
     if (unit.held[size_t(m.param)] || !a.grad) continue;  // no grad: this rank's update failed
     const int64_t lo = std::max<int64_t>(m.offset - start, 0);
     const int64_t hi = std::min<int64_t>(m.offset + m.rows * m.cols - start, n);
@@ -184,7 +163,7 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   }
   const bool alone = topo.shard_world == 1;
   // The iteration on matrix m, whole at `x`, scaled by its shape's factor.
-  const auto orthogonalise = [&](const MuonPlan::Matrix& m, float* x) {
+  const auto orthogonalise = [&](const MuonMatrix& m, float* x) {
     if (unit.held[size_t(m.param)]) return;
     const OptimizerOptions& o = groups[size_t(L.params[size_t(m.param)].group)];
     const auto t0 = std::chrono::steady_clock::now();
@@ -195,7 +174,7 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
       muon.ns_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   if (alone) {
-    for (const MuonPlan::Matrix& m : mats) orthogonalise(m, mine + m.offset);
+    for (const MuonMatrix& m : mats) orthogonalise(m, mine + m.offset);
     return mine;
   }
   // 2. Round by round, one matrix whole on each rank: gathered, orthogonalised, sent back.
@@ -203,7 +182,7 @@ const float* Engine::Impl::muon_direction(int u, const cpu::UpdateArgs& a) {
   const std::vector<MuonPlan::Round>& rounds = muon.rounds[size_t(u)];
   for (size_t r = 0; r < rounds.size(); ++r) {
     const MuonPlan::Round& round = rounds[r];
-    const MuonPlan::Matrix* m = round.matrix >= 0 ? &mats[size_t(round.matrix)] : nullptr;
+    const MuonMatrix* m = round.matrix >= 0 ? &mats[size_t(round.matrix)] : nullptr;
     const std::string what = "unit '" + L.name + "' (Muon round " + std::to_string(r + 1) + " of " +
                              std::to_string(rounds.size()) + ", ";
     if (cfg.stage > 0)

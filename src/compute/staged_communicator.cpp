@@ -268,14 +268,17 @@ class StagedCommunicator final : public Communicator {
 
     // Returns `p` itself unless it is device memory; then a pinned block of `bytes`, into which
     // bytes [in_offset, in_offset + in_bytes) of p are copied now, and from which all of p is
-    // copied back at completion if `copy_back`.
-    void* stage(const void* p, size_t bytes, size_t in_offset, size_t in_bytes, bool copy_back) {
+    // copied back at completion if `copy_back`. `device_out`, where given, gets p's device (or
+    // -1).
+    void* stage(const void* p, size_t bytes, size_t in_offset, size_t in_bytes, bool copy_back,
+                int* device_out = nullptr) {
       int device = -1;
       try {
         device = comm_.dev_->device_of(p);
       } catch (const Error& e) {
         rethrow_naming(e, ctx_, "classifying a buffer");
       }
+      if (device_out) *device_out = device;
       if (device < 0) return const_cast<void*>(p);
       const char* step = "staging a device buffer";
       try {
@@ -298,9 +301,9 @@ class StagedCommunicator final : public Communicator {
     void* stage_pieces(const void* p, const Pieces& pieces, size_t es, bool out) {
       const size_t bytes = size_t(pieces_extent(pieces)) * es;
       if (bytes == 0) return const_cast<void*>(p);
-      char* host = static_cast<char*>(stage(p, bytes, 0, 0, false));
-      if (host == p) return host;
-      const int device = comm_.dev_->device_of(p);
+      int device = -1;
+      char* host = static_cast<char*>(stage(p, bytes, 0, 0, false, &device));
+      if (device < 0) return host;
       for (size_t q = 0; q < pieces.counts.size(); ++q) {
         const size_t at = size_t(pieces.offsets[q]) * es, n = size_t(pieces.counts[q]) * es;
         if (n == 0) continue;

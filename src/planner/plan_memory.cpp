@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <numeric>
 #include <optional>
 
 #include "base/check.hpp"
@@ -16,6 +15,7 @@
 #include "src/comm/split_check.hpp"
 #include "src/comm/work_state.hpp"
 #include "src/engine_impl.hpp"
+#include "src/muon_exchange.hpp"
 #include "zeroshard/planner.hpp"
 
 namespace zeroshard {
@@ -185,36 +185,27 @@ MemoryReport plan_memory(const Config& cfg, const std::vector<PlanUnit>& units, 
 namespace {
 
 // The rank of a shard group of `ranks` whose Muon buffers are the largest: the exchange (its
-// largest matrix) and the iteration's scratch, both f32 on one tier, with the owners the engine
-// gives (cpu::assign_owners() unit by unit, the load carried over, as plan_muon() does). Every
-// other rank holds what it holds but for those two buffers and the last rank's padding.
+// largest matrix) and the iteration's scratch, both f32 on one tier, with the engine's owners
+// (muon_matrices()). Every other rank holds what it holds but for those two buffers and the last
+// rank's padding.
 int largest_muon_rank(const Config& cfg, const std::vector<PlanUnit>& units,
                       const std::vector<OptimizerOptions>& groups, int ranks) {
-  const auto group = [&](int g) -> const OptimizerOptions& {
-    return g <= 0 || size_t(g) > groups.size() ? cfg.optimizer : groups[size_t(g - 1)];
-  };
+  std::vector<OptimizerOptions> all_groups = {cfg.optimizer};
+  all_groups.insert(all_groups.end(), groups.begin(), groups.end());
   std::vector<double> load(size_t(ranks), 0.0);
-  std::vector<int64_t> held(size_t(ranks), 0);  // elements: the largest matrix and its scratch
   std::vector<int64_t> biggest(size_t(ranks), 0), scratch(size_t(ranks), 0);
-  for (const PlanUnit& u : units) {
-    std::vector<double> cost;
-    std::vector<std::pair<int64_t, int64_t>> shape;
-    for (const Param& p : u.params) {
-      const int64_t n = shape_numel(p.shape);
-      if (group(p.group).kind != OptimizerKind::muon || p.shape.size() < 2 || n == 0) continue;
-      cost.push_back(cpu::newton_schulz_cost(p.shape[0], n / p.shape[0], group(p.group).ns_steps));
-      shape.emplace_back(p.shape[0], n / p.shape[0]);
+  for (const PlanUnit& u : units)
+    for (const MuonMatrix& m :
+         muon_matrices(plan_unit(u.name, u.params, ranks, padding_grain(cfg)), all_groups, load)) {
+      const size_t r = size_t(m.owner);
+      biggest[r] = std::max(biggest[r], m.numel());
+      scratch[r] = std::max(scratch[r], cpu::newton_schulz_scratch(m.rows, m.cols));
     }
-    const std::vector<int> owner = cpu::assign_owners(cost, load);
-    for (size_t i = 0; i < owner.size(); ++i) {
-      const size_t r = size_t(owner[i]);
-      biggest[r] = std::max(biggest[r], shape[i].first * shape[i].second);
-      scratch[r] =
-          std::max(scratch[r], cpu::newton_schulz_scratch(shape[i].first, shape[i].second));
-    }
-  }
-  for (int r = 0; r < ranks; ++r) held[size_t(r)] = biggest[size_t(r)] + scratch[size_t(r)];
-  return int(std::max_element(held.begin(), held.end()) - held.begin());
+  int most = 0;
+  for (int r = 1; r < ranks; ++r)
+    if (biggest[size_t(r)] + scratch[size_t(r)] > biggest[size_t(most)] + scratch[size_t(most)])
+      most = r;
+  return most;
 }
 
 }  // namespace

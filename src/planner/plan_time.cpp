@@ -279,13 +279,9 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
              "predict_step(): a GPU engine with its optimizer or parameters off the GPU copies "
              "them over PCIe, whose rates are not measured (zeroshard calibrate --device cuda "
              "measures them; zeroshard plan takes them typed as --pcie-gbs)");
-  // Muon's matrices: the parameters of its muon groups (src/engine_muon.cpp).
-  auto group_of = [&](int g) -> const OptimizerOptions& {
-    if (g < 0 || g > int(groups.size()))
-      ZS_THROW(invalid_argument, "predict_step(): a parameter of group "
-                                     << g << " with " << groups.size() + 1 << " group(s)");
-    return g == 0 ? cfg.optimizer : groups[size_t(g - 1)];
-  };
+  // Muon's matrices: the parameters of its muon groups, by group id (muon_matrices()).
+  std::vector<OptimizerOptions> all_groups = {cfg.optimizer};
+  all_groups.insert(all_groups.end(), groups.begin(), groups.end());
   const bool muon = cfg.optimizer.kind == OptimizerKind::muon;
   if (muon) {
     if (rates.newton_schulz.empty())
@@ -363,29 +359,12 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
         update_then_up.emplace_back(mine / update_rate, shard / (rates.h2d_gbs * 1e9));
     }
     if (gpu && params_off) gather_up += 2.0 * k * shard;  // up before each gather
-    std::vector<double> cost;                             // Muon: this unit's matrices
-    std::vector<int64_t> muon_offsets, muon_numels;       // and where they lie in it
-    for (size_t j = 0; muon && j < u.params.size(); ++j) {
-      const Param& q = u.params[j];
-      const OptimizerOptions& g = group_of(q.group);
-      const int64_t n = shape_numel(q.shape);
-      if (g.kind != OptimizerKind::muon || q.shape.size() < 2 || n == 0) continue;
-      cost.push_back(cpu::newton_schulz_cost(q.shape[0], n / q.shape[0], g.ns_steps));
-      muon_offsets.push_back(L.params[j].offset);
-      muon_numels.push_back(n);
-    }
-    if (!cost.empty()) {  // the unit's rounds: gather, iteration, results back (f32)
-      const std::vector<int> owner = cpu::assign_owners(cost, ns_load);
-      std::vector<size_t> order(cost.size());  // the matrices in offset order, as the engine's
-      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-      std::sort(order.begin(), order.end(),
-                [&](size_t a, size_t b) { return muon_offsets[a] < muon_offsets[b]; });
-      std::vector<MuonSpan> spans;
+    const std::vector<MuonMatrix> mats =                  // Muon: this unit's matrices
+        muon ? muon_matrices(L, all_groups, ns_load) : std::vector<MuonMatrix>();
+    if (!mats.empty()) {  // the unit's rounds: gather, iteration, results back (f32)
       std::vector<double> seconds;
-      for (size_t i : order) {
-        spans.push_back({muon_offsets[i], muon_numels[i], owner[i]});
-        seconds.push_back(newton_schulz_seconds(rates.newton_schulz, cost[i]));
-      }
+      for (const MuonMatrix& m : mats)
+        seconds.push_back(newton_schulz_seconds(rates.newton_schulz, m.cost));
       // Each round waits for its slowest iteration, and each of its two all_to_alls for the
       // rank that moves the most, timed as an all-gather moving as much per rank.
       const auto moved = [&](const std::vector<MuonTransfer>& ts) {
@@ -406,7 +385,7 @@ StepPrediction predict_step(const Config& cfg, const std::vector<PlanUnit>& unit
         for (double x : seconds) ns += x;
       } else {
         for (const MuonRound& round :
-             muon_rounds(spans, group, cfg.stage == 0 ? 0 : L.shard_numel)) {
+             muon_rounds(mats, group, cfg.stage == 0 ? 0 : L.shard_numel)) {
           double slowest = 0;
           for (int i : round.matrix)
             if (i >= 0) slowest = std::max(slowest, seconds[size_t(i)]);

@@ -11,13 +11,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 
 #include "base/layout.hpp"
-#include "kernels/cpu/newton_schulz.hpp"
 #include "src/muon_exchange.hpp"
 #include "tests/multirank/harness.hpp"
 
@@ -455,19 +453,8 @@ TEST(Hybrid, CountsMuonsPiecesByTheHostTheyGoTo) {
           params.push_back(Param{name, shape, name[0] == 'b' ? 1 : 0});
         const UnitLayout L = plan_unit(model[u].name, params, g.size, cfg.shard_alignment);
         ASSERT_EQ(L.padded_numel, e.shard_info(int(u)).padded_numel);
-        std::vector<double> cost;
-        std::vector<MuonSpan> spans;
-        for (const ParamSlot& q : L.params)
-          if (q.group == 0) {
-            cost.push_back(
-                cpu::newton_schulz_cost(q.shape[0], q.numel / q.shape[0], muon.optimizer.ns_steps));
-            spans.push_back({q.offset, q.numel, 0});
-          }
-        const std::vector<int> owner = cpu::assign_owners(cost, load);
-        for (size_t i = 0; i < spans.size(); ++i) spans[i].owner = owner[i];
-        std::sort(spans.begin(), spans.end(),
-                  [](const MuonSpan& a, const MuonSpan& b) { return a.offset < b.offset; });
-        for (const MuonRound& round : muon_rounds(spans, g.size, stage == 0 ? 0 : L.shard_numel))
+        const std::vector<MuonMatrix> mats = muon_matrices(L, {muon.optimizer, adamw}, load);
+        for (const MuonRound& round : muon_rounds(mats, g.size, stage == 0 ? 0 : L.shard_numel))
           for (const auto* ts : {&round.gather, &round.scatter})
             for (const MuonTransfer& t : *ts)
               if (t.from == g.rank && t.to != g.rank) {
