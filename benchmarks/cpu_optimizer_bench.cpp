@@ -265,8 +265,8 @@ class Bench {
     });
     if (f == zeroshard::StateFormat::q8) {  // zero moments: the code's zero point, absmax 0
       for_chunks([&](int64_t b, int64_t e) {
-        std::memset(m8 + b, zc::dynamic_code(true).zero, size_t(e - b));
-        std::memset(v8 + b, zc::dynamic_code(false).zero, size_t(e - b));
+        std::memset(m8 + b, zc::kQ8Zero, size_t(e - b));
+        std::memset(v8 + b, zc::kQ8Zero, size_t(e - b));
       });
     }
     auto args = [&](void* p, DType pd, void* m, void* v, zeroshard::StateFormat sf, int64_t b,

@@ -1,17 +1,18 @@
 // The public 8-bit quantization (zeroshard/quantize.hpp): the CPU kernels' own, at the best ISA.
 #include "zeroshard/quantize.hpp"
 
-#include <algorithm>
+#include <bit>
 
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/quant_code.hpp"
 
 namespace zeroshard {
 
-std::array<float, 256> dynamic_code_points(bool is_signed) {
+std::array<float, 256> code_points_8bit(bool is_signed) {
   std::array<float, 256> out;
-  const float* code = cpu::dynamic_code(is_signed).code;
-  std::copy(code, code + 256, out.begin());
+  for (int q = 0; q < 256; ++q)
+    out[size_t(q)] = std::bit_cast<float>(is_signed ? cpu::Q8Code<true>::point_bits(uint8_t(q))
+                                                    : cpu::Q8Code<false>::point_bits(uint8_t(q)));
   return out;
 }
 

@@ -22,11 +22,11 @@ ZS_API const char* optimizer_name(OptimizerKind k);
 /// - f32: IEEE binary32 (4 bytes per moment).
 /// - bf16: rounded to nearest even after every update (2 bytes). Exact: the update itself runs
 ///   in f32 on the widened values.
-/// - q8 ("8bit"): blockwise 8-bit quantization with a dynamic (non-linear) code, as in
-///   Dettmers et al., "8-bit Optimizers via Block-wise Quantization": each block of
-///   Config::state_block elements keeps one f32 absmax and one byte per element, a code point
-///   of the signed dynamic map (first moment, momentum) or of the unsigned one (Adam's second
-///   moment), the nearest one to value / absmax. 1 byte per moment plus 4 per block.
+/// - q8 ("8bit"): blockwise 8-bit quantization: each block of Config::state_block elements
+///   keeps one f32 absmax and one byte per element, the code of the nearest point to
+///   value / absmax among small floats (zeroshard/quantize.hpp): a sign, 4 exponent and 3
+///   mantissa bits for the first moment and momentum, 5 exponent and 3 mantissa bits for Adam's
+///   second moment. 1 byte per moment plus 4 per block.
 enum class StateFormat : uint8_t { f32, bf16, q8 };
 /// "f32", "bf16" or "8bit".
 ZS_API const char* state_format_name(StateFormat f);

@@ -94,15 +94,15 @@ struct Avx2Vec {
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   }
 
-  // q8: eight bytes widened to indices, then one gather from the 1 KiB code table.
-  using CodeTable = const float*;
-  static CodeTable code_table(const float* code) { return code; }
-  static T gather(CodeTable code, const uint8_t* q) {
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-    return _mm256_i32gather_ps(code, idx, 4);
-  }
-  static int64_t dequantize_wide(const QuantCode&, const uint8_t*, float, float*, int64_t) {
-    return 0;
+  // Q8Code::point_bits() lane-wise, times absmax (a code of 0 gives 0 × absmax, as there).
+  template <bool S>
+  static T decode8(const uint8_t* q, T absmax) {
+    const __m256i q32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i c = S ? _mm256_and_si256(q32, _mm256_set1_epi32(0x7F)) : q32;
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(Q8Code<S>::kOff)), 20);
+    if constexpr (S) bits = _mm256_or_si256(bits, _mm256_slli_epi32(_mm256_srli_epi32(q32, 7), 31));
+    bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), bits);
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), absmax);
   }
   static T abs(T x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   // vmaxps returns its second operand when either is NaN or both are zero: a > b ? a : b.
@@ -113,28 +113,27 @@ struct Avx2Vec {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
-  // QuantCode::lookup() lane-wise: the bucket, its entry, the compare of the low bits.
-  static void quantize(const QuantCode& c, T x, uint8_t* q) {
-    const __m256i u = _mm256_castps_si256(x);
-    __m256i mag =
-        _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), QuantCode::kKeyShift);
-    mag = _mm256_sub_epi32(mag, _mm256_set1_epi32(QuantCode::kMinKey));
-    mag = _mm256_min_epi32(_mm256_max_epi32(mag, _mm256_setzero_si256()),
-                           _mm256_set1_epi32(QuantCode::kBuckets - 1));
-    // The sign bit spread to a mask (arithmetic shift), selecting the negative half.
-    const __m256i neg = _mm256_srai_epi32(u, 31);
-    const __m256i key =
-        _mm256_add_epi32(mag, _mm256_and_si256(neg, _mm256_set1_epi32(QuantCode::kBuckets)));
-    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(c.entry), key, 4);
-    const __m256i low = _mm256_and_si256(_mm256_xor_si256(u, neg), _mm256_set1_epi32(0xFFFF));
-    // Both sides below 2^16: the signed compare is the unsigned one. A true compare is all ones
-    // (−1): subtracting it adds one, in the low byte (q ≤ 254 where it can hold).
-    const __m256i up = _mm256_cmpgt_epi32(low, _mm256_srli_epi32(e, 8));
-    const __m256i idx = _mm256_sub_epi32(e, up);
+  // Q8Code::encode() lane-wise.
+  template <bool S>
+  static void encode8(T x, uint8_t* q) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i c =
+        _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(1 << 19)), 20),
+                         _mm256_set1_epi32(Q8Code<S>::kOff));
+    c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()),
+                         _mm256_set1_epi32(Q8Code<S>::kMax));
+    // Both sides below 2^31: the signed compare is the unsigned one.
+    const __m256i low = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(Q8Code<S>::kHalfMin - 1));
+    c = _mm256_max_epi32(c, _mm256_and_si256(low, _mm256_set1_epi32(1)));
+    if constexpr (S) {
+      const __m256i nz = _mm256_cmpgt_epi32(c, _mm256_setzero_si256());
+      c = _mm256_or_si256(c, _mm256_and_si256(nz, _mm256_slli_epi32(_mm256_srli_epi32(b, 31), 7)));
+    }
     // The low byte of each lane, gathered into the low 4 bytes of each 128-bit half.
     const __m256i bytes = _mm256_shuffle_epi8(
-        idx, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
-                              12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+        c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                            12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
     const __m128i packed =
         _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q), packed);

@@ -1,7 +1,6 @@
 // AVX-512 variant (compiled with -mavx512f -mavx512bw -mavx512vl -mavx2 -mf16c). Sixteen f32
 // lanes per vector; only AVX512F/BW/VL instructions, no DQ, FP16 or BF16 extensions, so it runs
-// on every AVX-512 server since Skylake-SP. One exception, taken only where the CPU has it: the
-// q8 dequantizer's VBMI byte lookup (dequantize_wide()).
+// on every AVX-512 server since Skylake-SP.
 
 // GCC 12's AVX-512 headers self-initialise their "undefined" vectors (`__m512 __Y = __Y;`),
 // which trips -Wmaybe-uninitialized and -Wuninitialized once inlined (GCC bug 105593); the warning
@@ -15,8 +14,6 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-
-#include <array>
 
 #include "kernels/cpu/isa_table.hpp"
 
@@ -107,72 +104,17 @@ struct Avx512Vec {
   }
   static double acc_total(Acc acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc.lo, acc.hi)); }
 
-  // q8: the 256 code points in sixteen registers, and no gather (slow on some cores): each
-  // pair of registers is a 32-entry table for vpermt2ps (index bits 0–4), and bits 5, 6 and 7
-  // pick among the eight results.
-  struct CodeTable {
-    __m512 r[16];
-  };
-  static CodeTable code_table(const float* code) {
-    CodeTable t;
-    for (int i = 0; i < 16; ++i) t.r[i] = _mm512_loadu_ps(code + 16 * i);
-    return t;
-  }
-  static T gather(const CodeTable& t, const uint8_t* q) {
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    __m512 v[8];
-    for (int i = 0; i < 8; ++i) v[i] = _mm512_permutex2var_ps(t.r[2 * i], idx, t.r[2 * i + 1]);
-    for (int bit = 5, n = 8; bit < 8; ++bit, n /= 2) {
-      const __mmask16 hi = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(1 << bit));
-      for (int i = 0; i < n / 2; ++i) v[i] = _mm512_mask_blend_ps(hi, v[2 * i], v[2 * i + 1]);
-    }
-    return v[0];
-  }
-  // With AVX512-VBMI (Ice Lake and later, Zen 4), 64 indices at a time and no float lookup:
-  // each byte of the 64 code points comes from its byte plane (QuantCode::plane) by two
-  // vpermi2b over 128 entries, blended on index bit 7, and the four bytes are interleaved into
-  // floats. The unpacks interleave within 128-bit lanes, so the indices are first permuted
-  // (kVbmiOrder) to come out in order. Bitwise code[q] × absmax, as gather().
-  static int64_t dequantize_wide(const QuantCode& c, const uint8_t* q, float absmax, float* out,
-                                 int64_t n) {
-    static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
-    return vbmi ? dequantize_vbmi(c, q, absmax, out, n / 64 * 64) : 0;
-  }
-  __attribute__((target("avx512vbmi"))) static int64_t dequantize_vbmi(const QuantCode& c,
-                                                                       const uint8_t* q,
-                                                                       float absmax, float* out,
-                                                                       int64_t n) {
-    // Position 16 L + 4 k + j (lane L of the four unpacked outputs k) takes index 16 k + 4 L + j.
-    alignas(64) static constexpr auto kVbmiOrder = [] {
-      std::array<uint8_t, 64> o{};
-      for (int L = 0; L < 4; ++L)
-        for (int k = 0; k < 4; ++k)
-          for (int j = 0; j < 4; ++j) o[size_t(16 * L + 4 * k + j)] = uint8_t(16 * k + 4 * L + j);
-      return o;
-    }();
-    __m512i plane[4][4];
-    for (int b = 0; b < 4; ++b)
-      for (int k = 0; k < 4; ++k) plane[b][k] = _mm512_loadu_si512(c.plane[b] + 64 * k);
-    const __m512i order = _mm512_load_si512(kVbmiOrder.data());
-    const __m512 scale = _mm512_set1_ps(absmax);
-    for (int64_t i = 0; i < n; i += 64) {
-      const __m512i idx = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(q + i));
-      const __mmask64 top = _mm512_movepi8_mask(idx);
-      __m512i byte[4];
-      for (int b = 0; b < 4; ++b)
-        byte[b] =
-            _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(plane[b][0], idx, plane[b][1]),
-                                   _mm512_permutex2var_epi8(plane[b][2], idx, plane[b][3]));
-      const __m512i lo01 = _mm512_unpacklo_epi8(byte[0], byte[1]);
-      const __m512i hi01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
-      const __m512i lo23 = _mm512_unpacklo_epi8(byte[2], byte[3]);
-      const __m512i hi23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
-      const __m512i f[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
-                            _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
-      for (int k = 0; k < 4; ++k)
-        _mm512_storeu_ps(out + i + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(f[k]), scale));
-    }
-    return n;
+  // Q8Code::point_bits() lane-wise, times absmax (a code of 0 gives 0 × absmax, as there).
+  template <bool S>
+  static T decode8(const uint8_t* q, T absmax) {
+    const __m512i q32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i c = S ? _mm512_and_si512(q32, _mm512_set1_epi32(0x7F)) : q32;
+    const __mmask16 nz = _mm512_test_epi32_mask(c, c);
+    const __m512i bits =
+        _mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(Q8Code<S>::kOff)), 20);
+    const __m512i sign =
+        S ? _mm512_slli_epi32(_mm512_srli_epi32(q32, 7), 31) : _mm512_setzero_si512();
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_or_epi32(nz, bits, sign)), absmax);
   }
   static T abs(T x) {
     return _mm512_castsi512_ps(
@@ -181,23 +123,26 @@ struct Avx512Vec {
   // vmaxps returns its second operand when either is NaN or both are zero: a > b ? a : b.
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
   static float reduce_max(T x) { return _mm512_reduce_max_ps(x); }
-  // QuantCode::lookup() lane-wise: the bucket, its entry, the compare of the low bits.
-  static void quantize(const QuantCode& c, T x, uint8_t* q) {
-    const __m512i u = _mm512_castps_si512(x);
-    __m512i mag =
-        _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), QuantCode::kKeyShift);
-    mag = _mm512_sub_epi32(mag, _mm512_set1_epi32(QuantCode::kMinKey));
-    mag = _mm512_min_epi32(_mm512_max_epi32(mag, _mm512_setzero_si512()),
-                           _mm512_set1_epi32(QuantCode::kBuckets - 1));
-    const __m512i neg = _mm512_srai_epi32(u, 31);
-    const __m512i key =
-        _mm512_add_epi32(mag, _mm512_and_si512(neg, _mm512_set1_epi32(QuantCode::kBuckets)));
-    const __m512i e = _mm512_i32gather_epi32(key, c.entry, 4);
-    const __m512i low = _mm512_and_si512(_mm512_xor_si512(u, neg), _mm512_set1_epi32(0xFFFF));
-    const __mmask16 up = _mm512_cmpgt_epi32_mask(low, _mm512_srli_epi32(e, 8));
-    // q ≤ 254 where the compare can hold: adding 1 stays in the low byte, which vpmovdb keeps.
-    const __m512i idx = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(idx));
+  // Q8Code::encode() lane-wise. The pattern's code before the offset is below 2^12, so the
+  // offset's subtraction saturating at 0 (vpsubusw on the lane's low half; the high half is 0)
+  // and the narrowing saturating at 255 (vpmovusdb) are the clamps.
+  template <bool S>
+  static void encode8(T x, uint8_t* q) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i c =
+        _mm512_subs_epu16(_mm512_srli_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(1 << 19)), 20),
+                          _mm512_set1_epi32(Q8Code<S>::kOff));
+    if constexpr (S) c = _mm512_min_epu32(c, _mm512_set1_epi32(Q8Code<S>::kMax));
+    const __mmask16 low = _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(Q8Code<S>::kHalfMin));
+    c = _mm512_mask_max_epi32(c, low, c, _mm512_set1_epi32(1));
+    if constexpr (S) {
+      const __mmask16 nz = _mm512_test_epi32_mask(c, c);
+      // c | ((b >> 24) & 0x80) where c > 0: bit 7 of b >> 24 is the sign.
+      c = _mm512_mask_ternarylogic_epi32(c, nz, _mm512_srli_epi32(b, 24), _mm512_set1_epi32(0x80),
+                                         0xF8);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtusepi32_epi8(c));
   }
 };
 

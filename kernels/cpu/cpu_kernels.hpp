@@ -73,12 +73,12 @@ struct UpdateHyper {
 /// for the update:
 ///   f32:  float arrays.
 ///   bf16: uint16_t arrays; rounded to nearest even when stored.
-///   q8:   uint8_t arrays of code indices (quant_code.hpp; state0 uses the signed map, state1
-///         the unsigned one) with one f32 absmax per `block` elements in absmax0/absmax1. The
+///   q8:   uint8_t arrays of codes (quant_code.hpp; state0 uses the signed code, state1 the
+///         unsigned one) with one f32 absmax per `block` elements in absmax0/absmax1. The
 ///         range starts at a block boundary and ends at one or at the end of the buffer, since
-///         a block is requantized whole: each block is dequantized (code × absmax) into f32
-///         scratch, updated, and requantized (absmax = max |value|, index = the nearest code
-///         point of value × (1 / absmax), an all-zero block to the code's 0).
+///         a block is requantized whole: each block is dequantized (point × absmax) as the
+///         update reads it, updated into f32 scratch, and requantized (absmax = max |value|,
+///         code = that of the nearest point to value × (1 / absmax), an all-zero block all 0).
 /// The master weights are f32, or bf16 (Config::bf16_master) rounded stochastically after every
 /// update: widened to f32 for it, then element i (counted from the unit's element 0 as
 /// `index + i`, modulo 2^32) rounds with the bits cvt::rounding_bits(round_key, index + i), up
@@ -128,11 +128,10 @@ void optimizer_update_segments(Isa isa, const UpdateSegment* segments, int count
                                const UpdateArgs& a);
 
 /// q8 (de)quantization on its own, as the update does it: blocks of `block` elements from
-/// element 0 (the last one may be shorter), the signed or the unsigned dynamic map. For
-/// checkpoints and read_shard(), which see moments in f32. dequantize → quantize is the
-/// identity on a q8 state (codes and absmax bit for bit), also where a signed block's largest
-/// magnitude sits on the map's most negative point (−0.99297 × absmax): such a block's absmax
-/// is recovered rather than taken as max |x|.
+/// element 0 (the last one may be shorter), the signed or the unsigned code. For checkpoints
+/// and read_shard(), which see moments in f32. dequantize → quantize is the identity on a q8
+/// state (codes and absmax bit for bit): ±1.0 are points, so max |x| of a dequantized block is
+/// its absmax, and every other point × absmax × (1 / absmax) rounds back to its code.
 void quantize_blocks(Isa isa, const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q,
                      float* absmax);
 void dequantize_blocks(Isa isa, const uint8_t* q, const float* absmax, int64_t n, int64_t block,

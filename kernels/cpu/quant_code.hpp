@@ -1,23 +1,27 @@
 #pragma once
-// The 8-bit dynamic code of StateFormat::q8 (Dettmers et al., "8-bit Optimizers via Block-wise
-// Quantization", the dynamic tree map with 7 decimal exponents), and the lookup that finds a
-// value's nearest code point with two table reads and one compare, identically in every ISA.
+// The 8-bit code of StateFormat::q8: small floating-point numbers, scaled per block. A block's
+// values are divided by its absmax (max |x|), so they lie in [-1, 1], and each is stored as the
+// nearest of its code's points, ties to the larger magnitude:
+//   signed (first moments, momentum): a sign bit (bit 7) and a 7-bit magnitude code
+//     (4 exponent bits, 3 mantissa bits: E4M3), 255 points from -1 to 1;
+//   unsigned (Adam's second moment): an 8-bit magnitude code (5 exponent bits, 3 mantissa
+//     bits: E5M3), 256 points from 0 to 1.
+// Magnitude code c ≥ 1 stands for the f32 whose bit pattern is (c + kOff) << 20, so that the
+// largest code is exactly 1.0 (an absmax comes back exactly) and each binade holds 8 points;
+// c = 0 is 0. The smallest points are 1.25 · 2^-16 (signed) and 1.25 · 2^-32 (unsigned): the
+// second moment, the square of a gradient, gets twice the first's range in exponents, and both
+// the same relative step (1/8 of a binade: at most 6.25 % from a value to its point).
 //
-// A value x (already divided by its block's absmax, so in [-1, 1]) quantizes to
-//   q(x) = #{ i < 255 : mid[i] < x },   mid[i] = (code[i] + code[i+1]) / 2 in f32,
-// the index of the nearest code point, ties going to the lower one. Rather than searching the
-// 255 midpoints, the top 16 bits of x's f32 pattern (sign, exponent and 7 mantissa bits) pick a
-// bucket in which at most one midpoint lies (checked when the table is built). One 32-bit entry
-// per bucket holds q at the bucket's lower end and, where a midpoint lies inside, the low 16
-// bits of its pattern (its top 16 are the bucket's): within a bucket, x > mid compares those
-// low bits alone (reversed for negative x, whose order runs against their magnitude's). So a
-// lookup is one table read and one integer compare. Magnitudes below 2^-24 share the first
-// bucket (no code point lies below 2^-21), NaN lands in the last one; neither holds a midpoint.
+// Finding the nearest point is integer work on the f32 pattern of |x|: inside a binade the points
+// are evenly spaced, so adding half a step (2^19) to the pattern and dropping the low 20 bits
+// rounds to the nearest, ties up, across binade boundaries too. Magnitudes below the smallest
+// point's half go to 0, those from it to code 1; 1.0 (and NaN, +inf) saturate at the largest
+// code. Dequantizing is the shift back and one multiply by the absmax. The same functions run
+// in every ISA's lanes (scalar_vec.hpp, avx2.cpp, avx512.cpp) and in the CUDA kernel
+// (kernels/cuda/update_q8.cu), so every backend stores the same codes.
 
 #include <cstdint>
 
-// The lookup runs in the CUDA kernels too (kernels/cuda/update_q8.cu), on a copy of the tables
-// in device memory: the same code, so the same codes.
 #if defined(__CUDACC__)
 #define ZS_QUANT_HD __host__ __device__
 #else
@@ -26,42 +30,33 @@
 
 namespace zeroshard::cpu {
 
-struct QuantCode {
-  /// Sign, exponent and 7 mantissa bits: the key is the top 16 bits of the f32 pattern.
-  static constexpr int kKeyShift = 16;
-  static constexpr int32_t kMinKey = 103 << 7;  ///< magnitude keys below 2^-24 clamp here
-  static constexpr int32_t kBuckets = (127 - 103) * 128 + 1;  ///< per sign, up to key(1.0)
+/// The code of 0 in both codes: fresh q8 moments are all zero bytes.
+inline constexpr uint8_t kQ8Zero = 0;
 
-  float code[256];  ///< ascending
-  float mid[256];   ///< mid[i] between code[i] and code[i+1]; mid[255] = +inf
-  /// Per bucket (positive keys, then negative): q at its lower end in bits 0–7, and in bits
-  /// 8–23 the threshold t that x's low 16 bits (complemented when x < 0) must exceed for
-  /// q + 1; t = 0xFFFF (never) where no midpoint lies in the bucket.
-  uint32_t entry[2 * kBuckets];
-  uint8_t zero;  ///< the index of 0.0
-  /// Byte b of each code point's f32 pattern (little-endian) in plane[b]: the tables of a
-  /// dequantizer that looks bytes up (AVX512-VBMI's vpermi2b) rather than floats.
-  uint8_t plane[4][256];
+template <bool Signed>
+struct Q8Code {
+  /// The largest magnitude code: 1.0.
+  static constexpr uint32_t kMax = Signed ? 127 : 255;
+  /// The pattern of code c is (c + kOff) << 20; 0x3F8 << 20 is 1.0f.
+  static constexpr uint32_t kOff = 0x3F8 - kMax;
+  /// The pattern of half the smallest point: magnitudes from it up take at least code 1.
+  static constexpr uint32_t kHalfMin = ((1 + kOff) << 20) - (1u << 23);
 
-  /// The bucket of x: kBuckets × sign + the clamped magnitude key.
-  ZS_QUANT_HD static int32_t bucket(uint32_t bits) {
-    int32_t mag = int32_t((bits & 0x7FFFFFFFu) >> kKeyShift) - kMinKey;
-    mag = mag < 0 ? 0 : (mag > kBuckets - 1 ? kBuckets - 1 : mag);
-    return int32_t(bits >> 31) * kBuckets + mag;
+  /// The code of the f32 with pattern `bits` (x already divided by its block's absmax).
+  ZS_QUANT_HD static uint8_t encode(uint32_t bits) {
+    const uint32_t mag = bits & 0x7FFFFFFFu;
+    int32_t c = int32_t((mag + (1u << 19)) >> 20) - int32_t(kOff);
+    c = c < 0 ? 0 : (c > int32_t(kMax) ? int32_t(kMax) : c);
+    if (c == 0 && mag >= kHalfMin) c = 1;
+    if (Signed && c > 0) c |= int32_t(bits >> 31) << 7;
+    return uint8_t(c);
   }
-  /// x's low 16 bits in the bucket's order: complemented when x is negative.
-  ZS_QUANT_HD static uint32_t low_bits(uint32_t bits) {
-    return (bits ^ uint32_t(int32_t(bits) >> 31)) & 0xFFFFu;
-  }
-  /// The index of x's nearest code point.
-  ZS_QUANT_HD uint8_t lookup(uint32_t bits) const {
-    const uint32_t e = entry[bucket(bits)];
-    return uint8_t((e & 0xFFu) + (low_bits(bits) > (e >> 8) ? 1u : 0u));
+  /// The f32 pattern of code q's point (0 for the codes of 0).
+  ZS_QUANT_HD static uint32_t point_bits(uint8_t q) {
+    const uint32_t c = Signed ? (q & 0x7Fu) : q;
+    if (c == 0) return 0;
+    return ((c + kOff) << 20) | (Signed ? uint32_t(q >> 7) << 31 : 0u);
   }
 };
-
-/// The signed map (first moments, momentum: values in [-1, 1], 0 and 1.0 included, -1.0 not)
-/// or the unsigned one (Adam's second moment: [0, 1]). Built once, on first use.
-const QuantCode& dynamic_code(bool is_signed);
 
 }  // namespace zeroshard::cpu

@@ -9,12 +9,9 @@
 //                 index + j under key (scalar_convert.hpp), the result as f32
 //   zero, bit_xor same_bytes' data movement (bitwise, no arithmetic)
 //   Acc, acc_zero, acc_add_square, acc_total   double accumulation for sum_squares
-//   CodeTable     the 256 code points as the ISA's lookup wants them (code_table(code))
-//   gather        code[q[lane]] for kWidth bytes q (q8 dequantization)
-//   dequantize_wide  out[i] = code[q[i]] × absmax for the first elements of [0, n) that a
-//                 wider lookup takes (returns how many; 0 where the ISA has none)
+//   decode8<S>    q8: the points of kWidth codes q (quant_code.hpp, S: signed) × absmax
+//   encode8<S>    q8: stores the code of each lane's value (already divided by its absmax)
 //   abs, max, reduce_max   |x|; max(a, b) = a > b ? a : b (so NaN in a gives b); max of lanes
-//   quantize      stores the nearest code point's index of each lane (quant_code.hpp)
 // Anonymous namespace: see scalar_convert.hpp (each ISA file gets its own copy).
 
 #include <bit>
@@ -62,17 +59,16 @@ struct ScalarVec {
   }
   static double acc_total(Acc acc) { return acc; }
 
-  using CodeTable = const float*;
-  static CodeTable code_table(const float* code) { return code; }
-  static T gather(CodeTable code, const uint8_t* q) { return code[*q]; }
-  static int64_t dequantize_wide(const QuantCode&, const uint8_t*, float, float*, int64_t) {
-    return 0;
+  template <bool S>
+  static T decode8(const uint8_t* q, T absmax) {
+    return std::bit_cast<float>(Q8Code<S>::point_bits(*q)) * absmax;
   }
   static T abs(T x) { return std::bit_cast<float>(std::bit_cast<uint32_t>(x) & 0x7FFFFFFFu); }
   static T max(T a, T b) { return a > b ? a : b; }
   static float reduce_max(T x) { return x; }
-  static void quantize(const QuantCode& c, T x, uint8_t* q) {
-    *q = c.lookup(std::bit_cast<uint32_t>(x));
+  template <bool S>
+  static void encode8(T x, uint8_t* q) {
+    *q = Q8Code<S>::encode(std::bit_cast<uint32_t>(x));
   }
 };
 

@@ -5,10 +5,12 @@
 // the same IEEE operations in the same order per lane, which is what makes it bitwise equal to
 // the scalar reference (the build adds -ffp-contract=off so no FMA sneaks in).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/quant_code.hpp"
@@ -40,40 +42,106 @@ struct Broadcast {
         ibc2(V::set1(c.ibc2)) {}
 };
 
+// Where the update reads and writes the moments. Element i of the range is element i of each
+// accessor. narrow<U>() is the accessor of the scalar tail; absorb() takes back what it found.
+
+// f32 or bf16 moments, read and written in place.
+template <class V, DType S>
+struct PlainMoments {
+  using T = typename V::T;
+  void* s0;
+  void* s1;
+  T load0(int64_t i) const { return load_as<V, S>(s0, i); }
+  T load1(int64_t i) const { return load_as<V, S>(s1, i); }
+  void store0(int64_t i, T x) { store_as<V, S>(s0, i, x); }
+  void store1(int64_t i, T x) { store_as<V, S>(s1, i, x); }
+  void prefetch(int64_t i, bool uses0, bool uses1) const {
+    if (uses0) prefetch_ahead(s0, i, S == DType::f32 ? 4 : 2);
+    if (uses1) prefetch_ahead(s1, i, S == DType::f32 ? 4 : 2);
+  }
+  template <class U>
+  PlainMoments<U, S> narrow() const {
+    return {s0, s1};
+  }
+  void absorb(const PlainMoments<ScalarVec, S>&) {}
+};
+
+// q8 moments of one block: decoded from their codes as they are read (× the block's absmax),
+// written in f32 to the block's buffers, where they are requantized once the whole block is
+// updated; the running max |x| of what was written is that requantization's absmax (NaN
+// ignored, as block_absmax()).
+template <class V>
+struct BlockMoments {
+  using T = typename V::T;
+  const uint8_t* q0;
+  const uint8_t* q1;
+  float a0, a1;  // the block's absmax before the update
+  float* m;
+  float* v;
+  T wide0 = V::set1(a0), wide1 = V::set1(a1);
+  T max0 = V::zero(), max1 = V::zero();
+  float tail0 = 0.0f, tail1 = 0.0f;  // the scalar tail's max
+  T load0(int64_t i) const { return V::template decode8<true>(q0 + i, wide0); }
+  T load1(int64_t i) const { return V::template decode8<false>(q1 + i, wide1); }
+  void store0(int64_t i, T x) {
+    V::store_f32(m + i, x);
+    max0 = V::max(V::abs(x), max0);
+  }
+  void store1(int64_t i, T x) {
+    V::store_f32(v + i, x);
+    max1 = V::max(V::abs(x), max1);
+  }
+  // One code byte per element: one prefetch per 64.
+  void prefetch(int64_t i, bool uses0, bool uses1) const {
+    if (i % 64 != 0) return;
+    if (uses0) prefetch_ahead(q0, i, 1);
+    if (uses1) prefetch_ahead(q1, i, 1);
+  }
+  template <class U>
+  BlockMoments<U> narrow() const {
+    return {q0, q1, a0, a1, m, v};
+  }
+  void absorb(const BlockMoments<ScalarVec>& t) {
+    tail0 = t.max0;
+    tail1 = t.max1;
+  }
+  float absmax0() const { return std::max(V::reduce_max(max0), tail0); }
+  float absmax1() const { return std::max(V::reduce_max(max1), tail1); }
+};
+
 // Elements [begin, end) with V; end - begin must be a multiple of V::kWidth. The formulas are
 // the ones documented in cpu_kernels.hpp, parenthesised exactly as C++ parses them there. The
-// moments are stored as S (f32 or bf16), the master as M (f32, or bf16 rounded stochastically),
-// and updated in f32.
-template <class V, Rule R, DType G, Out O, DType S, DType M>
-void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int64_t end) {
+// moments are read and written through st (above), the master is stored as M (f32, or bf16
+// rounded stochastically), and everything is updated in f32.
+template <class V, Rule R, DType G, Out O, DType M, class St>
+void update_range(const UpdateConsts& c, const UpdateArgs& a, St& moments, int64_t begin,
+                  int64_t end) {
   using T = typename V::T;
   const Broadcast<V> k(c);
+  // A local copy, as `a` below: its fields then stay in registers across the loop's stores.
+  St st = moments;
   // Local copies: the compiler cannot prove that stores through float* leave `a` unchanged.
   void* const master = a.master;
   const uint32_t key = a.round_key;
   const uint32_t index0 = uint32_t(a.index);  // modulo 2^32, as documented
-  void* const s0 = a.state0;
-  void* const s1 = a.state1;
   // Element sizes for prefetch addressing (the out size is unused when O is none).
   const size_t grad_bytes = G == DType::f32 ? 4 : 2;
   const size_t out_bytes = O == Out::f32 ? 4 : 2;
-  const size_t state_bytes = S == DType::f32 ? 4 : 2;
   const size_t master_bytes = M == DType::f32 ? 4 : 2;
   for (int64_t i = begin; i < end; i += V::kWidth) {
     // One prefetch per stream and cache line of f32 (half-width streams get two per line).
     if (V::kWidth >= kLineElems || i % kLineElems == 0) {
       prefetch_ahead(master, i, master_bytes);
       prefetch_ahead(a.grad, i, grad_bytes);
-      if constexpr (R != Rule::sgd) prefetch_ahead(s0, i, state_bytes);
-      if constexpr (R == Rule::adam || R == Rule::adamw) prefetch_ahead(s1, i, state_bytes);
+      st.prefetch(i, R != Rule::sgd, R == Rule::adam || R == Rule::adamw);
       if constexpr (O != Out::none) prefetch_ahead(a.out, i, out_bytes);
       if constexpr (R == Rule::muon) prefetch_ahead(a.dir, i, 4);
     }
     T p = load_as<V, M>(master, i);
     T g = load_as<V, G>(a.grad, i) * k.grad_scale;
     if constexpr (R == Rule::adam || R == Rule::adamw) {
-      T m = load_as<V, S>(s0, i);
-      T v = load_as<V, S>(s1, i);
+      T m = st.load0(i);
+      T v = st.load1(i);
       // Adam folds decay into the gradient (L2); AdamW decays the weight itself, first.
       if constexpr (R == Rule::adam) {
         g = g + k.wd * p;
@@ -87,28 +155,28 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
       // state is compact (bf16 or 8-bit moments, a bf16 master).
       const T denom = V::sqrt(v * k.ibc2) + k.eps;
       p = p - (k.step * m) / denom;
-      store_as<V, S>(s0, i, m);
-      store_as<V, S>(s1, i, v);
+      st.store0(i, m);
+      st.store1(i, v);
     } else if constexpr (R == Rule::lion) {
       // The direction interpolates with beta1, the stored momentum decays with beta2.
-      T m = load_as<V, S>(s0, i);
+      T m = st.load0(i);
       const T dir = k.beta1 * m + k.omb1 * g;
       p = p - k.lr_wd * p;
       p = p - k.lr * V::sign(dir);
       m = k.beta2 * m + k.omb2 * g;
-      store_as<V, S>(s0, i, m);
+      st.store0(i, m);
     } else if constexpr (R == Rule::muon) {
       // The momentum is averaged here; the step's direction was made from the same average
       // (and orthogonalised) before the update, in dir (docs/muon.md).
-      const T buf = k.momentum * load_as<V, S>(s0, i) + k.omm * g;
-      store_as<V, S>(s0, i, buf);
+      const T buf = k.momentum * st.load0(i) + k.omm * g;
+      st.store0(i, buf);
       p = p - k.lr_wd * p;
       p = p - k.lr * load_as<V, DType::f32>(a.dir, i);
     } else {
       g = g + k.wd * p;
       if constexpr (R == Rule::sgd_momentum || R == Rule::sgd_nesterov) {
-        const T buf = k.momentum * load_as<V, S>(s0, i) + g;
-        store_as<V, S>(s0, i, buf);
+        const T buf = k.momentum * st.load0(i) + g;
+        st.store0(i, buf);
         if constexpr (R == Rule::sgd_nesterov) {
           g = g + k.momentum * buf;
         } else {
@@ -125,15 +193,19 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, int64_t begin, int
     if constexpr (O == Out::bf16) store_as<V, DType::bf16>(a.out, i, p);
     if constexpr (O == Out::f16) store_as<V, DType::f16>(a.out, i, p);
   }
+  moments = st;
 }
 
 // Full vectors with V, then the remainder with the scalar lane type (same operations).
-template <class V, Rule R, DType G, Out O, DType S, DType M>
-void update_all(const UpdateConsts& c, const UpdateArgs& a) {
+template <class V, Rule R, DType G, Out O, DType M, class St>
+void update_all(const UpdateConsts& c, const UpdateArgs& a, St& st) {
   const int64_t full = a.n - a.n % V::kWidth;
-  update_range<V, R, G, O, S, M>(c, a, 0, full);
-  if constexpr (!std::is_same_v<V, ScalarVec>)
-    update_range<ScalarVec, R, G, O, S, M>(c, a, full, a.n);
+  update_range<V, R, G, O, M>(c, a, st, 0, full);
+  if constexpr (!std::is_same_v<V, ScalarVec>) {
+    auto tail = st.template narrow<ScalarVec>();
+    update_range<ScalarVec, R, G, O, M>(c, a, tail, full, a.n);
+    st.absorb(tail);
+  }
 }
 
 // momentum == 0 is plain SGD whatever `nesterov` says (torch rejects that pair; we ignore it),
@@ -141,67 +213,60 @@ void update_all(const UpdateConsts& c, const UpdateArgs& a) {
 
 // Run-time → compile-time switches: each combination becomes its own branch-free loop.
 
-/// f32 or bf16 moments: resolves rule × grad dtype × out dtype × state dtype × master dtype to
-/// one instantiation. The constants are folded here, once per call, so vector body and scalar
-/// tail share them. A bf16 master comes with a bf16 model (Config::bf16_master), so only its
-/// bf16 copy-out (or none) and f32 or bf16 gradients are instantiated with it.
-template <class V>
-void update_plain(const UpdateHyper& h, const UpdateArgs& a) {
-  const UpdateConsts c = fold_consts(h);
-  const bool bf16_state = a.state_format == StateFormat::bf16;
+/// Resolves rule × grad dtype × out dtype × master dtype to one instantiation:
+/// run.template operator()<R, G, O, M>(). A bf16 master comes with a bf16 model
+/// (Config::bf16_master), so only its bf16 copy-out (or none) and f32 or bf16 gradients are
+/// instantiated with it.
+template <class Run>
+void with_update_types(const UpdateHyper& h, const UpdateArgs& a, Run&& run) {
   with_rule(rule_of(h), [&](auto rule) {
     constexpr Rule R = decltype(rule)::value;
     with_dtype(a.grad_dtype, [&](auto grad) {
       constexpr DType G = decltype(grad)::value;
       with_out(out_of(a), [&](auto out) {
         constexpr Out O = decltype(out)::value;
-        // Only f32 and bf16 reach here, so f16 state is not instantiated.
         if constexpr (G != DType::f16 && (O == Out::none || O == Out::bf16)) {
-          if (a.master_dtype == DType::bf16) {
-            if (bf16_state)
-              update_all<V, R, G, O, DType::bf16, DType::bf16>(c, a);
-            else
-              update_all<V, R, G, O, DType::f32, DType::bf16>(c, a);
-            return;
-          }
+          if (a.master_dtype == DType::bf16) return run.template operator()<R, G, O, DType::bf16>();
         }
-        if (bf16_state)
-          update_all<V, R, G, O, DType::bf16, DType::f32>(c, a);
-        else
-          update_all<V, R, G, O, DType::f32, DType::f32>(c, a);
+        run.template operator()<R, G, O, DType::f32>();
       });
     });
   });
 }
 
-// ---- q8 moments: dequantize a block, update it in f32, requantize it ---------------------------
-
-// out[i] = code[q[i]] × absmax, elements [0, n).
+/// f32 or bf16 moments. The constants are folded here, once per call, so vector body and scalar
+/// tail share them.
 template <class V>
-void dequantize_block(const QuantCode& code, const uint8_t* q, float absmax, float* out,
-                      int64_t n) {
-  const int64_t wide = V::dequantize_wide(code, q, absmax, out, n);  // 0 on most ISAs
-  q += wide;
-  out += wide;
-  split_tail<V>(n - wide, [&]<class U>(int64_t begin, int64_t end) {
-    const typename U::T scale = U::set1(absmax);
-    const typename U::CodeTable table = U::code_table(code.code);
-    for (int64_t i = begin; i < end; i += U::kWidth)
-      U::store_f32(out + i, U::gather(table, q + i) * scale);
+void update_plain(const UpdateHyper& h, const UpdateArgs& a) {
+  const UpdateConsts c = fold_consts(h);
+  with_update_types(h, a, [&]<Rule R, DType G, Out O, DType M>() {
+    if (a.state_format == StateFormat::bf16) {
+      PlainMoments<V, DType::bf16> st{a.state0, a.state1};
+      update_all<V, R, G, O, M>(c, a, st);
+    } else {
+      PlainMoments<V, DType::f32> st{a.state0, a.state1};
+      update_all<V, R, G, O, M>(c, a, st);
+    }
   });
 }
 
-// q = the nearest code points of x[0, n) × (1 / absmax); absmax > 0.
-template <class V>
-void quantize_with(const QuantCode& code, const float* x, uint8_t* q, int64_t n, float absmax) {
-  // One reciprocal per block, a multiply per element: x × (1/absmax) may exceed 1 by an ulp,
-  // which the lookup's last bucket absorbs (it maps to ±1's nearest code point).
-  const float inv = 1.0f / absmax;
+// ---- q8 moments: each block decoded as the update reads it, requantized after ---------------
+
+// out[i] = the point of q[i] × absmax, elements [0, n) (quant_code.hpp); returns max |out|.
+template <class V, bool S>
+float dequantize_block(const uint8_t* q, float absmax, float* out, int64_t n) {
+  float top = 0.0f;
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
-    const typename U::T s = U::set1(inv);
-    for (int64_t i = begin; i < end; i += U::kWidth)
-      U::quantize(code, U::load_f32(x + i) * s, q + i);
+    const typename U::T a = U::set1(absmax);
+    typename U::T acc = U::zero();
+    for (int64_t i = begin; i < end; i += U::kWidth) {
+      const typename U::T x = U::template decode8<S>(q + i, a);
+      U::store_f32(out + i, x);
+      acc = U::max(U::abs(x), acc);
+    }
+    top = std::max(U::reduce_max(acc), top);
   });
+  return top;
 }
 
 // A block's absmax: max |x| over [0, n), NaN ignored (+0 where nothing else is left).
@@ -216,48 +281,29 @@ float block_absmax(const float* x, int64_t n) {
   return absmax;
 }
 
-// Quantizes x[0, n), whose absmax is given, into q; an all-zero block is the code's 0.
-template <class V>
-void quantize_scaled(const QuantCode& code, const float* x, uint8_t* q, int64_t n, float absmax) {
-  if (absmax > 0.0f) return quantize_with<V>(code, x, q, n, absmax);
-  for (int64_t i = 0; i < n; ++i) q[i] = code.zero;
-}
-
-// Quantizes x[0, n) into q and returns the block's new absmax (0 for an all-zero block).
-template <class V>
-float quantize_block(const QuantCode& code, const float* x, uint8_t* q, int64_t n) {
-  const float absmax = block_absmax<V>(x, n);
-  quantize_scaled<V>(code, x, q, n, absmax);
-  return absmax;
-}
-
-// quantize_block() of both moments of a block, bitwise the same, with the two lookups
-// interleaved: their gathers (to tables of their own) then overlap.
-template <class V>
-void quantize_both(const QuantCode& c0, const float* m, uint8_t* q0, float& absmax0,
-                   const QuantCode& c1, const float* v, uint8_t* q1, float& absmax1, int64_t n) {
-  const float a0 = block_absmax<V>(m, n), a1 = block_absmax<V>(v, n);
-  absmax0 = a0;
-  absmax1 = a1;
-  if (!(a0 > 0.0f) || !(a1 > 0.0f)) {  // an all-zero block: each on its own
-    quantize_scaled<V>(c0, m, q0, n, a0);
-    quantize_scaled<V>(c1, v, q1, n, a1);
+// q = the codes of x[0, n) × (1 / absmax), whose absmax is given; an all-zero (or all-NaN)
+// block, absmax 0, is all codes of 0. x × (1 / absmax) may exceed 1 by an ulp: it saturates at
+// the code of 1.
+template <class V, bool S>
+void quantize_block(const float* x, uint8_t* q, int64_t n, float absmax) {
+  if (!(absmax > 0.0f)) {
+    for (int64_t i = 0; i < n; ++i) q[i] = 0;
     return;
   }
-  const float inv0 = 1.0f / a0, inv1 = 1.0f / a1;  // as quantize_with()
+  const float inv = 1.0f / absmax;
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
-    const typename U::T s0 = U::set1(inv0), s1 = U::set1(inv1);
-    for (int64_t i = begin; i < end; i += U::kWidth) {
-      U::quantize(c0, U::load_f32(m + i) * s0, q0 + i);
-      U::quantize(c1, U::load_f32(v + i) * s1, q1 + i);
-    }
+    const typename U::T s = U::set1(inv);
+    for (int64_t i = begin; i < end; i += U::kWidth)
+      U::template encode8<S>(U::load_f32(x + i) * s, q + i);
   });
 }
 
+// One pass per block over the elements: each segment's update decodes the codes as it reads
+// them and writes the moments in f32 to the block's buffers (BlockMoments), taking their new
+// absmax as it goes; elements in no segment are decoded on their own. A second pass over the
+// buffers, in L1, writes the codes.
 template <class V>
 void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
-  const QuantCode& c0 = dynamic_code(true);
-  const QuantCode& c1 = dynamic_code(false);
   // The moments the rules keep (an SGD without momentum keeps none, but may share the unit
   // with an SGD group that has momentum).
   bool keeps0 = false, keeps1 = false;
@@ -270,6 +316,9 @@ void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
   auto* q1 = keeps1 ? static_cast<uint8_t*>(a.state1) : nullptr;
   alignas(64) float m[kMaxStateBlock];
   alignas(64) float v[kMaxStateBlock];
+  // The constants of each segment, folded once per call rather than once per block.
+  std::vector<UpdateConsts> consts(static_cast<size_t>(count));
+  for (int s = 0; s < count; ++s) consts[size_t(s)] = fold_consts(*segments[s].h);
   const size_t gbytes = a.grad_dtype == DType::f32 ? 4 : 2;
   const size_t obytes = a.out_dtype == DType::f32 ? 4 : 2;
   const size_t mbytes = a.master_dtype == DType::f32 ? 4 : 2;
@@ -280,69 +329,76 @@ void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
     // A block no segment touches is left as it is (the GPU kernel does the same).
     while (first < count && segments[first].end <= b) ++first;
     if (first == count || segments[first].begin >= b + len) continue;
-    if (q0) dequantize_block<V>(c0, q0 + b, a.absmax0[blk], m, len);
-    if (q1) dequantize_block<V>(c1, q1 + b, a.absmax1[blk], v, len);
+    const float a0 = q0 ? a.absmax0[blk] : 0.0f, a1 = q1 ? a.absmax1[blk] : 0.0f;
+    float top0 = 0.0f, top1 = 0.0f;  // the block's new absmax
+    // Elements [from, to) of the block in no segment: decoded as they are.
+    auto keep = [&](int64_t from, int64_t to) {
+      if (from >= to) return;
+      if (q0)
+        top0 = std::max(dequantize_block<V, true>(q0 + from, a0, m + (from - b), to - from), top0);
+      if (q1)
+        top1 = std::max(dequantize_block<V, false>(q1 + from, a1, v + (from - b), to - from), top1);
+    };
+    int64_t done = b;  // elements before it are in the buffers
     for (int s = first; s < count && segments[s].begin < b + len; ++s) {
       const int64_t lo = segments[s].begin > b ? segments[s].begin : b;
       const int64_t hi = segments[s].end < b + len ? segments[s].end : b + len;
       if (lo >= hi) continue;
+      keep(done, lo);
       UpdateArgs p = a;
       p.master = static_cast<char*>(a.master) + size_t(lo) * mbytes;
       p.index = a.index + lo;
-      p.state0 = q0 ? m + (lo - b) : nullptr;
-      p.state1 = q1 ? v + (lo - b) : nullptr;
-      p.state_format = StateFormat::f32;
       p.grad = static_cast<const char*>(a.grad) + size_t(lo) * gbytes;
       p.out = a.out ? static_cast<char*>(a.out) + size_t(lo) * obytes : nullptr;
       p.dir = a.dir ? a.dir + lo : nullptr;
       p.n = hi - lo;
-      update_plain<V>(*segments[s].h, p);
+      BlockMoments<V> st{
+          q0 ? q0 + lo : nullptr, q1 ? q1 + lo : nullptr, a0, a1, m + (lo - b), v + (lo - b)};
+      with_update_types(*segments[s].h, p, [&]<Rule R, DType G, Out O, DType M>() {
+        update_all<V, R, G, O, M>(consts[size_t(s)], p, st);
+      });
+      // A rule that keeps no second moment (SGD with momentum beside Adam) leaves v as decoded.
+      const Rule rule = rule_of(*segments[s].h);
+      if (q0 && rule != Rule::sgd) top0 = std::max(st.absmax0(), top0);
+      if (q1 && (rule == Rule::adam || rule == Rule::adamw)) {
+        top1 = std::max(st.absmax1(), top1);
+      } else if (q1) {
+        top1 = std::max(dequantize_block<V, false>(q1 + lo, a1, v + (lo - b), hi - lo), top1);
+      }
+      if (q0 && rule == Rule::sgd)
+        top0 = std::max(dequantize_block<V, true>(q0 + lo, a0, m + (lo - b), hi - lo), top0);
+      done = hi;
     }
-    if (q0 && q1) {
-      quantize_both<V>(c0, m, q0 + b, a.absmax0[blk], c1, v, q1 + b, a.absmax1[blk], len);
-    } else {
-      if (q0) a.absmax0[blk] = quantize_block<V>(c0, m, q0 + b, len);
-      if (q1) a.absmax1[blk] = quantize_block<V>(c1, v, q1 + b, len);
-    }
+    keep(done, b + len);
+    if (q0) quantize_block<V, true>(m, q0 + b, len, a.absmax0[blk] = top0);
+    if (q1) quantize_block<V, false>(v, q1 + b, len, a.absmax1[blk] = top1);
   }
 }
 
-// Blocks that are exactly a dequantized block (code × A) come back as the same codes and A.
-// max |x| is A unless the largest magnitude sat on the signed map's most negative point
-// (−0.99297, there is no −1): then A is recovered from it, trying the neighbouring floats of
-// max |x| / |code[0]|, and kept only if the block then dequantizes to x bit for bit.
 template <class V>
 void quantize_blocks_impl(const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q,
                           float* absmax) {
-  const QuantCode& code = dynamic_code(is_signed);
-  alignas(64) float back[kMaxStateBlock];
   for (int64_t b = 0; b < n; b += block) {
     const int64_t len = n - b < block ? n - b : block;
     float& a = absmax[b / block];
-    a = quantize_block<V>(code, x + b, q + b, len);
-    if (!is_signed || !(a > 0.0f) || len > kMaxStateBlock) continue;
-    auto restores = [&](float cand) {
-      dequantize_block<V>(code, q + b, cand, back, len);
-      return std::memcmp(back, x + b, size_t(len) * 4) == 0;
-    };
-    if (restores(a)) continue;
-    float guess = a / -code.code[0];
-    for (int k = 0; k < 3; ++k) guess = std::nextafter(guess, 0.0f);
-    bool found = false;
-    for (int k = 0; k < 7 && !found; ++k, guess = std::nextafter(guess, INFINITY)) {
-      quantize_with<V>(code, x + b, q + b, len, guess);
-      if (restores(guess)) a = guess, found = true;
-    }
-    if (!found) a = quantize_block<V>(code, x + b, q + b, len);  // not a dequantized block
+    a = block_absmax<V>(x + b, len);
+    if (is_signed)
+      quantize_block<V, true>(x + b, q + b, len, a);
+    else
+      quantize_block<V, false>(x + b, q + b, len, a);
   }
 }
 
 template <class V>
 void dequantize_blocks_impl(const uint8_t* q, const float* absmax, int64_t n, int64_t block,
                             bool is_signed, float* x) {
-  const QuantCode& code = dynamic_code(is_signed);
-  for (int64_t b = 0; b < n; b += block)
-    dequantize_block<V>(code, q + b, absmax[b / block], x + b, n - b < block ? n - b : block);
+  for (int64_t b = 0; b < n; b += block) {
+    const int64_t len = n - b < block ? n - b : block;
+    if (is_signed)
+      dequantize_block<V, true>(q + b, absmax[b / block], x + b, len);
+    else
+      dequantize_block<V, false>(q + b, absmax[b / block], x + b, len);
+  }
 }
 
 /// The KernelTable entries.

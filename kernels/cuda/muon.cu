@@ -12,6 +12,7 @@
 #include "base/check.hpp"
 #include "base/cuda_check.hpp"
 #include "kernels/cpu/newton_schulz.hpp"
+#include "kernels/cpu/quant_code.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_io.cuh"
 #include "kernels/cuda/launch_math.hpp"
@@ -27,18 +28,20 @@ unsigned grid(int64_t n) {
   return launch::grid_for(n, launch::kMaxGrid);
 }
 
-// The momentum of element e, widened: f32 or bf16 as stored, or code × absmax (8-bit).
+// The momentum of element e, widened: f32 or bf16 as stored, or its code's point × absmax
+// (8-bit, cpu::Q8Code).
 template <DType G, StateFormat F>
 __global__ void __launch_bounds__(kThreads)
-    average_kernel(const void* grad, const void* s0, const float* absmax, const float* code,
-                   int64_t block, int64_t lo, int64_t n, float gs, float mu, float omm,
-                   bool nesterov, float* d) {
+    average_kernel(const void* grad, const void* s0, const float* absmax, int64_t block, int64_t lo,
+                   int64_t n, float gs, float mu, float omm, bool nesterov, float* d) {
   for (int64_t i = launch::first_vector(blockIdx.x, threadIdx.x); i < n;
        i += launch::grid_stride(gridDim.x)) {
     const int64_t e = lo + i;
     float m;
     if constexpr (F == StateFormat::q8)
-      m = __fmul_rn(code[static_cast<const uint8_t*>(s0)[e]], absmax[e / block]);
+      m = __fmul_rn(
+          __uint_as_float(cpu::Q8Code<true>::point_bits(static_cast<const uint8_t*>(s0)[e])),
+          absmax[e / block]);
     else if constexpr (F == StateFormat::bf16)
       m = dev::load1<DType::bf16>(s0, e);
     else
@@ -119,14 +122,13 @@ void muon_average(const cpu::UpdateArgs& a, const cpu::UpdateHyper& h, int64_t l
                                                                 << a.n << ", or a null array");
   if (lo >= hi) return;
   const StateFormat f = a.state_format;
-  const float* code = f == StateFormat::q8 ? detail::q8_code(true) : nullptr;
   const auto s = static_cast<cudaStream_t>(stream);
   cpu::with_dtype(a.grad_dtype, [&](auto G) {
     constexpr DType kG = decltype(G)::value;
     auto launch = [&](auto kernel) {
-      kernel<<<grid(hi - lo), kThreads, 0, s>>>(a.grad, a.state0, a.absmax0, code, a.block, lo,
-                                                hi - lo, h.grad_scale, h.momentum,
-                                                1.0f - h.momentum, h.nesterov, d);
+      kernel<<<grid(hi - lo), kThreads, 0, s>>>(a.grad, a.state0, a.absmax0, a.block, lo, hi - lo,
+                                                h.grad_scale, h.momentum, 1.0f - h.momentum,
+                                                h.nesterov, d);
     };
     if (f == StateFormat::q8)
       launch(average_kernel<kG, StateFormat::q8>);

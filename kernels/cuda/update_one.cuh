@@ -116,8 +116,4 @@ inline const char* rule_name(Rule r) {
 void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector<UpdateRun>& runs,
                const cpu::UpdateArgs& a, cudaStream_t stream);
 
-/// The 8-bit code of the momentum (`is_signed`) or of Adam's second moment, in device memory of
-/// the current device (copied there on first use): code[q] × absmax is a moment's value.
-const float* q8_code(bool is_signed);
-
 }  // namespace zeroshard::cuda::detail

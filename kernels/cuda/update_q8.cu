@@ -1,9 +1,9 @@
 // The fused optimizer update with 8-bit moments on the GPU, as the CPU's update_q8
 // (kernels/cpu/update_impl.hpp) does it: one thread block per quantization block (at most
 // cpu::kMaxStateBlock elements, 16 per thread), which dequantizes both moments into registers
-// (code × absmax), updates the elements its runs cover (update_one.cuh), takes the block's new
+// (point × absmax), updates the elements its runs cover (update_one.cuh), takes the block's new
 // absmax (max |x|, NaN ignored) and writes the nearest code of x × (1 / absmax) with the CPU's
-// own lookup (cpu::QuantCode::lookup, on a copy of its tables in device memory). A block that
+// own functions (cpu::Q8Code, kernels/cpu/quant_code.hpp). A block that
 // no run touches is left as it is; a block some run touches is requantized whole, the elements
 // outside every run included, as on the CPU.
 
@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <vector>
 
 #include "base/cuda_check.hpp"
@@ -21,27 +20,6 @@
 
 namespace zeroshard::cuda::detail {
 namespace {
-
-// The signed code (first moment, momentum) and the unsigned one (Adam's second moment).
-__device__ cpu::QuantCode g_code[2];
-
-// Copies the tables to the current device once (a __device__ variable exists per device).
-void ensure_tables() {
-  static std::mutex mu;
-  static std::vector<bool> done;
-  int device = 0;
-  ZS_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  if (size_t(device) < done.size() && done[size_t(device)]) return;
-  const cpu::QuantCode host[2] = {cpu::dynamic_code(true), cpu::dynamic_code(false)};
-  // From pageable memory the copy may return before the data lands, on the legacy stream,
-  // which the engine's non-blocking streams do not wait for: wait for it here.
-  ZS_CUDA_CHECK_CTX(cudaMemcpyToSymbol(g_code, host, sizeof(host)),
-                    "copying the 8-bit codes to GPU " << device);
-  ZS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
-  if (done.size() <= size_t(device)) done.resize(size_t(device) + 1, false);
-  done[size_t(device)] = true;
-}
 
 constexpr int kPerThread = int(cpu::kMaxStateBlock) / kThreads;
 static_assert(cpu::kMaxStateBlock % kThreads == 0);
@@ -89,9 +67,9 @@ __device__ __forceinline__ float block_max(float x, float* warps) {
 
 // The block's new absmax and its codes: as cpu::quantize_block (all-zero or all-NaN blocks get
 // the code of 0 and absmax 0).
-__device__ __forceinline__ void requantize(const cpu::QuantCode& code, const float (&x)[kPerThread],
-                                           int64_t b, int64_t len, uint8_t* q, float* absmax,
-                                           int64_t blk, float* warps) {
+template <bool Signed>
+__device__ __forceinline__ void requantize(const float (&x)[kPerThread], int64_t b, int64_t len,
+                                           uint8_t* q, float* absmax, int64_t blk, float* warps) {
   float acc = 0.0f;
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
@@ -105,7 +83,9 @@ __device__ __forceinline__ void requantize(const cpu::QuantCode& code, const flo
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t j = int64_t(threadIdx.x) + int64_t(k) * kThreads;
-    if (j < len) q[b + j] = zero ? code.zero : code.lookup(__float_as_uint(__fmul_rn(x[k], inv)));
+    if (j < len)
+      q[b + j] =
+          zero ? cpu::kQ8Zero : cpu::Q8Code<Signed>::encode(__float_as_uint(__fmul_rn(x[k], inv)));
   }
   if (threadIdx.x == 0) absmax[blk] = zero ? 0.0f : amax;
 }
@@ -143,7 +123,6 @@ __device__ __forceinline__ void update_with(Rule rule, const Consts& k, float& p
 
 template <Rule R, DType G, Out O>
 __global__ void __launch_bounds__(kThreads) update_q8_kernel(const __grid_constant__ Q8Params P) {
-  __shared__ float code0[256], code1[256];
   __shared__ float warps[kThreads / 32];
   const int64_t blk = P.first_block + int64_t(blockIdx.x);
   const int64_t b = blk * P.block;
@@ -154,11 +133,6 @@ __global__ void __launch_bounds__(kThreads) update_q8_kernel(const __grid_consta
   while (first < P.num_runs && P.run_end[first] <= b) ++first;
   if (first == P.num_runs || P.run_begin[first] >= b + len) return;
 
-  for (int i = int(threadIdx.x); i < 256; i += kThreads) {
-    code0[i] = g_code[0].code[i];
-    code1[i] = g_code[1].code[i];
-  }
-  __syncthreads();
   const float a0 = kUsesS0<R> ? P.absmax0[blk] : 0.0f;
   const float a1 = kUsesS1<R> ? P.absmax1[blk] : 0.0f;
   float m[kPerThread], v[kPerThread];
@@ -170,8 +144,10 @@ __global__ void __launch_bounds__(kThreads) update_q8_kernel(const __grid_consta
     const int64_t j = int64_t(threadIdx.x) + int64_t(k) * kThreads;
     if (j >= len) continue;
     const int64_t e = b + j;
-    if constexpr (kUsesS0<R>) m[k] = __fmul_rn(code0[P.q0[e]], a0);
-    if constexpr (kUsesS1<R>) v[k] = __fmul_rn(code1[P.q1[e]], a1);
+    if constexpr (kUsesS0<R>)
+      m[k] = __fmul_rn(__uint_as_float(cpu::Q8Code<true>::point_bits(P.q0[e])), a0);
+    if constexpr (kUsesS1<R>)
+      v[k] = __fmul_rn(__uint_as_float(cpu::Q8Code<false>::point_bits(P.q1[e])), a1);
     while (r < P.num_runs && P.run_end[r] <= e) ++r;
     if (r == P.num_runs || P.run_begin[r] > e) continue;  // in no run: kept as dequantized
     float p = P.master[e];
@@ -181,18 +157,11 @@ __global__ void __launch_bounds__(kThreads) update_q8_kernel(const __grid_consta
     P.master[e] = p;
     if constexpr (O != Out::none) dev::store1<kOutDType<O>>(P.out, e, p);
   }
-  if constexpr (kUsesS0<R>) requantize(g_code[0], m, b, len, P.q0, P.absmax0, blk, warps);
-  if constexpr (kUsesS1<R>) requantize(g_code[1], v, b, len, P.q1, P.absmax1, blk, warps);
+  if constexpr (kUsesS0<R>) requantize<true>(m, b, len, P.q0, P.absmax0, blk, warps);
+  if constexpr (kUsesS1<R>) requantize<false>(v, b, len, P.q1, P.absmax1, blk, warps);
 }
 
 }  // namespace
-
-const float* q8_code(bool is_signed) {
-  ensure_tables();
-  void* p = nullptr;
-  ZS_CUDA_CHECK(cudaGetSymbolAddress(&p, g_code));
-  return static_cast<const cpu::QuantCode*>(p)[is_signed ? 0 : 1].code;
-}
 
 void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector<UpdateRun>& runs,
                const cpu::UpdateArgs& a, cudaStream_t stream) {
@@ -258,7 +227,6 @@ void update_q8(const cpu::UpdateHyper* hypers, int num_hypers, const std::vector
     if (blk_end - blk > 0x7FFFFFFF || blk_end > blocks_total)
       ZS_THROW(invalid_argument, "cuda::optimizer_update: " << a.n << " elements in blocks of "
                                                             << block << " do not fit a launch");
-    ensure_tables();  // after the checks above, which need no GPU
     with_rule(rule, [&](auto R) {
       with_dtype(a.grad_dtype, [&](auto G) {
         with_out(out_of(a), [&](auto O) {

@@ -23,7 +23,7 @@
 // arrays the caller allocates:
 //   zeroshard._core.quantize_8bit(x_f32, codes_u8, absmax_f32, block, signed)
 //   zeroshard._core.dequantize_8bit(codes_u8, absmax_f32, x_f32, block, signed)
-//   zeroshard._core.dynamic_code_points(signed)            # the 256 code points
+//   zeroshard._core.code_points_8bit(signed)               # the 256 codes' points
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -160,22 +160,22 @@ void bind_kernels(nb::module_& m) {
       "One SameBytes(threads).run(reads, writes) on a new arena (its threads start inside the "
       "timed pass: keep a SameBytes to time repeated passes).");
   m.def(
-      "dynamic_code_points",
+      "code_points_8bit",
       [](bool is_signed) {
-        const std::array<float, 256> c = dynamic_code_points(is_signed);
+        const std::array<float, 256> c = code_points_8bit(is_signed);
         return std::vector<float>(c.begin(), c.end());
       },
       nb::arg("signed"),
-      "The 256 points of the 8-bit dynamic code (ascending) that optimizer_state='8bit' uses.");
+      "The points of the 256 8-bit codes (in code order) that optimizer_state='8bit' uses.");
   m.def("quantize_8bit", &quantize, nb::arg("x"), nb::arg("codes"), nb::arg("absmax"),
         nb::arg("block"), nb::arg("signed"),
         "Blockwise 8-bit quantization as optimizer_state='8bit' stores moments: x (float32, n) "
         "into codes (uint8, n) and absmax (float32, ceil(n / block)), arrays the caller "
-        "allocates. Index of the nearest code point of x * (1 / absmax), absmax = max |x| per "
+        "allocates. The code of the nearest point to x * (1 / absmax), absmax = max |x| per "
         "block.");
   m.def("dequantize_8bit", &dequantize, nb::arg("codes"), nb::arg("absmax"), nb::arg("x"),
         nb::arg("block"), nb::arg("signed"),
-        "x[i] = code[codes[i]] * absmax[i // block] (x: float32, allocated by the caller).");
+        "x[i] = point[codes[i]] * absmax[i // block] (x: float32, allocated by the caller).");
 }
 
 }  // namespace zeroshard::py

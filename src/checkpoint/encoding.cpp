@@ -2,6 +2,8 @@
 #include "src/checkpoint/encoding.hpp"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -17,12 +19,39 @@ int64_t blocks_of(int64_t n, int64_t block) {
   return (n + block - 1) / block;
 }
 
+// The dynamic map's 256 points, ascending, as zeroshard built them up to schema 3: for the
+// decimal exponents 10^-6 .. 10^0, the midpoints of 2^i (signed) or 2^(i+1) (unsigned) equal
+// steps of [0.1, 1], each scaled by its power of ten; then 0 and 1.0; computed in double and
+// rounded to f32 once.
+const std::array<float, 256>& dynamic_map(bool is_signed) {
+  static const auto build = [](bool sign) {
+    std::vector<double> points{0.0, 1.0};
+    for (int i = 0; i < 7; ++i) {
+      const int items = (sign ? (1 << i) : (1 << (i + 1))) + 1;
+      const double scale = std::pow(10.0, double(i - 6));
+      for (int j = 0; j + 1 < items; ++j) {
+        const double a = 0.1 + 0.9 * double(j) / double(items - 1);
+        const double b = 0.1 + 0.9 * double(j + 1) / double(items - 1);
+        points.push_back(scale * (a + b) / 2.0);
+        if (sign) points.push_back(-scale * (a + b) / 2.0);
+      }
+    }
+    ZS_CHECK(points.size() == 256);
+    std::sort(points.begin(), points.end());
+    std::array<float, 256> code{};
+    for (size_t i = 0; i < 256; ++i) code[i] = float(points[i]);
+    return code;
+  };
+  static const std::array<float, 256> s = build(true), u = build(false);
+  return is_signed ? s : u;
+}
+
 }  // namespace
 
 Encoding encoding_of(const Manifest& m, int s) {
   const StateKind kind = state_names()[size_t(s)].kind;
   if (kind == StateKind::master) return {};
-  return {m.state_format, m.state_block, kind == StateKind::state0};
+  return {m.state_format, m.state_block, kind == StateKind::state0, m.q8_dynamic_map};
 }
 
 int64_t encoded_bytes(const Encoding& e, int64_t n) {
@@ -63,8 +92,11 @@ void pack(const Encoding& e, const void* data, const float* absmax, int64_t n, c
   }
 }
 
-void unpack(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* bytes, void* data,
-            float* absmax) {
+namespace {
+
+// unpack() of any q8 encoding, the dynamic map's included.
+void unpack_blocks(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* bytes,
+                   void* data, float* absmax) {
   if (e.format != StateFormat::q8) {
     std::memcpy(data, bytes, size_t(encoded_bytes(e, hi - lo)));
     return;
@@ -81,7 +113,16 @@ void unpack(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* by
   }
 }
 
+}  // namespace
+
+void unpack(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* bytes, void* data,
+            float* absmax) {
+  ZS_CHECK(!e.dynamic_map);  // a tier stores only the current code
+  unpack_blocks(e, n, lo, hi, bytes, data, absmax);
+}
+
 void encode(const Encoding& e, const float* values, int64_t n, char* out) {
+  ZS_CHECK(!e.dynamic_map);  // saves write the current code
   if (e.format != StateFormat::q8)
     return cpu::convert(cpu::best_isa(), values, DType::f32, out,
                         e.format == StateFormat::bf16 ? DType::bf16 : DType::f32, n);
@@ -102,9 +143,15 @@ void decode(const Encoding& e, int64_t n, int64_t lo, int64_t hi, const char* by
   const int64_t count = std::min(n, ((hi - 1) / e.block + 1) * e.block) - base;
   std::vector<uint8_t> codes(static_cast<size_t>(count));
   std::vector<float> absmax(size_t(blocks_of(count, e.block))), values(static_cast<size_t>(count));
-  unpack(e, n, base, base + count, bytes, codes.data(), absmax.data());
-  cpu::dequantize_blocks(cpu::best_isa(), codes.data(), absmax.data(), count, e.block, e.is_signed,
-                         values.data());
+  unpack_blocks(e, n, base, base + count, bytes, codes.data(), absmax.data());
+  if (e.dynamic_map) {
+    const std::array<float, 256>& code = dynamic_map(e.is_signed);
+    for (int64_t i = 0; i < count; ++i)
+      values[size_t(i)] = code[codes[size_t(i)]] * absmax[size_t(i / e.block)];
+  } else {
+    cpu::dequantize_blocks(cpu::best_isa(), codes.data(), absmax.data(), count, e.block,
+                           e.is_signed, values.data());
+  }
   std::memcpy(out, values.data() + (lo - base), size_t(hi - lo) * 4);
 }
 

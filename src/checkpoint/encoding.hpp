@@ -7,7 +7,8 @@
 //   f32   4 bytes per value
 //   bf16  2 bytes per value (the values' own bits: a bf16 state widens and narrows exactly)
 //   q8    per block of `block` values counted from the range's first value (the last block may
-//         be shorter): the block's f32 absmax, then one code byte per value
+//         be shorter): the block's f32 absmax, then one code byte per value (zeroshard/
+//         quantize.hpp; in a schema-3 checkpoint, a code of the dynamic map: Encoding)
 // A shard starts on a block boundary of its unit at every world size (layout.hpp,
 // padding_grain), so a range's blocks are the run's own blocks: saving and loading at any world
 // size with the same format and block keeps every code and absmax bit for bit.
@@ -22,7 +23,11 @@ struct Manifest;
 struct Encoding {
   StateFormat format = StateFormat::f32;
   int64_t block = 0;       ///< q8 only
-  bool is_signed = false;  ///< q8 only: the signed map (first moments) or the unsigned one
+  bool is_signed = false;  ///< q8 only: the signed code (first moments) or the unsigned one
+  /// q8 of a schema-3 checkpoint: codes of the dynamic map that zeroshard kept 8-bit moments
+  /// in before (Dettmers et al., 7 decimal exponents, as bitsandbytes), which only decode()
+  /// reads; a load widens them and quantizes them again.
+  bool dynamic_map = false;
 };
 
 /// The encoding of state s (an index into state_names()) in the checkpoint of manifest m.

@@ -351,6 +351,7 @@ Manifest parse_manifest(std::string_view text, const std::string& file) {
     if (!known) r.bad("state_format", "names no format ('" + name + "')");
     m.state_block = r.integer(j, "state_block", "", 0, int64_t(1) << 30);
     if (m.state_format == StateFormat::q8 && m.state_block < 1) r.bad("state_block", "is 0");
+    m.q8_dynamic_map = schema == 3 && m.state_format == StateFormat::q8;
   }
   m.block_bytes = r.integer(j, "block_bytes", "", 4096, int64_t(1) << 30);
   if (m.block_bytes % 4096) r.bad("block_bytes", "is not a multiple of 4096");

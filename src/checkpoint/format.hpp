@@ -26,8 +26,10 @@
 namespace zeroshard::ckpt {
 
 /// Schema 3 added the moments' format (state_format, state_block); a schema-2 checkpoint holds
-/// f32 moments and reads as one.
-constexpr int kSchema = 3;
+/// f32 moments and reads as one. Schema 4 changed the 8-bit code (zeroshard/quantize.hpp) from
+/// the dynamic map of bitsandbytes to small floats: a schema-3 checkpoint's 8-bit moments are
+/// codes of that map, which load() widens and quantizes again (encoding.hpp).
+constexpr int kSchema = 4;
 constexpr int kOldestSchema = 2;
 constexpr const char* kFormat = "zeroshard-checkpoint";
 constexpr int64_t kHeaderBytes = 4096;
@@ -96,6 +98,7 @@ struct Manifest {
   std::vector<std::string> states;              ///< the state names saved
   StateFormat state_format = StateFormat::f32;  ///< the moments' (encoding.hpp)
   int64_t state_block = 0;                      ///< q8: values per block
+  bool q8_dynamic_map = false;                  ///< q8 of schema 3: the dynamic map's codes
   int64_t block_bytes = 0;
   std::vector<UnitInfo> units;
   std::vector<std::vector<Range>> ranges;  ///< per writing rank

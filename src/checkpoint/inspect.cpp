@@ -33,6 +33,7 @@ std::string describe_checkpoint(const std::filesystem::path& path) {
   for (const std::string& s : m.states) os << " " << s;
   os << "; moments " << state_format_name(m.state_format);
   if (m.state_format == StateFormat::q8) os << " in blocks of " << m.state_block;
+  if (m.q8_dynamic_map) os << " (codes of the dynamic map: schema 3)";
   os << ")\n"
      << "  loss scaler  scale " << m.scaler.scale << ", hysteresis left "
      << m.scaler.hysteresis_left << ", iteration " << m.scaler.iteration << ", last overflow "

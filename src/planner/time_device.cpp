@@ -72,8 +72,8 @@ double time_update(const Config& cfg, int64_t n, int reps) {
   const Buffer am = device_buffer(*dev, "state0_absmax", blocks * 4);
   const Buffer av = device_buffer(*dev, "state1_absmax", blocks * 4);
   if (q8) {
-    dev->fill(m.data(), cpu::dynamic_code(true).zero, un);
-    dev->fill(v.data(), cpu::dynamic_code(false).zero, un);
+    dev->fill(m.data(), cpu::kQ8Zero, un);
+    dev->fill(v.data(), cpu::kQ8Zero, un);
   }
   const std::vector<GroupRun> runs{{0, n, 0}};
   cpu::UnitUpdate w;

@@ -50,22 +50,22 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
       s.master = s.master_buf.data();
     }
     // Moments in their format; q8 adds one f32 absmax per block, and starts every element at
-    // the code's zero (a zero byte would be its most negative point).
+    // the code of 0.
     const size_t sbytes = cpu::state_bytes(format_);
     const size_t blocks = format_ == StateFormat::q8 ? size_t(ext) / size_t(cfg.state_block) : 0;
     auto moment = [&](const char* name, const char* absmax_name, Buffer& buf, void*& data,
-                      Buffer& absmax_buf, float*& absmax, bool is_signed) {
+                      Buffer& absmax_buf, float*& absmax) {
       buf = ctx.buffer(tier, MemKind::optim_state, name, ext * sbytes, pin);
       data = buf.data();
       if (format_ != StateFormat::q8) return;
       absmax_buf = ctx.buffer(tier, MemKind::optim_state, absmax_name, blocks * 4, pin);
       absmax = absmax_buf.as<float>();
-      if (!ctx.plan_only) compute_.fill(data, cpu::dynamic_code(is_signed).zero, ext);
+      if (!ctx.plan_only) compute_.fill(data, cpu::kQ8Zero, ext);
     };
     if (ctx.num_states >= 1)
-      moment("state0", "state0_absmax", s.state0_buf, s.state0, s.absmax0_buf, s.absmax0, true);
+      moment("state0", "state0_absmax", s.state0_buf, s.state0, s.absmax0_buf, s.absmax0);
     if (ctx.num_states >= 2)
-      moment("state1", "state1_absmax", s.state1_buf, s.state1, s.absmax1_buf, s.absmax1, false);
+      moment("state1", "state1_absmax", s.state1_buf, s.state1, s.absmax1_buf, s.absmax1);
   }
   if (previews)
     scratch_ = ctx.buffer(Tier::host, MemKind::buffer, "update_scratch",
@@ -88,8 +88,8 @@ MemoryStateTier::MemoryStateTier(const TierContext& ctx, Tier tier, Compute& com
     sp.absmax0 = twin(s.absmax0_buf, MemKind::optim_state, "state0_absmax_speculative");
     sp.absmax1 = twin(s.absmax1_buf, MemKind::optim_state, "state1_absmax_speculative");
     if (format_ == StateFormat::q8 && !ctx.plan_only) {  // as the first copy starts
-      if (!sp.state0.empty()) compute_.fill(sp.state0.data(), cpu::dynamic_code(true).zero, ext);
-      if (!sp.state1.empty()) compute_.fill(sp.state1.data(), cpu::dynamic_code(false).zero, ext);
+      if (!sp.state0.empty()) compute_.fill(sp.state0.data(), cpu::kQ8Zero, ext);
+      if (!sp.state1.empty()) compute_.fill(sp.state1.data(), cpu::kQ8Zero, ext);
     }
     if (speculative == Speculative::own_out)
       sp.own_out = ctx.buffer(tier, MemKind::buffer, "param_speculative", ext * ctx.pbytes, false);

@@ -126,7 +126,7 @@ std::vector<std::pair<void*, size_t>> NvmeStateTier::dma_regions() const {
 }
 
 // Initial values go through f32 once, as in memory: the record's master is the shard of
-// `whole` (bf16: rounded to nearest), its optimizer state zero (q8: the code's zero, absmax 0).
+// `whole` (bf16: rounded to nearest), its optimizer state zero (q8: codes of 0, absmax 0).
 // Writes overlap (one per free staging slot).
 void NvmeStateTier::load_initial(int u, const float* whole) {
   const int s = init_writes_.slot(space_.io());
@@ -136,9 +136,6 @@ void NvmeStateTier::load_initial(int u, const float* whole) {
   std::memset(b, 0, L.record);
   if (whole)
     cpu::convert(arena_.isa(), whole + ctx_.extent_start(u), DType::f32, b, ctx_.master_dtype(), S);
-  if (ctx_.cfg->optimizer_state == StateFormat::q8)
-    for (int k = 0; k < ctx_.num_states; ++k)
-      std::memset(b + L.sec + size_t(k) * L.msec, cpu::dynamic_code(k == 0).zero, size_t(S));
   std::vector<Piece> ps;
   store_.pieces(units_[size_t(u)].rec[0], b, &swap_pool_, true, ps);
   const std::string what = "rank " + std::to_string(ctx_.rank) +

@@ -340,8 +340,8 @@ TEST(CheckpointDamage, ManifestsAndPointers) {
   };
   expect_refused("changed value", edit("\"step\": 2", "\"step\": 3"), ErrorCode::corrupted,
                  "checksum mismatch");
-  expect_refused("another schema", edit("\"schema\": 3", "\"schema\": 4"),
-                 ErrorCode::invalid_argument, "has schema 4");
+  expect_refused("another schema", edit("\"schema\": 4", "\"schema\": 5"),
+                 ErrorCode::invalid_argument, "has schema 5");
   expect_refused("wrong type", edit("\"step\": 2", "\"step\": \"2\""), ErrorCode::corrupted,
                  "step is not an integer");
   expect_refused("not JSON", edit("{", "["), ErrorCode::corrupted, "manifest.json");

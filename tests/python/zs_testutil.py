@@ -123,33 +123,42 @@ def world():
     return c, c.rank(), c.size()
 
 
-def dynamic_code(signed):
-    """The 8-bit dynamic map as zeroshard builds it (kernels/cpu/quant_code.cpp): the published
-    construction in double, rounded to f32 once, ascending; and its f32 midpoints."""
-    points = []
-    for i in range(7):
-        items = (2 ** i if signed else 2 ** (i + 1)) + 1
-        scale = 10.0 ** (i - 6)
-        for j in range(items - 1):
-            a = 0.1 + 0.9 * j / (items - 1)
-            b = 0.1 + 0.9 * (j + 1) / (items - 1)
-            points.append(scale * (a + b) / 2.0)
-            if signed:
-                points.append(-scale * (a + b) / 2.0)
-    code = torch.tensor(sorted(points + [0.0, 1.0]), dtype=torch.float64).float()
-    return code, (code[:-1] + code[1:]) / 2
+def code_8bit(signed):
+    """The 8-bit code as zeroshard/quantize.hpp defines it, built from that definition (not from
+    float bit patterns): magnitude code c >= 1 is the c-th smallest of the points (1 + f/8) 2^e
+    (f = 0..7) up to 1.0, 127 of them (signed) or 255; code 0 is 0; a signed code 128 + c is
+    minus code c. Returns the 256 points in code order, the magnitudes ascending (code 0 first),
+    and the midpoints between consecutive magnitudes."""
+    top = 127 if signed else 255
+    mags = sorted({(1 + f / 8) * 2.0 ** e for e in range(-40, 0) for f in range(8)} | {1.0})
+    mags = torch.tensor([0.0] + mags[-top:], dtype=torch.float64)
+    points = torch.zeros(256, dtype=torch.float64)
+    points[:top + 1] = mags
+    if signed:
+        points[128:] = -mags
+    return points.float(), mags.float(), ((mags[:-1] + mags[1:]) / 2).float()
+
+
+def codes_8bit(y, signed):
+    """The codes of y (already divided by its block's absmax): the nearest magnitude, ties to the
+    larger (the count of midpoints at or below |y|), saturating at 1.0; the sign above it."""
+    _, mags, mid = code_8bit(signed)
+    c = torch.searchsorted(mid, y.abs(), right=True)
+    c = torch.where(torch.isnan(y), torch.tensor(mags.numel() - 1), c)
+    if signed:
+        c = torch.where((y < 0) & (c > 0), c + 128, c)
+    return c.to(torch.uint8)
 
 
 def requantize(flat, block, signed):
-    """flat's values after one trip through 8-bit blocks: absmax = max |x| per block, index =
-    the count of midpoints below x * (1 / absmax) (the nearest code point), value = code x absmax,
-    all in f32, as the CPU kernels do it."""
-    code, mid = dynamic_code(signed)
+    """flat's values after one trip through 8-bit blocks: absmax = max |x| per block, the code of
+    x * (1 / absmax), value = point x absmax, all in f32, as the CPU kernels do it."""
+    points, _, _ = code_8bit(signed)
     out = torch.zeros_like(flat)
     for b in range(0, flat.numel(), block):
         x = flat[b:b + block]
         absmax = x.abs().max()
         if absmax > 0:
-            q = torch.searchsorted(mid, x * (torch.tensor(1.0) / absmax))
-            out[b:b + block] = code[q] * absmax
+            q = codes_8bit(x * (torch.tensor(1.0) / absmax), signed)
+            out[b:b + block] = points[q.long()] * absmax
     return out

@@ -1,9 +1,11 @@
 // How checkpoints store the moments (src/checkpoint/encoding.hpp): every format decodes what it
 // encoded, from any sub-range of a range and from the bytes span_of() names alone; an 8-bit
 // range re-encodes to its own bytes (so a save → load → save keeps every code and absmax); and
-// a schema-2 manifest, written before the moments had a format, reads as f32 moments.
+// a schema-2 manifest, written before the moments had a format, reads as f32 moments; a
+// schema-3 manifest's 8-bit moments decode through the dynamic map they were written in.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -13,6 +15,7 @@
 #include "base/checksum.hpp"
 #include "src/checkpoint/encoding.hpp"
 #include "src/checkpoint/format.hpp"
+#include "zeroshard/error.hpp"
 #include "zeroshard/quantize.hpp"
 
 namespace zeroshard::ckpt {
@@ -148,6 +151,76 @@ TEST(CheckpointEncoding, Schema2ManifestsReadAsF32Moments) {
   EXPECT_EQ(old.state_format, StateFormat::f32);
   EXPECT_EQ(expected_header(old, 0, 1).data_bytes, 400);
   EXPECT_EQ(range_bytes(old, 0, 2), std::vector<int64_t>{0});
+}
+
+// A manifest as zeroshard wrote it in schema 3, when 8-bit moments were codes of the dynamic
+// map: its q8 ranges decode as that map's points × absmax (the points built here from the
+// published construction written differently: 10^e (0.1 + 0.9 (j + 1/2) / k), k = 2^i signed
+// or 2^(i+1) unsigned, within half an f32 ulp), and unpack(), which hands codes over as the
+// current code's, refuses them.
+TEST(CheckpointEncoding, Schema3EightBitMomentsDecodeThroughTheDynamicMap) {
+  Manifest m;
+  m.tag = "step00000001";
+  m.world_size = 1;
+  m.dtype = "bf16";
+  m.optimizer = "adamw";
+  m.step = 1;
+  m.scaler = {1.0f, 2, 0, -1};
+  m.groups = {OptimizerOptions{}};
+  m.states = {"master", "state0", "state1"};
+  m.state_format = StateFormat::q8;
+  m.state_block = 64;
+  m.block_bytes = 1 << 20;
+  m.units = {{"u", 300, {{"w", {300}}}}};
+  m.ranges = {{{0, 0, 300, 0}}};
+  EXPECT_FALSE(parse_manifest(manifest_text(m), "new").q8_dynamic_map);
+  nlohmann::json j = nlohmann::json::parse(manifest_text(m));
+  j["schema"] = 3;
+  j.erase("checksum");
+  const std::string body = j.dump();
+  char sum[17];
+  std::snprintf(sum, sizeof sum, "%016llx",
+                static_cast<unsigned long long>(offload::xxh64(body.data(), body.size(), 0)));
+  j["checksum"] = sum;
+  const Manifest old = parse_manifest(j.dump(1), "old");
+  ASSERT_TRUE(old.q8_dynamic_map);
+  for (int s : {1, 2}) {
+    const Encoding e = encoding_of(old, s);
+    ASSERT_TRUE(e.dynamic_map);
+    const bool is_signed = s == 1;
+    std::vector<double> ref{0.0, 1.0};
+    for (int i = 0; i < 7; ++i) {
+      const int k = is_signed ? 1 << i : 1 << (i + 1);
+      for (int q = 0; q < k; ++q) {
+        const double x = std::pow(10.0, i - 6) * (0.1 + 0.9 * (q + 0.5) / k);
+        ref.push_back(x);
+        if (is_signed) ref.push_back(-x);
+      }
+    }
+    std::sort(ref.begin(), ref.end());
+    ASSERT_EQ(ref.size(), 256u);
+    // 300 values in blocks of 64: every code, absmax 0.5 then 2 then 0.25 ...
+    const int64_t n = 300;
+    std::vector<char> bytes(size_t(encoded_bytes(e, n)));
+    std::vector<float> absmax;
+    char* at = bytes.data();
+    for (int64_t b = 0; b < n; b += 64) {
+      const float a = std::ldexp(1.0f, int(b / 64) % 3 - 1);
+      absmax.push_back(a);
+      std::memcpy(at, &a, 4);
+      for (int64_t i = b; i < std::min(n, b + 64); ++i) at[4 + (i - b)] = char(uint8_t(i % 256));
+      at += 4 + std::min<int64_t>(64, n - b);
+    }
+    std::vector<float> got(static_cast<size_t>(n));
+    decode(e, n, 0, n, bytes.data(), got.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const double want = ref[size_t(i % 256)] * absmax[size_t(i / 64)];
+      EXPECT_NEAR(got[size_t(i)], want, std::abs(want) * 6e-8) << s << " " << i;
+    }
+    std::vector<uint8_t> codes(static_cast<size_t>(n));
+    std::vector<float> a(absmax.size());
+    EXPECT_THROW(unpack(e, n, 0, n, bytes.data(), codes.data(), a.data()), Error);
+  }
 }
 
 }  // namespace

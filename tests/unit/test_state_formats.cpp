@@ -1,7 +1,7 @@
-// Optimizer state formats (Config::optimizer_state): the 8-bit dynamic code against an
-// independent evaluation of the published map, the bucket lookup against the nearest code
-// point, and the bf16 and q8 updates against their definition (f32 update of the widened
-// state, then rounding or requantization), bitwise, on every ISA.
+// Optimizer state formats (Config::optimizer_state): the 8-bit code against an independent
+// construction of its points, its encoding against the nearest point, and the bf16 and q8
+// updates against their definition (f32 update of the widened state, then rounding or
+// requantization), bitwise, on every ISA.
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -21,104 +23,108 @@
 namespace zeroshard::cpu {
 namespace {
 
-// The published map written out differently from quant_code.cpp: per decade, the code points
-// are 10^e × (0.1 + 0.9 (j + 1/2) / k), k = 2^i (signed) or 2^(i+1) (unsigned).
-std::vector<double> reference_map(bool is_signed) {
-  std::vector<double> v{0.0, 1.0};
-  for (int i = 0; i < 7; ++i) {
-    const int k = is_signed ? 1 << i : 1 << (i + 1);
-    for (int j = 0; j < k; ++j) {
-      const double x = std::pow(10.0, i - 6) * (0.1 + 0.9 * (j + 0.5) / k);
-      v.push_back(x);
-      if (is_signed) v.push_back(-x);
-    }
-  }
-  std::sort(v.begin(), v.end());
-  return v;
-}
-
-TEST(StateFormats, DynamicCodeIsThePublishedMap) {
-  for (bool is_signed : {true, false}) {
-    const QuantCode& c = dynamic_code(is_signed);
-    const std::vector<double> ref = reference_map(is_signed);
-    ASSERT_EQ(ref.size(), 256u);
-    for (int i = 0; i < 256; ++i) {
-      // Rounded once from double: within half an ulp of the exact value.
-      EXPECT_NEAR(c.code[i], ref[size_t(i)], std::abs(ref[size_t(i)]) * 6e-8) << i;
-      if (i > 0) {
-        EXPECT_LT(c.code[i - 1], c.code[i]);
-      }
-    }
-    EXPECT_EQ(c.code[c.zero], 0.0f);
-    EXPECT_EQ(c.code[255], 1.0f);
-    EXPECT_EQ(c.code[0], is_signed ? -0.99296875f : 0.0f);
-  }
-}
-
-// The bucket lookup is the exact count of midpoints below x, and that is the nearest code
-// point: checked on every code point, every midpoint and its float neighbours, and random
-// values over all magnitudes.
-TEST(StateFormats, LookupFindsTheNearestCodePoint) {
-  std::mt19937 rng(7);
-  for (bool is_signed : {true, false}) {
-    const QuantCode& c = dynamic_code(is_signed);
-    std::vector<float> xs;
-    for (int i = 0; i < 255; ++i) {
-      for (float x : {c.code[i], c.mid[i]}) {
-        xs.push_back(x);
-        xs.push_back(std::nextafter(x, 2.0f));
-        xs.push_back(std::nextafter(x, -2.0f));
-      }
-    }
-    std::uniform_real_distribution<float> e(-30.0f, 0.0f);
-    for (int i = 0; i < 200000; ++i) {
-      const float x = std::exp2(e(rng));
-      xs.push_back(x);
-      if (is_signed) xs.push_back(-x);
-    }
-    xs.push_back(1.0f);
-    if (is_signed) xs.push_back(-1.0f);
-    int checked = 0, other_absmax = 0;
-    // block 1 would renormalise every value to ±1: quantize x directly through the update's
-    // lookup by making x its own block of two with a 1.0 beside it.
-    for (size_t k = 0; k < xs.size(); ++k) {
-      const float x = xs[k];
-      if (!is_signed && x < 0) continue;
-      const float pair[2] = {x, 1.0f};
-      uint8_t qq[2];
-      float am;
-      quantize_blocks(Isa::scalar, pair, 2, 2, is_signed, qq, &am);
-      // Rarely {x, 1} is exactly a dequantized block of another absmax (1 = 0.99297 × A), which
-      // quantize_blocks restores as such: then it says nothing about the lookup.
-      if (am != 1.0f) {
-        ++other_absmax;
-        continue;
-      }
-      ++checked;
-      int exact = 0;
-      while (exact < 255 && c.mid[exact] < x) ++exact;
-      ASSERT_EQ(int(qq[0]), exact) << "x=" << x;
-      // Nearest in exact arithmetic, up to ties at the f32-rounded midpoint.
-      for (int j = 0; j < 256; ++j) {
-        const double dj = std::abs(double(c.code[j]) - x), dq = std::abs(double(c.code[exact]) - x);
-        ASSERT_LE(dq, dj + std::abs(double(x)) * 1.2e-7 + 1e-30) << "x=" << x << " j=" << j;
-      }
-    }
-    EXPECT_LT(other_absmax, checked / 1000);
-  }
-}
-
 constexpr Isa kIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512};
 constexpr int64_t kLengths[] = {1, 15, 16, 17, 255, 256, 257, 1000, 4096, 5000};
 
-// Quantize and dequantize agree bitwise across ISAs, and the round trip is within the code's
-// spacing: |x - x'| <= absmax × (the largest gap between neighbouring code points) / 2.
+// The magnitudes of a code, ascending, code 0 (0.0) first, built from the definition in
+// quant_code.hpp rather than from bit patterns: the largest `top` of the points (1 + f/8) 2^e,
+// f = 0..7, up to 1.0.
+std::vector<double> magnitudes(bool is_signed) {
+  std::set<double> all{1.0};
+  for (int e = -40; e < 0; ++e)
+    for (int f = 0; f < 8; ++f) all.insert((1.0 + f / 8.0) * std::ldexp(1.0, e));
+  const size_t top = is_signed ? 127 : 255;
+  std::vector<double> m{0.0};
+  m.insert(m.end(), std::prev(all.end(), long(top)), all.end());
+  return m;
+}
+
+float point(uint8_t q, bool is_signed) {
+  return std::bit_cast<float>(is_signed ? Q8Code<true>::point_bits(q)
+                                        : Q8Code<false>::point_bits(q));
+}
+
+TEST(StateFormats, Q8CodeIsItsDefinition) {
+  for (bool is_signed : {true, false}) {
+    const std::vector<double> mag = magnitudes(is_signed);
+    for (int q = 0; q < 256; ++q) {
+      const int c = is_signed ? q & 0x7F : q;
+      const double want = (is_signed && q >= 128 ? -1.0 : 1.0) * mag[size_t(c)];
+      ASSERT_EQ(double(point(uint8_t(q), is_signed)), want) << q;
+    }
+    EXPECT_EQ(point(is_signed ? 127 : 255, is_signed), 1.0f);
+    EXPECT_EQ(double(point(1, is_signed)), 1.25 * std::ldexp(1.0, is_signed ? -16 : -32));
+  }
+}
+
+// Codes for values given as fractions of their block's absmax: each value x in a block of two
+// with 1.0 beside it (so absmax 1, and x × (1 / 1) = x), on every ISA.
+std::vector<std::vector<uint8_t>> codes_of(const std::vector<float>& xs, bool is_signed) {
+  std::vector<float> pairs;
+  for (float x : xs) pairs.insert(pairs.end(), {x, 1.0f});
+  const int64_t n = int64_t(pairs.size());
+  std::vector<std::vector<uint8_t>> out;
+  for (Isa isa : kIsas) {
+    if (!isa_supported(isa)) continue;
+    std::vector<uint8_t> q(static_cast<size_t>(n)), codes;
+    std::vector<float> am(size_t(n / 2));
+    quantize_blocks(isa, pairs.data(), n, 2, is_signed, q.data(), am.data());
+    for (size_t k = 0; k < xs.size(); ++k) {
+      EXPECT_EQ(am[k], 1.0f);
+      codes.push_back(q[2 * k]);
+    }
+    out.push_back(codes);
+  }
+  return out;
+}
+
+// The code of x is its nearest point, ties to the larger magnitude, the sign kept where the
+// magnitude's code is not 0: checked by brute force on every point, every midpoint and their
+// float neighbours, random values over all magnitudes, and the edges (0, -0, denormals, NaN).
+TEST(StateFormats, EncodeFindsTheNearestPoint) {
+  std::mt19937 rng(7);
+  for (bool is_signed : {true, false}) {
+    const std::vector<double> mag = magnitudes(is_signed);
+    std::vector<float> xs{0.0f, 1.0f, std::numeric_limits<float>::denorm_min(), 1e-39f,
+                          std::numeric_limits<float>::min()};
+    for (size_t c = 0; c < mag.size(); ++c) {
+      std::vector<float> around{float(mag[c])};
+      if (c + 1 < mag.size()) around.push_back(float((mag[c] + mag[c + 1]) / 2));
+      for (float x : around) {
+        xs.push_back(x);
+        if (x < 1.0f) xs.push_back(std::nextafter(x, 2.0f));
+        if (x > 0.0f) xs.push_back(std::nextafter(x, -2.0f));
+      }
+    }
+    std::uniform_real_distribution<float> e(-40.0f, 0.0f);
+    for (int i = 0; i < 100000; ++i) xs.push_back(std::exp2(e(rng)));
+    if (is_signed) {
+      const size_t half = xs.size();
+      for (size_t k = 0; k < half; ++k) xs.push_back(-xs[k]);
+    }
+    std::vector<uint8_t> want;
+    for (float x : xs) {
+      const double a = std::fabs(double(x));
+      size_t best = 0;  // the nearest magnitude; ties to the larger
+      for (size_t c = 1; c < mag.size(); ++c)
+        if (std::fabs(mag[c] - a) <= std::fabs(mag[best] - a)) best = c;
+      want.push_back(uint8_t(best | (is_signed && x < 0 && best > 0 ? 0x80 : 0)));
+    }
+    for (const std::vector<uint8_t>& got : codes_of(xs, is_signed))
+      for (size_t k = 0; k < xs.size(); ++k)
+        ASSERT_EQ(int(got[k]), int(want[k])) << "x=" << xs[k] << " signed=" << is_signed;
+    // NaN saturates at the largest code, on every ISA alike.
+    for (const std::vector<uint8_t>& got :
+         codes_of({std::numeric_limits<float>::quiet_NaN()}, is_signed))
+      EXPECT_EQ(int(got[0]), is_signed ? 127 : 255);
+  }
+}
+
+// Quantize and dequantize agree bitwise across ISAs, and the round trip is within half a step:
+// |x - x'| <= |x| / 16, or below the smallest point, half of it (absmax × 2^-16 bounds both).
 TEST(StateFormats, BlockQuantizationBitwiseAcrossIsas) {
   std::mt19937 rng(11);
   for (bool is_signed : {true, false}) {
-    const QuantCode& c = dynamic_code(is_signed);
-    double gap = 0;
-    for (int i = 0; i < 255; ++i) gap = std::max(gap, double(c.code[i + 1]) - c.code[i]);
     for (int64_t n : kLengths) {
       for (int64_t block : {int64_t(64), int64_t(256), int64_t(2048)}) {
         std::normal_distribution<float> d(0.0f, 1e-3f);
@@ -132,8 +138,9 @@ TEST(StateFormats, BlockQuantizationBitwiseAcrossIsas) {
         dequantize_blocks(Isa::scalar, q_ref.data(), a_ref.data(), n, block, is_signed,
                           back_ref.data());
         for (int64_t i = 0; i < n; ++i) {
-          const double am = a_ref[size_t(i / block)];
-          ASSERT_LE(std::abs(double(back_ref[size_t(i)]) - x[size_t(i)]), am * gap / 2 * 1.0001)
+          const double am = a_ref[size_t(i / block)], xi = x[size_t(i)];
+          ASSERT_LE(std::abs(double(back_ref[size_t(i)]) - xi),
+                    std::max(std::abs(xi) / 16, am * std::ldexp(1.0, -16)) * 1.0001)
               << "n=" << n << " i=" << i;
         }
         for (Isa isa : kIsas) {
@@ -151,24 +158,22 @@ TEST(StateFormats, BlockQuantizationBitwiseAcrossIsas) {
   }
 }
 
-// Every code index, in every lane position, dequantizes to its code point × absmax on every ISA
-// (AVX-512 looks codes up by register permutes and blends, one bit of the index at a time; with
-// VBMI, by byte permutes of 64 indices reordered first).
+// Every code, in every lane position, dequantizes to its point × absmax on every ISA.
 TEST(StateFormats, EveryCodeDequantizesToItsPoint) {
-  // Index i at position i % 64 and, shifted by one each round, at every other of the 64.
+  // Code i at position i % 64 and, shifted by one each round, at every other of the 64.
   const int64_t n = 256 * 65 + 7;
   std::vector<uint8_t> q(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) q[size_t(i)] = uint8_t((i + i / 256) % 256);
   const float absmax[] = {0.75f};
   for (bool is_signed : {true, false}) {
-    const QuantCode& c = dynamic_code(is_signed);
     for (Isa isa : kIsas) {
       if (!isa_supported(isa)) continue;
       std::vector<float> x(static_cast<size_t>(n));
       dequantize_blocks(isa, q.data(), absmax, n, n, is_signed, x.data());
       for (int64_t i = 0; i < n; ++i)
-        ASSERT_EQ(x[size_t(i)], c.code[q[size_t(i)]] * 0.75f)
-            << isa_name(isa) << " index " << int(q[size_t(i)]) << " at " << i;
+        ASSERT_EQ(std::bit_cast<uint32_t>(x[size_t(i)]),
+                  std::bit_cast<uint32_t>(point(q[size_t(i)], is_signed) * 0.75f))
+            << isa_name(isa) << " code " << int(q[size_t(i)]) << " at " << i;
     }
   }
 }
@@ -213,11 +218,7 @@ struct State {
     s1.assign(size_t(n) * state_bytes(f), 0);
     const int64_t blocks = (n + block - 1) / block;
     a0.assign(size_t(blocks), 0.0f);
-    a1.assign(size_t(blocks), 0.0f);
-    if (f == StateFormat::q8) {  // all-zero state is the code's 0, not index 0
-      std::fill(s0.begin(), s0.end(), dynamic_code(true).zero);
-      std::fill(s1.begin(), s1.end(), dynamic_code(false).zero);
-    }
+    a1.assign(size_t(blocks), 0.0f);  // q8: all codes 0 are all zeros
   }
   UpdateArgs args() {
     UpdateArgs a;
@@ -370,6 +371,54 @@ TEST(StateFormats, SegmentsUpdateEachGroupWithItsOwnHyper) {
   EXPECT_THROW(optimizer_update_segments(best_isa(), bad, 2, st.args()), Error);
 }
 
+// The same with moments that are not zero, in the gaps too: the codes and absmax of every
+// touched block are the f32 update of the widened state, each segment with its own hyper and
+// the gaps' elements as they were, requantized; bitwise the same on every ISA. A kernel that
+// dropped a gap's elements, or took their old values out of the block's new absmax, would
+// differ here.
+TEST(StateFormats, SegmentsWithGapsAreTheDefinitionOnEveryIsa) {
+  const int64_t n = 1024, block = 256;
+  UpdateHyper h1 = hyper(OptimizerKind::adamw), h2 = hyper(OptimizerKind::adamw);
+  h2.lr = 5e-2f;
+  h2.beta1 = 0.5f;
+  const UpdateSegment segs[] = {{0, 300, &h1}, {310, 1000, &h2}};
+  std::vector<State> results;
+  for (Isa isa : kIsas) {
+    if (!isa_supported(isa)) continue;
+    State st(StateFormat::q8, n, block, 21);
+    optimizer_update(isa, h1, st.args());  // every element's moments nonzero
+    // The reference: the widened state, updated in f32 per segment.
+    State f32(StateFormat::f32, n, block, 21);
+    f32.master = st.master;
+    const std::vector<float> m = st.moment(0), v = st.moment(1);
+    std::memcpy(f32.s0.data(), m.data(), size_t(n) * 4);
+    std::memcpy(f32.s1.data(), v.data(), size_t(n) * 4);
+    for (const UpdateSegment& g : segs) {
+      UpdateArgs a = f32.args();
+      a.master = static_cast<float*>(a.master) + g.begin;
+      a.state0 = static_cast<float*>(a.state0) + g.begin;
+      a.state1 = static_cast<float*>(a.state1) + g.begin;
+      a.grad = static_cast<const uint16_t*>(a.grad) + g.begin;
+      a.out = static_cast<uint16_t*>(a.out) + g.begin;
+      a.n = g.end - g.begin;
+      optimizer_update(Isa::scalar, *g.h, a);
+    }
+    optimizer_update_segments(isa, segs, 2, st.args());
+    ASSERT_EQ(0, std::memcmp(st.master.data(), f32.master.data(), size_t(n) * 4)) << isa_name(isa);
+    for (int which = 0; which < 2; ++which) {
+      std::vector<uint8_t> q(static_cast<size_t>(n));
+      std::vector<float> a(static_cast<size_t>(n / block));
+      quantize_blocks(Isa::scalar, f32.moment(which).data(), n, block, which == 0, q.data(),
+                      a.data());
+      ASSERT_TRUE(std::equal(q.begin(), q.end(), (which == 0 ? st.s0 : st.s1).begin()))
+          << isa_name(isa) << " moment " << which;
+      ASSERT_EQ(a, which == 0 ? st.a0 : st.a1) << isa_name(isa);
+    }
+    results.push_back(st);
+  }
+  for (const State& r : results) EXPECT_TRUE(r == results[0]);
+}
+
 // SGD groups with and without momentum share a unit (Engine::num_states keeps the buffer when
 // any group has momentum): whichever group's segment comes first, each element takes the f32
 // update of the widened state with its own group's hyperparameters, and the plain group's
@@ -414,17 +463,16 @@ TEST(StateFormats, SegmentsOfSgdWithAndWithoutMomentum) {
 }
 
 // A block that no segment touches keeps its codes and absmax, even where requantizing them
-// would change them (a block whose largest magnitude sits on the signed map's most negative
-// point, -0.99297, would come back with another absmax).
+// would change them (codes whose largest magnitude is not 1.0 would come back with another
+// absmax).
 TEST(StateFormats, BlocksNoSegmentTouchesStayAsTheyAre) {
   const int64_t n = 1024, block = 256;
   const UpdateHyper h = hyper(OptimizerKind::adamw);
   State st(StateFormat::q8, n, block, 4);
-  const QuantCode& c0 = dynamic_code(true);
   float largest = 0.0f;
   for (int64_t i = 512; i < n; ++i) {
-    st.s0[size_t(i)] = uint8_t(i % 200);  // code 0 (-0.99297) is the largest magnitude
-    largest = std::max(largest, std::fabs(c0.code[st.s0[size_t(i)]] * 0.5f));
+    st.s0[size_t(i)] = uint8_t(i % 100);  // no code of 1.0 (127)
+    largest = std::max(largest, std::fabs(point(st.s0[size_t(i)], true) * 0.5f));
   }
   st.a0[2] = st.a0[3] = 0.5f;
   ASSERT_NE(largest, 0.5f);  // requantizing would change the absmax: the check below can fail
@@ -440,9 +488,8 @@ TEST(StateFormats, BlocksNoSegmentTouchesStayAsTheyAre) {
 }
 
 // A q8 state widened to f32 (read_shard, checkpoints) and quantized again is the same state, bit
-// for bit, on every ISA: including blocks whose largest magnitude is negative, where max |x| is
-// not the absmax (the signed map has no −1). Those blocks must occur here, or the test would
-// not cover the recovery.
+// for bit, on every ISA, blocks whose largest magnitude is negative included (they must occur
+// here, or the test would not cover them).
 TEST(StateFormats, WidenedQ8StateQuantizesBackExactly) {
   const int64_t n = 64 * 300, block = 64;
   State st(StateFormat::q8, n, block, 17);
@@ -454,8 +501,10 @@ TEST(StateFormats, WidenedQ8StateQuantizesBackExactly) {
     const auto& a_ref = which == 0 ? st.a0 : st.a1;
     for (int64_t b = 0; b < n; b += block) {
       float m = 0;
-      for (int64_t i = b; i < b + block; ++i) m = std::max(m, std::abs(x[size_t(i)]));
-      negative_max += m != a_ref[size_t(b / block)];
+      for (int64_t i = b; i < b + block; ++i)
+        if (std::abs(x[size_t(i)]) > std::abs(m)) m = x[size_t(i)];
+      negative_max += m < 0;
+      ASSERT_EQ(std::abs(m), a_ref[size_t(b / block)]);  // 1.0 is a point: max |x| is the absmax
     }
     for (Isa isa : kIsas) {
       if (!isa_supported(isa)) continue;
