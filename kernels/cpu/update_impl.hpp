@@ -357,16 +357,18 @@ void update_q8(const UpdateSegment* segments, int count, const UpdateArgs& a) {
       with_update_types(*segments[s].h, p, [&]<Rule R, DType G, Out O, DType M>() {
         update_all<V, R, G, O, M>(consts[size_t(s)], p, st);
       });
-      // A rule that keeps no second moment (SGD with momentum beside Adam) leaves v as decoded.
+      // A moment the segment's rule does not keep stays as it was (a Muon group's elements
+      // beside AdamW's in one unit, SGD's without momentum beside SGD's with).
       const Rule rule = rule_of(*segments[s].h);
-      if (q0 && rule != Rule::sgd) top0 = std::max(st.absmax0(), top0);
-      if (q1 && (rule == Rule::adam || rule == Rule::adamw)) {
-        top1 = std::max(st.absmax1(), top1);
-      } else if (q1) {
-        top1 = std::max(dequantize_block<V, false>(q1 + lo, a1, v + (lo - b), hi - lo), top1);
-      }
-      if (q0 && rule == Rule::sgd)
-        top0 = std::max(dequantize_block<V, true>(q0 + lo, a0, m + (lo - b), hi - lo), top0);
+      const bool uses0 = rule != Rule::sgd, uses1 = rule == Rule::adam || rule == Rule::adamw;
+      if (q0)
+        top0 = std::max(
+            uses0 ? st.absmax0() : dequantize_block<V, true>(q0 + lo, a0, m + (lo - b), hi - lo),
+            top0);
+      if (q1)
+        top1 = std::max(
+            uses1 ? st.absmax1() : dequantize_block<V, false>(q1 + lo, a1, v + (lo - b), hi - lo),
+            top1);
       done = hi;
     }
     keep(done, b + len);

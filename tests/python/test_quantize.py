@@ -91,31 +91,41 @@ def test_bad_arrays_are_refused_with_their_names():
 def test_against_bitsandbytes(signed):
     # bitsandbytes stores the dynamic map of "8-bit Optimizers via Block-wise Quantization": 7
     # decimal exponents, and in the top decade [0.1, 1] 64 (signed) or 128 evenly spaced
-    # points, fewer below. Ours has 8 points per binade everywhere. So near a block's absmax
-    # theirs is finer, and below a tenth of it ours is: what this measures and bounds, on
-    # gradient-like data (normal, absolute values for the unsigned code):
+    # points, fewer below; its CPU path also snaps x / absmax to a grid of 65536 steps first.
+    # Ours has 8 points per binade everywhere. So near a block's absmax theirs is finer (about
+    # 1.4 % mean relative error against our 2.2 %), and below a thousandth of it ours is: what
+    # matters for a second moment, whose square root divides the step. What this bounds, on
+    # gradient-like data (normal; for the unsigned code, absolute values, and squares as a
+    # second moment's are):
     #   - both absmax arrays are max |x| per block, equal;
     #   - ours is within 1/16 of each value from our smallest point up (half a step);
-    #   - below a hundredth of the absmax ours is the finer of the two on average.
+    #   - below a thousandth of the absmax, ours has the smaller mean relative error.
     bnb = pytest.importorskip("bitsandbytes")
     F = bnb.functional
-    x = sample(signed)
     _, mags, _ = code_8bit(signed)
-    for block in BLOCKS:
-        codes, absmax, back = ours(x, block, signed)
-        q, state = F.quantize_blockwise(x, code=F.create_dynamic_map(signed=signed), blocksize=block)
-        theirs = F.dequantize_blockwise(q, state)
-        assert torch.equal(state.absmax.float(), absmax)
-        am = absmax.repeat_interleave(block)[:x.numel()].clamp(min=1e-30)
-        e_ours = ((back - x).abs() / am).double()
-        e_bnb = ((theirs - x).abs() / am).double()
-        rel = x.abs() / am
-        big = rel >= mags[1]
-        assert ((back - x).abs()[big] <= x.abs()[big] / 16).all()
-        small = (rel < 0.01) & (x != 0)
-        assert e_ours[small].mean() <= e_bnb[small].mean()
-        print(f"signed={signed} block={block}: mean error / absmax ours {e_ours.mean():.4e}, "
-              f"bitsandbytes {e_bnb.mean():.4e}; below absmax / 100: ours "
-              f"{e_ours[small].mean():.4e}, bitsandbytes {e_bnb[small].mean():.4e}; mean "
-              f"relative error ours {(e_ours / rel.double())[x != 0].mean():.4e}, bitsandbytes "
-              f"{(e_bnb / rel.double())[x != 0].mean():.4e}")
+    x = sample(signed)
+    datasets = {"normal": x} if signed else {"|normal|": x, "normal^2": x * x / 1e-3}
+    for name, x in datasets.items():
+        for block in BLOCKS:
+            codes, absmax, back = ours(x, block, signed)
+            q, state = F.quantize_blockwise(x, code=F.create_dynamic_map(signed=signed),
+                                            blocksize=block)
+            theirs = F.dequantize_blockwise(q, state)
+            assert torch.equal(state.absmax.float(), absmax)
+            am = absmax.repeat_interleave(block)[:x.numel()]
+            nz = x != 0
+            rel = (x.abs() / am.clamp(min=1e-30)).double()
+            big = nz & (rel >= mags[1])
+            assert ((back - x).abs()[big] <= x.abs()[big] / 16).all()
+            r_ours = ((back - x).abs() / x.abs().clamp(min=1e-30)).double()
+            r_bnb = ((theirs - x).abs() / x.abs().clamp(min=1e-30)).double()
+            bands = [(0.1, 2.0), (0.01, 0.1), (1e-3, 0.01), (0.0, 1e-3)]
+            row = []
+            for lo, hi in bands:
+                sel = nz & (rel >= lo) & (rel < hi)
+                row.append(f"[{lo:g}, {hi:g}): {int(sel.sum())} values, ours "
+                           f"{r_ours[sel].mean():.4f}, bitsandbytes {r_bnb[sel].mean():.4f}")
+            small = nz & (rel < 1e-3)
+            assert small.sum() > 0 and r_ours[small].mean() < r_bnb[small].mean()
+            print(f"signed={signed} {name} block={block}: mean relative error by |x| / absmax: "
+                  + "; ".join(row))

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "base/checksum.hpp"
@@ -118,8 +119,8 @@ TEST(CheckpointEncoding, StoredMomentsMoveWithoutAConversion) {
   }
 }
 
-// A manifest as zeroshard wrote it before schema 3: no state_format, f32 moments.
-TEST(CheckpointEncoding, Schema2ManifestsReadAsF32Moments) {
+// A one-rank, one-unit manifest of n values with 8-bit moments in blocks of 64.
+Manifest eight_bit_manifest(int64_t n) {
   Manifest m;
   m.tag = "step00000001";
   m.world_size = 1;
@@ -132,22 +133,31 @@ TEST(CheckpointEncoding, Schema2ManifestsReadAsF32Moments) {
   m.state_format = StateFormat::q8;
   m.state_block = 64;
   m.block_bytes = 1 << 20;
-  m.units = {{"u", 100, {{"w", {100}}}}};
-  m.ranges = {{{0, 0, 100, 0}}};
-  EXPECT_EQ(parse_manifest(manifest_text(m), "new").state_format, StateFormat::q8);
-  EXPECT_EQ(expected_header(m, 0, 1).data_bytes, 100 + 4 * 2);
+  m.units = {{"u", n, {{"w", {n}}}}};
+  m.ranges = {{{0, 0, n, 0}}};
+  return m;
+}
 
+// m as an older zeroshard wrote it: another schema, without the fields `drop`, checksummed.
+Manifest as_schema(const Manifest& m, int schema, const std::vector<std::string>& drop) {
   nlohmann::json j = nlohmann::json::parse(manifest_text(m));
-  j["schema"] = 2;
-  j.erase("state_format");
-  j.erase("state_block");
+  j["schema"] = schema;
+  for (const std::string& k : drop) j.erase(k);
   j.erase("checksum");
   const std::string body = j.dump();
   char sum[17];
   std::snprintf(sum, sizeof sum, "%016llx",
                 static_cast<unsigned long long>(offload::xxh64(body.data(), body.size(), 0)));
   j["checksum"] = sum;
-  const Manifest old = parse_manifest(j.dump(1), "old");
+  return parse_manifest(j.dump(1), "old");
+}
+
+// A manifest as zeroshard wrote it before schema 3: no state_format, f32 moments.
+TEST(CheckpointEncoding, Schema2ManifestsReadAsF32Moments) {
+  const Manifest m = eight_bit_manifest(100);
+  EXPECT_EQ(parse_manifest(manifest_text(m), "new").state_format, StateFormat::q8);
+  EXPECT_EQ(expected_header(m, 0, 1).data_bytes, 100 + 4 * 2);
+  const Manifest old = as_schema(m, 2, {"state_format", "state_block"});
   EXPECT_EQ(old.state_format, StateFormat::f32);
   EXPECT_EQ(expected_header(old, 0, 1).data_bytes, 400);
   EXPECT_EQ(range_bytes(old, 0, 2), std::vector<int64_t>{0});
@@ -159,30 +169,9 @@ TEST(CheckpointEncoding, Schema2ManifestsReadAsF32Moments) {
 // or 2^(i+1) unsigned, within half an f32 ulp), and unpack(), which hands codes over as the
 // current code's, refuses them.
 TEST(CheckpointEncoding, Schema3EightBitMomentsDecodeThroughTheDynamicMap) {
-  Manifest m;
-  m.tag = "step00000001";
-  m.world_size = 1;
-  m.dtype = "bf16";
-  m.optimizer = "adamw";
-  m.step = 1;
-  m.scaler = {1.0f, 2, 0, -1};
-  m.groups = {OptimizerOptions{}};
-  m.states = {"master", "state0", "state1"};
-  m.state_format = StateFormat::q8;
-  m.state_block = 64;
-  m.block_bytes = 1 << 20;
-  m.units = {{"u", 300, {{"w", {300}}}}};
-  m.ranges = {{{0, 0, 300, 0}}};
+  const Manifest m = eight_bit_manifest(300);
   EXPECT_FALSE(parse_manifest(manifest_text(m), "new").q8_dynamic_map);
-  nlohmann::json j = nlohmann::json::parse(manifest_text(m));
-  j["schema"] = 3;
-  j.erase("checksum");
-  const std::string body = j.dump();
-  char sum[17];
-  std::snprintf(sum, sizeof sum, "%016llx",
-                static_cast<unsigned long long>(offload::xxh64(body.data(), body.size(), 0)));
-  j["checksum"] = sum;
-  const Manifest old = parse_manifest(j.dump(1), "old");
+  const Manifest old = as_schema(m, 3, {});
   ASSERT_TRUE(old.q8_dynamic_map);
   for (int s : {1, 2}) {
     const Encoding e = encoding_of(old, s);
