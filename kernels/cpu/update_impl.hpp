@@ -55,9 +55,10 @@ struct PlainMoments {
   T load1(int64_t i) const { return load_as<V, S>(s1, i); }
   void store0(int64_t i, T x) { store_as<V, S>(s0, i, x); }
   void store1(int64_t i, T x) { store_as<V, S>(s1, i, x); }
-  void prefetch(int64_t i, bool uses0, bool uses1) const {
-    if (uses0) prefetch_ahead(s0, i, S == DType::f32 ? 4 : 2);
-    if (uses1) prefetch_ahead(s1, i, S == DType::f32 ? 4 : 2);
+  template <bool Uses0, bool Uses1>
+  void prefetch(int64_t i) const {
+    if constexpr (Uses0) prefetch_ahead(s0, i, S == DType::f32 ? 4 : 2);
+    if constexpr (Uses1) prefetch_ahead(s1, i, S == DType::f32 ? 4 : 2);
   }
   template <class U>
   PlainMoments<U, S> narrow() const {
@@ -92,10 +93,11 @@ struct BlockMoments {
     max1 = V::max(V::abs(x), max1);
   }
   // One code byte per element: one prefetch per 64.
-  void prefetch(int64_t i, bool uses0, bool uses1) const {
+  template <bool Uses0, bool Uses1>
+  void prefetch(int64_t i) const {
     if (i % 64 != 0) return;
-    if (uses0) prefetch_ahead(q0, i, 1);
-    if (uses1) prefetch_ahead(q1, i, 1);
+    if constexpr (Uses0) prefetch_ahead(q0, i, 1);
+    if constexpr (Uses1) prefetch_ahead(q1, i, 1);
   }
   template <class U>
   BlockMoments<U> narrow() const {
@@ -133,7 +135,7 @@ void update_range(const UpdateConsts& c, const UpdateArgs& a, St& moments, int64
     if (V::kWidth >= kLineElems || i % kLineElems == 0) {
       prefetch_ahead(master, i, master_bytes);
       prefetch_ahead(a.grad, i, grad_bytes);
-      st.prefetch(i, R != Rule::sgd, R == Rule::adam || R == Rule::adamw);
+      st.template prefetch<R != Rule::sgd, R == Rule::adam || R == Rule::adamw>(i);
       if constexpr (O != Out::none) prefetch_ahead(a.out, i, out_bytes);
       if constexpr (R == Rule::muon) prefetch_ahead(a.dir, i, 4);
     }
