@@ -68,10 +68,12 @@ int main(int argc, char** argv) {
     }
   }
   constexpr int64_t kChunk = 1 << 16;
-  if (n < 1 || threads < 1 || argc % 2 == 0 || block < 1 || kChunk % block != 0) {
-    std::fprintf(stderr,
-                 "usage: adamw_step_server --n N [--threads T] [--lr X] [--beta1 X] [--beta2 X] "
-                 "[--eps X] [--wd X] [--state f32|8bit] [--block B dividing 65536]\n");
+  if (n < 1 || threads < 1 || argc % 2 == 0 || block < 1 || block > zc::kMaxStateBlock ||
+      kChunk % block != 0) {
+    std::fprintf(
+        stderr,
+        "usage: adamw_step_server --n N [--threads T] [--lr X] [--beta1 X] [--beta2 X] "
+        "[--eps X] [--wd X] [--state f32|8bit] [--block B dividing 65536, at most 4096]\n");
     return 2;
   }
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, size_t(threads));

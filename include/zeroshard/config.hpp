@@ -24,9 +24,9 @@ ZS_API const char* optimizer_name(OptimizerKind k);
 ///   in f32 on the widened values.
 /// - q8 ("8bit"): blockwise 8-bit quantization: each block of Config::state_block elements
 ///   keeps one f32 absmax and one byte per element, the code of the nearest point to
-///   value / absmax among small floats (zeroshard/quantize.hpp): a sign, 4 exponent and 3
-///   mantissa bits for the first moment and momentum, 5 exponent and 3 mantissa bits for Adam's
-///   second moment. 1 byte per moment plus 4 per block.
+///   value / absmax among small floats, 8 per binade (zeroshard/quantize.hpp): signed, down to
+///   1.25 · 2^-16, for the first moment and momentum; unsigned, down to 1.25 · 2^-32, for
+///   Adam's second moment. 1 byte per moment plus 4 per block.
 enum class StateFormat : uint8_t { f32, bf16, q8 };
 /// "f32", "bf16" or "8bit".
 ZS_API const char* state_format_name(StateFormat f);

@@ -127,7 +127,9 @@ struct Avx2Vec {
     const __m256i low = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(Q8Code<S>::kHalfMin - 1));
     c = _mm256_max_epi32(c, _mm256_and_si256(low, _mm256_set1_epi32(1)));
     if constexpr (S) {
-      const __m256i nz = _mm256_cmpgt_epi32(c, _mm256_setzero_si256());
+      // The sign where the code is not 0 and the value not NaN.
+      const __m256i nz = _mm256_andnot_si256(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000)),
+                                             _mm256_cmpgt_epi32(c, _mm256_setzero_si256()));
       c = _mm256_or_si256(c, _mm256_and_si256(nz, _mm256_slli_epi32(_mm256_srli_epi32(b, 31), 7)));
     }
     // The low byte of each lane, gathered into the low 4 bytes of each 128-bit half.

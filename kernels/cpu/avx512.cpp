@@ -137,8 +137,9 @@ struct Avx512Vec {
     const __mmask16 low = _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(Q8Code<S>::kHalfMin));
     c = _mm512_mask_max_epi32(c, low, c, _mm512_set1_epi32(1));
     if constexpr (S) {
-      const __mmask16 nz = _mm512_test_epi32_mask(c, c);
-      // c | ((b >> 24) & 0x80) where c > 0: bit 7 of b >> 24 is the sign.
+      // Where c > 0 and x is not NaN, c | ((b >> 24) & 0x80): bit 7 of b >> 24 is the sign.
+      const __mmask16 nz = _mm512_mask_cmple_epi32_mask(_mm512_test_epi32_mask(c, c), mag,
+                                                        _mm512_set1_epi32(0x7F800000));
       c = _mm512_mask_ternarylogic_epi32(c, nz, _mm512_srli_epi32(b, 24), _mm512_set1_epi32(0x80),
                                          0xF8);
     }

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -285,7 +286,8 @@ float block_absmax(const float* x, int64_t n) {
 
 // q = the codes of x[0, n) × (1 / absmax), whose absmax is given; an all-zero (or all-NaN)
 // block, absmax 0, is all codes of 0. x × (1 / absmax) may exceed 1 by an ulp: it saturates at
-// the code of 1.
+// the code of 1. Where 1 / absmax overflows (absmax below 2^-128: a moment decayed for hundreds
+// of steps without a gradient), x / absmax instead, or every 0 would become inf × 0 = NaN.
 template <class V, bool S>
 void quantize_block(const float* x, uint8_t* q, int64_t n, float absmax) {
   if (!(absmax > 0.0f)) {
@@ -293,10 +295,16 @@ void quantize_block(const float* x, uint8_t* q, int64_t n, float absmax) {
     return;
   }
   const float inv = 1.0f / absmax;
+  const bool tiny = !(inv <= std::numeric_limits<float>::max());
   split_tail<V>(n, [&]<class U>(int64_t begin, int64_t end) {
-    const typename U::T s = U::set1(inv);
-    for (int64_t i = begin; i < end; i += U::kWidth)
-      U::template encode8<S>(U::load_f32(x + i) * s, q + i);
+    const typename U::T s = U::set1(inv), a = U::set1(absmax);
+    if (tiny) {
+      for (int64_t i = begin; i < end; i += U::kWidth)
+        U::template encode8<S>(U::load_f32(x + i) / a, q + i);
+    } else {
+      for (int64_t i = begin; i < end; i += U::kWidth)
+        U::template encode8<S>(U::load_f32(x + i) * s, q + i);
+    }
   });
 }
 

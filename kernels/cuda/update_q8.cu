@@ -80,12 +80,14 @@ __device__ __forceinline__ void requantize(const float (&x)[kPerThread], int64_t
   const float amax = block_max(acc, warps);
   const bool zero = !(amax > 0.0f);
   const float inv = zero ? 0.0f : __fdiv_rn(1.0f, amax);
+  const bool tiny = !(inv <= 3.402823466e38f);  // as cpu::quantize_block: divide instead
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t j = int64_t(threadIdx.x) + int64_t(k) * kThreads;
     if (j < len)
-      q[b + j] =
-          zero ? cpu::kQ8Zero : cpu::Q8Code<Signed>::encode(__float_as_uint(__fmul_rn(x[k], inv)));
+      q[b + j] = zero ? cpu::kQ8Zero
+                      : cpu::Q8Code<Signed>::encode(
+                            __float_as_uint(tiny ? __fdiv_rn(x[k], amax) : __fmul_rn(x[k], inv)));
   }
   if (threadIdx.x == 0) absmax[blk] = zero ? 0.0f : amax;
 }

@@ -54,6 +54,10 @@ Encoding encoding_of(const Manifest& m, int s) {
   return {m.state_format, m.state_block, kind == StateKind::state0, m.q8_dynamic_map};
 }
 
+bool unpacks_into(const Encoding& e, StateFormat format, int64_t block) {
+  return e.format == format && !e.dynamic_map && (format != StateFormat::q8 || e.block == block);
+}
+
 int64_t encoded_bytes(const Encoding& e, int64_t n) {
   switch (e.format) {
     case StateFormat::f32:

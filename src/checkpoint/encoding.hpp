@@ -33,6 +33,11 @@ struct Encoding {
 /// The encoding of state s (an index into state_names()) in the checkpoint of manifest m.
 Encoding encoding_of(const Manifest& m, int s);
 
+/// Whether a tier that stores moments as `format`, 8-bit ones in blocks of `block`, takes e's
+/// bytes as they are (unpack()) rather than widened (decode()): the same format and blocks, and
+/// not the dynamic map of schema 3.
+bool unpacks_into(const Encoding& e, StateFormat format, int64_t block);
+
 /// Bytes of a range of n values.
 int64_t encoded_bytes(const Encoding& e, int64_t n);
 

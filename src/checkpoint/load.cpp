@@ -145,8 +145,7 @@ void Engine::load(const std::filesystem::path& path, const LoadOptions& options)
       all.push_back({s, u, sp.b, sp.e, nullptr});
       const Encoding enc = encoding_of(m, s);
       const StoredShard into = impl.state->stored(u, state_names()[size_t(s)].kind);
-      const bool same = into.data && into.format == enc.format && !enc.dynamic_map &&
-                        (enc.format != StateFormat::q8 || enc.block == config().state_block);
+      const bool same = into.data && unpacks_into(enc, into.format, config().state_block);
       if (!same)
         converted.emplace_back(s, u);
       else if (enc.format == StateFormat::f32)  // the padding past e stays zero

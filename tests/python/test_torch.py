@@ -552,16 +552,17 @@ def test_estimate_is_what_the_optimizer_then_holds(stage, offload, tmp_path):
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
 def test_compact_state_matches_adamw_with_its_moments_stored_alike(fmt):
     # The reference is torch.optim.AdamW whose moments are rounded after every step as the
-    # format stores them: bf16 to nearest even, 8-bit through the dynamic code in blocks of 64
+    # format stores them: bf16 to nearest even, 8-bit through its code in blocks of 64
     # counted from each unit's first element (parameters in registration order, the padding's
     # moments zero). The engine's step uses the unrounded new moments and stores them rounded,
     # and so does this reference.
     # Bound: as BOUND, plus the rare moment that the two sides compute one f32 ulp apart on the
     # two sides of a rounding boundary, and so store one format step apart (2^-8 of itself in
-    # bf16, up to 0.9/64 of its block's absmax in 8-bit). Its effect on p is at most lr x that
-    # relative step x |m|/(sqrt(v) + eps) (below 1 here) for each of the ~1/(1 - beta1) = 10
-    # steps it decays over: lr x 0.014 x 10 = 1.4e-3 for 8-bit, 4e-4 for bf16. Storing the
-    # moments in f32 instead (the format ignored) moves the parameters by more (checked).
+    # bf16, up to 1/16 of its block's absmax in 8-bit: the step below 1.0). Its effect on p is at
+    # most lr x that relative step x |m|/(sqrt(v) + eps) (below 1 here) for each of the
+    # ~1/(1 - beta1) = 10 steps it decays over: lr x 0.0625 x 10 = 6.25e-3 for 8-bit, 4e-4 for
+    # bf16. Storing the moments in f32 instead (the format ignored) moves the parameters by more
+    # (checked; 0.13 for 8-bit on 2026-11-30, where the two sides differed by 2e-6).
     model, data = make_model(), batches(20)
     block = 64
     opt = zero(model, 1, optimizer_state=fmt, state_block=block)
@@ -588,7 +589,7 @@ def test_compact_state_matches_adamw_with_its_moments_stored_alike(fmt):
                     at += s.numel()
     train_zero(opt, model, data, 0, 1)
     got = opt.model_state_dict()
-    bound = 1.4e-3 if fmt == "8bit" else 4e-4
+    bound = 6.25e-3 if fmt == "8bit" else 4e-4
     assert max_abs_diff(got, ref.state_dict()) <= bound
     plain = train_reference(model, data)  # f32 moments
     assert max_abs_diff(got, plain.state_dict()) > bound

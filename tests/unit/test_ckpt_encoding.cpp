@@ -173,6 +173,14 @@ TEST(CheckpointEncoding, Schema3EightBitMomentsDecodeThroughTheDynamicMap) {
   EXPECT_FALSE(parse_manifest(manifest_text(m), "new").q8_dynamic_map);
   const Manifest old = as_schema(m, 3, {});
   ASSERT_TRUE(old.q8_dynamic_map);
+  // A load takes the current code's bytes as they are, the dynamic map's only through f32.
+  for (int s : {1, 2}) {
+    EXPECT_TRUE(unpacks_into(encoding_of(m, s), StateFormat::q8, 64));
+    EXPECT_FALSE(unpacks_into(encoding_of(m, s), StateFormat::q8, 128));
+    EXPECT_FALSE(unpacks_into(encoding_of(m, s), StateFormat::f32, 64));
+    EXPECT_FALSE(unpacks_into(encoding_of(old, s), StateFormat::q8, 64));
+  }
+  EXPECT_TRUE(unpacks_into(encoding_of(old, 0), StateFormat::f32, 64));  // the master
   for (int s : {1, 2}) {
     const Encoding e = encoding_of(old, s);
     ASSERT_TRUE(e.dynamic_map);

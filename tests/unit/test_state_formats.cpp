@@ -120,6 +120,69 @@ TEST(StateFormats, EncodeFindsTheNearestPoint) {
   }
 }
 
+// What the tests above leave to the scalar tail, in every lane of every ISA: NaN of either sign
+// (the largest code, without a sign), ±0, denormals, ±1 and the floats around the smallest
+// point's half; in a block with 1.0 in it, so x × (1 / 1) = x. And a block whose absmax is a
+// denormal, whose 1 / absmax overflows: its values are divided by the absmax instead (its zeros
+// stay 0); and one with ±inf.
+TEST(StateFormats, SpecialValuesEncodeAlikeInEveryLane) {
+  using L = std::numeric_limits<float>;
+  const float half = std::bit_cast<float>(Q8Code<true>::kHalfMin);
+  const float specials[] = {L::quiet_NaN(),
+                            -L::quiet_NaN(),
+                            0.0f,
+                            -0.0f,
+                            L::denorm_min(),
+                            -L::denorm_min(),
+                            L::min(),
+                            -L::min(),
+                            1.0f,
+                            -1.0f,
+                            std::nextafter(half, 0.0f),
+                            half,
+                            -half,
+                            0.75f,
+                            -0.3f};
+  for (bool is_signed : {true, false}) {
+    auto code = [&](float y) {
+      const uint32_t b = std::bit_cast<uint32_t>(y);
+      return is_signed ? Q8Code<true>::encode(b) : Q8Code<false>::encode(b);
+    };
+    std::vector<float> x{1.0f};
+    for (int k = 0; k < 9; ++k) x.insert(x.end(), std::begin(specials), std::end(specials));
+    const float d = L::denorm_min() * 1000.0f;  // a block whose 1 / absmax overflows
+    std::vector<float> tiny{0.0f, d, -d / 3, d / 7, 0.0f};
+    for (int k = 0; k < 5; ++k) tiny.insert(tiny.end(), tiny.begin(), tiny.begin() + 5);
+    const std::vector<float> infs{L::infinity(), -L::infinity(), 1.0f,  -2.0f, 0.0f, 3.0f,
+                                  4.0f,          5.0f,           6.0f,  7.0f,  8.0f, 9.0f,
+                                  10.0f,         11.0f,          12.0f, 13.0f, 14.0f};
+    const std::vector<float>* blocks[] = {&x, &tiny, &infs};
+    for (const std::vector<float>* block : blocks) {
+      const int64_t n = int64_t(block->size());
+      std::vector<uint8_t> want;
+      const float am = block == &x ? 1.0f : block == &tiny ? d : L::infinity();
+      for (float v : *block)
+        want.push_back(block == &tiny ? code(v / d)
+                       : block == &x  ? code(v * 1.0f)
+                                      : code(v * 0.0f));
+      if (block == &tiny) {
+        ASSERT_FALSE(1.0f / d <= L::max());  // the case it stands for
+        EXPECT_EQ(want[0], 0);
+      }
+      for (Isa isa : kIsas) {
+        if (!isa_supported(isa)) continue;
+        std::vector<uint8_t> q(static_cast<size_t>(n));
+        float a = -1.0f;
+        quantize_blocks(isa, block->data(), n, n, is_signed, q.data(), &a);
+        EXPECT_EQ(a, am) << isa_name(isa);
+        for (int64_t i = 0; i < n; ++i)
+          ASSERT_EQ(int(q[size_t(i)]), int(want[size_t(i)]))
+              << isa_name(isa) << " x=" << (*block)[size_t(i)] << " at " << i;
+      }
+    }
+  }
+}
+
 // Quantize and dequantize agree bitwise across ISAs, and the round trip is within half a step:
 // |x - x'| <= |x| / 16, or below the smallest point, half of it (absmax × 2^-16 bounds both).
 TEST(StateFormats, BlockQuantizationBitwiseAcrossIsas) {
@@ -375,7 +438,7 @@ TEST(StateFormats, SegmentsUpdateEachGroupWithItsOwnHyper) {
 // touched block are the f32 update of the widened state, each segment with its own hyper and
 // the gaps' elements as they were, requantized; bitwise the same on every ISA. A kernel that
 // dropped a gap's elements, or took their old values out of the block's new absmax, would
-// differ here.
+// differ here (block 1's largest moments are a gap's).
 TEST(StateFormats, SegmentsWithGapsAreTheDefinitionOnEveryIsa) {
   const int64_t n = 1024, block = 256;
   UpdateHyper h1 = hyper(OptimizerKind::adamw), h2 = hyper(OptimizerKind::adamw);
@@ -387,6 +450,17 @@ TEST(StateFormats, SegmentsWithGapsAreTheDefinitionOnEveryIsa) {
     if (!isa_supported(isa)) continue;
     State st(StateFormat::q8, n, block, 21);
     optimizer_update(isa, h1, st.args());  // every element's moments nonzero
+    // In block 1, a gap element (305) holds each moment's largest magnitude, 100 times the
+    // others' at most: the block's new absmax must come from it.
+    st.a0[1] *= 100.0f;
+    st.a1[1] *= 100.0f;
+    for (int64_t i = 256; i < 512; ++i) {
+      st.s0[size_t(i)] =
+          uint8_t(std::min(st.s0[size_t(i)] & 0x7F, 100) | (st.s0[size_t(i)] & 0x80));
+      st.s1[size_t(i)] = std::min<uint8_t>(st.s1[size_t(i)], 200);
+    }
+    st.s0[305] = 0x80 | 127;
+    st.s1[305] = 255;
     // The reference: the widened state, updated in f32 per segment.
     State f32(StateFormat::f32, n, block, 21);
     f32.master = st.master;
@@ -413,6 +487,8 @@ TEST(StateFormats, SegmentsWithGapsAreTheDefinitionOnEveryIsa) {
       ASSERT_TRUE(std::equal(q.begin(), q.end(), (which == 0 ? st.s0 : st.s1).begin()))
           << isa_name(isa) << " moment " << which;
       ASSERT_EQ(a, which == 0 ? st.a0 : st.a1) << isa_name(isa);
+      const std::vector<float> w = st.moment(which);
+      ASSERT_EQ(std::abs(w[305]), (which == 0 ? st.a0 : st.a1)[1]);  // the gap held the max
     }
     results.push_back(st);
   }
