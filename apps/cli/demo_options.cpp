@@ -40,8 +40,7 @@ constexpr Flag kFlags[] = {
      "head and the vectors by AdamW at lr 2e-3)",
      "ZeRO engine"},
     {"--optimizer-state", "f32|bf16|8bit",
-     "storage of the optimizer moments (default f32; 8bit: blockwise dynamic quantization)",
-     "ZeRO engine"},
+     "storage of the optimizer moments (default f32; 8bit: blockwise 8-bit floats)", "ZeRO engine"},
     {"--master", "f32|bf16",
      "master weights (default f32; bf16: stochastic rounding, needs --dtype bf16 and the update "
      "on the CPU)",

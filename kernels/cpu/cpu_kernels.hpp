@@ -130,8 +130,10 @@ void optimizer_update_segments(Isa isa, const UpdateSegment* segments, int count
 /// q8 (de)quantization on its own, as the update does it: blocks of `block` elements from
 /// element 0 (the last one may be shorter), the signed or the unsigned code. For checkpoints
 /// and read_shard(), which see moments in f32. dequantize → quantize is the identity on a q8
-/// state (codes and absmax bit for bit): ±1.0 are points, so max |x| of a dequantized block is
-/// its absmax, and every other point × absmax × (1 / absmax) rounds back to its code.
+/// state (codes and absmax bit for bit) where every point × absmax is a normal float (absmax ≥
+/// 2^-94): ±1.0 are points, so max |x| of a dequantized block is its absmax, and every other
+/// point × absmax × (1 / absmax) rounds back to its code. Below, the smallest points × absmax
+/// are denormal or 0 and may come back as other codes.
 void quantize_blocks(Isa isa, const float* x, int64_t n, int64_t block, bool is_signed, uint8_t* q,
                      float* absmax);
 void dequantize_blocks(Isa isa, const uint8_t* q, const float* absmax, int64_t n, int64_t block,

@@ -286,7 +286,7 @@ float block_absmax(const float* x, int64_t n) {
 
 // q = the codes of x[0, n) × (1 / absmax), whose absmax is given; an all-zero (or all-NaN)
 // block, absmax 0, is all codes of 0. x × (1 / absmax) may exceed 1 by an ulp: it saturates at
-// the code of 1. Where 1 / absmax overflows (absmax below 2^-128: a moment decayed for hundreds
+// the code of 1. Where 1 / absmax overflows (absmax at most 2^-128: a moment decayed for hundreds
 // of steps without a gradient), x / absmax instead, or every 0 would become inf × 0 = NaN.
 template <class V, bool S>
 void quantize_block(const float* x, uint8_t* q, int64_t n, float absmax) {

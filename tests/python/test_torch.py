@@ -558,11 +558,12 @@ def test_compact_state_matches_adamw_with_its_moments_stored_alike(fmt):
     # and so does this reference.
     # Bound: as BOUND, plus the rare moment that the two sides compute one f32 ulp apart on the
     # two sides of a rounding boundary, and so store one format step apart (2^-8 of itself in
-    # bf16, up to 1/16 of its block's absmax in 8-bit: the step below 1.0). Its effect on p is at
-    # most lr x that relative step x |m|/(sqrt(v) + eps) (below 1 here) for each of the
-    # ~1/(1 - beta1) = 10 steps it decays over: lr x 0.0625 x 10 = 6.25e-3 for 8-bit, 4e-4 for
-    # bf16. Storing the moments in f32 instead (the format ignored) moves the parameters by more
-    # (checked; 0.13 for 8-bit on 2026-11-30, where the two sides differed by 2e-6).
+    # bf16, up to 1/16 of its block's absmax in 8-bit: the step below 1.0). Its effect on p is
+    # about lr x that step / (sqrt(v) + eps) for each of the ~1/(1 - beta1) = 10 steps it decays
+    # over; with a block's absmax below sqrt(v) + eps here, lr x 0.0625 x 10 = 6.25e-3 for 8-bit
+    # and 4e-4 for bf16 (an estimate, not a proof: the two sides differed by 2e-6 on
+    # 2026-11-30). Storing the moments in f32 instead (the format ignored) moves the parameters
+    # by more (checked; 0.13 for 8-bit).
     model, data = make_model(), batches(20)
     block = 64
     opt = zero(model, 1, optimizer_state=fmt, state_block=block)

@@ -152,7 +152,8 @@ def codes_8bit(y, signed):
 
 def requantize(flat, block, signed):
     """flat's values after one trip through 8-bit blocks: absmax = max |x| per block, the code of
-    x * (1 / absmax), value = point x absmax, all in f32, as the CPU kernels do it."""
+    x * (1 / absmax), value = point x absmax, all in f32, as the CPU kernels do it (for finite
+    values whose 1 / absmax does not overflow)."""
     points, _, _ = code_8bit(signed)
     out = torch.zeros_like(flat)
     for b in range(0, flat.numel(), block):

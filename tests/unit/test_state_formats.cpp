@@ -53,6 +53,17 @@ TEST(StateFormats, Q8CodeIsItsDefinition) {
       ASSERT_EQ(double(point(uint8_t(q), is_signed)), want) << q;
     }
     EXPECT_EQ(point(is_signed ? 127 : 255, is_signed), 1.0f);
+    // NaN of either sign (x86 makes 0xFFC00000, CUDA 0x7FFFFFFF) is the largest code, without
+    // a sign; ±inf keeps its sign.
+    const int top = is_signed ? 127 : 255;
+    for (uint32_t nan : {0x7FC00000u, 0xFFC00000u, 0x7FFFFFFFu, 0xFF800001u}) {
+      EXPECT_EQ(is_signed ? Q8Code<true>::encode(nan) : Q8Code<false>::encode(nan), top) << nan;
+    }
+    // -inf: the signed code's -1.0 (128 + 127), the unsigned one's magnitude 1.0.
+    EXPECT_EQ(is_signed ? Q8Code<true>::encode(0xFF800000u) : Q8Code<false>::encode(0xFF800000u),
+              255);
+    EXPECT_EQ(is_signed ? Q8Code<true>::encode(0x7F800000u) : Q8Code<false>::encode(0x7F800000u),
+              top);
     EXPECT_EQ(double(point(1, is_signed)), 1.25 * std::ldexp(1.0, is_signed ? -16 : -32));
   }
 }
@@ -120,7 +131,7 @@ TEST(StateFormats, EncodeFindsTheNearestPoint) {
   }
 }
 
-// What the tests above leave to the scalar tail, in every lane of every ISA: NaN of either sign
+// What the tests above leave to the scalar tail, in vector lanes of every ISA: NaN of either sign
 // (the largest code, without a sign), ±0, denormals, ±1 and the floats around the smallest
 // point's half; in a block with 1.0 in it, so x × (1 / 1) = x. And a block whose absmax is a
 // denormal, whose 1 / absmax overflows: its values are divided by the absmax instead (its zeros
@@ -151,8 +162,9 @@ TEST(StateFormats, SpecialValuesEncodeAlikeInEveryLane) {
     std::vector<float> x{1.0f};
     for (int k = 0; k < 9; ++k) x.insert(x.end(), std::begin(specials), std::end(specials));
     const float d = L::denorm_min() * 1000.0f;  // a block whose 1 / absmax overflows
-    std::vector<float> tiny{0.0f, d, -d / 3, d / 7, 0.0f};
-    for (int k = 0; k < 5; ++k) tiny.insert(tiny.end(), tiny.begin(), tiny.begin() + 5);
+    const float five[] = {0.0f, d, -d / 3, d / 7, 0.0f};
+    std::vector<float> tiny;
+    for (int k = 0; k < 6; ++k) tiny.insert(tiny.end(), std::begin(five), std::end(five));
     const std::vector<float> infs{L::infinity(), -L::infinity(), 1.0f,  -2.0f, 0.0f, 3.0f,
                                   4.0f,          5.0f,           6.0f,  7.0f,  8.0f, 9.0f,
                                   10.0f,         11.0f,          12.0f, 13.0f, 14.0f};
@@ -162,9 +174,12 @@ TEST(StateFormats, SpecialValuesEncodeAlikeInEveryLane) {
       std::vector<uint8_t> want;
       const float am = block == &x ? 1.0f : block == &tiny ? d : L::infinity();
       for (float v : *block)
-        want.push_back(block == &tiny ? code(v / d)
-                       : block == &x  ? code(v * 1.0f)
-                                      : code(v * 0.0f));
+        if (std::isnan(v))  // the largest code, whatever the NaN's sign
+          want.push_back(is_signed ? 127 : 255);
+        else
+          want.push_back(block == &tiny ? code(v / d)
+                         : block == &x  ? code(v * 1.0f)
+                                        : code(v * 0.0f));
       if (block == &tiny) {
         ASSERT_FALSE(1.0f / d <= L::max());  // the case it stands for
         EXPECT_EQ(want[0], 0);
@@ -450,8 +465,9 @@ TEST(StateFormats, SegmentsWithGapsAreTheDefinitionOnEveryIsa) {
     if (!isa_supported(isa)) continue;
     State st(StateFormat::q8, n, block, 21);
     optimizer_update(isa, h1, st.args());  // every element's moments nonzero
-    // In block 1, a gap element (305) holds each moment's largest magnitude, 100 times the
-    // others' at most: the block's new absmax must come from it.
+    // In block 1, a gap element (305) holds each moment's largest magnitude, about 10 (first
+    // moment) and 100 (second) times the others' at most: the block's new absmax must come
+    // from it.
     st.a0[1] *= 100.0f;
     st.a1[1] *= 100.0f;
     for (int64_t i = 256; i < 512; ++i) {
