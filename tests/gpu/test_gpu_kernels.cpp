@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -312,21 +314,33 @@ Moments narrow(StateFormat f, const std::vector<float>& x, int64_t block, bool i
   return m;
 }
 
+// The f32 values the moments and the gradient are made from, for a test to change before
+// they are stored.
+struct CompactInputs {
+  std::vector<float> m0, m1, grad;
+};
+
 // Several steps of the GPU update with moments in format f against the CPU's (scalar ISA; q8
 // through optimizer_update_segments over the whole range, as the engine's q8 tasks do), each
 // step reading what the last one wrote: master, moments, absmax and copy-out bitwise equal.
 void check_compact(StateFormat f, const UpdateCase& c, int64_t n, int64_t block,
                    std::vector<cuda::UpdateRun> runs, uint32_t seed,
-                   std::vector<cpu::UpdateHyper> hypers = {}) {
+                   std::vector<cpu::UpdateHyper> hypers = {},
+                   const std::function<void(CompactInputs&)>& edit = {}) {
   SCOPED_TRACE(std::string(state_format_name(f)) + " " + case_name(c) + " n=" + std::to_string(n) +
                " block=" + std::to_string(block) + " runs=" + std::to_string(runs.size()));
   std::mt19937 rng(seed);
   if (hypers.empty()) hypers = hypers_for(c);
   std::vector<float> master = uniform(rng, size_t(n), -2.0f, 2.0f);
   sprinkle(master, false);
-  Moments m0 = narrow(f, uniform(rng, size_t(n), -0.1f, 0.1f), block, true);
-  Moments m1 = narrow(f, uniform(rng, size_t(n), 0.0f, 0.01f), block, false);
-  const auto grad = encode(c.grad, uniform(rng, size_t(n), -3.0f, 3.0f));
+  CompactInputs in;
+  in.m0 = uniform(rng, size_t(n), -0.1f, 0.1f);
+  in.m1 = uniform(rng, size_t(n), 0.0f, 0.01f);
+  in.grad = uniform(rng, size_t(n), -3.0f, 3.0f);
+  if (edit) edit(in);
+  Moments m0 = narrow(f, in.m0, block, true);
+  Moments m1 = narrow(f, in.m1, block, false);
+  const auto grad = encode(c.grad, in.grad);
   const std::vector<float> dir = uniform(rng, size_t(n), -1.0f, 1.0f);  // Muon's direction
   const bool muon = c.kind == OptimizerKind::muon;
   const DType out_dt = c.has_out ? c.out : DType::f32;
@@ -471,6 +485,22 @@ TEST_F(GpuKernels, CompactMomentsMuonBesideAdamW) {
   hypers[1].kind = OptimizerKind::adamw;
   for (StateFormat f : {StateFormat::bf16, StateFormat::q8})
     check_compact(f, c, 3000, 256, runs, 16u, hypers);
+}
+
+// 8-bit blocks at the code's edges. Block 0 has no gradient and denormal first moments: its
+// absmax decays below 2^-128, where 1 / absmax overflows and both sides divide by the absmax
+// instead. Block 1 has an infinite gradient: its moments become inf, its absmax inf, and
+// inf × 0 makes NaNs, whose sign x86 and CUDA make differently; both store NaN as the largest
+// code without a sign. Codes and absmax bitwise as the CPU's.
+TEST_F(GpuKernels, EightBitMomentsAtTheCodesEdges) {
+  const UpdateCase c{OptimizerKind::adamw, 0, false, DType::f32, true, DType::bf16};
+  check_compact(StateFormat::q8, c, 768, 256, {{0, 768, 0}}, 17u, {}, [](CompactInputs& in) {
+    for (size_t i = 0; i < 256; ++i) {
+      in.grad[i] = 0.0f;
+      in.m0[i] = float(int(i % 3) - 1) * 1e-39f;
+    }
+    in.grad[300] = std::numeric_limits<float>::infinity();
+  });
 }
 
 // ---- sum_squares_nonfinite ----------------------------------------------------------------------
