@@ -4,6 +4,7 @@ rank-agreeing assertion used under mpirun."""
 
 import array
 import copy
+import functools
 
 import pytest
 import torch
@@ -123,12 +124,14 @@ def world():
     return c, c.rank(), c.size()
 
 
+@functools.lru_cache(maxsize=None)
 def code_8bit(signed):
     """The 8-bit code as zeroshard/quantize.hpp defines it, built from that definition (not from
     float bit patterns): magnitude code c >= 1 is the c-th smallest of the points (1 + f/8) 2^e
     (f = 0..7) up to 1.0, 127 of them (signed) or 255; code 0 is 0; a signed code 128 + c is
     minus code c. Returns the 256 points in code order, the magnitudes ascending (code 0 first),
-    and the midpoints between consecutive magnitudes."""
+    and the midpoints between consecutive magnitudes. Built once per code (callers do not
+    change the tensors)."""
     top = 127 if signed else 255
     mags = sorted({(1 + f / 8) * 2.0 ** e for e in range(-40, 0) for f in range(8)} | {1.0})
     mags = torch.tensor([0.0] + mags[-top:], dtype=torch.float64)
